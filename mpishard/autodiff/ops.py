@@ -1,0 +1,543 @@
+"""Core ops: elementwise math, reductions and shape ops, each forward beside its backward.
+
+Every op takes Tensors (Python scalars and arrays are accepted as constants),
+computes its result with the array module of its input data, and, when any input
+requires grad, records a closure that maps the result's gradient to the
+gradients of its inputs (``None`` for inputs that need none). Closures read
+``tensor.data`` when they run: see [Note: parameter storage] in tensor.py.
+
+Broadcasting is undone in one place, :func:`unbroadcast`. Every op is listed
+in :data:`OPS`; the test suite checks each one against finite differences and
+fails for an op that has no such test.
+
+Neural-network ops (linear, layer_norm, softmax, cross_entropy, attention, ...)
+live next door in :mod:`mpishard.autodiff.nn_ops`.
+"""
+from __future__ import annotations
+
+import builtins
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..backend import xp_of
+from .tensor import Tensor, _grad_mode
+
+__all__ = [
+    "OPS", "register_op", "unbroadcast", "as_tensor", "make_result",
+    "add", "sub", "mul", "div", "neg", "pow", "matmul",
+    "sum", "mean", "max", "reshape", "transpose", "permute", "getitem",
+    "concat", "split", "exp", "log", "tanh", "sqrt", "relu", "where", "masked_fill",
+]
+
+#: name -> op function, for every differentiable op (the gradcheck test reads it).
+OPS: dict[str, Callable] = {}
+
+
+def register_op(fn: Callable) -> Callable:
+    """Add ``fn`` to :data:`OPS` under its name."""
+    OPS[fn.__name__] = fn
+    return fn
+
+
+# -- helpers ---------------------------------------------------------------
+
+def as_tensor(value) -> Tensor:
+    """Wrap arrays and scalars as constant Tensors; Tensors pass through."""
+    if isinstance(value, Tensor):
+        return value
+    return Tensor(value)
+
+
+def make_result(data, parents: tuple, backward: Callable, op: str) -> Tensor:
+    """Create an op's output and, when needed, attach it to the graph."""
+    out = Tensor(data)
+    if _grad_mode.enabled:
+        for p in parents:
+            if p is not None and p.requires_grad:
+                out.requires_grad = True
+                out._parents = parents
+                out._backward = backward
+                out._op = op
+                break
+    return out
+
+
+def unbroadcast(grad, shape: tuple):
+    """Sum ``grad`` over the axes that broadcasting added or stretched, to ``shape``."""
+    shape = tuple(shape)
+    if grad.shape == shape:
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad.reshape(shape)
+
+
+def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
+    da, db = a.data.dtype, b.data.dtype
+    if da != db and da.kind == "f" and db.kind == "f":
+        raise ValueError(
+            f"{name}: dtype mismatch {da} vs {db} (shapes {tuple(a.shape)} and "
+            f"{tuple(b.shape)}); cast one side with .astype()")
+    if a.shape != b.shape:
+        try:
+            np.broadcast_shapes(a.shape, b.shape)
+        except ValueError:
+            raise ValueError(
+                f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not "
+                f"broadcast") from None
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _scalar_op(name, a: Tensor, s, forward, backward_scale):
+    """Tensor (op) Python scalar: the scalar stays a Python number (no float64)."""
+    data = forward(a.data, s)
+
+    def backward(g):
+        return (backward_scale(g, a, s),)
+    return make_result(data, (a,), backward, name)
+
+
+# -- elementwise binary ----------------------------------------------------
+
+@register_op
+def add(a, b) -> Tensor:
+    """``a + b`` with broadcasting."""
+    if _is_scalar(b):
+        return _scalar_op("add", as_tensor(a), b, lambda x, s: x + s, lambda g, a, s: g)
+    a, b = as_tensor(a), as_tensor(b)
+    _check_binary("add", a, b)
+
+    def backward(g):
+        return unbroadcast(g, a.shape), unbroadcast(g, b.shape)
+    return make_result(a.data + b.data, (a, b), backward, "add")
+
+
+@register_op
+def sub(a, b) -> Tensor:
+    """``a - b`` with broadcasting."""
+    if _is_scalar(b):
+        return _scalar_op("sub", as_tensor(a), b, lambda x, s: x - s, lambda g, a, s: g)
+    a, b = as_tensor(a), as_tensor(b)
+    _check_binary("sub", a, b)
+
+    def backward(g):
+        return unbroadcast(g, a.shape), unbroadcast(-g, b.shape)
+    return make_result(a.data - b.data, (a, b), backward, "sub")
+
+
+@register_op
+def mul(a, b) -> Tensor:
+    """``a * b`` with broadcasting."""
+    if _is_scalar(b):
+        return _scalar_op("mul", as_tensor(a), b, lambda x, s: x * s, lambda g, a, s: g * s)
+    a, b = as_tensor(a), as_tensor(b)
+    _check_binary("mul", a, b)
+
+    def backward(g):
+        ga = unbroadcast(g * b.data, a.shape) if a.requires_grad else None
+        gb = unbroadcast(g * a.data, b.shape) if b.requires_grad else None
+        return ga, gb
+    return make_result(a.data * b.data, (a, b), backward, "mul")
+
+
+@register_op
+def div(a, b) -> Tensor:
+    """``a / b`` with broadcasting."""
+    if _is_scalar(b):
+        return _scalar_op("div", as_tensor(a), b, lambda x, s: x / s, lambda g, a, s: g / s)
+    a, b = as_tensor(a), as_tensor(b)
+    _check_binary("div", a, b)
+
+    def backward(g):
+        ga = unbroadcast(g / b.data, a.shape) if a.requires_grad else None
+        gb = unbroadcast(-g * a.data / (b.data * b.data), b.shape) if b.requires_grad else None
+        return ga, gb
+    return make_result(a.data / b.data, (a, b), backward, "div")
+
+
+@register_op
+def neg(a) -> Tensor:
+    """``-a``."""
+    a = as_tensor(a)
+    return make_result(-a.data, (a,), lambda g: (-g,), "neg")
+
+
+def _power(x, p):
+    # float32 x**3 with negative values goes through np.power and is ~260x
+    # slower than x*x*x (NUMPY_SPEED.md item 4); only **2 has a fast path.
+    if p == 2:
+        return x * x
+    if p == 3:
+        return x * x * x
+    if p == 1:
+        return x.copy()
+    return x ** p
+
+
+@register_op
+def pow(a, p) -> Tensor:
+    """``a ** p``: a scalar exponent, or a Tensor exponent (then ``a`` must be > 0)."""
+    a = as_tensor(a)
+    if _is_scalar(p):
+        def backward(g):
+            if p == 0:
+                return (g * 0,)
+            return (g * (p * _power(a.data, p - 1)),)
+        return make_result(_power(a.data, p), (a,), backward, "pow")
+    p = as_tensor(p)
+    _check_binary("pow", a, p)
+    xp = xp_of(a.data)
+    out = a.data ** p.data
+
+    def backward_t(g):
+        base, expo = a.data, p.data
+        ga = unbroadcast(g * expo * base ** (expo - 1), a.shape) if a.requires_grad else None
+        gp = unbroadcast(g * (base ** expo) * xp.log(base), p.shape) if p.requires_grad else None
+        return ga, gp
+    return make_result(out, (a, p), backward_t, "pow")
+
+
+# -- matmul ----------------------------------------------------------------
+
+@register_op
+def matmul(a, b) -> Tensor:
+    """``a @ b`` (NumPy semantics: 1-D promotion, broadcast batch dimensions)."""
+    a, b = as_tensor(a), as_tensor(b)
+    if a.dtype != b.dtype and a.dtype.kind == "f" and b.dtype.kind == "f":
+        raise ValueError(f"matmul: dtype mismatch {a.dtype} vs {b.dtype} (shapes "
+                         f"{tuple(a.shape)} and {tuple(b.shape)})")
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"matmul: scalar operand (shapes {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}); use mul")
+    ka = a.shape[-1]
+    kb = b.shape[0] if b.ndim == 1 else b.shape[-2]
+    if ka != kb:
+        raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} "
+                         f"do not align ({ka} != {kb})")
+    try:
+        out = a.data @ b.data
+    except ValueError:
+        raise ValueError(f"matmul: batch dimensions of shapes {tuple(a.shape)} and "
+                         f"{tuple(b.shape)} do not broadcast") from None
+
+    def backward(g):
+        A, B = a.data, b.data
+        if A.ndim == 1:
+            A, g2 = A[None, :], g[..., None, :]
+        else:
+            g2 = g
+        if B.ndim == 1:
+            B, g2 = B[:, None], g2[..., None]
+        ga = gb = None
+        if a.requires_grad:
+            ga = g2 @ B.swapaxes(-1, -2)
+            ga = unbroadcast(ga, A.shape).reshape(a.shape)
+        if b.requires_grad:
+            gb = A.swapaxes(-1, -2) @ g2
+            gb = unbroadcast(gb, B.shape).reshape(b.shape)
+        return ga, gb
+    return make_result(out, (a, b), backward, "matmul")
+
+
+# -- reductions ------------------------------------------------------------
+
+def _norm_axes(axis, ndim) -> tuple:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = []
+    for ax in axes:
+        if not -ndim <= ax < ndim:
+            raise ValueError(f"axis {ax} is out of range for a tensor with {ndim} dimensions")
+        out.append(ax % ndim)
+    return tuple(sorted(out))
+
+
+def _expand_to(g, shape, axes, keepdims):
+    """Broadcast a reduced gradient back over the reduced axes (a fresh array)."""
+    xp = xp_of(g)
+    if not keepdims:
+        g = g.reshape([1 if i in axes else n for i, n in enumerate(shape)])
+    out = xp.empty(shape, dtype=g.dtype)
+    out[...] = g
+    return out
+
+
+@register_op
+def sum(a, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001 (mirrors NumPy)
+    """Sum over ``axis`` (all axes by default)."""
+    a = as_tensor(a)
+    axes = _norm_axes(axis, a.ndim)
+    out = a.data.sum(axis=axes, keepdims=keepdims)
+
+    def backward(g):
+        return (_expand_to(g, a.shape, axes, keepdims),)
+    return make_result(out, (a,), backward, "sum")
+
+
+@register_op
+def mean(a, axis=None, keepdims: bool = False) -> Tensor:
+    """Mean over ``axis`` (all axes by default)."""
+    a = as_tensor(a)
+    axes = _norm_axes(axis, a.ndim)
+    count = 1
+    for ax in axes:
+        count *= a.shape[ax]
+    out = a.data.sum(axis=axes, keepdims=keepdims) / count
+
+    def backward(g):
+        return (_expand_to(g / count, a.shape, axes, keepdims),)
+    return make_result(out, (a,), backward, "mean")
+
+
+@register_op
+def max(a, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Maximum over ``axis``; the gradient is shared equally among tied maxima."""
+    a = as_tensor(a)
+    axes = _norm_axes(axis, a.ndim)
+    out = a.data.max(axis=axes, keepdims=keepdims)
+
+    def backward(g):
+        kept = out if keepdims else out.reshape(
+            [1 if i in axes else n for i, n in enumerate(a.shape)])
+        hit = (a.data == kept).astype(g.dtype)
+        hit /= hit.sum(axis=axes, keepdims=True)
+        return (hit * _expand_to(g, a.shape, axes, keepdims),)
+    return make_result(out, (a,), backward, "max")
+
+
+# -- shape ops -------------------------------------------------------------
+
+@register_op
+def reshape(a, *shape) -> Tensor:
+    """View with a new shape (``-1`` allowed once)."""
+    a = as_tensor(a)
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    try:
+        out = a.data.reshape(shape)
+    except ValueError:
+        raise ValueError(f"reshape: cannot reshape {tuple(a.shape)} "
+                         f"({a.size} elements) into {shape}") from None
+    return make_result(out, (a,), lambda g: (g.reshape(a.shape),), "reshape")
+
+
+@register_op
+def permute(a, *axes) -> Tensor:
+    """Reorder dimensions (``numpy.transpose`` with explicit axes)."""
+    a = as_tensor(a)
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    if sorted(ax % max(a.ndim, 1) for ax in axes) != list(range(a.ndim)):
+        raise ValueError(f"permute: axes {axes} are not a permutation of "
+                         f"{a.ndim} dimensions (shape {tuple(a.shape)})")
+    axes = tuple(ax % a.ndim for ax in axes)
+    inverse = tuple(np.argsort(axes).tolist())
+    return make_result(a.data.transpose(axes), (a,),
+                       lambda g: (g.transpose(inverse),), "permute")
+
+
+@register_op
+def transpose(a, dim0: int = -2, dim1: int = -1) -> Tensor:
+    """Swap two dimensions (the last two by default)."""
+    a = as_tensor(a)
+    axes = list(range(a.ndim))
+    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
+    return permute(a, tuple(axes))
+
+
+def _unwrap_index(index):
+    if isinstance(index, Tensor):
+        return index.data
+    if isinstance(index, tuple):
+        return tuple(i.data if isinstance(i, Tensor) else i for i in index)
+    return index
+
+
+def _is_basic_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, (int, slice, type(None), type(Ellipsis))) for i in items)
+
+
+@register_op
+def getitem(a, index) -> Tensor:
+    """``a[index]``: slices, integers, ``None``, ``...`` and integer/boolean arrays."""
+    a = as_tensor(a)
+    index = _unwrap_index(index)
+    out = a.data[index]
+    basic = _is_basic_index(index)
+
+    def backward(g):
+        xp = xp_of(g)
+        full = xp.zeros(a.shape, dtype=g.dtype)
+        if basic:
+            full[index] = g
+        elif xp is np:
+            np.add.at(full, index, g)
+        else:  # cupy
+            import cupyx  # noqa: PLC0415
+
+            cupyx.scatter_add(full, index, g)
+        return (full,)
+    return make_result(out, (a,), backward, "getitem")
+
+
+@register_op
+def concat(tensors: Sequence, axis: int = 0) -> Tensor:
+    """Join tensors along ``axis``."""
+    tensors = tuple(as_tensor(t) for t in tensors)
+    if not tensors:
+        raise ValueError("concat: needs at least one tensor")
+    xp = xp_of(tensors[0].data)
+    try:
+        out = xp.concatenate([t.data for t in tensors], axis=axis)
+    except ValueError:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ValueError(f"concat: shapes {shapes} do not match outside axis {axis}") from None
+    sizes = [t.shape[axis] for t in tensors]
+    bounds = np.cumsum(sizes)[:-1].tolist()
+
+    def backward(g):
+        return tuple(xp_of(g).split(g, bounds, axis=axis))
+    return make_result(out, tensors, backward, "concat")
+
+
+@register_op
+def split(a, sections, axis: int = 0) -> list:
+    """Split into pieces: ``sections`` is a count of equal parts or a list of sizes."""
+    a = as_tensor(a)
+    n = a.shape[axis]
+    if isinstance(sections, int):
+        if sections <= 0 or n % sections:
+            raise ValueError(f"split: dimension {axis} of size {n} does not split into "
+                             f"{sections} equal parts; pass a list of sizes")
+        sizes = [n // sections] * sections
+    else:
+        sizes = list(sections)
+        if builtins.sum(sizes) != n:
+            raise ValueError(f"split: sizes {sizes} add up to {builtins.sum(sizes)}, "
+                             f"not the size {n} of dimension {axis}")
+    pieces, start = [], 0
+    ax = axis % a.ndim
+    for size in sizes:
+        index = (slice(None),) * ax + (slice(start, start + size),)
+        pieces.append(getitem(a, index))
+        start += size
+    return pieces
+
+
+# -- elementwise unary -----------------------------------------------------
+
+@register_op
+def exp(a) -> Tensor:
+    """``e ** a``."""
+    a = as_tensor(a)
+    out = xp_of(a.data).exp(a.data)
+    return make_result(out, (a,), lambda g: (g * out,), "exp")
+
+
+@register_op
+def log(a) -> Tensor:
+    """Natural logarithm."""
+    a = as_tensor(a)
+    return make_result(xp_of(a.data).log(a.data), (a,), lambda g: (g / a.data,), "log")
+
+
+@register_op
+def tanh(a) -> Tensor:
+    """Hyperbolic tangent."""
+    a = as_tensor(a)
+    out = xp_of(a.data).tanh(a.data)
+
+    def backward(g):
+        return (g * (1.0 - out * out),)
+    return make_result(out, (a,), backward, "tanh")
+
+
+@register_op
+def sqrt(a) -> Tensor:
+    """Square root."""
+    a = as_tensor(a)
+    out = xp_of(a.data).sqrt(a.data)
+    return make_result(out, (a,), lambda g: (g * 0.5 / out,), "sqrt")
+
+
+@register_op
+def relu(a) -> Tensor:
+    """``max(a, 0)``."""
+    a = as_tensor(a)
+    xp = xp_of(a.data)
+    out = xp.maximum(a.data, 0)
+    return make_result(out, (a,), lambda g: (g * (a.data > 0),), "relu")
+
+
+@register_op
+def where(cond, a, b) -> Tensor:
+    """Elementwise ``a`` where ``cond`` is true, else ``b`` (constants allowed)."""
+    cond = cond.data if isinstance(cond, Tensor) else cond
+    a, b = as_tensor(a), as_tensor(b)
+    xp = xp_of(a.data)
+    out = xp.where(cond, a.data, b.data)
+
+    def backward(g):
+        ga = unbroadcast(xp.where(cond, g, 0), a.shape) if a.requires_grad else None
+        gb = unbroadcast(xp.where(cond, 0, g), b.shape) if b.requires_grad else None
+        return ga, gb
+    return make_result(out, (a, b), backward, "where")
+
+
+@register_op
+def masked_fill(a, mask, value: float) -> Tensor:
+    """Copy of ``a`` with ``value`` where ``mask`` is true (e.g. a causal mask)."""
+    a = as_tensor(a)
+    mask = mask.data if isinstance(mask, Tensor) else mask
+    xp = xp_of(a.data)
+    out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
+    return make_result(out, (a,), lambda g: (xp.where(mask, 0, g).astype(g.dtype),),
+                       "masked_fill")
+
+
+# -- Tensor methods and operators ------------------------------------------
+
+def _rsub(a, b):
+    return add(neg(a), b) if _is_scalar(b) else sub(b, a)
+
+
+def _rdiv(a, b):
+    return mul(pow(a, -1), b) if _is_scalar(b) else div(b, a)
+
+
+Tensor.__add__ = add
+Tensor.__radd__ = lambda a, b: add(a, b)
+Tensor.__sub__ = sub
+Tensor.__rsub__ = _rsub
+Tensor.__mul__ = mul
+Tensor.__rmul__ = lambda a, b: mul(a, b)
+Tensor.__truediv__ = div
+Tensor.__rtruediv__ = _rdiv
+Tensor.__neg__ = neg
+Tensor.__pow__ = pow
+Tensor.__matmul__ = matmul
+Tensor.__rmatmul__ = lambda a, b: matmul(b, a)
+Tensor.__getitem__ = getitem
+Tensor.sum = sum
+Tensor.mean = mean
+Tensor.max = max
+Tensor.reshape = reshape
+Tensor.permute = permute
+Tensor.transpose = transpose
+Tensor.T = property(lambda a: permute(a, tuple(reversed(range(a.ndim)))))
+Tensor.exp = exp
+Tensor.log = log
+Tensor.tanh = tanh
+Tensor.sqrt = sqrt
+Tensor.relu = relu
+Tensor.masked_fill = masked_fill

@@ -1,0 +1,180 @@
+"""GPT, after nanoGPT's ``model.py``: same config fields, same parameter names.
+
+Weights are stored ``[out, in]`` and named as in nanoGPT
+(``transformer.wte.weight``, ``transformer.h.0.attn.c_attn.weight``, ...), so a
+state dict exported from here loads into a PyTorch nanoGPT model. Activations
+stay 2-D, ``(B*T, C)``, between blocks: BLAS is fastest on 2-D operands
+(``NUMPY_SPEED.md`` item 1).
+
+    >>> cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    >>> model = GPT(cfg, seed=0)
+    >>> logits, loss = model(idx, targets)      # idx, targets: (B, T) int arrays
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..autodiff import nn_ops
+from ..autodiff.tensor import Tensor, no_grad
+from ..backend import Backend, xp_of
+from ..nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
+from ..nn.init import materialize
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP"]
+
+
+@dataclass
+class GPTConfig:
+    """nanoGPT's model configuration."""
+
+    block_size: int = 1024    # longest sequence the position table covers
+    vocab_size: int = 50304   # tokens (GPT-2's 50257 padded to a multiple of 64)
+    n_layer: int = 12         # transformer blocks
+    n_head: int = 12          # attention heads per block
+    n_embd: int = 768         # model width C; each head gets C // n_head
+    dropout: float = 0.0      # dropout probability (0 for pretraining)
+    bias: bool = True         # biases in Linear and LayerNorm layers
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"pick n_embd a multiple of n_head (e.g. n_embd="
+                f"{(self.n_embd // self.n_head + 1) * self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention: ``c_attn`` -> attention -> ``c_proj``."""
+
+    def __init__(self, config: GPTConfig, dtype: str = "float32"):
+        super().__init__()
+        C = config.n_embd
+        proj_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2's scaled residual init
+        self.c_attn = Linear(C, 3 * C, config.bias, dtype=dtype)
+        self.c_proj = Linear(C, C, config.bias, init_std=proj_std, dtype=dtype)
+        self.resid_dropout = Dropout(config.dropout)
+        self.attn_dropout = Dropout(config.dropout)
+        self.n_head = config.n_head
+
+    def forward(self, x, batch_size: int):
+        qkv = self.c_attn(x)                                       # (B*T, 3C)
+        y = nn_ops.causal_self_attention(qkv, self.n_head, batch_size,
+                                         self.attn_dropout.p, self.attn_dropout.rng,
+                                         self.training)            # (B*T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(Module):
+    """``c_fc`` (C -> 4C), GELU, ``c_proj`` (4C -> C), dropout."""
+
+    def __init__(self, config: GPTConfig, dtype: str = "float32"):
+        super().__init__()
+        C = config.n_embd
+        self.c_fc = Linear(C, 4 * C, config.bias, dtype=dtype)
+        self.c_proj = Linear(4 * C, C, config.bias,
+                             init_std=0.02 / math.sqrt(2 * config.n_layer), dtype=dtype)
+        self.dropout = Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(nn_ops.gelu(self.c_fc(x))))
+
+
+class Block(Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig, dtype: str = "float32"):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, config.bias, dtype=dtype)
+        self.attn = CausalSelfAttention(config, dtype)
+        self.ln_2 = LayerNorm(config.n_embd, config.bias, dtype=dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x, batch_size: int):
+        x = x + self.attn(self.ln_1(x), batch_size)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(Module):
+    """The GPT language model.
+
+    Args:
+        config: :class:`GPTConfig`.
+        seed: initialisation seed (values depend on seed and parameter name only).
+        dtype: parameter and activation dtype, ``"float32"`` (default) or ``"float64"``.
+        backend: where arrays live; NumPy by default.
+        materialize_now: build parameter values immediately (the default); pass
+            False to leave them empty for a strategy to materialise in shards.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype: str = "float32",
+                 backend: Backend | None = None, materialize_now: bool = True):
+        super().__init__()
+        self.config = config
+        self.backend = backend or Backend()
+        self.seed = seed
+        C = config.n_embd
+        self.transformer = ModuleDict(
+            wte=Embedding(config.vocab_size, C, dtype=dtype),
+            wpe=Embedding(config.block_size, C, dtype=dtype),
+            drop=Dropout(config.dropout),
+            h=ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(C, config.bias, dtype=dtype),
+        )
+        self.lm_head = Linear(C, config.vocab_size, bias=False, dtype=dtype)
+        # Weight tying, as in nanoGPT: the output projection is the token table.
+        self.lm_head.weight = self.transformer.wte.weight
+        if materialize_now:
+            materialize(self, seed, self.backend)
+
+    def forward(self, idx, targets=None):
+        """Logits ``(B, T, vocab)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy."""
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size "
+                             f"{self.config.block_size}")
+        xp = xp_of(self.transformer.wte.weight.data)
+        tok = self.transformer.wte(idx)                            # (B, T, C)
+        pos = self.transformer.wpe(xp.arange(T))                   # (T, C)
+        x = (tok + pos).reshape(B * T, self.config.n_embd)         # (B*T, C)
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x, B)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)                                   # (B*T, V)
+        loss = None
+        if targets is not None:
+            targets = targets.data if isinstance(targets, Tensor) else targets
+            loss = nn_ops.cross_entropy(logits, targets.reshape(B * T))
+        return logits.reshape(B, T, self.config.vocab_size), loss
+
+    @no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, rng=None):
+        """Extend ``idx`` ``(B, T)`` by sampling ``max_new_tokens`` tokens."""
+        rng = rng or np.random.default_rng(0)
+        was_training = self.training
+        self.eval()
+        idx = np.asarray(idx)
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits, _ = self(self.backend.asarray(context))
+            last = np.asarray(logits.numpy()[:, -1, :], dtype=np.float64) / temperature
+            if top_k is not None:
+                kth = np.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
+                last = np.where(last < kth, -np.inf, last)
+            probs = np.exp(last - last.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            nxt = np.array([rng.choice(len(p), p=p) for p in probs])[:, None]
+            idx = np.concatenate([idx, nxt], axis=1)
+        self.train(was_training)
+        return idx

@@ -1,0 +1,51 @@
+"""A multi-layer perceptron classifier (ReLU between Linear layers).
+
+    >>> model = MLPClassifier(64, (128, 128), 10, seed=0)
+    >>> logits, loss = model(x, labels)        # x: (N, 64) floats, labels: (N,) ints
+"""
+from __future__ import annotations
+
+from ..autodiff import nn_ops
+from ..autodiff.ops import relu
+from ..autodiff.tensor import Tensor
+from ..backend import Backend
+from ..nn import Linear, Module, ModuleList
+from ..nn.init import materialize
+
+__all__ = ["MLPClassifier"]
+
+
+class MLPClassifier(Module):
+    """``Linear -> ReLU -> ... -> Linear`` producing class logits.
+
+    Args:
+        in_features: input width.
+        hidden: widths of the hidden layers.
+        n_classes: number of classes.
+        seed, dtype, backend, materialize_now: as for :class:`mpishard.models.GPT`.
+    """
+
+    def __init__(self, in_features: int, hidden: tuple = (128,), n_classes: int = 10,
+                 seed: int = 0, dtype: str = "float32", backend: Backend | None = None,
+                 materialize_now: bool = True, bias: bool = True):
+        super().__init__()
+        widths = [in_features, *hidden, n_classes]
+        if any(int(w) < 1 for w in widths):
+            raise ValueError(f"MLPClassifier: every width must be positive, got {widths}")
+        self.backend = backend or Backend()
+        self.seed = seed
+        self.layers = ModuleList([Linear(a, b, bias, init_std=(2.0 / a) ** 0.5, dtype=dtype)
+                                  for a, b in zip(widths[:-1], widths[1:])])
+        if materialize_now:
+            materialize(self, seed, self.backend)
+
+    def forward(self, x, targets=None):
+        """Logits ``(N, n_classes)`` and, with integer ``targets``, the mean cross-entropy."""
+        h = x if isinstance(x, Tensor) else Tensor(x)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if i < n - 1:
+                h = relu(h)
+        loss = nn_ops.cross_entropy(h, targets) if targets is not None else None
+        return h, loss

@@ -1,0 +1,11 @@
+"""Modules, parameters and layers (no communication here: see mpishard.parallel)."""
+from .init import materialize, seed_dropout
+from .layers import Dropout, Embedding, LayerNorm, Linear
+from .module import Module, ModuleDict, ModuleList, StateDictError
+from .parameter import Constant, Normal, Parameter, ShardSpec, init_array, rng_for
+
+__all__ = [
+    "Module", "ModuleList", "ModuleDict", "StateDictError", "Parameter", "ShardSpec",
+    "Normal", "Constant", "init_array", "rng_for", "materialize", "seed_dropout",
+    "Linear", "Embedding", "LayerNorm", "Dropout",
+]

@@ -1,0 +1,87 @@
+"""Layers: Linear, Embedding, LayerNorm, Dropout.
+
+Weights are stored ``[out, in]`` like ``torch.nn.Linear`` so state dicts load
+into PyTorch models unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autodiff import nn_ops
+from .module import Module
+from .parameter import Constant, Normal, Parameter
+
+__all__ = ["Linear", "Embedding", "LayerNorm", "Dropout"]
+
+
+class Linear(Module):
+    """``y = x @ weight.T + bias``.
+
+    Args:
+        in_features, out_features: sizes.
+        bias: whether to add a bias.
+        init_std: standard deviation of the weight's normal initialisation.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 init_std: float = 0.02, dtype: str = "float32"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter((out_features, in_features), Normal(init_std), True, dtype)
+        self.bias = Parameter((out_features,), Constant(0.0), False, dtype) if bias else None
+
+    def forward(self, x):
+        return nn_ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(Module):
+    """A lookup table of ``num_embeddings`` rows of width ``embedding_dim``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = Parameter((num_embeddings, embedding_dim), Normal(init_std), True, dtype)
+
+    def forward(self, indices):
+        return nn_ops.embedding(indices, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the last axis, with an optional bias (nanoGPT's)."""
+
+    def __init__(self, dim: int, bias: bool = True, eps: float = 1e-5, dtype: str = "float32"):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = Parameter((dim,), Constant(1.0), False, dtype)
+        self.bias = Parameter((dim,), Constant(0.0), False, dtype) if bias else None
+
+    def forward(self, x):
+        return nn_ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, bias={self.bias is not None}"
+
+
+class Dropout(Module):
+    """Dropout with its own generator, seeded from (seed, module name) at materialisation."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout p must be in [0, 1), got {p}")
+        self.p = p
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x):
+        return nn_ops.dropout(x, self.p, self.rng, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

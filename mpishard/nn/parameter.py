@@ -1,0 +1,148 @@
+"""Parameters, their initialisation rules and their shard spec.
+
+[Note: one layout source of truth]
+A :class:`Parameter` carries a :class:`ShardSpec`: the shape and dtype of the
+whole (global) parameter as the unsharded model has it, and how the array this
+rank holds maps into it. Layers, optimizers, the memory planner and the
+checkpoint manifest all read this spec; nothing re-derives layout from a
+parameter's name. A parameter's ``shape`` is its *local unsharded* shape, the
+shape its ``data`` has while it is in use for compute (the global shape unless
+tensor parallelism split it).
+
+[Note: deterministic init]
+Initial values depend only on ``(seed, parameter name)`` (see
+:func:`init_array`), never on world size, rank or strategy. Values are drawn in
+float64 on the host and then cast, so a float32 model starts as the rounded
+float64 model, and a sharded model starts bit-identical to the unsharded one.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..autodiff.tensor import Tensor
+
+__all__ = ["Parameter", "ShardSpec", "Normal", "Constant", "init_array", "rng_for"]
+
+
+@dataclass(frozen=True)
+class Normal:
+    """Initialise from N(0, std^2)."""
+
+    std: float = 0.02
+
+
+@dataclass(frozen=True)
+class Constant:
+    """Initialise every element to ``value`` (0 for biases, 1 for norm weights)."""
+
+    value: float = 0.0
+
+
+def rng_for(seed: int, name: str) -> np.random.Generator:
+    """A NumPy generator determined by ``(seed, name)`` alone."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    words = np.frombuffer(digest, dtype=np.uint32).tolist()
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed)] + words)))
+
+
+def init_array(init, shape: tuple, seed: int, name: str) -> np.ndarray:
+    """The float64 initial value of parameter ``name``. See [Note: deterministic init]."""
+    if isinstance(init, Normal):
+        return rng_for(seed, name).standard_normal(shape) * init.std
+    if isinstance(init, Constant):
+        return np.full(shape, float(init.value))
+    raise TypeError(f"unknown initialiser {init!r} for parameter {name!r}")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where this rank's piece of a parameter sits in the global tensor.
+
+    Attributes:
+        global_shape: shape of the whole parameter in the unsharded model.
+        dtype: dtype name, e.g. ``"float32"``.
+        tp_dim: dimension split across tensor-parallel ranks (``None`` when the
+            parameter is replicated over tp).
+        tp_blocks: ``(start, stop)`` ranges along ``tp_dim`` of the global
+            tensor; the local tensor is their concatenation in this order.
+        pp_stage: pipeline stage that owns the parameter (``None``: not pipelined).
+    """
+
+    global_shape: tuple
+    dtype: str
+    tp_dim: int | None = None
+    tp_blocks: tuple = ()
+    pp_stage: int | None = None
+
+    @property
+    def local_shape(self) -> tuple:
+        """Shape of this rank's (tensor-parallel) piece before any ZeRO flattening."""
+        if self.tp_dim is None:
+            return tuple(self.global_shape)
+        shape = list(self.global_shape)
+        shape[self.tp_dim] = sum(stop - start for start, stop in self.tp_blocks)
+        return tuple(shape)
+
+    def local_slice_of(self, full: np.ndarray) -> np.ndarray:
+        """Cut this rank's piece out of the full global array."""
+        if self.tp_dim is None:
+            return full
+        parts = []
+        for start, stop in self.tp_blocks:
+            index = [slice(None)] * full.ndim
+            index[self.tp_dim] = slice(start, stop)
+            parts.append(full[tuple(index)])
+        return np.concatenate(parts, axis=self.tp_dim)
+
+
+class Parameter(Tensor):
+    """A trainable leaf tensor with an init rule, a weight-decay flag and a shard spec.
+
+    Args:
+        shape: the local unsharded shape (see [Note: one layout source of truth]).
+        init: :class:`Normal` or :class:`Constant`.
+        decay: whether weight decay applies (True for matrices and embeddings,
+            False for biases and norm weights, following nanoGPT).
+        dtype: dtype name of the parameter.
+
+    ``data`` is ``None`` until the owning model is materialised (see
+    :func:`mpishard.nn.materialize`).
+    """
+
+    __slots__ = ("init", "decay", "spec", "_shape")
+
+    def __init__(self, shape, init=Normal(), decay: bool = True, dtype: str = "float32"):
+        super().__init__(np.empty(0, dtype=dtype), requires_grad=True)
+        self.data = None
+        self._shape = tuple(int(n) for n in shape)
+        self.init = init
+        self.decay = bool(decay)
+        self.spec = ShardSpec(self._shape, str(np.dtype(dtype)))
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def dtype(self):
+        return np.dtype(self.spec.dtype)
+
+    @property
+    def decay_ranges(self) -> tuple:
+        """Flat element ranges that get weight decay (all or nothing for a plain parameter)."""
+        return ((0, self.size),) if self.decay else ()
+
+    def __repr__(self) -> str:
+        state = "unmaterialised" if self.data is None else f"data {tuple(self.data.shape)}"
+        return f"Parameter(shape={self._shape}, dtype={self.spec.dtype}, {state})"

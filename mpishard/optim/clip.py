@@ -1,0 +1,56 @@
+"""Single-process gradient clipping by global norm.
+
+Strategies compute the same norm collectively (every rank gets the same value
+and makes the same decision); this is the single-process reference.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import numpy as np
+
+from ..backend import xp_of
+
+__all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficient"]
+
+
+def grad_sq_sum(grads: Iterable) -> float:
+    """Sum of squares of every element of ``grads``, accumulated in float64."""
+    total = 0.0
+    for g in grads:
+        if g is None or g.size == 0:
+            continue
+        flat = g.reshape(-1)
+        if flat.dtype != np.float64:
+            flat = flat.astype(np.float64)
+        total += float(xp_of(flat).dot(flat, flat))
+    return total
+
+
+def global_grad_norm(params: Iterable) -> float:
+    """L2 norm of all gradients together (``inf``/``nan`` when any is non-finite)."""
+    return math.sqrt(grad_sq_sum(p.grad for p in params))
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Factor to scale gradients by so their norm is at most ``max_norm`` (torch's rule)."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Scale gradients in place so their global norm is at most ``max_norm``.
+
+    Returns:
+        The norm before clipping. Gradients are left alone when it is not finite
+        (callers skip such a step; see ``mpishard.parallel``).
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params)
+    if not math.isfinite(norm):
+        return norm
+    coeff = clip_coefficient(norm, max_norm)
+    if coeff < 1.0:
+        for p in params:
+            p.grad *= coeff
+    return norm

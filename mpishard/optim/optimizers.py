@@ -1,0 +1,200 @@
+"""SGD, Adam and AdamW over flat arrays.
+
+An optimizer updates *targets*: objects with ``data`` (an array updated in
+place), ``grad`` (an array of the same size, or ``None`` to skip) and
+``decay_ranges`` (flat element ranges of ``data`` that get weight decay). A
+:class:`mpishard.nn.Parameter` is one; a ZeRO strategy hands in flat shards
+that span several parameters, each with its own ranges, and the update is the
+same elementwise math either way. Optimizer state is one flat array per target
+and per kind (``exp_avg``, ...), so it shards with the target.
+
+All arithmetic uses Python-float scalars so float32 state never promotes to
+float64 (NUMPY_SPEED.md item 3), and writes in place with ``out=``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from ..backend import MemoryLedger, xp_of
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+
+
+class Optimizer:
+    """Shared machinery: targets, hyper-parameters, flat state, (de)serialisation.
+
+    Args:
+        params: targets (see the module docstring), e.g. ``model.parameters()``.
+        lr: learning rate; may be changed between steps (``opt.lr = ...``).
+        ledger: optional memory ledger that counts the state ("optim").
+    """
+
+    state_names: tuple = ()
+
+    def __init__(self, params: Iterable, lr: float, ledger: MemoryLedger | None = None):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if not lr >= 0.0:
+            raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
+        self.lr = float(lr)
+        self.ledger = ledger
+        self.step_count = 0
+        self.state: list[dict] = [{} for _ in self.params]
+
+    def _state(self, i: int, name: str, like):
+        slot = self.state[i]
+        if name not in slot:
+            xp = xp_of(like)
+            if self.ledger is not None:
+                slot[name] = self.ledger.zeros("optim", (like.size,), like.dtype,
+                                               f"{name}[{i}]", xp=xp)
+            else:
+                slot[name] = xp.zeros(like.size, dtype=like.dtype)
+        return slot[name]
+
+    def allocate_state(self) -> None:
+        """Create every state array now (they are otherwise made on first use)."""
+        for i, p in enumerate(self.params):
+            for name in self.state_names:
+                self._state(i, name, p.data)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        """Apply one update to every target that has a gradient."""
+        self.step_count += 1
+        for i, p in enumerate(self.params):
+            if p.grad is None or p.data.size == 0:
+                continue
+            if not p.data.flags.c_contiguous:
+                raise ValueError(f"{type(self).__name__}: target {i} is not a contiguous "
+                                 f"array (shape {tuple(p.data.shape)}); updates must "
+                                 f"happen in place")
+            param = p.data.reshape(-1)
+            grad = p.grad.reshape(-1)
+            if grad.dtype != param.dtype:
+                grad = grad.astype(param.dtype)
+            self._update(i, param, grad, tuple(p.decay_ranges))
+
+    def _update(self, i: int, param, grad, decay_ranges: tuple) -> None:
+        raise NotImplementedError
+
+    # -- state (de)serialisation ------------------------------------------
+    def state_dict(self) -> dict:
+        """``{"step": n, "lr": lr, "state": [{name: flat array}, ...]}``."""
+        return {"step": self.step_count, "lr": self.lr,
+                "state": [dict(slot) for slot in self.state]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy state arrays in (each must have its target's size)."""
+        if len(state["state"]) != len(self.params):
+            raise ValueError(f"optimizer state has {len(state['state'])} entries, "
+                             f"this optimizer has {len(self.params)} targets")
+        self.step_count = int(state["step"])
+        self.lr = float(state.get("lr", self.lr))
+        for i, (p, slot) in enumerate(zip(self.params, state["state"])):
+            for name, value in slot.items():
+                if value.size != p.data.size:
+                    raise ValueError(f"optimizer state {name}[{i}] has {value.size} "
+                                     f"elements, its target has {p.data.size}")
+                self._state(i, name, p.data)[...] = xp_of(p.data).asarray(
+                    value, dtype=p.data.dtype).reshape(-1)
+
+
+def _decay(param, decay_ranges: tuple, factor: float) -> None:
+    for start, stop in decay_ranges:
+        param[start:stop] *= factor
+
+
+def _add_l2(grad, param, decay_ranges: tuple, weight_decay: float):
+    """``grad + weight_decay * param`` on the decayed ranges (a fresh array)."""
+    grad = grad.copy()
+    for start, stop in decay_ranges:
+        grad[start:stop] += weight_decay * param[start:stop]
+    return grad
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, Nesterov and L2 weight decay (torch semantics)."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, dampening: float = 0.0,
+                 ledger: MemoryLedger | None = None):
+        super().__init__(params, lr, ledger)
+        if nesterov and (momentum <= 0.0 or dampening != 0.0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening == 0")
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        self.nesterov, self.dampening = bool(nesterov), float(dampening)
+        self.state_names = ("momentum_buffer",) if momentum else ()
+
+    def _update(self, i, param, grad, decay_ranges):
+        if self.weight_decay and decay_ranges:
+            grad = _add_l2(grad, param, decay_ranges, self.weight_decay)
+        if self.momentum:
+            fresh = "momentum_buffer" not in self.state[i]
+            buf = self._state(i, "momentum_buffer", param)
+            if fresh:
+                buf[...] = grad
+            else:
+                buf *= self.momentum
+                buf += (1.0 - self.dampening) * grad
+            grad = grad + self.momentum * buf if self.nesterov else buf
+        param -= self.lr * grad
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba, 2015) with optional L2 weight decay added to the gradient."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 ledger: MemoryLedger | None = None):
+        super().__init__(params, lr, ledger)
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"{type(self).__name__}: betas must be in [0, 1), got {betas}")
+        self.beta1, self.beta2 = float(b1), float(b2)
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+
+    def _update(self, i, param, grad, decay_ranges):
+        b1, b2, lr = self.beta1, self.beta2, self.lr
+        if self.weight_decay and decay_ranges:
+            if self.decoupled:
+                _decay(param, decay_ranges, 1.0 - lr * self.weight_decay)
+            else:
+                grad = _add_l2(grad, param, decay_ranges, self.weight_decay)
+        m = self._state(i, "exp_avg", param)
+        v = self._state(i, "exp_avg_sq", param)
+        xp = xp_of(param)
+        tmp = grad * (1.0 - b1)
+        m *= b1
+        m += tmp
+        xp.multiply(grad, grad, out=tmp)
+        tmp *= 1.0 - b2
+        v *= b2
+        v += tmp
+        t = self.step_count
+        step_size = lr / (1.0 - b1 ** t)
+        xp.sqrt(v, out=tmp)
+        tmp *= 1.0 / math.sqrt(1.0 - b2 ** t)
+        tmp += self.eps
+        xp.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        param -= tmp
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019), torch defaults."""
+
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01,
+                 ledger: MemoryLedger | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, ledger)
