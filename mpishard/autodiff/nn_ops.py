@@ -87,6 +87,26 @@ def linear(x, weight, bias=None) -> Tensor:
     return make_result(y.reshape(out_shape), (x, weight, bias), backward, "linear")
 
 
+# -- cache blocking ----------------------------------------------------------
+
+# [Note: cache blocking]
+# Elementwise NumPy passes over arrays larger than the CPU caches are bound by
+# memory bandwidth: on the 2-core machine this project is measured on, the ten
+# passes of a GELU over an (2048, 1024) float32 array took 21 ms one array at a
+# time and 10 ms when run over blocks of rows that stay in L2 (backward: 15 ms
+# vs 5 ms), with bit-identical results. So the fused ops below run their passes
+# block by block on NumPy. On CuPy one block covers everything (a GPU wants
+# few, large kernels).
+_BLOCK_ELEMS = 1 << 15
+
+
+def _row_blocks(x2d):
+    """Slices of rows that keep a block of ``x2d`` cache-sized (all rows on GPU)."""
+    n_rows, n_cols = x2d.shape
+    step = n_rows if not isinstance(x2d, np.ndarray) else max(1, _BLOCK_ELEMS // max(n_cols, 1))
+    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
 # -- layer norm ------------------------------------------------------------
 
 @register_op
@@ -96,34 +116,51 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     n = x.shape[-1]
     xp = xp_of(x.data)
     inv_n = 1.0 / n
-    x2 = x.data.reshape(-1, n)                           # (N, C)
-    mu = _row_sum(x2) * inv_n                            # (N,)
-    xhat = x2 - mu[:, None]
-    var = _row_dot(xhat, xhat) * inv_n
-    rstd = 1.0 / xp.sqrt(var + eps)                      # (N,)
-    xhat *= rstd[:, None]
     if weight is not None:
         weight = as_tensor(weight)
         _check_last_dim("layer_norm", x, weight.shape[0], "weight size")
-        y = xhat * weight.data
-    else:
-        y = xhat.copy()
     if bias is not None:
         bias = as_tensor(bias)
-        y += bias.data
+    x2 = x.data.reshape(-1, n)                           # (N, C)
+    xhat = xp.empty_like(x2)                             # kept for backward
+    rstd = xp.empty(x2.shape[0], dtype=x2.dtype)         # (N,)
+    y = xp.empty_like(x2)
+    for rows in _row_blocks(x2):                         # see [Note: cache blocking]
+        xb, hb, yb = x2[rows], xhat[rows], y[rows]
+        xp.subtract(xb, (_row_sum(xb) * inv_n)[:, None], out=hb)
+        rb = rstd[rows]
+        rb[...] = _row_dot(hb, hb)
+        rb *= inv_n
+        rb += eps
+        xp.sqrt(rb, out=rb)
+        xp.divide(1.0, rb, out=rb)
+        hb *= rb[:, None]
+        if weight is not None:
+            xp.multiply(hb, weight.data, out=yb)
+        else:
+            yb[...] = hb
+        if bias is not None:
+            yb += bias.data
 
     def backward(g):
         g2 = g.reshape(-1, n)
-        gw = _col_sum(g2 * xhat) if weight is not None and weight.requires_grad else None
+        need_w = weight is not None and weight.requires_grad
+        gw = _col_sum(g2 * xhat) if need_w else None
         gb = _col_sum(g2) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
-            gx = g2 * weight.data if weight is not None else g2.copy()
-            mean_g = _row_sum(gx) * inv_n
-            mean_gx = _row_dot(gx, xhat) * inv_n
-            gx -= mean_g[:, None]
-            gx -= xhat * mean_gx[:, None]
-            gx *= rstd[:, None]
+            gx = xp.empty_like(g2)
+            for rows in _row_blocks(g2):
+                gb_, hb = gx[rows], xhat[rows]
+                if weight is not None:
+                    xp.multiply(g2[rows], weight.data, out=gb_)
+                else:
+                    gb_[...] = g2[rows]
+                mean_g = _row_sum(gb_) * inv_n
+                mean_gx = _row_dot(gb_, hb) * inv_n
+                gb_ -= mean_g[:, None]
+                gb_ -= hb * mean_gx[:, None]
+                gb_ *= rstd[rows][:, None]
             gx = gx.reshape(x.shape)
         return gx, gw, gb
     return make_result(y.reshape(x.shape), (x, weight, bias), backward, "layer_norm")
@@ -136,33 +173,43 @@ def gelu(x) -> Tensor:
     """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
     x = as_tensor(x)
     xp = xp_of(x.data)
-    a = x.data
-    t = a * a
-    t *= a
-    t *= _GELU_K
-    t += a
-    t *= _GELU_C
-    xp.tanh(t, out=t)                                    # t = tanh(u), kept for backward
-    y = t + 1.0
-    y *= a
-    y *= 0.5
+    a2 = x.data.reshape(-1, x.shape[-1]) if x.ndim else x.data.reshape(1, 1)
+    t2 = xp.empty_like(a2)                               # tanh(u), kept for backward
+    y2 = xp.empty_like(a2)
+    for rows in _row_blocks(a2):                         # see [Note: cache blocking]
+        a, t, y = a2[rows], t2[rows], y2[rows]
+        xp.multiply(a, a, out=t)
+        t *= a
+        t *= _GELU_K
+        t += a
+        t *= _GELU_C
+        xp.tanh(t, out=t)
+        xp.add(t, 1.0, out=y)
+        y *= a
+        y *= 0.5
 
     def backward(g):
-        a = x.data
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3k x^2)
-        inner = a * a
-        inner *= 3.0 * _GELU_K * _GELU_C
-        inner += _GELU_C
-        sech2 = t * t
-        xp.subtract(1.0, sech2, out=sech2)
-        inner *= sech2
-        inner *= a
-        inner += t
-        inner += 1.0
-        inner *= 0.5
-        inner *= g
-        return (inner,)
-    return make_result(y, (x,), backward, "gelu")
+        a2 = x.data.reshape(t2.shape)
+        g2 = g.reshape(t2.shape)
+        out2 = xp.empty_like(a2)
+        sech2 = xp.empty_like(a2[_row_blocks(a2)[0]])
+        for rows in _row_blocks(a2):
+            a, t, out = a2[rows], t2[rows], out2[rows]
+            s = sech2[: out.shape[0]]
+            xp.multiply(a, a, out=out)
+            out *= 3.0 * _GELU_K * _GELU_C
+            out += _GELU_C
+            xp.multiply(t, t, out=s)
+            xp.subtract(1.0, s, out=s)
+            out *= s
+            out *= a
+            out += t
+            out += 1.0
+            out *= 0.5
+            out *= g2[rows]
+        return (out2.reshape(x.shape),)
+    return make_result(y2.reshape(x.shape), (x,), backward, "gelu")
 
 
 # -- softmax family ----------------------------------------------------------
@@ -332,6 +379,12 @@ def _causal_bias(T: int, xp, dtype):
     return xp.triu(xp.full((T, T), -np.inf, dtype=dtype), 1)
 
 
+def _softmax_rows_inplace(rows) -> None:
+    rows -= _row_max(rows)[:, None]
+    xp_of(rows).exp(rows, out=rows)
+    rows *= (1.0 / _row_sum(rows))[:, None]
+
+
 @register_op
 def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 0.0,
                           rng=None, training: bool = True) -> Tensor:
@@ -348,7 +401,9 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
         ``(B*T, C)``: the heads' outputs side by side, ready for ``c_proj``.
 
     Written out as ``softmax(q k^T / sqrt(hs) + causal mask) v`` with the
-    softmax backward fused in (no flash tricks; the T x T weights are kept).
+    softmax backward fused in; the T x T weights are kept for backward. On
+    NumPy it runs one sequence at a time so each (nh, T, T) block stays in
+    cache (see [Note: cache blocking]); on CuPy all at once.
     """
     qkv = as_tensor(qkv)
     xp = xp_of(qkv.data)
@@ -360,43 +415,50 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     C = width // 3
     hs = C // n_head
     scale = 1.0 / math.sqrt(hs)
+    step = 1 if xp is np else B
+    bias = _causal_bias(T, xp, qkv.dtype)
+    use_dropout = training and dropout_p > 0.0
+
+    def heads(packed, b, which):                          # (nb, nh, T, hs) view
+        return packed[b, :, which].transpose(0, 2, 1, 3)
+
     packed = qkv.data.reshape(B, T, 3, n_head, hs)
-    q = packed[:, :, 0].transpose(0, 2, 1, 3)            # (B, nh, T, hs), views
-    k = packed[:, :, 1].transpose(0, 2, 1, 3)
-    v = packed[:, :, 2].transpose(0, 2, 1, 3)
-    att = q @ k.swapaxes(-1, -2)                         # (B, nh, T, T)
-    att *= scale
-    att += _causal_bias(T, xp, att.dtype)
-    rows = att.reshape(-1, T)
-    rows -= _row_max(rows)[:, None]
-    xp.exp(rows, out=rows)
-    rows *= (1.0 / _row_sum(rows))[:, None]              # att = softmax weights
-    drop = None
-    if training and dropout_p > 0.0:
-        drop = (rng.random(att.shape, dtype=np.float32) >= dropout_p).astype(att.dtype)
-        drop *= 1.0 / (1.0 - dropout_p)
-        y = (att * drop) @ v
-    else:
-        y = att @ v                                      # (B, nh, T, hs)
-    out = y.transpose(0, 2, 1, 3).reshape(N, C)          # (B*T, C), heads side by side
+    att = xp.empty((B, n_head, T, T), dtype=qkv.dtype)   # softmax weights, kept
+    drop = xp.empty_like(att) if use_dropout else None
+    out = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)
+    for b0 in range(0, B, step):
+        b = slice(b0, b0 + step)
+        a = att[b]
+        xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
+        a *= scale
+        a += bias
+        _softmax_rows_inplace(a.reshape(-1, T))
+        if use_dropout:
+            d = drop[b]
+            d[...] = rng.random(d.shape, dtype=np.float32) >= dropout_p
+            d *= 1.0 / (1.0 - dropout_p)
+            a = a * d
+        out[b] = (a @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
 
     def backward(g):
         packed = qkv.data.reshape(B, T, 3, n_head, hs)
-        q = packed[:, :, 0].transpose(0, 2, 1, 3)
-        k = packed[:, :, 1].transpose(0, 2, 1, 3)
-        v = packed[:, :, 2].transpose(0, 2, 1, 3)
-        gy = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)   # (B, nh, T, hs)
+        gy = g.reshape(B, T, n_head, hs)
         dqkv = xp.empty((B, T, 3, n_head, hs), dtype=g.dtype)
-        used = att if drop is None else att * drop
-        dqkv[:, :, 2] = (used.swapaxes(-1, -2) @ gy).transpose(0, 2, 1, 3)
-        datt = gy @ v.swapaxes(-1, -2)                   # (B, nh, T, T)
-        if drop is not None:
-            datt *= drop
-        d_rows = datt.reshape(-1, T)
-        d_rows -= _row_dot(d_rows, rows)[:, None]         # softmax backward
-        d_rows *= rows
-        d_rows *= scale
-        dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)
-        dqkv[:, :, 1] = (datt.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
+        for b0 in range(0, B, step):
+            b = slice(b0, b0 + step)
+            q, k, v = heads(packed, b, 0), heads(packed, b, 1), heads(packed, b, 2)
+            gyb = gy[b].transpose(0, 2, 1, 3)            # (nb, nh, T, hs)
+            a = att[b]
+            used = a * drop[b] if use_dropout else a
+            dqkv[b, :, 2] = (used.swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)
+            da = gyb @ v.swapaxes(-1, -2)                # (nb, nh, T, T)
+            if use_dropout:
+                da *= drop[b]
+            rows, d_rows = a.reshape(-1, T), da.reshape(-1, T)
+            d_rows -= _row_dot(d_rows, rows)[:, None]    # softmax backward
+            d_rows *= rows
+            d_rows *= scale
+            dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
+            dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
         return (dqkv.reshape(N, width),)
-    return make_result(out, (qkv,), backward, "causal_self_attention")
+    return make_result(out.reshape(N, C), (qkv,), backward, "causal_self_attention")

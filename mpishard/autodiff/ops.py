@@ -336,7 +336,7 @@ def permute(a, *axes) -> Tensor:
     a = as_tensor(a)
     if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
         axes = tuple(axes[0])
-    if sorted(ax % max(a.ndim, 1) for ax in axes) != list(range(a.ndim)):
+    if sorted(ax % builtins.max(a.ndim, 1) for ax in axes) != list(range(a.ndim)):
         raise ValueError(f"permute: axes {axes} are not a permutation of "
                          f"{a.ndim} dimensions (shape {tuple(a.shape)})")
     axes = tuple(ax % a.ndim for ax in axes)

@@ -1,0 +1,133 @@
+"""The backward engine: order, accumulation, hooks, no_grad, errors."""
+import sys
+
+import numpy as np
+import pytest
+
+from mpishard.autodiff import Tensor, no_grad, nn_ops, ops
+
+
+def test_shared_input_accumulates():
+    x = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    y = (x * x + x * 3.0).sum()        # dy/dx = 2x + 3
+    y.backward()
+    assert np.allclose(x.grad, [5.0, 7.0])
+
+
+def test_leaf_grads_accumulate_across_backward_calls():
+    x = Tensor(np.array([1.0, -2.0]), requires_grad=True)
+    (x * 2.0).sum().backward()
+    (x * 3.0).sum().backward()
+    assert np.allclose(x.grad, [5.0, 5.0])
+
+
+def test_sibling_grads_are_not_aliased():
+    a = Tensor(np.ones(3), requires_grad=True)
+    b = Tensor(np.ones(3), requires_grad=True)
+    (a + b).sum().backward()
+    assert a.grad is not b.grad
+    a.grad *= 10.0                      # must not change b.grad
+    assert np.allclose(b.grad, 1.0)
+
+
+def test_deep_graph_has_no_recursion_limit():
+    x = Tensor(np.array(1.0), requires_grad=True)
+    y = x
+    for _ in range(sys.getrecursionlimit() * 2):
+        y = y * 1.0
+    y.backward()
+    assert x.grad == 1.0
+
+
+def test_no_grad_records_nothing():
+    x = Tensor(np.ones(2), requires_grad=True)
+    with no_grad():
+        y = x * 2.0
+    assert not y.requires_grad and y.is_leaf
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.sum().backward()
+
+
+def test_grad_ready_hooks_fire_once_when_final():
+    w = Tensor(np.ones(2), requires_grad=True)
+    order = []
+    w.register_grad_ready_hook(lambda t: order.append(("w", t.grad.copy())))
+    h = w * 2.0
+    out = (h * w).sum()      # w used twice: hook fires after both contributions
+    out.backward()
+    assert len(order) == 1
+    assert np.allclose(order[0][1], 4.0 * np.ones(2))
+
+
+def test_interior_hook_fires_before_its_backward():
+    """ZeRO-3's pre-backward gather hangs on a unit output's hook."""
+    w = Tensor(np.full(3, 2.0), requires_grad=True)
+    x = Tensor(np.ones(3), requires_grad=True)
+    saved = w.data
+    hidden = x * w
+    w.data = np.empty(0)                # released after forward
+    hidden.register_grad_ready_hook(lambda t: setattr(w, "data", saved))  # gathered again
+    out = (hidden * hidden).sum()
+    out.backward()
+    assert np.allclose(x.grad, 2 * x.data * saved * saved)
+
+
+def test_hook_handle_removes():
+    w = Tensor(np.ones(1), requires_grad=True)
+    calls = []
+    handle = w.register_grad_ready_hook(lambda t: calls.append(1))
+    handle.remove()
+    (w * 1.0).sum().backward()
+    assert calls == []
+
+
+def test_backward_needs_scalar_or_grad():
+    x = Tensor(np.ones((2, 2)), requires_grad=True)
+    with pytest.raises(ValueError, match="one-element"):
+        (x * 2.0).backward()
+    with pytest.raises(ValueError, match=r"\(3,\) does not match"):
+        (x * 2.0).backward(np.ones(3))
+
+
+def test_shape_and_dtype_errors_name_both():
+    a = Tensor(np.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"\(2, 3\) and \(4,\)"):
+        ops.add(a, Tensor(np.ones(4)))
+    with pytest.raises(ValueError, match=r"float64 vs float32"):
+        ops.mul(a, Tensor(np.ones(3, np.float32)))
+    with pytest.raises(ValueError, match=r"\(2, 3\) and \(2, 3\) do not align"):
+        ops.matmul(a, Tensor(np.ones((2, 3))))
+    with pytest.raises(ValueError, match="does not end in"):
+        nn_ops.linear(a, Tensor(np.ones((4, 5))))
+
+
+def test_float32_stays_float32():
+    x = Tensor(np.ones((4, 8), np.float32), requires_grad=True)
+    w = Tensor(np.ones((3, 8), np.float32), requires_grad=True)
+    y = nn_ops.gelu(nn_ops.layer_norm(nn_ops.linear(x, w), None, None)) * 0.5
+    loss = nn_ops.cross_entropy(y, np.array([0, 1, 2, 0]))
+    assert y.dtype == np.float32 and loss.dtype == np.float32
+    loss.backward()
+    assert x.grad.dtype == np.float32 and w.grad.dtype == np.float32
+
+
+def test_float16_is_accepted():
+    x = Tensor(np.ones((2, 4), np.float16), requires_grad=True)
+    y = nn_ops.softmax(x * 2.0).sum()
+    y.backward()
+    assert x.grad.dtype == np.float16
+
+
+def test_backward_order_is_deterministic():
+    def run():
+        rng = np.random.default_rng(0)
+        x = Tensor(rng.standard_normal((8, 16)).astype(np.float32), requires_grad=True)
+        ws = [Tensor(rng.standard_normal((16, 16)).astype(np.float32), requires_grad=True)
+              for _ in range(3)]
+        h = x
+        for w in ws:
+            h = nn_ops.gelu(nn_ops.linear(h, w)) + h
+        h.sum().backward()
+        return [w.grad.copy() for w in ws] + [x.grad.copy()]
+    for a, b in zip(run(), run()):
+        assert np.array_equal(a, b)

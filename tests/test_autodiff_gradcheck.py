@@ -1,0 +1,132 @@
+"""Every op against float64 central differences (max relative error <= 1e-6).
+
+``CASES`` maps each op name in ``mpishard.autodiff.OPS`` to functions of a
+generator that return ``(fn, inputs)``; ``test_every_op_has_a_gradcheck`` fails
+when an op is added without a case here.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+from mpishard.autodiff import OPS, gradcheck
+from mpishard.autodiff import nn_ops, ops
+
+TOL = 1e-6
+
+
+def _n(r, *shape):
+    return r.standard_normal(shape)
+
+
+def _pos(r, *shape):
+    return r.uniform(0.5, 2.0, shape)
+
+
+def _distinct(r, *shape):
+    """Values with no ties (max's gradient is ambiguous at ties)."""
+    return r.permutation(np.arange(np.prod(shape), dtype=np.float64)).reshape(shape) * 0.1
+
+
+CASES = {
+    "add": [lambda r: (ops.add, [_n(r, 3, 4), _n(r, 4)]),
+            lambda r: (lambda a: ops.add(a, 2.5), [_n(r, 2, 3)]),
+            lambda r: (ops.add, [_n(r, 2, 1, 3), _n(r, 4, 1)])],
+    "sub": [lambda r: (ops.sub, [_n(r, 3, 4), _n(r, 3, 1)]),
+            lambda r: (lambda a: 1.5 - a, [_n(r, 3)])],
+    "mul": [lambda r: (ops.mul, [_n(r, 2, 3, 4), _n(r, 1, 3, 1)]),
+            lambda r: (lambda a: a * -0.7, [_n(r, 5)])],
+    "div": [lambda r: (ops.div, [_n(r, 3, 4), _pos(r, 4)]),
+            lambda r: (lambda a: 2.0 / a, [_pos(r, 3)])],
+    "neg": [lambda r: (ops.neg, [_n(r, 3, 2)])],
+    "pow": [lambda r: (lambda a: ops.pow(a, 3), [_n(r, 4, 3)]),
+            lambda r: (lambda a: ops.pow(a, 2), [_n(r, 4)]),
+            lambda r: (lambda a: ops.pow(a, -1.5), [_pos(r, 4)]),
+            lambda r: (ops.pow, [_pos(r, 3, 2), _n(r, 2)])],
+    "matmul": [lambda r: (ops.matmul, [_n(r, 3, 4), _n(r, 4, 5)]),
+               lambda r: (ops.matmul, [_n(r, 2, 3, 4), _n(r, 4, 2)]),
+               lambda r: (ops.matmul, [_n(r, 2, 1, 3, 4), _n(r, 5, 4, 2)]),
+               lambda r: (ops.matmul, [_n(r, 4), _n(r, 2, 4, 3)]),
+               lambda r: (ops.matmul, [_n(r, 3, 4), _n(r, 4)])],
+    "sum": [lambda r: (lambda a: ops.sum(a), [_n(r, 3, 4)]),
+            lambda r: (lambda a: ops.sum(a, axis=1), [_n(r, 2, 3, 4)]),
+            lambda r: (lambda a: ops.sum(a, axis=(0, 2), keepdims=True), [_n(r, 2, 3, 4)])],
+    "mean": [lambda r: (lambda a: ops.mean(a, axis=-1), [_n(r, 2, 3, 4)]),
+             lambda r: (lambda a: ops.mean(a), [_n(r, 5)])],
+    "max": [lambda r: (lambda a: ops.max(a, axis=1), [_distinct(r, 3, 4)]),
+            lambda r: (lambda a: ops.max(a), [_distinct(r, 2, 3)]),
+            lambda r: (lambda a: ops.max(a, axis=(0, 2), keepdims=True), [_distinct(r, 2, 3, 2)])],
+    "reshape": [lambda r: (lambda a: ops.reshape(a, (4, -1)), [_n(r, 2, 3, 2, 2)])],
+    "permute": [lambda r: (lambda a: ops.permute(a, (2, 0, 1)), [_n(r, 2, 3, 4)])],
+    "transpose": [lambda r: (lambda a: ops.transpose(a, 0, 2), [_n(r, 2, 3, 4)])],
+    "getitem": [lambda r: (lambda a: a[1:, ::2], [_n(r, 3, 5)]),
+                lambda r: (lambda a: a[np.array([0, 2, 0])], [_n(r, 3, 2)]),
+                lambda r: (lambda a: a[..., 1], [_n(r, 2, 3, 4)])],
+    "concat": [lambda r: (lambda a, b: ops.concat([a, b], axis=1), [_n(r, 2, 3), _n(r, 2, 2)])],
+    "split": [lambda r: (lambda a: ops.split(a, [1, 3], axis=1), [_n(r, 2, 4)]),
+              lambda r: (lambda a: ops.split(a, 2, axis=0), [_n(r, 4, 3)])],
+    "exp": [lambda r: (ops.exp, [_n(r, 3, 3)])],
+    "log": [lambda r: (ops.log, [_pos(r, 3, 3)])],
+    "tanh": [lambda r: (ops.tanh, [_n(r, 3, 3)])],
+    "sqrt": [lambda r: (ops.sqrt, [_pos(r, 4)])],
+    "relu": [lambda r: (ops.relu, [_n(r, 4, 4) + 0.05])],
+    "where": [lambda r: (lambda a, b: ops.where(np.array([[True, False, True]]), a, b),
+                         [_n(r, 2, 3), _n(r, 3)])],
+    "masked_fill": [lambda r: (lambda a: ops.masked_fill(a, np.triu(np.ones((3, 3), bool), 1),
+                                                         -3.0), [_n(r, 2, 3, 3)])],
+    "linear": [lambda r: (nn_ops.linear, [_n(r, 2, 3, 4), _n(r, 5, 4), _n(r, 5)]),
+               lambda r: (nn_ops.linear, [_n(r, 3, 4), _n(r, 2, 4)])],
+    "layer_norm": [lambda r: (nn_ops.layer_norm, [_n(r, 2, 3, 6), _n(r, 6), _n(r, 6)]),
+                   lambda r: (lambda x, w: nn_ops.layer_norm(x, w), [_n(r, 4, 5), _n(r, 5)])],
+    "gelu": [lambda r: (nn_ops.gelu, [_n(r, 3, 5) * 2])],
+    "softmax": [lambda r: (lambda a: nn_ops.softmax(a, axis=-1), [_n(r, 2, 3, 4)]),
+                lambda r: (lambda a: nn_ops.softmax(a, axis=1), [_n(r, 2, 3, 4)])],
+    "log_softmax": [lambda r: (lambda a: nn_ops.log_softmax(a), [_n(r, 3, 5)]),
+                    lambda r: (lambda a: nn_ops.log_softmax(a, axis=0), [_n(r, 3, 2, 2)])],
+    "cross_entropy": [
+        lambda r: (lambda x: nn_ops.cross_entropy(x, np.array([[1, 0, 4], [2, 3, 3]])),
+                   [_n(r, 2, 3, 5)]),
+        lambda r: (lambda x: nn_ops.cross_entropy(x, np.array([1, -100, 0, 2])),
+                   [_n(r, 4, 3)])],
+    "embedding": [lambda r: (lambda w: nn_ops.embedding(np.array([[0, 3, 3], [1, 0, 4]]), w),
+                             [_n(r, 5, 3)])],
+    "dropout": [lambda r: (lambda a: nn_ops.dropout(a, 0.4, np.random.default_rng(7)),
+                           [_n(r, 4, 5)])],
+    "causal_self_attention": [
+        lambda r: (lambda q: nn_ops.causal_self_attention(q, 2, 2), [_n(r, 2 * 5, 3 * 2 * 3)]),
+        lambda r: (lambda q: nn_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)])],
+}
+
+
+def test_every_op_has_a_gradcheck():
+    missing = sorted(set(OPS) - set(CASES))
+    assert not missing, f"ops without a finite-difference test: {missing}"
+    assert not set(CASES) - set(OPS), f"cases for unknown ops: {set(CASES) - set(OPS)}"
+
+
+@pytest.mark.parametrize("name,index", [(n, i) for n, cases in CASES.items()
+                                        for i in range(len(cases))])
+def test_gradcheck(name, index):
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + index)
+    fn, inputs = CASES[name][index](rng)
+    if name == "dropout":  # the mask must be the same in every evaluation
+        fn = _fixed_dropout(inputs[0].shape)
+    err = gradcheck(fn, inputs)
+    assert err <= TOL, f"{name} case {index}: relative error {err:.3e} > {TOL}"
+
+
+def _fixed_dropout(shape):
+    def fn(a):
+        return nn_ops.dropout(a, 0.4, np.random.default_rng(7))
+    return fn
+
+
+def test_dropout_mask_statistics():
+    x = ops.as_tensor(np.ones((200, 200)))
+    y = nn_ops.dropout(x, 0.25, np.random.default_rng(0)).data
+    kept = (y != 0).mean()
+    assert abs(kept - 0.75) < 0.01
+    assert np.allclose(y[y != 0], 1 / 0.75)
+    same = nn_ops.dropout(x, 0.25, np.random.default_rng(0)).data
+    assert np.array_equal(y, same)
+    assert nn_ops.dropout(x, 0.25, np.random.default_rng(0), training=False) is x
