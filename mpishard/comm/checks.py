@@ -1,0 +1,236 @@
+"""Argument checks for the array collectives, run before any MPI call.
+
+Every check here is local and cheap (flags, sizes, dtypes; no communication).
+Misuse that is the same on every rank (a wrong op, a size that does not divide)
+therefore raises on every rank before anything could hang. Misuse that differs
+between ranks is caught collectively in debug mode: see
+[Note: collective order] in :mod:`mpishard.comm.debug`.
+
+[Note: contiguous buffers]
+Array collectives take C-contiguous NumPy or CuPy arrays and reject anything
+else with a ValueError that says how to fix it. They never copy behind the
+caller's back: a hidden copy of an output buffer would have to be copied back
+(surprising, and two extra passes over memory), and a hidden copy of an input
+is the kind of cost that disappears from profiles. ``xp.ascontiguousarray(a)``
+is the fix the error names.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backend import xp_of
+
+__all__ = [
+    "REDUCE_OPS",
+    "OBJ_OPS",
+    "mpi_reduce_op",
+    "check_array",
+    "check_reduction",
+    "check_pair",
+    "check_root",
+    "check_peer",
+    "reduce_scatter_recv",
+    "all_gather_recv",
+    "data_pointer",
+]
+
+#: Array reductions: op name -> the MPI op that runs on the wire. ``avg`` is a
+#: sum followed by one division by the communicator size after completion.
+REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
+
+#: Reductions on small Python objects (``all_reduce_obj``).
+OBJ_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN,
+           "and": MPI.LAND, "or": MPI.LOR}
+
+
+def mpi_reduce_op(op: str, where: str):
+    """Return the MPI op for an array reduction name, or raise ValueError."""
+    try:
+        return REDUCE_OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{where}: unknown op {op!r}; use one of {sorted(REDUCE_OPS)}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _mpi_has_datatype(char: str) -> bool:
+    try:
+        return MPI.Datatype.fromcode(char) != MPI.DATATYPE_NULL
+    except (KeyError, ValueError, MPI.Exception):
+        return False
+
+
+def check_array(a, where: str, role: str, *, output: bool = False) -> None:
+    """Check that ``a`` is an array MPI can use as a buffer.
+
+    Args:
+        a: the array.
+        where: the operation, for the message (``"all_reduce"``).
+        role: the argument name, for the message (``"buf"``).
+        output: ``a`` will be written (it must be writeable).
+
+    Raises:
+        TypeError: ``a`` is not a NumPy or CuPy array.
+        ValueError: not C-contiguous (see [Note: contiguous buffers]), read-only
+            output, or a dtype this MPI library has no datatype for.
+    """
+    flags = getattr(a, "flags", None)
+    if flags is None or not hasattr(a, "dtype"):
+        raise TypeError(
+            f"{where}: {role} must be a NumPy or CuPy array, got "
+            f"{type(a).__name__}; wrap it with np.asarray(...)")
+    if not flags.c_contiguous:
+        raise ValueError(
+            f"{where}: {role} with shape {tuple(a.shape)} and strides "
+            f"{tuple(a.strides)} is not C-contiguous; mpishard does not copy "
+            f"buffers behind your back: pass xp.ascontiguousarray({role}) "
+            f"(and copy the result back if it is an output)")
+    if output and isinstance(a, np.ndarray) and not flags.writeable:
+        raise ValueError(
+            f"{where}: {role} is read-only but receives data; pass a writeable "
+            f"array (e.g. {role}.copy())")
+    if not _mpi_has_datatype(a.dtype.char):
+        raise ValueError(
+            f"{where}: {role} has dtype {a.dtype}, for which this MPI library "
+            f"({MPI.get_vendor()[0]}) has no datatype; use float32 or float64")
+
+
+def check_reduction(a, op: str, where: str):
+    """Check an op against a dtype; return the MPI op.
+
+    ``max`` needs an ordered dtype, ``avg`` a floating or complex one (an
+    integer average would silently truncate).
+    """
+    mpi_op = mpi_reduce_op(op, where)
+    kind = a.dtype.kind
+    if kind not in "fiuc" or (kind == "c" and op == "max"):
+        raise ValueError(
+            f"{where}: op {op!r} is not defined for dtype {a.dtype}; reduce a "
+            f"numeric array (float, int or, for sum/avg, complex)")
+    if op == "avg" and kind not in "fc":
+        raise ValueError(
+            f"{where}: op 'avg' on integer dtype {a.dtype} would truncate; cast "
+            f"to a floating dtype or use op='sum' and divide yourself")
+    return mpi_op
+
+
+def data_pointer(a) -> int:
+    """Address of the first element (NumPy or CuPy)."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return int(a.data.ptr)
+
+
+def _module_name(a) -> str:
+    return "numpy" if isinstance(a, np.ndarray) else type(a).__module__.split(".")[0]
+
+
+def check_pair(send, recv, where: str) -> None:
+    """Check that send and receive buffers agree on dtype and array module."""
+    if _module_name(send) != _module_name(recv):
+        raise ValueError(
+            f"{where}: send is a {_module_name(send)} array but recv is a "
+            f"{_module_name(recv)} array; put both on the same device")
+    if send.dtype != recv.dtype:
+        raise ValueError(
+            f"{where}: recv dtype {recv.dtype} does not match send dtype "
+            f"{send.dtype}; allocate recv with dtype {send.dtype} (or pass "
+            f"recv=None)")
+
+
+def _overlap(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        # Exact for contiguous buffers (their bounds are their memory), and
+        # ten times cheaper than reading the two data pointers.
+        return np.may_share_memory(a, b)
+    a0, b0 = data_pointer(a), data_pointer(b)
+    return a.nbytes > 0 and b.nbytes > 0 and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def reduce_scatter_recv(send, recv, size: int, where: str = "reduce_scatter"):
+    """Check (or allocate) the receive buffer of a reduce-scatter.
+
+    ``send`` holds ``size`` equal blocks; rank ``r`` receives the reduction of
+    block ``r``. A new ``recv`` has shape ``(send.shape[0] // size, *rest)``
+    when the first dimension divides, else it is flat.
+    """
+    if send.size % size:
+        padded = -(-send.size // size) * size
+        raise ValueError(
+            f"{where}: send has {send.size} elements, not a multiple of the "
+            f"communicator size {size}; pad it to {padded} "
+            f"(mpishard.comm.bucket.padded_size({send.size}, {size}))")
+    block = send.size // size
+    if recv is None:
+        xp = xp_of(send)
+        if send.ndim >= 1 and send.shape[0] % size == 0:
+            shape = (send.shape[0] // size,) + tuple(send.shape[1:])
+        else:
+            shape = (block,)
+        return xp.empty(shape, dtype=send.dtype)
+    check_array(recv, where, "recv", output=True)
+    check_pair(send, recv, where)
+    if recv.size != block:
+        raise ValueError(
+            f"{where}: recv has {recv.size} elements but send has {send.size} "
+            f"elements over {size} ranks, so recv needs {block}; pass recv with "
+            f"{block} elements (or recv=None)")
+    if _overlap(send, recv):
+        raise ValueError(
+            f"{where}: recv overlaps send; pass a separate recv buffer (or "
+            f"recv=None)")
+    return recv
+
+
+def all_gather_recv(send, recv, size: int, rank: int, where: str = "all_gather"):
+    """Check (or allocate) the receive buffer of an all-gather.
+
+    Returns ``(recv, in_place)``. A new ``recv`` concatenates the ranks' sends
+    along the first dimension (rank-major), shape ``(size * send.shape[0],
+    *rest)``, or ``(size,)`` for a 0-d send. ``in_place`` is true when ``send``
+    is exactly this rank's block of ``recv`` (ZeRO keeps its shard that way);
+    any other overlap is an error.
+    """
+    full = send.size * size
+    if recv is None:
+        shape = (size,) if send.ndim == 0 else (size * send.shape[0],) + tuple(send.shape[1:])
+        return xp_of(send).empty(shape, dtype=send.dtype), False
+    check_array(recv, where, "recv", output=True)
+    check_pair(send, recv, where)
+    if recv.size != full:
+        raise ValueError(
+            f"{where}: recv has {recv.size} elements but {size} ranks each send "
+            f"{send.size}, so recv needs {full}; pass recv with {full} elements "
+            f"(or recv=None)")
+    if not _overlap(send, recv):
+        return recv, False
+    if data_pointer(send) == data_pointer(recv) + rank * send.nbytes:
+        return recv, True
+    raise ValueError(
+        f"{where}: send overlaps recv but is not this rank's block of it "
+        f"(elements [{rank * send.size}:{(rank + 1) * send.size}]); pass a "
+        f"separate send buffer or exactly that block")
+
+
+def check_root(root, size: int, where: str) -> int:
+    """Check a root rank index."""
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(
+            f"{where}: root {root!r} is not a rank of this communicator; use "
+            f"0 <= root < {size}")
+    return int(root)
+
+
+def check_peer(peer, size: int, rank: int, where: str, *, any_ok: bool = False) -> int:
+    """Check a point-to-point peer (``any_ok`` admits ``MPI.ANY_SOURCE``)."""
+    if any_ok and peer == MPI.ANY_SOURCE:
+        return int(peer)
+    if not isinstance(peer, (int, np.integer)) or not 0 <= peer < size or peer == rank:
+        raise ValueError(
+            f"{where}: peer {peer!r} is not another rank of this communicator "
+            f"(this is rank {rank} of {size}); use a rank in 0..{size - 1} "
+            f"other than {rank}")
+    return int(peer)

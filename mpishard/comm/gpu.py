@@ -1,0 +1,257 @@
+"""Device (CuPy) buffers and MPI: stream synchronisation, CUDA-aware detection,
+pinned host staging, and the per-rank report ``mpishard info`` prints.
+
+Nothing here imports CuPy at module level; NumPy-only runs never touch it.
+
+[Note: device buffers]
+MPI knows nothing about CUDA streams. Before any MPI call reads or writes a
+CuPy array, the kernels that produce (or still read) it must have finished, so
+:meth:`DevicePath.for_mpi` -- the one place this happens -- synchronises the
+current CuPy stream. Then one of two things:
+
+* **CUDA-aware MPI** (``MPIX_Query_cuda_support() == 1`` in the libmpi that
+  mpi4py loaded, a vendor hint, or ``MPISHARD_CUDA_AWARE=1``): the device array
+  goes to mpi4py as is (it reads ``__cuda_array_interface__``);
+* **otherwise** the array is copied into a pinned host buffer
+  (``cupyx.empty_pinned``, served by CuPy's pinned memory pool), MPI runs on
+  that, and outputs are copied back to the device before the call returns (or,
+  for non-blocking calls, in ``Handle.wait``).
+
+Open MPI crashes on non-blocking reductions of device buffers even when built
+with CUDA, so on Open MPI ``iall_reduce`` and ``ireduce_scatter`` stage anyway.
+The NCCL backend (:mod:`mpishard.comm.nccl`) bypasses all of this for its
+collectives.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backend import cupy_or_none
+
+__all__ = [
+    "DevicePath",
+    "is_device_array",
+    "loaded_libmpi",
+    "query_cuda_support",
+    "detect_cuda_aware",
+    "nccl_available",
+    "rank_report",
+    "format_rank_reports",
+]
+
+#: Environment variables that vendors use to switch GPU support on, checked
+#: only when the library has no ``MPIX_Query_cuda_support``.
+_VENDOR_HINTS = (
+    ("MPICH_GPU_SUPPORT_ENABLED", "1", "Cray MPICH"),
+    ("MV2_USE_CUDA", "1", "MVAPICH2-GDR"),
+    ("I_MPI_OFFLOAD", "1", "Intel MPI"),
+    ("OMPI_MCA_opal_cuda_support", "true", "Open MPI"),
+)
+
+
+def is_device_array(a) -> bool:
+    """True for a CuPy (or other ``__cuda_array_interface__``) array."""
+    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
+
+
+class DevicePath:
+    """How device arrays reach MPI on one communicator (see [Note: device buffers]).
+
+    Args:
+        cuda_aware: whether the MPI library reads device memory.
+        how: how ``cuda_aware`` was decided, for reports.
+        stage_nonblocking_reductions: stage ``iall_reduce``/``ireduce_scatter``
+            even when CUDA-aware (true on Open MPI).
+    """
+
+    def __init__(self, cuda_aware: bool, how: str,
+                 stage_nonblocking_reductions: bool = False):
+        self.cuda_aware = cuda_aware
+        self.how = how
+        self.stage_nonblocking_reductions = stage_nonblocking_reductions
+
+    def for_mpi(self, a, *, copy_in: bool, copy_out: bool,
+                nonblocking_reduction: bool = False):
+        """Return ``(buffer for mpi4py, copy_back or None)`` for device array ``a``.
+
+        Args:
+            a: a C-contiguous CuPy array.
+            copy_in: MPI reads ``a`` (its values must reach the staging buffer).
+            copy_out: MPI writes ``a`` (``copy_back()`` moves them to ``a``).
+            nonblocking_reduction: the call is ``iall_reduce`` or
+                ``ireduce_scatter``.
+        """
+        import cupy  # noqa: PLC0415 (a device array exists, so CuPy imports)
+
+        stream = cupy.cuda.get_current_stream()
+        stream.synchronize()
+        direct = self.cuda_aware and not (
+            nonblocking_reduction and self.stage_nonblocking_reductions)
+        if direct:
+            return a, None
+        import cupyx  # noqa: PLC0415
+
+        host = cupyx.empty_pinned(a.shape, a.dtype)
+        if copy_in:
+            a.get(stream=stream, out=host)
+            stream.synchronize()
+        if not copy_out:
+            return host, None
+
+        def copy_back():
+            a.set(host, stream=stream)
+            stream.synchronize()  # the pinned block returns to the pool after this
+        return host, copy_back
+
+
+def loaded_libmpi() -> str | None:
+    """Path of the MPI library mpi4py loaded (as ``python -m mpi4py --mpi-library``)."""
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+        dladdr.restype = ctypes.c_int
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+        symbol = ctypes.CDLL(MPI.__file__).MPI_Init
+        info = DlInfo()
+        if not dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info)):
+            return None
+        return os.fsdecode(info.dli_fname)
+    except (OSError, AttributeError):
+        return None
+
+
+def query_cuda_support(libmpi: str) -> int | None:
+    """Call ``MPIX_Query_cuda_support()`` in an already loaded ``libmpi``.
+
+    mpi4py loads libmpi with ``RTLD_LOCAL``, so its symbols are not global;
+    opening the same file with ``RTLD_NOLOAD`` returns that very library (and
+    fails rather than load a second copy).
+
+    Returns:
+        The function's answer (1: CUDA-aware, 0: not), or ``None`` when the
+        library is not loaded or has no such function.
+    """
+    try:
+        lib = ctypes.CDLL(libmpi, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        query = lib.MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return None
+    query.restype = ctypes.c_int
+    query.argtypes = []
+    return int(query())
+
+
+def detect_cuda_aware(override: bool | None = None,
+                      override_source: str = "the cuda_aware argument",
+                      environ=None) -> tuple[bool, str]:
+    """Decide whether MPI can take device buffers; return ``(answer, how)``.
+
+    Order: an explicit ``override``; ``MPIX_Query_cuda_support()`` in the
+    loaded libmpi; a vendor's GPU-support environment variable (Cray MPICH,
+    MVAPICH2-GDR, Intel MPI, Open MPI); otherwise not CUDA-aware.
+
+    Args:
+        override: ``True``/``False`` to skip detection.
+        override_source: named in ``how`` (``"MPISHARD_CUDA_AWARE=1"``).
+        environ: where vendor hints are read (default ``os.environ``).
+    """
+    if override is not None:
+        return bool(override), f"set by {override_source}"
+    libmpi = loaded_libmpi()
+    answer = query_cuda_support(libmpi) if libmpi else None
+    if answer is not None:
+        return answer == 1, f"MPIX_Query_cuda_support() = {answer} in {libmpi}"
+    environ = os.environ if environ is None else environ
+    for var, value, vendor in _VENDOR_HINTS:
+        if environ.get(var, "").lower() == value:
+            return True, (f"{var}={environ[var]} ({vendor} GPU support); no "
+                          f"MPIX_Query_cuda_support in {libmpi}")
+    return False, (f"no MPIX_Query_cuda_support in {libmpi or 'the loaded MPI library'} "
+                   f"and no vendor hint; assuming not CUDA-aware (set "
+                   f"MPISHARD_CUDA_AWARE=1 if it is)")
+
+
+def nccl_available() -> tuple[bool, str]:
+    """Whether CuPy's NCCL binding loads; return ``(answer, why)``."""
+    cupy = cupy_or_none()
+    if cupy is None:
+        return False, "CuPy is not importable"
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        if not getattr(nccl, "available", True):
+            return False, "CuPy was built without NCCL (cupy.cuda.nccl.available is False)"
+        return True, f"NCCL {nccl.get_version()}"
+    except Exception as exc:  # ImportError, or libnccl missing at load time
+        return False, f"cupy.cuda.nccl does not load: {exc}"
+
+
+def _device_description(local_rank: int, backend) -> str:
+    if backend is not None:
+        return backend.describe()
+    cupy = cupy_or_none()
+    if cupy is None:
+        return "cpu (CuPy not importable)"
+    try:
+        gpus = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        gpus = 0
+    return f"cuda:{local_rank % gpus} of {gpus}" if gpus else "cpu (no GPU visible)"
+
+
+def rank_report(comm, backend=None) -> dict:
+    """What this rank runs on; collective over ``comm`` (it finds node-local ranks).
+
+    Args:
+        comm: a :class:`~mpishard.comm.Communicator`.
+        backend: the :class:`~mpishard.backend.Backend` in use, if one was
+            built (else the device a ``"cupy"`` backend would bind is reported).
+
+    Returns:
+        ``rank``, ``size``, ``host``, ``local_rank``, ``mpi_library``,
+        ``mpi_vendor``, ``comm_backend``, ``device``, ``cuda_aware``,
+        ``cuda_aware_how``, ``nccl_available``, ``nccl_how``.
+    """
+    from .mesh import node_local_rank  # noqa: PLC0415 (mesh imports communicator)
+
+    local_rank = node_local_rank(comm)
+    aware, how = comm.cuda_aware
+    nccl_ok, nccl_how = nccl_available()
+    vendor, version = MPI.get_vendor()
+    return {
+        "rank": comm.rank,
+        "size": comm.size,
+        "host": socket.gethostname(),
+        "local_rank": local_rank,
+        "mpi_library": loaded_libmpi() or "?",
+        "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
+        "comm_backend": comm.comm_backend,
+        "device": _device_description(local_rank, backend),
+        "cuda_aware": aware,
+        "cuda_aware_how": how,
+        "nccl_available": nccl_ok,
+        "nccl_how": nccl_how,
+    }
+
+
+def format_rank_reports(reports: list[dict]) -> str:
+    """One block per rank, for ``mpishard info``."""
+    lines = []
+    for r in reports:
+        lines.append(
+            f"rank {r['rank']}/{r['size']} on {r['host']} (local {r['local_rank']}): "
+            f"{r['mpi_vendor']} ({r['mpi_library']}), comm backend {r['comm_backend']}, "
+            f"device {r['device']}")
+        lines.append(f"    CUDA-aware MPI: {'yes' if r['cuda_aware'] else 'no'} "
+                     f"({r['cuda_aware_how']})")
+        lines.append(f"    NCCL: {'yes' if r['nccl_available'] else 'no'} ({r['nccl_how']})")
+    return "\n".join(lines)
