@@ -135,6 +135,10 @@ class GPT(Module):
         if materialize_now:
             materialize(self, seed, self.backend)
 
+    def shard_units(self) -> list[str]:
+        """Module names that ZeRO communicates as units: one per block."""
+        return [f"transformer.h.{i}" for i in range(self.config.n_layer)]
+
     def forward(self, idx, targets=None):
         """Logits ``(B, T, vocab)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy."""
         idx = idx.data if isinstance(idx, Tensor) else idx

@@ -39,6 +39,10 @@ class MLPClassifier(Module):
         if materialize_now:
             materialize(self, seed, self.backend)
 
+    def shard_units(self) -> list[str]:
+        """Module names that ZeRO communicates as units: one per layer."""
+        return [f"layers.{i}" for i in range(len(self.layers))]
+
     def forward(self, x, targets=None):
         """Logits ``(N, n_classes)`` and, with integer ``targets``, the mean cross-entropy."""
         h = x if isinstance(x, Tensor) else Tensor(x)

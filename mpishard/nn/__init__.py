@@ -2,10 +2,12 @@
 from .init import materialize, seed_dropout
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleDict, ModuleList, StateDictError
-from .parameter import Constant, Normal, Parameter, ShardSpec, init_array, rng_for
+from .parameter import (Constant, FlatPlacement, Normal, Parameter, ShardSpec, init_array,
+                        rng_for)
 
 __all__ = [
     "Module", "ModuleList", "ModuleDict", "StateDictError", "Parameter", "ShardSpec",
+    "FlatPlacement",
     "Normal", "Constant", "init_array", "rng_for", "materialize", "seed_dropout",
     "Linear", "Embedding", "LayerNorm", "Dropout",
 ]

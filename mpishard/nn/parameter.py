@@ -24,7 +24,8 @@ import numpy as np
 
 from ..autodiff.tensor import Tensor
 
-__all__ = ["Parameter", "ShardSpec", "Normal", "Constant", "init_array", "rng_for"]
+__all__ = ["Parameter", "ShardSpec", "FlatPlacement", "Normal", "Constant", "init_array",
+           "rng_for"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,31 @@ def init_array(init, shape: tuple, seed: int, name: str) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class FlatPlacement:
+    """Where a parameter sits in a ZeRO unit's flat buffer, and what this rank owns.
+
+    Attributes:
+        unit: name of the unit (the module path, ``""`` for the root remainder).
+        offset: element offset of the (flattened, local) parameter in the unit buffer.
+        numel: number of elements of the local parameter.
+        shard_start, shard_stop: the unit-buffer range this dp rank owns.
+    """
+
+    unit: str
+    offset: int
+    numel: int
+    shard_start: int
+    shard_stop: int
+
+    @property
+    def owned(self) -> tuple:
+        """``(start, stop)`` of this rank's elements in the flattened parameter (may be empty)."""
+        start = min(max(self.shard_start - self.offset, 0), self.numel)
+        stop = min(max(self.shard_stop - self.offset, 0), self.numel)
+        return start, max(start, stop)
+
+
+@dataclass(frozen=True)
 class ShardSpec:
     """Where this rank's piece of a parameter sits in the global tensor.
 
@@ -69,6 +95,7 @@ class ShardSpec:
         tp_blocks: ``(start, stop)`` ranges along ``tp_dim`` of the global
             tensor; the local tensor is their concatenation in this order.
         pp_stage: pipeline stage that owns the parameter (``None``: not pipelined).
+        flat: ZeRO placement over the dp axis (``None`` when not flattened).
     """
 
     global_shape: tuple
@@ -76,6 +103,7 @@ class ShardSpec:
     tp_dim: int | None = None
     tp_blocks: tuple = ()
     pp_stage: int | None = None
+    flat: FlatPlacement | None = None
 
     @property
     def local_shape(self) -> tuple:

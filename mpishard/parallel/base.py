@@ -1,0 +1,167 @@
+"""What every strategy shares: the step verb, collective clipping, accumulation.
+
+A strategy wraps a model once. The training loop then reads like the
+single-process one::
+
+    model = ZeRO(GPT(cfg, materialize_now=False), mesh, stage=3)
+    opt = AdamW(model.parameters(), lr=3e-4, ledger=model.ledger)
+    for step in range(steps):
+        for micro in range(accum):
+            with model.no_sync(micro < accum - 1):     # communicate on the last only
+                _, loss = model(x[micro], y[micro])
+                (loss * (1.0 / accum)).backward()
+        result = model.step(opt, max_norm=1.0)          # reduce, clip, update, zero
+
+[Note: collective step decisions]
+Clipping and the non-finite check must come out the same on every rank, or
+ranks would diverge (or one would skip a collective and the others hang). So
+the squared gradient norm is combined with one all-reduce that also carries a
+"model changed" flag; every rank then computes the same norm, the same clip
+coefficient and the same skip decision. A skipped step leaves parameters and
+optimizer state bit-unchanged and is counted in ``skipped_steps``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import MemoryLedger
+from ..optim.clip import clip_coefficient
+
+__all__ = ["Strategy", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`Strategy.step` did: the global gradient norm before clipping,
+    whether the update was skipped (non-finite gradients), and the step count."""
+
+    grad_norm: float
+    skipped: bool
+    step: int
+
+
+class Strategy:
+    """Base class: holds the module, the dp communicator and the shared step logic.
+
+    Subclasses implement :meth:`parameters`, :meth:`reduce_grads`,
+    :meth:`_local_grad_sq`, :meth:`_scale_grads` and optionally :meth:`_after_update`.
+    """
+
+    #: all-reduce op combining per-rank squared norms: "sum" when each rank holds
+    #: a disjoint part of the gradients, "max" when every rank holds all of them.
+    norm_reduce_op = "sum"
+
+    def __init__(self, module, mesh, ledger: MemoryLedger | None = None):
+        self.module = module
+        self.mesh = mesh
+        self.dp = mesh.dp
+        backend = getattr(module, "backend", None)
+        self.ledger = ledger or (backend.ledger if backend is not None else MemoryLedger())
+        self.sync_gradients = True
+        self.steps = 0
+        self.skipped_steps = 0
+        self._param_ids = [id(p) for p in module.parameters()]
+
+    # -- forward / modes ----------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool = True):
+        """Within the block, backward accumulates local gradients and communicates nothing.
+
+        ``with model.no_sync(micro < accum - 1):`` communicates on the last
+        micro-step only; ``no_sync(False)`` is a no-op so the loop needs no branch.
+        """
+        previous = self.sync_gradients
+        self.sync_gradients = previous and not skip
+        try:
+            yield self
+        finally:
+            self.sync_gradients = previous
+
+    def accumulation(self, micro_steps: int) -> list:
+        """``micro_steps`` contexts: all but the last skip gradient communication.
+
+        ``for ctx in model.accumulation(4): with ctx: (loss / 4).backward()``
+        """
+        if not isinstance(micro_steps, int) or micro_steps < 1:
+            raise ValueError(f"gradient accumulation needs micro_steps >= 1, got "
+                             f"{micro_steps!r}")
+        return [self.no_sync(i < micro_steps - 1) for i in range(micro_steps)]
+
+    # -- to implement -------------------------------------------------------
+    def parameters(self) -> list:
+        """The optimizer's targets (full parameters, or this rank's flat shards)."""
+        raise NotImplementedError
+
+    def reduce_grads(self) -> None:
+        """Finish all gradient communication for this step (launch what is left, wait)."""
+        raise NotImplementedError
+
+    def _local_grad_sq(self) -> float:
+        raise NotImplementedError
+
+    def _scale_grads(self, factor: float) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad *= factor
+
+    def _after_update(self) -> None:
+        """Runs after the optimizer updated this rank's parameters (ZeRO-1/2 all-gather)."""
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+        for p in self.parameters():
+            p.grad = None
+
+    # -- the step -----------------------------------------------------------
+    def _model_changed(self) -> bool:
+        return [id(p) for p in self.module.parameters()] != self._param_ids
+
+    def grad_norm(self) -> float:
+        """Global gradient norm, the same on every rank. See [Note: collective step decisions]."""
+        sq = self._local_grad_sq()
+        # NaN would compare unpredictably under "max"; +inf survives both ops.
+        flags = np.array([sq if math.isfinite(sq) else math.inf, float(self._model_changed())])
+        self.dp.all_reduce(flags, op=self.norm_reduce_op)
+        if flags[1] > 0:
+            raise RuntimeError(
+                "the model's parameters changed after it was wrapped (a parameter was "
+                "added, removed or replaced); build the model completely, then wrap it once")
+        return math.sqrt(flags[0])
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients so the global norm is at most ``max_norm``; returns the norm before."""
+        norm = self.grad_norm()
+        if math.isfinite(norm):
+            coeff = clip_coefficient(norm, max_norm)
+            if coeff < 1.0:
+                self._scale_grads(coeff)
+        return norm
+
+    def step(self, optimizer, max_norm: float | None = None) -> StepResult:
+        """Reduce gradients, clip (optional), update unless non-finite, then zero gradients."""
+        self.reduce_grads()
+        norm = self.clip_grad_norm(max_norm) if max_norm is not None else self.grad_norm()
+        skipped = not math.isfinite(norm)
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            optimizer.step()
+            self._after_update()
+        self.zero_grad()
+        self.steps += 1
+        return StepResult(norm, skipped, self.steps)

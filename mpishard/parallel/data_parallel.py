@@ -1,0 +1,174 @@
+"""Data parallelism: every rank holds the whole model; gradients are averaged.
+
+    mpiexec -n 4 python -m mpi4py examples/train_gpt.py --strategy ddp
+
+Gradients are averaged over ``mesh.dp`` in flat buckets. Each parameter's
+gradient is copied into its bucket the moment it is final (a grad-ready hook),
+and a bucket's non-blocking all-reduce starts as soon as all its gradients are
+in, so communication overlaps the rest of backward. Buckets are filled in
+reverse registration order (roughly the order backward produces gradients) and
+launched strictly in bucket order, so every rank issues the same collectives in
+the same order (see [Note: collective order] below).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ..backend import to_numpy, xp_of
+from ..optim.clip import grad_sq_sum
+from .base import Strategy
+
+__all__ = ["DataParallel", "check_replicas_equal"]
+
+# [Note: collective order]
+# MPI matches collectives on a communicator by the order in which ranks issue
+# them. Grad-ready hooks fire in the order of the backward graph, which is the
+# same on every rank, but to be safe against parameters that get no gradient on
+# some step a bucket is launched only after every earlier bucket was: bucket i
+# waits for buckets 0..i-1, and reduce_grads() launches the rest in index order.
+
+
+def check_replicas_equal(module, comm, what: str = "parameters") -> None:
+    """Raise on every rank if the module's parameters differ between ranks of ``comm``.
+
+    Compares a SHA-256 per parameter (one small all-gather of digests).
+    """
+    if comm.size == 1:
+        return
+    digests = [hashlib.sha256(to_numpy(p.data).tobytes()).hexdigest()[:16]
+               for p in module.parameters()]
+    everyone = comm.all_gather_obj(digests)
+    names = [n for n, _ in module.named_parameters()]
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            first = next((names[i] for i, (a, b) in enumerate(zip(everyone[0], theirs))
+                          if a != b), "the parameter list")
+            raise ValueError(
+                f"{what} differ across ranks at wrap time: rank {rank} differs from rank 0 "
+                f"first at {first}; build the model with the same seed on every rank, or "
+                f"pass sync_params='broadcast' to copy rank 0's values")
+
+
+class _Bucket:
+    __slots__ = ("params", "offsets", "flat", "ready", "handle")
+
+    def __init__(self, params, ledger, xp, index):
+        self.params = params
+        sizes = [p.size for p in params]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.flat = ledger.zeros("grads", (self.offsets[-1],), params[0].dtype,
+                                 f"ddp bucket {index}", xp=xp)
+        self.ready = 0
+        self.handle = None
+
+    def view(self, i: int):
+        p = self.params[i]
+        return self.flat[self.offsets[i]:self.offsets[i + 1]].reshape(p.shape)
+
+
+class DataParallel(Strategy):
+    """Replicate the model on every dp rank and average gradients in buckets.
+
+    Args:
+        module: a materialised model.
+        mesh: a :class:`mpishard.comm.Mesh` (its ``dp`` axis is used).
+        bucket_bytes: target size of one gradient bucket.
+        sync_params: ``"check"`` (raise if parameters differ across ranks) or
+            ``"broadcast"`` (copy rank 0's parameters to every rank).
+    """
+
+    norm_reduce_op = "max"  # every rank holds the same averaged gradients
+
+    def __init__(self, module, mesh, bucket_bytes: int = 4 << 20, sync_params: str = "check",
+                 ledger=None):
+        super().__init__(module, mesh, ledger)
+        if sync_params not in ("check", "broadcast"):
+            raise ValueError(f"sync_params must be 'check' or 'broadcast', got {sync_params!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        params = module.parameters()
+        unmaterialised = [n for n, p in module.named_parameters() if p.data is None]
+        if unmaterialised:
+            raise ValueError(f"DataParallel needs a materialised model; {unmaterialised[0]} "
+                             f"has no data (build it with materialize_now=True)")
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, tuple] = {}
+        self._next_launch = 0
+        if self.dp.size == 1:
+            return
+        if sync_params == "broadcast":
+            for p in params:
+                self.dp.broadcast(p.data, root=0)
+        else:
+            check_replicas_equal(module, self.dp)
+        xp = xp_of(params[0].data)
+        current, current_bytes = [], 0
+        for p in reversed(params):
+            if current and (current_bytes + p.data.nbytes > bucket_bytes
+                            or p.dtype != current[0].dtype):
+                self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets)))
+                current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += p.data.nbytes
+        if current:
+            self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets)))
+        for b, bucket in enumerate(self._buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (b, i)
+                p.register_grad_ready_hook(self._on_grad_ready)
+
+    def parameters(self) -> list:
+        return self.module.parameters()
+
+    def gather_full_params(self) -> dict:
+        """Name -> full parameter as a host NumPy array (a copy)."""
+        return {n: np.array(to_numpy(p.data)) for n, p in self.module.named_parameters()}
+
+    # -- communication ------------------------------------------------------
+    def _on_grad_ready(self, p) -> None:
+        if not self.sync_gradients:
+            return
+        b, i = self._where[id(p)]
+        bucket = self._buckets[b]
+        view = bucket.view(i)
+        if p.grad is None:
+            view[...] = 0
+        elif p.grad is not view:
+            view[...] = p.grad
+        p.grad = view
+        bucket.ready += 1
+        self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while (self._next_launch < len(self._buckets)
+               and self._buckets[self._next_launch].ready == len(
+                   self._buckets[self._next_launch].params)):
+            bucket = self._buckets[self._next_launch]
+            bucket.handle = self.dp.iall_reduce(bucket.flat, op="avg")
+            self._next_launch += 1
+
+    def reduce_grads(self) -> None:
+        """Launch buckets that backward did not complete, wait for all, reset."""
+        if self.dp.size == 1:
+            return
+        for bucket in self._buckets[self._next_launch:]:
+            for i, p in enumerate(bucket.params):
+                view = bucket.view(i)
+                if p.grad is not view:
+                    if p.grad is None:
+                        view[...] = 0
+                    else:
+                        view[...] = p.grad
+                    p.grad = view
+            bucket.ready = len(bucket.params)
+        self._launch_in_order()
+        for bucket in self._buckets:
+            bucket.handle.wait()
+            bucket.handle = None
+            bucket.ready = 0
+        self._next_launch = 0
+
+    def _local_grad_sq(self) -> float:
+        return grad_sq_sum(p.grad for p in self.module.parameters())

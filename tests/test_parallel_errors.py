@@ -1,0 +1,100 @@
+"""Bad input to the strategies: clear errors, raised on every rank."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpishard.comm import Communicator, Mesh
+from mpishard.models import GPT, GPTConfig
+from mpishard.nn import Parameter
+from mpishard.optim import AdamW
+from mpishard.parallel import DataParallel, ZeRO
+from parity import UNEVEN, batch, max_rel_err, reference, train
+
+TINY = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=1, n_embd=4)
+
+
+def _mesh():
+    world = Communicator(MPI.COMM_WORLD)
+    return world, Mesh(world, dp=world.size)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_parameters_that_differ_across_ranks():
+    world, mesh = _mesh()
+    if world.size < 2:
+        pytest.skip("needs 2 ranks")
+    model = GPT(TINY, seed=world.rank)         # different seed on every rank
+    with pytest.raises(ValueError, match="differ across ranks at wrap time: rank 1"):
+        DataParallel(model, mesh)
+    synced = DataParallel(GPT(TINY, seed=world.rank), mesh, sync_params="broadcast")
+    rank0 = GPT(TINY, seed=0)
+    w = synced.module.transformer.wte.weight.data
+    assert np.array_equal(w, rank0.transformer.wte.weight.data)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
+def test_model_changed_after_wrapping(kind):
+    _, mesh = _mesh()
+    model = GPT(TINY, seed=0, materialize_now=kind != "zero3")
+    strategy = DataParallel(model, mesh) if kind == "ddp" else \
+        ZeRO(model, mesh, stage=int(kind[-1]))
+    opt = AdamW(strategy.parameters(), lr=1e-3)
+    extra = Parameter((2,))
+    extra.data = np.zeros(2, np.float32)
+    model.transformer.ln_f.extra = extra
+    _, loss = strategy(*batch(0, 0, 0, TINY))
+    loss.backward()
+    with pytest.raises(RuntimeError, match="changed after it was wrapped"):
+        strategy.step(opt)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_unit_plans():
+    _, mesh = _mesh()
+    with pytest.raises(ValueError, match=r"is in two units, 'transformer.h' and"):
+        ZeRO(GPT(TINY, materialize_now=False), mesh, units=["transformer.h", "transformer.h.0"])
+    with pytest.raises(ValueError, match="parameters in no unit: transformer.wte.weight"):
+        ZeRO(GPT(TINY, materialize_now=False), mesh, root_unit=False)
+    with pytest.raises(ValueError, match="'transformer.nope' is not a sub-module"):
+        ZeRO(GPT(TINY, materialize_now=False), mesh, units=["transformer.nope"])
+    with pytest.raises(ValueError, match="also used by module 'lm_head'"):
+        ZeRO(GPT(TINY, materialize_now=False), mesh, units=["transformer.wte"])
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        ZeRO(GPT(TINY, materialize_now=False), mesh, stage=4)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_accumulation_steps_must_be_positive():
+    _, mesh = _mesh()
+    strategy = ZeRO(GPT(TINY, materialize_now=False), mesh)
+    with pytest.raises(ValueError, match="micro_steps >= 1, got 0"):
+        strategy.accumulation(0)
+    assert len(strategy.accumulation(3)) == 3
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_units_smaller_than_the_dp_size(stage):
+    """One unit per layer norm: 4 elements each, so some ranks own only padding."""
+    world, mesh = _mesh()
+    cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=2)
+    units = ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.0.attn",
+             "transformer.h.0.mlp"]
+    ref_losses, ref_params = reference(world.size, 3, 1, "float64", None, cfg)
+    strategy = ZeRO(GPT(cfg, dtype="float64", materialize_now=stage != 3), mesh, stage=stage,
+                    units=units)
+    assert strategy.units[0].shard_size == 1 or world.size == 1
+    losses, params = train(strategy, world.rank, 3, 1, None, cfg)
+    assert np.allclose(losses, ref_losses, rtol=1e-10)
+    assert max_rel_err(params, ref_params) < 1e-10
+
+
+def test_parity_config_is_uneven():
+    assert UNEVEN.vocab_size % 2 and UNEVEN.vocab_size % 3
+    assert UNEVEN.n_embd % 3 and UNEVEN.n_embd % 4
