@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py examples/train_gpt.py --steps 60
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml
 
 test: $(STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi

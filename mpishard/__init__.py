@@ -10,4 +10,15 @@ from .autodiff import Tensor, no_grad  # noqa: E402
 from .backend import Backend, MemoryLedger, OutOfMemoryBudget  # noqa: E402
 
 __all__ = ["__version__", "Tensor", "no_grad", "Backend", "MemoryLedger",
-           "OutOfMemoryBudget"]
+           "OutOfMemoryBudget", "install_abort_hook"]
+
+
+def install_abort_hook(*communicators, threads: bool = True) -> None:
+    """Abort the whole MPI job on an unhandled exception on any rank.
+
+    See :func:`mpishard.comm.install_abort_hook` (imported here lazily, so that
+    ``import mpishard`` does not initialise MPI).
+    """
+    from .comm import install_abort_hook as install  # noqa: PLC0415
+
+    install(*communicators, threads=threads)

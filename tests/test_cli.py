@@ -1,0 +1,102 @@
+"""The mpishard command: each command runs; each bad input gives its message and exit code."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+FAST = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+        "--batch-size", "2", "--max-bytes", "20000", "--eval-batches", "1", "--progress", "false"]
+
+
+def mpishard(*args, n=None, timeout=120, cwd=None):
+    cmd = [sys.executable, "-m", "mpishard", *args]
+    if n is not None:
+        cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd or ROOT)
+
+
+def test_help_and_version():
+    out = mpishard("--help")
+    assert out.returncode == 0 and "train" in out.stdout and "estimate" in out.stdout
+    assert mpishard("--version").stdout.startswith("mpishard ")
+    train_help = mpishard("train", "--help").stdout
+    assert "--strategy" in train_help and "--micro-steps" in train_help
+
+
+def test_unknown_flag_is_an_argparse_error():
+    out = mpishard("train", "--no-such-flag")
+    assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def test_info_single_rank():
+    out = mpishard("info")
+    assert out.returncode == 0, out.stderr
+    assert "mpi4py" in out.stdout and "world size 1" in out.stdout and "MPICH" in out.stdout
+
+
+def test_train_writes_metrics(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    out = mpishard("train", *FAST, "--steps", "3", "--metrics", str(metrics), "--strategy", "ddp")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(l) for l in metrics.read_text().splitlines()]
+    steps = [l for l in lines if "loss" in l]
+    assert [l["step"] for l in steps] == [1, 2, 3]
+    assert {"lr", "grad_norm", "tokens_per_s", "memory", "comm"} <= set(steps[0])
+    assert "val_loss" in lines[0] and "val_loss" in lines[-1]
+    assert "val loss" in out.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/no/such/path"], "data path '/no/such/path' does not exist"),
+    (["--strategy", "zero9"], "strategy = 'zero9' is not one of ddp, zero1, zero2, zero3"),
+    (["--dp", "3"], "mesh dp=3"),
+    (["--steps", "0"], "steps must be >= 1"),
+])
+def test_bad_input_one_line_exit_2(args, message):
+    out = mpishard("train", *FAST, *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_corpus_problems(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = mpishard("train", *FAST, "--data", str(empty))
+    assert out.returncode == 2 and "is empty" in out.stderr
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    out = mpishard("train", *FAST, "--data", str(short))
+    assert out.returncode == 2 and "one block needs 17" in out.stderr
+
+
+def test_unknown_config_key_suggests_the_closest(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("n_layers = 3\n")
+    out = mpishard("train", "--config", str(cfg))
+    assert out.returncode == 2 and "unknown config key 'n_layers'; did you mean 'n_layer'?" \
+        in out.stderr
+
+
+def test_estimate_prints_every_strategy():
+    out = mpishard("estimate", "--dp", "4", "--n-layer", "4", "--n-embd", "256")
+    assert out.returncode == 0, out.stderr
+    for name in ("ddp on dp=4", "zero1", "zero2", "zero3"):
+        assert name in out.stdout
+
+
+def test_dry_run_under_mpiexec_prints_the_plan():
+    out = mpishard("train", *FAST, "--dry-run", n=4)
+    assert out.returncode == 0, out.stderr
+    assert "zero3 on dp=4" in out.stdout and "rank 3/4" in out.stdout
+    assert "val loss" not in out.stdout
