@@ -44,10 +44,11 @@ class TrainConfig:
     dp: int = 0                        # data-parallel size (0: world size / (tp * pp))
     tp: int = 1                        # tensor-parallel size
     pp: int = 1                        # pipeline-parallel size
+    schedule: str = "1f1b"             # pipeline schedule: 1f1b | gpipe
     # optimisation
     steps: int = 100                   # optimizer steps
     batch_size: int = 8                # sequences (or samples) per dp rank per micro-step
-    micro_steps: int = 1               # gradient accumulation: micro-steps per step
+    micro_steps: int = 1               # micro-batches per step (accumulation; pipeline m)
     lr: float = 3e-3                   # peak learning rate
     min_lr: float = 3e-4               # learning rate at the end of the cosine decay
     warmup_steps: int = 10             # linear warm-up steps
@@ -79,7 +80,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` for values no run can use."""
         choices = {"model": ("gpt", "mlp"), "strategy": ("ddp", "zero1", "zero2", "zero3"),
-                   "dtype": ("float32", "float64"), "backend": ("numpy", "cupy", "auto")}
+                   "dtype": ("float32", "float64"), "backend": ("numpy", "cupy", "auto"),
+                   "schedule": ("1f1b", "gpipe")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"{key} = {getattr(self, key)!r} is not one of "

@@ -26,18 +26,21 @@ from .data import VOCAB_SIZE, ArraySampler, BatchSampler, DataError, load_corpus
 from .log import RankLogger
 from .models import GPT, GPTConfig, MLPClassifier
 from .optim import AdamW, CosineSchedule
-from .parallel import DataParallel, ZeRO, plan_memory
+from .parallel import DataParallel, ParallelGPT, ZeRO, build_stage, plan_memory
 
-__all__ = ["build_model", "wrap_model", "Trainer", "run"]
+__all__ = ["gpt_config", "build_model", "wrap_model", "MLPRun", "Trainer", "run"]
+
+
+def gpt_config(cfg: TrainConfig) -> GPTConfig:
+    """The byte-level GPT a training config describes."""
+    return GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
 
 
 def build_model(cfg: TrainConfig, backend: Backend, materialize_now: bool = True):
-    """The model a config describes (GPT on bytes, or the digits MLP)."""
+    """The whole model a config describes (GPT on bytes, or the digits MLP)."""
     if cfg.model == "gpt":
-        gcfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout,
-                         bias=cfg.bias)
-        return GPT(gcfg, seed=cfg.seed, dtype=cfg.dtype, backend=backend,
+        return GPT(gpt_config(cfg), seed=cfg.seed, dtype=cfg.dtype, backend=backend,
                    materialize_now=materialize_now)
     return MLPClassifier(64, cfg.hidden_sizes(), 10, seed=cfg.seed, dtype=cfg.dtype,
                          backend=backend, materialize_now=materialize_now)
@@ -50,15 +53,48 @@ def wrap_model(model, mesh: Mesh, strategy: str):
     return ZeRO(model, mesh, stage=int(strategy[-1]))
 
 
+class MLPRun:
+    """The MLP counterpart of :class:`~mpishard.parallel.ParallelGPT` (dp only)."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, backend: Backend):
+        model = build_model(cfg, backend, materialize_now=cfg.strategy != "zero3")
+        self.strategy = wrap_model(model, mesh, cfg.strategy)
+        self.micro = cfg.micro_steps
+        self.ledger = self.strategy.ledger
+
+    def parameters(self) -> list:
+        return self.strategy.parameters()
+
+    def train_step(self, x, y) -> float:
+        b, total = len(x) // self.micro, 0.0
+        for ctx, i in zip(self.strategy.accumulation(self.micro), range(self.micro)):
+            with ctx:
+                _, loss = self.strategy(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
+                (loss * (1.0 / self.micro)).backward()
+                total += loss.item() / self.micro
+        return total
+
+    def eval_step(self, x, y) -> float:
+        self.strategy.eval()
+        with no_grad():
+            loss = self.strategy(x, y)[1].item()
+        self.strategy.train()
+        return loss
+
+    def step(self, optimizer, max_norm=None):
+        return self.strategy.step(optimizer, max_norm)
+
+
 class Trainer:
     """Owns the objects of one run; :meth:`fit` trains, :meth:`evaluate` measures."""
 
     def __init__(self, cfg: TrainConfig, world: Communicator):
         self.cfg, self.world = cfg, world
         self.log = RankLogger(world.rank, cfg.log_dir or None)
-        if cfg.tp != 1 or cfg.pp != 1:
-            raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: tensor and pipeline parallelism are "
-                              f"not available yet; use tp=1 pp=1")
+        if cfg.model == "mlp" and (cfg.tp != 1 or cfg.pp != 1):
+            raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: the MLP trains with data "
+                              f"parallelism only; use tp=1 pp=1 (tensor and pipeline "
+                              f"parallelism are for the GPT)")
         _agree(world, self._load_data)          # local work first, then agree on errors
         dp = cfg.dp or world.size // (cfg.tp * cfg.pp)
         try:
@@ -68,8 +104,12 @@ class Trainer:
         self.backend = Backend.resolve(cfg.backend, local_rank=node_local_rank(world),
                                        memory_budget=cfg.memory_budget or None)
         self._build_samplers()
-        self.plan = plan_memory(build_model(cfg, Backend(), materialize_now=False),
-                                cfg.strategy, self.mesh.dp.size)
+        try:
+            shapes_only = build_stage(gpt_config(cfg), self.mesh) if cfg.model == "gpt" else \
+                build_model(cfg, Backend(), materialize_now=False)
+        except ValueError as err:   # pp larger than n_layer, tp larger than n_head, ...
+            raise ConfigError(str(err)) from None
+        self.plan = plan_memory(shapes_only, cfg.strategy, self.mesh.dp.size)
 
     def _load_data(self) -> None:
         cfg = self.cfg
@@ -116,50 +156,54 @@ class Trainer:
 
     def build(self) -> None:
         cfg = self.cfg
-        model = build_model(cfg, self.backend, materialize_now=cfg.strategy != "zero3")
-        self.model = wrap_model(model, self.mesh, cfg.strategy)
-        self.opt = AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                         weight_decay=cfg.weight_decay, ledger=self.model.ledger)
+        if cfg.model == "gpt":
+            self.run = ParallelGPT(gpt_config(cfg), self.mesh, cfg.strategy, cfg.seed,
+                                   cfg.dtype, self.backend, micro_batches=cfg.micro_steps,
+                                   schedule=cfg.schedule)
+        else:
+            self.run = MLPRun(cfg, self.mesh, self.backend)
+        self.model = self.run.strategy
+        self.opt = AdamW(self.run.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                         weight_decay=cfg.weight_decay, ledger=self.run.ledger)
         self.opt.allocate_state()
         self.schedule = CosineSchedule(cfg.lr, min(cfg.warmup_steps, cfg.steps), cfg.steps,
                                        cfg.min_lr)
         self.step = 0
 
     # -- evaluation ------------------------------------------------------------
+    def _batch(self, sampler) -> tuple:
+        """One step's batch for this dp rank: ``micro_steps`` sampler batches together."""
+        parts = [sampler.next_batch() for _ in range(self.cfg.micro_steps)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
     def evaluate(self) -> float:
         """Mean validation loss over fixed batches, averaged over dp ranks."""
         cfg = self.cfg
-        self.model.eval()
-        total = 0.0
-        with no_grad():
-            if cfg.model == "gpt":
-                sampler = BatchSampler(self.val, cfg.block_size, cfg.batch_size,
-                                       self.mesh.dp_rank, self.mesh.dp.size, seed=12345)
-                for _ in range(cfg.eval_batches):
-                    total += self.model(*sampler.next_batch())[1].item()
-                total /= cfg.eval_batches
-            else:
-                xv, yv = self.val
-                total = self.model(xv, yv)[1].item()
-        self.model.train()
+        if cfg.model == "gpt":
+            sampler = BatchSampler(self.val, cfg.block_size, cfg.batch_size,
+                                   self.mesh.dp_rank, self.mesh.dp.size, seed=12345)
+            total = sum(self.run.eval_step(*self._batch(sampler))
+                        for _ in range(cfg.eval_batches)) / cfg.eval_batches
+        else:
+            total = self.run.eval_step(*self.val)
         buf = np.array([total])
         self.mesh.dp.all_reduce(buf, op="avg")
         return float(buf[0])
 
     # -- training --------------------------------------------------------------
+    def _axes(self) -> dict:
+        return {name: self.mesh.axis(name) for name in ("dp", "tp", "pp")
+                if self.mesh.axis(name).size > 1}
+
     def train_step(self) -> dict:
-        cfg, model = self.cfg, self.model
+        cfg = self.cfg
         self.opt.lr = self.schedule(self.step)
-        self.mesh.dp.stats.reset()
+        for comm in self._axes().values():
+            comm.stats.reset()
         t0 = time.perf_counter()
-        total = 0.0
-        for micro in range(cfg.micro_steps):
-            with model.no_sync(micro < cfg.micro_steps - 1):
-                _, loss = model(*self.sampler.next_batch())
-                (loss * (1.0 / cfg.micro_steps)).backward()
-                total += loss.item() / cfg.micro_steps
-        result = model.step(self.opt, max_norm=cfg.grad_clip or None)
-        buf = np.array([total])
+        loss = self.run.train_step(*self._batch(self.sampler))
+        result = self.run.step(self.opt, max_norm=cfg.grad_clip or None)
+        buf = np.array([loss])
         self.mesh.dp.all_reduce(buf, op="avg")
         seconds = time.perf_counter() - t0
         self.step += 1
@@ -171,7 +215,7 @@ class Trainer:
     def _memory_and_comm(self) -> dict:
         memory = self.world.gather_obj(self.model.ledger.peak_by_category())
         return {"memory": memory,
-                "comm": {k: v for k, v in self.mesh.dp.stats.snapshot().items()}}
+                "comm": {axis: comm.stats.snapshot() for axis, comm in self._axes().items()}}
 
     def fit(self) -> dict:
         cfg, log = self.cfg, self.log
@@ -278,7 +322,10 @@ def run(cfg: TrainConfig, world: Communicator) -> dict:
         return {"dry_run": True, "plan": asdict(trainer.plan)}
     trainer.build()
     summary = trainer.fit()
-    if cfg.sample_tokens and cfg.model == "gpt":
+    if cfg.sample_tokens and cfg.model == "gpt" and (cfg.tp > 1 or cfg.pp > 1):
+        trainer.log.info("sample skipped: sampling during training needs tp=1 pp=1 "
+                         "(mpishard sample works on a checkpoint of any layout)")
+    elif cfg.sample_tokens and cfg.model == "gpt":
         text = trainer.sample(cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
         trainer.log.info("sample:\n" + text)
     trainer.log.info(f"val loss {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} "

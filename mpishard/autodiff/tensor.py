@@ -290,7 +290,7 @@ def run_backward(root: Tensor, grad) -> None:
 
 
 def _accumulate(tensor: Tensor, g) -> None:
-    if g.shape != tensor.data.shape:
+    if g.shape != tuple(tensor.shape):  # a Parameter's shape holds even while released
         raise RuntimeError(
             f"internal error: gradient of shape {g.shape} for tensor {tensor!r} "
             f"{tensor.name!r}; an op's backward returned the wrong shape")

@@ -104,7 +104,7 @@ class Block(Module):
 
 
 class GPT(Module):
-    """The GPT language model.
+    """The GPT language model, or one pipeline stage of it.
 
     Args:
         config: :class:`GPTConfig`.
@@ -113,58 +113,99 @@ class GPT(Module):
         backend: where arrays live; NumPy by default.
         materialize_now: build parameter values immediately (the default); pass
             False to leave them empty for a strategy to materialise in shards.
+        blocks: which blocks this model holds (default: all); they keep their
+            global names, ``transformer.h.<i>``.
+        first_stage: holds the embeddings and takes token ids.
+        last_stage: holds the final norm and the output projection and returns
+            logits and loss. A model that is not both takes or returns the
+            ``(B*T, C)`` activations (a pipeline stage, see mpishard.parallel).
     """
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: str = "float32",
-                 backend: Backend | None = None, materialize_now: bool = True):
+                 backend: Backend | None = None, materialize_now: bool = True,
+                 blocks=None, first_stage: bool = True, last_stage: bool = True):
         super().__init__()
         self.config = config
         self.backend = backend or Backend()
         self.seed = seed
+        self.first_stage, self.last_stage = first_stage, last_stage
+        self.block_ids = list(range(config.n_layer) if blocks is None else blocks)
+        if any(not 0 <= i < config.n_layer for i in self.block_ids):
+            raise ValueError(f"blocks {self.block_ids} out of range for n_layer={config.n_layer}")
         C = config.n_embd
-        self.transformer = ModuleDict(
-            wte=Embedding(config.vocab_size, C, dtype=dtype),
-            wpe=Embedding(config.block_size, C, dtype=dtype),
-            drop=Dropout(config.dropout),
-            h=ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(C, config.bias, dtype=dtype),
-        )
-        self.lm_head = Linear(C, config.vocab_size, bias=False, dtype=dtype)
-        # Weight tying, as in nanoGPT: the output projection is the token table.
-        self.lm_head.weight = self.transformer.wte.weight
+        parts = {}
+        if first_stage or last_stage:  # the last stage needs it for the tied output layer
+            parts["wte"] = Embedding(config.vocab_size, C, dtype=dtype)
+        if first_stage:
+            parts["wpe"] = Embedding(config.block_size, C, dtype=dtype)
+            parts["drop"] = Dropout(config.dropout)
+        parts["h"] = ModuleDict(**{str(i): Block(config, dtype) for i in self.block_ids})
+        if last_stage:
+            parts["ln_f"] = LayerNorm(C, config.bias, dtype=dtype)
+        self.transformer = ModuleDict(**parts)
+        if last_stage:
+            self.lm_head = Linear(C, config.vocab_size, bias=False, dtype=dtype)
+            # Weight tying, as in nanoGPT: the output projection is the token table.
+            self.lm_head.weight = self.transformer.wte.weight
+        #: maps (logits (N, V), targets (N,)) to the mean loss; tensor parallelism
+        #: swaps in a vocab-parallel cross-entropy.
+        self.loss_fn = nn_ops.cross_entropy
         if materialize_now:
             materialize(self, seed, self.backend)
 
     def shard_units(self) -> list[str]:
         """Module names that ZeRO communicates as units: one per block."""
-        return [f"transformer.h.{i}" for i in range(self.config.n_layer)]
+        return [f"transformer.h.{i}" for i in self.block_ids]
 
-    def forward(self, idx, targets=None):
-        """Logits ``(B, T, vocab)`` and, with ``targets`` ``(B, T)``, the mean cross-entropy."""
-        idx = idx.data if isinstance(idx, Tensor) else idx
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size "
-                             f"{self.config.block_size}")
-        xp = xp_of(self.transformer.wte.weight.data)
-        tok = self.transformer.wte(idx)                            # (B, T, C)
-        pos = self.transformer.wpe(xp.arange(T))                   # (T, C)
-        x = (tok + pos).reshape(B * T, self.config.n_embd)         # (B*T, C)
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
+    def forward(self, inputs, targets=None, batch_size: int | None = None):
+        """Run this model (or stage).
+
+        Args:
+            inputs: ``(B, T)`` token ids on the first stage, else the previous
+                stage's ``(B*T, C)`` activations.
+            targets: ``(B, T)`` next-token ids (last stage).
+            batch_size: ``B``, needed when ``inputs`` are activations.
+
+        Returns:
+            On the last stage ``(logits, loss)`` with logits ``(B, T, V)`` (``V``
+            local to this rank under tensor parallelism) and the mean
+            cross-entropy (``None`` without targets); otherwise the ``(B*T, C)``
+            activations for the next stage.
+        """
+        if self.first_stage:
+            idx = inputs.data if isinstance(inputs, Tensor) else inputs
+            B, T = idx.shape
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size "
+                                 f"{self.config.block_size}")
+            xp = xp_of(self.transformer.wte.weight.data)
+            tok = self.transformer.wte(idx)                        # (B, T, C)
+            pos = self.transformer.wpe(xp.arange(T))               # (T, C)
+            x = (tok + pos).reshape(B * T, self.config.n_embd)     # (B*T, C)
+            x = self.transformer.drop(x)
+        else:
+            if batch_size is None:
+                raise ValueError("a stage that is not first needs batch_size")
+            x, B = inputs, batch_size
+            T = x.shape[0] // B
+        for block in self.transformer.h.values():
             x = block(x, B)
+        if not self.last_stage:
+            return x
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)                                   # (B*T, V)
         loss = None
         if targets is not None:
             targets = targets.data if isinstance(targets, Tensor) else targets
-            loss = nn_ops.cross_entropy(logits, targets.reshape(B * T))
-        return logits.reshape(B, T, self.config.vocab_size), loss
+            loss = self.loss_fn(logits, targets.reshape(B * T))
+        return logits.reshape(B, T, logits.shape[-1]), loss
 
     @no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, rng=None):
-        """Extend ``idx`` ``(B, T)`` by sampling ``max_new_tokens`` tokens."""
+        """Extend ``idx`` ``(B, T)`` by sampling ``max_new_tokens`` tokens (whole models only)."""
+        if not (self.first_stage and self.last_stage):
+            raise ValueError("generate() needs the whole model, not a pipeline stage")
         rng = rng or np.random.default_rng(0)
         was_training = self.training
         self.eval()

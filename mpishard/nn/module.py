@@ -42,13 +42,17 @@ class Module:
             raise AttributeError(f"{type(self).__name__}.__init__ must call "
                                  f"super().__init__() before assigning {name!r}")
         params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
-        params.pop(name, None)
-        modules.pop(name, None)
+        # Re-assigning a name keeps its place, so named_parameters() keeps its order
+        # when a layer is swapped (e.g. for its tensor-parallel version).
         if isinstance(value, Parameter):
+            modules.pop(name, None)
             params[name] = value
         elif isinstance(value, Module):
+            params.pop(name, None)
             modules[name] = value
         else:
+            params.pop(name, None)
+            modules.pop(name, None)
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str):
@@ -203,15 +207,30 @@ class ModuleList(Module):
 
 
 class ModuleDict(Module):
-    """Named sub-modules, registered in the order given."""
+    """Named sub-modules, registered in the order given (an int key means its string)."""
 
     def __init__(self, **modules):
         super().__init__()
         for name, m in modules.items():
             setattr(self, name, m)
 
-    def __getitem__(self, name: str) -> Module:
-        return self._modules[name]
+    def __getitem__(self, name) -> Module:
+        return self._modules[str(name)]
+
+    def __contains__(self, name) -> bool:
+        return str(name) in self._modules
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def __iter__(self):
         return iter(self._modules)
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()

@@ -95,6 +95,8 @@ class ShardSpec:
         tp_blocks: ``(start, stop)`` ranges along ``tp_dim`` of the global
             tensor; the local tensor is their concatenation in this order.
         pp_stage: pipeline stage that owns the parameter (``None``: not pipelined).
+        replica: this tensor is a copy of one held elsewhere (a tied weight on
+            another pipeline stage): not saved, not counted in gradient norms.
         flat: ZeRO placement over the dp axis (``None`` when not flattened).
     """
 
@@ -103,6 +105,7 @@ class ShardSpec:
     tp_dim: int | None = None
     tp_blocks: tuple = ()
     pp_stage: int | None = None
+    replica: bool = False
     flat: FlatPlacement | None = None
 
     @property
@@ -113,6 +116,39 @@ class ShardSpec:
         shape = list(self.global_shape)
         shape[self.tp_dim] = sum(stop - start for start, stop in self.tp_blocks)
         return tuple(shape)
+
+    def global_runs(self, flat_range: tuple | None = None) -> list:
+        """This rank's piece as runs of the *global* tensor's row-major flat index.
+
+        The local tensor (the tp blocks of the global one, concatenated along
+        ``tp_dim``), flattened row-major and cut to ``flat_range`` (a ZeRO
+        shard's ``FlatPlacement.owned``; default: all of it), is the
+        concatenation of the returned ``(start, stop)`` runs of the global
+        flattened tensor, in order. Checkpoints store and re-shard pieces
+        through these runs alone, so any layout maps onto any other.
+        """
+        shape = tuple(self.global_shape)
+        if self.tp_dim is None:
+            segments = [(0, int(np.prod(shape, dtype=np.int64)))]
+        else:
+            d = self.tp_dim
+            inner = int(np.prod(shape[d + 1:], dtype=np.int64))
+            outer = int(np.prod(shape[:d], dtype=np.int64))
+            segments = [((o * shape[d] + start) * inner, (o * shape[d] + stop) * inner)
+                        for o in range(outer) for start, stop in self.tp_blocks]
+        if flat_range is None:
+            return [s for s in segments if s[1] > s[0]]
+        lo, hi = flat_range
+        runs, pos = [], 0
+        for start, stop in segments:
+            n = stop - start
+            a, b = max(lo, pos), min(hi, pos + n)
+            if b > a:
+                runs.append((start + a - pos, start + b - pos))
+            pos += n
+            if pos >= hi:
+                break
+        return runs
 
     def local_slice_of(self, full: np.ndarray) -> np.ndarray:
         """Cut this rank's piece out of the full global array."""

@@ -19,6 +19,13 @@ the squared gradient norm is combined with one all-reduce that also carries a
 "model changed" flag; every rank then computes the same norm, the same clip
 coefficient and the same skip decision. A skipped step leaves parameters and
 optimizer state bit-unchanged and is counted in ``skipped_steps``.
+
+[Note: counted once]
+The norm all-reduce runs over the whole mesh (dp x tp x pp), so every element
+of the model's gradient must be added by exactly one rank: a dp replica only on
+dp rank 0 (DataParallel; ZeRO shards are disjoint), a tensor replicated over tp
+(layer norms, row-parallel biases, position embeddings) only on tp rank 0, and a
+tied copy on another pipeline stage (``spec.replica``) never.
 """
 from __future__ import annotations
 
@@ -50,10 +57,6 @@ class Strategy:
     Subclasses implement :meth:`parameters`, :meth:`reduce_grads`,
     :meth:`_local_grad_sq`, :meth:`_scale_grads` and optionally :meth:`_after_update`.
     """
-
-    #: all-reduce op combining per-rank squared norms: "sum" when each rank holds
-    #: a disjoint part of the gradients, "max" when every rank holds all of them.
-    norm_reduce_op = "sum"
 
     def __init__(self, module, mesh, ledger: MemoryLedger | None = None):
         self.module = module
@@ -131,12 +134,18 @@ class Strategy:
     def _model_changed(self) -> bool:
         return [id(p) for p in self.module.parameters()] != self._param_ids
 
+    def counts_once(self, spec) -> bool:
+        """Whether this rank adds a parameter's gradient to norms (see [Note: counted once])."""
+        if spec.replica:
+            return False
+        return spec.tp_dim is not None or self.mesh.tp.rank == 0
+
     def grad_norm(self) -> float:
         """Global gradient norm, the same on every rank. See [Note: collective step decisions]."""
         sq = self._local_grad_sq()
-        # NaN would compare unpredictably under "max"; +inf survives both ops.
+        # +inf stands for any non-finite value (NaN + x stays NaN, but is harder to read).
         flags = np.array([sq if math.isfinite(sq) else math.inf, float(self._model_changed())])
-        self.dp.all_reduce(flags, op=self.norm_reduce_op)
+        self.mesh.world.all_reduce(flags, op="sum")
         if flags[1] > 0:
             raise RuntimeError(
                 "the model's parameters changed after it was wrapped (a parameter was "

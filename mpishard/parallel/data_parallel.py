@@ -79,8 +79,6 @@ class DataParallel(Strategy):
             ``"broadcast"`` (copy rank 0's parameters to every rank).
     """
 
-    norm_reduce_op = "max"  # every rank holds the same averaged gradients
-
     def __init__(self, module, mesh, bucket_bytes: int = 4 << 20, sync_params: str = "check",
                  ledger=None):
         super().__init__(module, mesh, ledger)
@@ -171,4 +169,6 @@ class DataParallel(Strategy):
         self._next_launch = 0
 
     def _local_grad_sq(self) -> float:
-        return grad_sq_sum(p.grad for p in self.module.parameters())
+        if self.dp.rank != 0:  # every dp rank holds the same averaged gradients
+            return 0.0
+        return grad_sq_sum(p.grad for p in self.module.parameters() if self.counts_once(p.spec))

@@ -110,6 +110,12 @@ class FlatUnit:
                 out[o:o + n] = a.reshape(-1)
         out[self.numel:] = 0
 
+    def shard_range_of(self, index: int) -> tuple:
+        """``(lo, hi)`` of parameter ``index``'s owned elements in this rank's shard."""
+        start, stop = self.params[index].spec.flat.owned
+        lo = self.offsets[index] + start - self.shard_start
+        return lo, lo + stop - start
+
     def owned_piece(self, index: int, full_param) -> tuple:
         """``(shard_offset, values)``: the part of parameter ``index`` this rank owns."""
         start, stop = self.params[index].spec.flat.owned

@@ -261,7 +261,8 @@ class ZeRO(Strategy):
         unit.ready = 0
         if self.sync_gradients:
             self._reduce_scatter(unit)
-        self.reshard(unit)
+        if unit is not self.root:  # the root may serve more micro-batches' backward
+            self.reshard(unit)
 
     def _reduce_scatter(self, unit: FlatUnit) -> None:
         if unit.grad_full is not None:  # stage 1 keeps full gradients
@@ -307,6 +308,7 @@ class ZeRO(Strategy):
         while self._pending:
             self._finish_oldest_reduction()
         self._discard_prefetches()
+        self.reshard(self.root)
         for unit in self.units:
             unit.reductions = 0
             unit.target.grad = unit.grad_shard
@@ -317,11 +319,19 @@ class ZeRO(Strategy):
         self._grads_reduced = False
 
     def _local_grad_sq(self) -> float:
+        """Sum of squares of this rank's gradient shards, each element counted once overall."""
         total = 0.0
         for unit in self.units:
             g = unit.target.grad
-            if g is not None and g.size:
-                g64 = g.astype(np.float64)
+            if g is None or not g.size:
+                continue
+            if all(self.counts_once(p.spec) for p in unit.params):
+                ranges = [(0, g.size)]
+            else:
+                ranges = [unit.shard_range_of(i) for i, p in enumerate(unit.params)
+                          if self.counts_once(p.spec)]
+            for lo, hi in ranges:
+                g64 = g[lo:hi].astype(np.float64)
                 total += float(xp_of(g64).dot(g64, g64))
         return total
 

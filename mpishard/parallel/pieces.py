@@ -1,0 +1,114 @@
+"""What a rank holds, as pieces of global tensors: the interface checkpoints use.
+
+[Note: pieces]
+A :class:`Piece` is a 1-D run of elements this rank owns of one global tensor
+(a parameter, or one optimizer state of that parameter), together with where
+those elements sit in the global tensor: ``runs``, intervals of the global
+row-major flat index (:meth:`mpishard.nn.ShardSpec.global_runs`). Saving writes
+each piece's array and runs; loading asks, for each piece the *new* layout
+needs, for the elements of its runs, wherever the old layout kept them. A
+tensor replicated over dp is owned (saved) by dp rank 0 only. Strategies
+produce and consume pieces; nothing outside reads their buffers directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["Piece", "pieces_of", "load_pieces"]
+
+
+@dataclass
+class Piece:
+    """One owned run of one global tensor.
+
+    Attributes:
+        name: the parameter's name (``transformer.h.0.attn.c_attn.weight``).
+        kind: ``"param"`` or an optimizer state name (``"exp_avg"``, ...).
+        global_shape: shape of the whole tensor.
+        dtype: dtype name.
+        runs: ``(start, stop)`` intervals of the global flat index, in the
+            order of ``array``'s elements.
+        array: a 1-D view into this rank's storage (writes land in place).
+        owner: whether this rank is the one that saves it: exactly one rank
+            owns each element (see [Note: counted once] in base.py; a dp
+            replica is owned by dp rank 0, a tp-replicated tensor by tp rank 0,
+            a tied copy on another pipeline stage by nobody). Non-owned pieces
+            are still loaded.
+    """
+
+    name: str
+    kind: str
+    global_shape: tuple
+    dtype: str
+    runs: list
+    array: object
+    owner: bool = True
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.runs)
+
+
+def _state_views(optimizer, target_index: int, lo: int, hi: int) -> dict:
+    if optimizer is None:
+        return {}
+    state = optimizer.state[target_index]
+    return {name: arr[lo:hi] for name, arr in state.items()}
+
+
+def pieces_of(strategy, optimizer=None) -> list[Piece]:
+    """Every piece this rank holds of parameters and optimizer state (see [Note: pieces])."""
+    if optimizer is not None:
+        optimizer.allocate_state()
+    index = {id(t): i for i, t in enumerate(optimizer.params)} if optimizer is not None else {}
+    pieces: list[Piece] = []
+    units = getattr(strategy, "units", None)
+    if units is None:  # replicated over dp (DataParallel, or no strategy)
+        for name, p in strategy.module.named_parameters():
+            owner = strategy.dp.rank == 0 and strategy.counts_once(p.spec)
+            flat = p.data.reshape(-1)
+            runs = p.spec.global_runs()
+            views = {"param": flat}
+            if id(p) in index:
+                views.update(_state_views(optimizer, index[id(p)], 0, flat.size))
+            for kind, arr in views.items():
+                pieces.append(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr,
+                                    owner))
+        return pieces
+    for unit in units:
+        target = unit.target
+        for name, p, offset in zip(unit.names, unit.params, unit.offsets):
+            start, stop = p.spec.flat.owned
+            if stop <= start:
+                continue
+            lo = offset + start - unit.shard_start
+            hi = lo + stop - start
+            runs = p.spec.global_runs((start, stop))
+            views = {"param": target.data[lo:hi]}
+            if id(target) in index:
+                views.update(_state_views(optimizer, index[id(target)], lo, hi))
+            owner = strategy.counts_once(p.spec)
+            for kind, arr in views.items():
+                pieces.append(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr,
+                                    owner))
+    return pieces
+
+
+def load_pieces(strategy, optimizer, read: Callable[[str, str, list, str], np.ndarray]) -> None:
+    """Fill every piece this rank holds from ``read(name, kind, runs, dtype) -> 1-D array``.
+
+    Afterwards ZeRO stages 1/2 re-gather full parameters from the loaded shards.
+    """
+    from ..backend import xp_of  # noqa: PLC0415
+
+    for piece in pieces_of(strategy, optimizer):
+        values = read(piece.name, piece.kind, piece.runs, piece.dtype)
+        if values.size != piece.array.size:
+            raise ValueError(f"{piece.name} ({piece.kind}): read {values.size} elements, "
+                             f"the piece holds {piece.array.size}")
+        piece.array[...] = xp_of(piece.array).asarray(values, dtype=piece.array.dtype)
+    if getattr(strategy, "units", None) is not None:
+        strategy._after_update()
