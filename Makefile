@@ -15,6 +15,13 @@ MPIEXEC_FLAGS ?=
 else
 VENV ?= .venv-$(MPI)
 MPIEXEC_FLAGS ?= --oversubscribe --allow-run-as-root
+# Open MPI's mpiexec refuses to run as root (containers, CI) and to start more
+# ranks than cores. The flags above cover the Makefile's own launches; these
+# variables cover the mpiexec that tests start themselves (tests/test_cli.py,
+# tests/test_slurm.py). PRTE_* is Open MPI 5's launcher (PRRTE), as in the wheel.
+export OMPI_ALLOW_RUN_AS_ROOT ?= 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
+export PRTE_MCA_rmaps_default_mapping_policy ?= :oversubscribe
 endif
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS)

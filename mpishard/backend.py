@@ -152,6 +152,8 @@ class Backend:
         device = local_rank % gpus
         cupy.cuda.Device(device).use()
         ledger.cupy_pool = cupy.get_default_memory_pool()
+        if memory_budget is not None:  # the pool enforces the budget for real on the GPU
+            ledger.cupy_pool.set_limit(size=int(memory_budget))
         return cls("cupy", device, ledger)
 
     def asarray(self, array, dtype=None):
