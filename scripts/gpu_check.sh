@@ -15,7 +15,10 @@
 #      the library is CUDA-aware (the same as 2 otherwise; says which);
 #   4. two ranks with comm_backend="nccl", only with >= 2 GPUs and NCCL
 #      (NCCL refuses two ranks on one GPU);
-#   5. the comm benchmark on device buffers, only with CUDA-aware MPI.
+#   5. the comm benchmark on device buffers, only with CUDA-aware MPI;
+#   6. every autodiff op and a GPT training step on CuPy against NumPy
+#      (scripts/gpu_train_check.py);
+#   7. `mpishard train --backend cupy` with ZeRO-3 on two ranks.
 # Exits non-zero on the first failure; prints "gpu_check: PASSED" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,4 +63,8 @@ if [ "$AWARE" = 1 ]; then
 else
     echo "SKIP device-buffer benchmark: MPI is not CUDA-aware"
 fi
+run 300 "$PY" scripts/gpu_train_check.py
+run 300 "$MPIEXEC" ${MPIFLAGS[@]+"${MPIFLAGS[@]}"} -n 2 "$PY" -m mpi4py -m mpishard train \
+    --backend cupy --strategy zero3 --steps 5 --n-layer 2 --n-embd 64 --n-head 4 \
+    --block-size 64 --batch-size 4 --max-bytes 200000 --eval-batches 1 --progress false
 echo "gpu_check: PASSED"
