@@ -129,6 +129,7 @@ def _given(args) -> set:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import add_config_flags
+    from .plot import add_plot_command
 
     parser = _Parser(prog="mpishard", description="Readable model sharding on NumPy/CuPy "
                      "and mpi4py. Launch multi-rank commands as "
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["comm", "step", "strategies"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=_cmd_bench)
+    add_plot_command(sub)
     return parser
 
 

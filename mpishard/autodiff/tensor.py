@@ -31,6 +31,7 @@ parameters just before they are needed (a hook on the unit's output).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
@@ -66,11 +67,10 @@ class no_grad:
         return False
 
     def __call__(self, fn):
+        @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             with type(self)():
                 return fn(*args, **kwargs)
-        wrapper.__name__ = getattr(fn, "__name__", "wrapper")
-        wrapper.__doc__ = getattr(fn, "__doc__", None)
         return wrapper
 
 
