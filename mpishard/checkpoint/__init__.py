@@ -1,0 +1,27 @@
+"""Sharded checkpoints: atomic, verified, loadable onto any layout, exportable.
+
+    save_checkpoint("ckpt", step, strategy, opt, extra_state={...}, keep_last=3)
+    extra = load_checkpoint("ckpt", strategy, opt)         # any strategy, any world size
+    consolidate("ckpt", "model.safetensors")               # one file, nanoGPT names
+
+Saving and loading are collective; a failure on any rank is a
+:class:`CheckpointError` on every rank. See docs/checkpoints.md, and
+[Note: checkpoint layout], [Note: manifest], [Note: atomic commit],
+[Note: loading onto any layout], [Note: reading only what is needed] and
+[Note: checkpoint agreement] in this package. Nothing here unpickles anything.
+"""
+from .consolidate import consolidate, load_consolidated
+from .errors import CheckpointError
+from .format import Manifest, latest_checkpoint, read_manifest, resolve_checkpoint
+from .inspect import Inspection, inspect_checkpoint
+from .reader import ShardReader, load_checkpoint, verify_checkpoint
+from .signals import StopSignals
+from .state import (generator_state, load_module_rng_states, module_rng_states,
+                    set_generator_state)
+from .writer import save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "latest_checkpoint",
+           "resolve_checkpoint", "read_manifest", "Manifest", "ShardReader", "consolidate",
+           "load_consolidated", "inspect_checkpoint", "Inspection", "StopSignals",
+           "CheckpointError", "generator_state", "set_generator_state", "module_rng_states",
+           "load_module_rng_states"]

@@ -1,0 +1,123 @@
+"""Helpers shared by the checkpoint tests and the scripts they launch.
+
+Tests import this as ``ckpt_scripts.common``; scripts in this folder as ``common``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SCRIPTS = ROOT / "tests" / "ckpt_scripts"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def build(kind: str, comm, dtype: str = "float64", seed: int = 0, cfg=None):
+    """A GPT wrapped with ``kind`` (ddp, zero1, zero2, zero3) over all of ``comm``."""
+    from mpishard.comm import Mesh
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.parallel import DataParallel, ZeRO
+
+    cfg = cfg or GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)
+    mesh = Mesh(comm, dp=comm.size)
+    if kind == "ddp":
+        return DataParallel(GPT(cfg, seed=seed, dtype=dtype), mesh)
+    stage = int(kind[-1])
+    return ZeRO(GPT(cfg, seed=seed, dtype=dtype, materialize_now=stage != 3), mesh, stage=stage)
+
+
+def full_tensors(strategy, optimizer, comm) -> dict:
+    """``(name, kind) -> whole flat array`` from every rank's owned pieces (on every rank)."""
+    from mpishard.backend import to_numpy
+    from mpishard.parallel import pieces_of
+
+    owned = [(p.name, p.kind, tuple(p.global_shape), p.runs, np.array(to_numpy(p.array)))
+             for p in pieces_of(strategy, optimizer) if p.owner]
+    full: dict = {}
+    for rank_pieces in comm.all_gather_obj(owned):
+        for name, kind, shape, runs, values in rank_pieces:
+            flat = full.setdefault((name, kind), np.full(int(np.prod(shape)), np.nan,
+                                                         values.dtype))
+            pos = 0
+            for a, b in runs:
+                flat[a:b] = values[pos:pos + b - a]
+                pos += b - a
+    return full
+
+
+@contextlib.contextmanager
+def shared_tmp(comm):
+    """A temporary directory every rank of ``comm`` sees (made by rank 0, removed at the end)."""
+    path = comm.broadcast_obj(tempfile.mkdtemp(prefix="mpishard-ckpt-") if comm.rank == 0
+                              else None)
+    try:
+        yield Path(path)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_env(**extra) -> dict:
+    """The environment for a child ``mpiexec``: no inherited MPI/Slurm variables, 1 BLAS thread."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPISHARD_",
+                                "SLURM_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1", **extra)
+    return env
+
+
+def mpiexec_command(script: str, *args, np_: int = 2) -> list:
+    """``mpiexec -n N python -m mpi4py tests/ckpt_scripts/SCRIPT ARGS`` (Open MPI flags added)."""
+    from mpi4py import MPI
+
+    extra = ["--oversubscribe", "--allow-run-as-root"] if MPI.get_vendor()[0] == "Open MPI" \
+        else []
+    return [str(MPIEXEC), *extra, "-n", str(np_), sys.executable, "-m", "mpi4py",
+            str(SCRIPTS / script), *[str(a) for a in args]]
+
+
+def _mapped_files() -> set:
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(None, 5)[-1].strip() for line in maps.read_text().splitlines()
+                          if "/dev/shm/" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return mapped
+
+
+@contextlib.contextmanager
+def reap_shared_memory():
+    """Remove the MPI shared-memory segments that jobs killed inside the block leave behind.
+
+    MPICH keeps a file in /dev/shm per node for a job and removes it at exit, so
+    a SIGKILLed job leaks it (~2 MiB). Only files that appeared during the block
+    and that no running process has mapped are removed.
+    """
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpich_shm_*")) if shm.is_dir() else set()
+    try:
+        yield
+    finally:
+        new = (set(shm.glob("mpich_shm_*")) - before) if shm.is_dir() else set()
+        if new:
+            in_use = _mapped_files()
+            for path in new:
+                if str(path) not in in_use:
+                    path.unlink(missing_ok=True)
+
+
+def run_mpi(script: str, *args, np_: int = 2, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run a script under ``mpiexec`` to completion (raises TimeoutExpired past ``timeout``)."""
+    return subprocess.run(mpiexec_command(script, *args, np_=np_), cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
