@@ -43,6 +43,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml
+	$(PY) -m mpishard plot runs/demo/metrics.jsonl -o runs/demo/loss.png
+	$(PY) -m mpishard checkpoint inspect runs/demo/checkpoints | head -4
 
 test: $(STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi

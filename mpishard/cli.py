@@ -100,6 +100,36 @@ def _cmd_estimate(args) -> int:
     return 0
 
 
+def _cmd_sample(args) -> int:
+    import numpy as np
+    from mpi4py import MPI
+
+    from .backend import Backend
+    from .checkpoint import CheckpointError, load_checkpoint, read_manifest, resolve_checkpoint
+    from .comm import Communicator, Mesh
+    from .config import ConfigError, TrainConfig
+    from .parallel import DataParallel
+    from .train import build_model
+
+    step_dir = resolve_checkpoint(args.checkpoint)
+    saved = read_manifest(step_dir).extra.get("config")
+    if not saved or saved.get("model") != "gpt":
+        raise CheckpointError(f"{step_dir}: no GPT training config in the manifest; sample needs "
+                              f"a checkpoint written by 'mpishard train --model gpt'")
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
+    world = Communicator.from_env(MPI.COMM_SELF)      # one process, whatever the saved layout
+    model = DataParallel(build_model(cfg, Backend()), Mesh(world))
+    load_checkpoint(step_dir, model, None, world=world)
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
+    prompt = np.frombuffer(args.prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)[None]
+    out = model.module.generate(prompt, args.tokens, temperature=args.temperature,
+                                top_k=args.top_k, rng=np.random.default_rng(args.seed))
+    if MPI.COMM_WORLD.rank == 0:
+        print(bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace"))
+    return 0
+
+
 def _cmd_bench(args) -> int:
     if args.what == "comm":
         from .bench.comm import main as bench_comm
@@ -129,6 +159,7 @@ def _given(args) -> set:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import add_config_flags
+    from .checkpoint.cli import add_checkpoint_commands
     from .plot import add_plot_command
 
     parser = _Parser(prog="mpishard", description="Readable model sharding on NumPy/CuPy "
@@ -155,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=_cmd_bench)
     add_plot_command(sub)
+    add_checkpoint_commands(sub)
+
+    sample = sub.add_parser("sample", help="generate text from a GPT checkpoint (any layout)")
+    sample.add_argument("--checkpoint", required=True,
+                        help="checkpoint root (its newest step) or a step-N directory")
+    sample.add_argument("--prompt", default="def ", help="text to continue")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--temperature", type=float, default=0.8)
+    sample.add_argument("--top-k", type=int, default=40)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.set_defaults(func=_cmd_sample)
     return parser
 
 
@@ -162,13 +204,14 @@ def main(argv=None) -> int:
     """Entry point of the ``mpishard`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
     from .backend import BackendUnavailable, OutOfMemoryBudget
+    from .checkpoint import CheckpointError
     from .comm import LauncherMismatch, install_abort_hook
     from .config import ConfigError
     from .data import DataError
 
     # Raised alike on every rank (see train._agree): one line, exit 2 everywhere.
     user_errors = (ConfigError, DataError, LauncherMismatch, BackendUnavailable,
-                   OutOfMemoryBudget)
+                   OutOfMemoryBudget, CheckpointError)
     install_abort_hook()
     try:
         return int(args.func(args) or 0)

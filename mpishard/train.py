@@ -20,6 +20,8 @@ import numpy as np
 
 from .autodiff.tensor import no_grad
 from .backend import Backend
+from .checkpoint import (CheckpointError, StopSignals, load_checkpoint, load_module_rng_states,
+                         module_rng_states, save_checkpoint)
 from .comm import Communicator, Mesh, node_local_rank
 from .config import ConfigError, TrainConfig
 from .data import VOCAB_SIZE, ArraySampler, BatchSampler, DataError, load_corpus, load_digits
@@ -169,6 +171,33 @@ class Trainer:
         self.schedule = CosineSchedule(cfg.lr, min(cfg.warmup_steps, cfg.steps), cfg.steps,
                                        cfg.min_lr)
         self.step = 0
+        if cfg.checkpoint_dir and cfg.resume:
+            self._resume()
+
+    # -- checkpoints -------------------------------------------------------------
+    def _resume(self) -> None:
+        """Continue from the newest complete checkpoint in ``checkpoint_dir`` (any layout)."""
+        cfg = self.cfg
+        try:
+            extra = load_checkpoint(cfg.checkpoint_dir, self.model, self.opt, world=self.world)
+        except CheckpointError as err:
+            if err.rule != "no-checkpoint":      # raised identically on every rank
+                raise
+            self.log.info(f"resume: no checkpoint in {cfg.checkpoint_dir} yet; "
+                          f"starting at step 0")
+            return
+        self.step = int(extra["step"])
+        self.sampler.load_state_dict(extra["data"])
+        load_module_rng_states(self.model.module, extra["rng"])
+        self.log.info(f"resumed from step {self.step} ({cfg.checkpoint_dir})")
+
+    def save(self):
+        """Checkpoint parameters, optimizer state, data position and RNG (collective)."""
+        extra = {"step": self.step, "data": self.sampler.state_dict(),
+                 "rng": module_rng_states(self.model.module, self.world),
+                 "config": asdict(self.cfg)}
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.opt,
+                               world=self.world, extra_state=extra, keep_last=self.cfg.keep_last)
 
     # -- evaluation ------------------------------------------------------------
     def _batch(self, sampler) -> tuple:
@@ -222,40 +251,53 @@ class Trainer:
         metrics_file = None
         if cfg.metrics and self.world.rank == 0:
             Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
-            metrics_file = open(cfg.metrics, "w", encoding="utf-8")
+            # a resumed run continues its metrics; a new run starts them afresh
+            metrics_file = open(cfg.metrics, "a" if self.step else "w", encoding="utf-8")
         first_val = self.evaluate()
-        log.info(f"step 0: val loss {first_val:.4f}")
+        log.info(f"step {self.step}: val loss {first_val:.4f}")
         if metrics_file:
-            metrics_file.write(json.dumps({"step": 0, "val_loss": first_val}) + "\n")
-        bar = _progress(cfg, self.world.rank)
-        record = {}
-        while self.step < cfg.steps:
-            record = self.train_step()
-            record.update(self._memory_and_comm())
-            if cfg.eval_interval and self.step % cfg.eval_interval == 0 \
-                    and self.step < cfg.steps:
-                record["val_loss"] = self.evaluate()
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}")
-                bar.update(1)
-            if not math.isfinite(record["loss"]):
-                log.info(f"step {self.step}: loss is not finite; stopping")
-                break
-            if bar is None and (self.step % max(1, cfg.steps // 10) == 0):
-                log.info(f"step {self.step}/{cfg.steps}: loss {record['loss']:.4f}, "
-                         f"{record['tokens_per_s']:.0f} tokens/s")
+            metrics_file.write(json.dumps({"step": self.step, "val_loss": first_val}) + "\n")
+        bar = _progress(cfg, self.world.rank, self.step)
+        record, stopped = {}, False
+        with StopSignals() as stop:
+            while self.step < cfg.steps:
+                record = self.train_step()
+                record.update(self._memory_and_comm())
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0 \
+                        and self.step < cfg.steps:
+                    record["val_loss"] = self.evaluate()
+                stopped = stop.should_stop(self.world)           # collective, every step
+                if cfg.checkpoint_dir and (stopped or self.step == cfg.steps or (
+                        cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0)):
+                    record["checkpoint"] = str(self.save())
+                if metrics_file:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+                    bar.update(1)
+                if stopped:
+                    log.info(f"step {self.step}: {stop.received or 'signal on another rank'}; "
+                             f"checkpoint saved, stopping" if cfg.checkpoint_dir else
+                             f"step {self.step}: {stop.received or 'signal'}; stopping "
+                             f"(no --checkpoint-dir, nothing saved)")
+                    break
+                if not math.isfinite(record["loss"]):
+                    log.info(f"step {self.step}: loss is not finite; stopping")
+                    break
+                if bar is None and (self.step % max(1, cfg.steps // 10) == 0):
+                    log.info(f"step {self.step}/{cfg.steps}: loss {record['loss']:.4f}, "
+                             f"{record['tokens_per_s']:.0f} tokens/s")
         if bar is not None:
             bar.close()
-        last_val = self.evaluate()
+        last_val = first_val if stopped else self.evaluate()
         if metrics_file:
-            metrics_file.write(json.dumps({"step": self.step, "val_loss": last_val}) + "\n")
+            if not stopped:
+                metrics_file.write(json.dumps({"step": self.step, "val_loss": last_val}) + "\n")
             metrics_file.close()
         return {"val_loss_start": first_val, "val_loss_end": last_val,
-                "train_loss_end": record.get("loss"), "steps": self.step,
+                "train_loss_end": record.get("loss"), "steps": self.step, "stopped": stopped,
                 "skipped_steps": self.model.skipped_steps}
 
     def sample(self, prompt: str, n_tokens: int, seed: int = 0) -> str:
@@ -304,14 +346,14 @@ def _agree(world: Communicator, local_work) -> None:
     raise (DataError if kind == "DataError" else ConfigError)(text)
 
 
-def _progress(cfg: TrainConfig, rank: int):
+def _progress(cfg: TrainConfig, rank: int, start: int = 0):
     if not cfg.progress or rank != 0:
         return None
     try:
         from tqdm import tqdm  # noqa: PLC0415
     except ImportError:
         return None
-    return tqdm(total=cfg.steps, desc="train", unit="step", mininterval=0.5)
+    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=0.5)
 
 
 def run(cfg: TrainConfig, world: Communicator) -> dict:
@@ -322,6 +364,9 @@ def run(cfg: TrainConfig, world: Communicator) -> dict:
         return {"dry_run": True, "plan": asdict(trainer.plan)}
     trainer.build()
     summary = trainer.fit()
+    if summary["stopped"]:
+        trainer.log.close()
+        return summary
     if cfg.sample_tokens and cfg.model == "gpt" and (cfg.tp > 1 or cfg.pp > 1):
         trainer.log.info("sample skipped: sampling during training needs tp=1 pp=1 "
                          "(mpishard sample works on a checkpoint of any layout)")

@@ -1,0 +1,64 @@
+"""mpishard train with checkpoints: exact resume, stop on SIGUSR1, sample from a checkpoint."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_cli import FAST, ROOT, mpishard
+
+
+def _losses(path):
+    return {r["step"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines())
+            if "loss" in r}
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    run = tmp_path / "a"
+    args = [*FAST, "--steps", "6", "--checkpoint-interval", "3", "--dropout", "0.1"]
+    out = mpishard("train", *args, "--checkpoint-dir", str(run), "--metrics",
+                   str(run / "m.jsonl"), n=2)
+    assert out.returncode == 0, out.stderr
+    resumed = tmp_path / "b"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "step-6")               # as if killed after step 3's save
+    out = mpishard("train", *args, "--checkpoint-dir", str(resumed), "--resume", "true",
+                   "--metrics", str(resumed / "m2.jsonl"), n=2)
+    assert out.returncode == 0, out.stderr
+    assert "resumed from step 3" in out.stdout
+    first, second = _losses(run / "m.jsonl"), _losses(resumed / "m2.jsonl")
+    assert sorted(second) == [4, 5, 6]
+    assert all(first[k] == second[k] for k in second)   # bit-identical
+
+
+def test_sigusr1_checkpoints_and_exits_zero(tmp_path):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mpishard", "train", *FAST, "--steps", "500",
+                             "--checkpoint-dir", str(ckpt), "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=ROOT)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (metrics.exists() and len(_losses(metrics)) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "checkpoint saved, stopping" in out
+    steps = sorted(_losses(metrics))
+    assert 2 <= steps[-1] < 500
+    assert (ckpt / f"step-{steps[-1]}").is_dir()
+    sample = mpishard("sample", "--checkpoint", str(ckpt), "--prompt", "def ", "--tokens", "20")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 20
+
+
+def test_resume_without_checkpoint_starts_fresh_and_bad_path_is_one_line(tmp_path):
+    out = mpishard("train", *FAST, "--steps", "1", "--checkpoint-dir", str(tmp_path / "none"),
+                   "--resume", "true")
+    assert out.returncode == 0 and "starting at step 0" in out.stdout
+    out = mpishard("sample", "--checkpoint", str(tmp_path / "missing"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
