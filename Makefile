@@ -38,7 +38,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,plot,progress,checkpoint,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,plot,progress,checkpoint,bench,digits]'
 	touch $(STAMP)
 
 demo: $(STAMP)

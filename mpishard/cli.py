@@ -114,8 +114,8 @@ def _cmd_sample(args) -> int:
     step_dir = resolve_checkpoint(args.checkpoint)
     saved = read_manifest(step_dir).extra.get("config")
     if not saved or saved.get("model") != "gpt":
-        raise CheckpointError(f"{step_dir}: no GPT training config in the manifest; sample needs "
-                              f"a checkpoint written by 'mpishard train --model gpt'")
+        raise CheckpointError(step_dir, "config", "no GPT training config in the manifest; "
+                              "sample needs a checkpoint written by 'mpishard train --model gpt'")
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
     world = Communicator.from_env(MPI.COMM_SELF)      # one process, whatever the saved layout
     model = DataParallel(build_model(cfg, Backend()), Mesh(world))

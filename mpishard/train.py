@@ -180,12 +180,12 @@ class Trainer:
         cfg = self.cfg
         try:
             extra = load_checkpoint(cfg.checkpoint_dir, self.model, self.opt, world=self.world)
-        except CheckpointError as err:
-            if err.rule != "no-checkpoint":      # raised identically on every rank
-                raise
-            self.log.info(f"resume: no checkpoint in {cfg.checkpoint_dir} yet; "
-                          f"starting at step 0")
-            return
+        except CheckpointError as err:           # raised identically on every rank
+            if err.rule == "no-checkpoint":
+                raise CheckpointError(
+                    cfg.checkpoint_dir, "no-checkpoint", "--resume found no complete "
+                    "checkpoint here; leave out --resume to start a new run") from None
+            raise
         self.step = int(extra["step"])
         self.sampler.load_state_dict(extra["data"])
         load_module_rng_states(self.model.module, extra["rng"])

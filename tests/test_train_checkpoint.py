@@ -56,9 +56,10 @@ def test_sigusr1_checkpoints_and_exits_zero(tmp_path):
     assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 20
 
 
-def test_resume_without_checkpoint_starts_fresh_and_bad_path_is_one_line(tmp_path):
+def test_resume_without_checkpoint_and_bad_path_are_one_line(tmp_path):
     out = mpishard("train", *FAST, "--steps", "1", "--checkpoint-dir", str(tmp_path / "none"),
                    "--resume", "true")
-    assert out.returncode == 0 and "starting at step 0" in out.stdout
+    assert out.returncode == 2 and "found no complete checkpoint" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
     out = mpishard("sample", "--checkpoint", str(tmp_path / "missing"))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
