@@ -46,6 +46,8 @@ REQUIRED = {
     "mpishard.parallel": ["DataParallel", "ZeRO", "plan_memory", "StepResult", "Strategy",
                           "ParallelGPT", "Pipeline", "ColumnParallelLinear", "RowParallelLinear"],
     "mpishard.data": ["load_corpus", "BatchSampler", "DataError"],
+    "mpishard.checkpoint": ["save_checkpoint", "load_checkpoint", "consolidate",
+                            "CheckpointError"],
 }
 
 _SECTION = re.compile(r"^## `([\w.]+)`\s*$")
