@@ -103,3 +103,15 @@ def test_dry_run_under_mpiexec_prints_the_plan():
     assert out.returncode == 0, out.stderr
     assert "zero3 on dp=4" in out.stdout and "rank 3/4" in out.stdout
     assert "val loss" not in out.stdout
+
+
+def test_bench_commands_run():
+    out = mpishard("bench", "comm", "--sizes-mib", "0.25", "--iters", "2", "--warmup", "1",
+                   n=2)
+    assert out.returncode == 0, out.stderr
+    assert "all_reduce" in out.stdout and "ratio" in out.stdout
+    out = mpishard("bench", "step", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                   "--threads", "1", "--no-torch", timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["results"]["1_thread"]["mpishard"]["median_step_s"] > 0
