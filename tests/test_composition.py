@@ -48,6 +48,7 @@ def train_layout(comm, dp, tp, pp, strategy="ddp", schedule="1f1b", micro=1):
 LAYOUTS = [  # (dp, tp, pp, strategy, schedule, micro-batches)
     (1, 2, 1, "ddp", "1f1b", 1),
     (1, 4, 1, "ddp", "1f1b", 1),
+    (1, 3, 1, "zero3", "1f1b", 1),      # uneven: heads 2+1+1, vocabulary 13+12+12
     (1, 1, 2, "ddp", "gpipe", 2),
     (1, 1, 2, "ddp", "1f1b", 2),
     (1, 1, 4, "ddp", "1f1b", 4),
