@@ -28,9 +28,9 @@ from .data import VOCAB_SIZE, ArraySampler, BatchSampler, DataError, load_corpus
 from .log import RankLogger
 from .models import GPT, GPTConfig, MLPClassifier
 from .optim import AdamW, CosineSchedule
-from .parallel import DataParallel, ParallelGPT, ZeRO, build_stage, plan_memory
+from .parallel import ParallelGPT, build_stage, plan_memory, wrap_model
 
-__all__ = ["gpt_config", "build_model", "wrap_model", "MLPRun", "Trainer", "run"]
+__all__ = ["gpt_config", "build_model", "MLPRun", "Trainer", "run"]
 
 
 def gpt_config(cfg: TrainConfig) -> GPTConfig:
@@ -48,19 +48,12 @@ def build_model(cfg: TrainConfig, backend: Backend, materialize_now: bool = True
                          backend=backend, materialize_now=materialize_now)
 
 
-def wrap_model(model, mesh: Mesh, strategy: str):
-    """Wrap ``model`` once with the named strategy."""
-    if strategy == "ddp":
-        return DataParallel(model, mesh)
-    return ZeRO(model, mesh, stage=int(strategy[-1]))
-
-
 class MLPRun:
     """The MLP counterpart of :class:`~mpishard.parallel.ParallelGPT` (dp only)."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, backend: Backend):
-        model = build_model(cfg, backend, materialize_now=cfg.strategy != "zero3")
-        self.strategy = wrap_model(model, mesh, cfg.strategy)
+        self.strategy = wrap_model(build_model(cfg, backend, materialize_now=False), mesh,
+                                   cfg.strategy)
         self.micro = cfg.micro_steps
         self.ledger = self.strategy.ledger
 
@@ -262,7 +255,8 @@ class Trainer:
         with StopSignals() as stop:
             while self.step < cfg.steps:
                 record = self.train_step()
-                record.update(self._memory_and_comm())
+                if cfg.metrics:     # a collective (gather to rank 0): only when it is written
+                    record.update(self._memory_and_comm())
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 \
                         and self.step < cfg.steps:
                     record["val_loss"] = self.evaluate()

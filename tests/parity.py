@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
-from mpishard.comm import Communicator
+from mpishard.comm.testing import make_test_comm
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW, clip_grad_norm
 
@@ -97,12 +97,10 @@ def max_rel_err(a: dict, b: dict, norm: str = "max") -> float:
 @contextlib.contextmanager
 def sub_world(size: int):
     """A ``size``-rank Communicator for world ranks < size (``None`` on the others)."""
-    world = MPI.COMM_WORLD
-    color = 0 if world.rank < size else MPI.UNDEFINED
-    sub = world.Split(color, world.rank)
+    comm = make_test_comm(f"split{size}")
     try:
-        yield Communicator(sub, name=f"sub{size}") if sub != MPI.COMM_NULL else None
+        yield comm
     finally:
-        if sub != MPI.COMM_NULL:
-            sub.Free()
-        world.Barrier()
+        if comm is not None:
+            comm.free()
+        MPI.COMM_WORLD.Barrier()

@@ -227,13 +227,11 @@ def _from_rows(r, moved_shape, axis, ndim):
     return xp_of(r).moveaxis(out, -1, axis)
 
 
-def _softmax_rows(r):
-    """Row-wise softmax of a 2-D array into a fresh array."""
-    xp = xp_of(r)
-    e = r - _row_max(r)[:, None]
-    xp.exp(e, out=e)
-    e *= (1.0 / _row_sum(e))[:, None]
-    return e
+def _softmax_rows(rows) -> None:
+    """Row-wise softmax of a 2-D array, in place (max-subtracted for stability)."""
+    rows -= _row_max(rows)[:, None]
+    xp_of(rows).exp(rows, out=rows)
+    rows *= (1.0 / _row_sum(rows))[:, None]
 
 
 @register_op
@@ -241,7 +239,8 @@ def softmax(x, axis: int = -1) -> Tensor:
     """Softmax along ``axis`` (max-subtracted for stability)."""
     x = as_tensor(x)
     r, moved = _as_rows(x.data, axis)
-    p = _softmax_rows(r)                                 # (rows, n)
+    p = r.copy()                                         # (rows, n)
+    _softmax_rows(p)
 
     def backward(g):
         gr, _ = _as_rows(g, axis)
@@ -379,12 +378,6 @@ def _causal_bias(T: int, xp, dtype):
     return xp.triu(xp.full((T, T), -np.inf, dtype=dtype), 1)
 
 
-def _softmax_rows_inplace(rows) -> None:
-    rows -= _row_max(rows)[:, None]
-    xp_of(rows).exp(rows, out=rows)
-    rows *= (1.0 / _row_sum(rows))[:, None]
-
-
 @register_op
 def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 0.0,
                           rng=None, training: bool = True) -> Tensor:
@@ -432,7 +425,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
         xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
         a *= scale
         a += bias
-        _softmax_rows_inplace(a.reshape(-1, T))
+        _softmax_rows(a.reshape(-1, T))
         if use_dropout:
             d = drop[b]
             d[...] = rng.random(d.shape, dtype=np.float32) >= dropout_p

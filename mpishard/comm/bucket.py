@@ -95,16 +95,23 @@ class FlatLayout:
         return flat
 
     def flatten(self, arrays, out=None):
-        """Copy ``arrays`` into a flat buffer (``out``, or a new one); return it."""
+        """Copy ``arrays`` into a flat buffer (``out``, or a new one); return it.
+
+        ``None`` entries are written as zeros.
+        """
         if len(arrays) != len(self.shapes):
             raise ValueError(f"flatten: got {len(arrays)} arrays, the layout has "
                              f"{len(self.shapes)}")
         if out is None:
-            out = self.empty(xp_of(arrays[0]) if arrays else np)
+            present = [a for a in arrays if a is not None]
+            out = self.empty(xp_of(present[0]) if present else np)
         else:
             self._check_flat(out, "flatten")
             out[self.numel:] = 0
         for view, a, shape in zip(self.views(out), arrays, self.shapes):
+            if a is None:          # e.g. a parameter that received no gradient
+                view[...] = 0
+                continue
             if tuple(a.shape) != shape:
                 raise ValueError(f"flatten: array of shape {tuple(a.shape)} where the "
                                  f"layout has {shape}")

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..backend import xp_of
+from .bucket import padded_size
 
 __all__ = [
     "REDUCE_OPS",
@@ -158,7 +159,7 @@ def reduce_scatter_recv(send, recv, size: int, where: str = "reduce_scatter"):
     when the first dimension divides, else it is flat.
     """
     if send.size % size:
-        padded = -(-send.size // size) * size
+        padded = padded_size(send.size, size)
         raise ValueError(
             f"{where}: send has {send.size} elements, not a multiple of the "
             f"communicator size {size}; pad it to {padded} "

@@ -20,7 +20,7 @@ import numpy as np
 from ..autodiff import nn_ops
 from ..autodiff.tensor import Tensor, no_grad
 from ..backend import Backend, xp_of
-from ..nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict, ModuleList
+from ..nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
 from ..nn.init import materialize
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP"]

@@ -6,10 +6,10 @@ tensor parallelism over ``mesh.tp`` and pipeline stages over ``mesh.pp``;
 ``ParallelGPT`` composes them all on one mesh.
 """
 from .base import StepResult, Strategy
-from .compose import ParallelGPT, build_stage
+from .compose import ParallelGPT, build_stage, wrap_model
 from .data_parallel import DataParallel, check_replicas_equal
 from .flat import FlatShard, FlatUnit
-from .pieces import Piece, load_pieces, pieces_of
+from .pieces import Piece, gather_full_params, load_pieces, pieces_of
 from .pipeline import Pipeline, bubble_fraction, partition_blocks
 from .planner import STRATEGIES, MemoryPlan, plan_memory
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -18,6 +18,7 @@ from .zero import ZeRO, plan_units
 
 __all__ = ["Strategy", "StepResult", "DataParallel", "ZeRO", "FlatUnit", "FlatShard",
            "plan_units", "check_replicas_equal", "MemoryPlan", "plan_memory", "STRATEGIES",
-           "Piece", "pieces_of", "load_pieces", "ParallelGPT", "build_stage", "Pipeline",
+           "Piece", "pieces_of", "load_pieces", "gather_full_params", "ParallelGPT",
+           "build_stage", "wrap_model", "Pipeline",
            "bubble_fraction", "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "parallelize_gpt", "vocab_parallel_cross_entropy"]

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..backend import MemoryLedger
 from ..optim.clip import clip_coefficient
+from .pieces import gather_full_params
 
 __all__ = ["Strategy", "StepResult"]
 
@@ -123,6 +124,10 @@ class Strategy:
 
     def _after_update(self) -> None:
         """Runs after the optimizer updated this rank's parameters (ZeRO-1/2 all-gather)."""
+
+    def gather_full_params(self) -> dict:
+        """Name -> whole parameter (host NumPy) on every rank; see :func:`pieces.gather_full_params`."""
+        return gather_full_params(self)
 
     def zero_grad(self) -> None:
         for p in self.module.parameters():

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from ..autodiff.tensor import no_grad
 from ..backend import Backend
 from ..models.gpt import GPT, GPTConfig
 from ..nn.init import materialize
 from .data_parallel import DataParallel
-from .pieces import pieces_of
 from .pipeline import Pipeline, partition_blocks
 from .tensor_parallel import parallelize_gpt
 from .zero import ZeRO
 
-__all__ = ["ParallelGPT", "build_stage"]
+__all__ = ["ParallelGPT", "build_stage", "wrap_model"]
 
 
 def build_stage(config: GPTConfig, mesh, seed: int = 0, dtype: str = "float32",
@@ -53,6 +50,22 @@ def build_stage(config: GPTConfig, mesh, seed: int = 0, dtype: str = "float32",
     return model
 
 
+def wrap_model(model, mesh, strategy: str, seed: int | None = None):
+    """Wrap ``model`` with the named strategy (``ddp``, ``zero1``, ``zero2``, ``zero3``).
+
+    An unmaterialised model is materialised from ``seed`` (default ``model.seed``)
+    first, except under ZeRO-3, which materialises straight into shards.
+    """
+    if strategy not in ("ddp", "zero1", "zero2", "zero3"):
+        raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2 or zero3")
+    seed = getattr(model, "seed", 0) if seed is None else seed
+    if strategy != "zero3" and any(p.data is None for p in model.parameters()):
+        materialize(model, seed, getattr(model, "backend", None))
+    if strategy == "ddp":
+        return DataParallel(model, mesh)
+    return ZeRO(model, mesh, stage=int(strategy[-1]), seed=seed)
+
+
 class ParallelGPT:
     """A GPT trained on any dp x tp x pp factorisation of the world.
 
@@ -69,21 +82,12 @@ class ParallelGPT:
     def __init__(self, config: GPTConfig, mesh, strategy: str = "zero3", seed: int = 0,
                  dtype: str = "float32", backend: Backend | None = None,
                  micro_batches: int = 1, schedule: str = "1f1b", stage_plan=None):
-        if strategy not in ("ddp", "zero1", "zero2", "zero3"):
-            raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2 or zero3")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.config, self.mesh = config, mesh
         backend = backend or Backend()
-        model = build_stage(config, mesh, seed, dtype, backend, stage_plan)
-        if strategy == "ddp":
-            materialize(model, seed, backend)
-            self.strategy = DataParallel(model, mesh)
-        else:
-            stage = int(strategy[-1])
-            if stage < 3:
-                materialize(model, seed, backend)
-            self.strategy = ZeRO(model, mesh, stage=stage, seed=seed)
+        self.strategy = wrap_model(build_stage(config, mesh, seed, dtype, backend, stage_plan),
+                                   mesh, strategy, seed)
         tie = None
         if mesh.pp.size > 1:  # first and last stage of each (dp, tp) pipeline share wte
             ends = mesh.pp.rank in (0, mesh.pp.size - 1)
@@ -123,15 +127,4 @@ class ParallelGPT:
 
     def gather_full_params(self) -> dict:
         """Name -> whole parameter on every rank (collective over the world; small models)."""
-        owned = [(p.name, p.global_shape, p.runs, np.asarray(p.array.get() if hasattr(
-            p.array, "get") else p.array)) for p in pieces_of(self.strategy)
-            if p.kind == "param" and p.owner]
-        full: dict = {}
-        for rank_pieces in self.mesh.world.all_gather_obj(owned):
-            for name, shape, runs, values in rank_pieces:
-                whole = full.setdefault(name, np.zeros(shape, values.dtype))
-                flat, pos = whole.reshape(-1), 0
-                for a, b in runs:
-                    flat[a:b] = values[pos:pos + b - a]
-                    pos += b - a
-        return full
+        return self.strategy.gather_full_params()

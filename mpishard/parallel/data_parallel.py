@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
-
 from ..backend import to_numpy, xp_of
+from ..comm.bucket import FlatLayout
 from ..optim.clip import grad_sq_sum
 from .base import Strategy
 
@@ -52,20 +51,25 @@ def check_replicas_equal(module, comm, what: str = "parameters") -> None:
 
 
 class _Bucket:
-    __slots__ = ("params", "offsets", "flat", "ready", "handle")
+    __slots__ = ("params", "flat", "views", "ready", "handle")
 
     def __init__(self, params, ledger, xp, index):
         self.params = params
-        sizes = [p.size for p in params]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        self.flat = ledger.zeros("grads", (self.offsets[-1],), params[0].dtype,
+        layout = FlatLayout.of([p.shape for p in params], params[0].dtype)
+        self.flat = ledger.zeros("grads", (layout.padded_numel,), layout.dtype,
                                  f"ddp bucket {index}", xp=xp)
+        self.views = layout.views(self.flat)
         self.ready = 0
         self.handle = None
 
-    def view(self, i: int):
-        p = self.params[i]
-        return self.flat[self.offsets[i]:self.offsets[i + 1]].reshape(p.shape)
+    def stage(self, i: int) -> None:
+        """Copy ``params[i]``'s gradient into the bucket; its ``grad`` becomes the bucket view."""
+        p, view = self.params[i], self.views[i]
+        if p.grad is None:
+            view[...] = 0
+        elif p.grad is not view:
+            view[...] = p.grad
+        p.grad = view
 
 
 class DataParallel(Strategy):
@@ -120,22 +124,13 @@ class DataParallel(Strategy):
     def parameters(self) -> list:
         return self.module.parameters()
 
-    def gather_full_params(self) -> dict:
-        """Name -> full parameter as a host NumPy array (a copy)."""
-        return {n: np.array(to_numpy(p.data)) for n, p in self.module.named_parameters()}
-
     # -- communication ------------------------------------------------------
     def _on_grad_ready(self, p) -> None:
         if not self.sync_gradients:
             return
         b, i = self._where[id(p)]
         bucket = self._buckets[b]
-        view = bucket.view(i)
-        if p.grad is None:
-            view[...] = 0
-        elif p.grad is not view:
-            view[...] = p.grad
-        p.grad = view
+        bucket.stage(i)
         bucket.ready += 1
         self._launch_in_order()
 
@@ -152,14 +147,8 @@ class DataParallel(Strategy):
         if self.dp.size == 1:
             return
         for bucket in self._buckets[self._next_launch:]:
-            for i, p in enumerate(bucket.params):
-                view = bucket.view(i)
-                if p.grad is not view:
-                    if p.grad is None:
-                        view[...] = 0
-                    else:
-                        view[...] = p.grad
-                    p.grad = view
+            for i in range(len(bucket.params)):
+                bucket.stage(i)
             bucket.ready = len(bucket.params)
         self._launch_in_order()
         for bucket in self._buckets:

@@ -13,10 +13,8 @@ manifest and the memory planner read the same layout.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import numpy as np
-
+from ..comm.bucket import FlatLayout
 from ..nn.parameter import FlatPlacement, Parameter
 
 __all__ = ["FlatUnit", "FlatShard"]
@@ -42,11 +40,11 @@ class FlatShard:
 
 
 class FlatUnit:
-    """One unit's layout (see [Note: flat unit layout]).
+    """One unit's layout (see [Note: flat unit layout]), a :class:`FlatLayout` padded to dp.
 
     Args:
         name: unit name (module path, ``""`` for the root remainder).
-        named_params: ``(name, Parameter)`` pairs in order.
+        named_params: ``(name, Parameter)`` pairs in order (at least one).
         dp_size, dp_rank: the data-parallel axis.
         module: the module whose forward this unit wraps (``None`` for the root).
     """
@@ -56,16 +54,18 @@ class FlatUnit:
         self.name, self.module = name, module
         self.names = [n for n, _ in named_params]
         self.params: list[Parameter] = [p for _, p in named_params]
+        if not self.params:
+            raise ValueError(f"unit {self.label!r} has no parameters; leave it out of the plan")
         dtypes = {str(p.dtype) for p in self.params}
         if len(dtypes) > 1:
-            raise ValueError(f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(dtypes)}; "
+            raise ValueError(f"unit {self.label!r} mixes parameter dtypes {sorted(dtypes)}; "
                              f"put parameters of different dtypes in different units")
-        self.dtype = np.dtype(dtypes.pop()) if dtypes else np.dtype("float32")
-        self.sizes = [p.size for p in self.params]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
-        self.numel = self.offsets[-1]
-        self.shard_size = max(1, math.ceil(self.numel / dp_size))
-        self.padded = self.shard_size * dp_size
+        self.layout = FlatLayout.of([p.shape for p in self.params], dtypes.pop(), pad_to=dp_size)
+        self.dtype = self.layout.dtype
+        self.offsets = self.layout.offsets
+        self.numel = self.layout.numel
+        self.padded = self.layout.padded_numel
+        self.shard_size = self.padded // dp_size
         self.shard_start = dp_rank * self.shard_size
         self.shard_stop = self.shard_start + self.shard_size
         # Buffers and state the owning strategy attaches (see zero.py).
@@ -76,9 +76,9 @@ class FlatUnit:
         self.gather = None        # (handle, buffer) of a prefetch in flight
         self.ready = 0            # gradients final so far in this backward
         self.reductions = 0       # reduce-scatters launched this step
-        for p, offset, size in zip(self.params, self.offsets, self.sizes):
+        for p, offset in zip(self.params, self.offsets):
             p.spec = dataclasses.replace(p.spec, flat=FlatPlacement(
-                name, offset, size, self.shard_start, self.shard_stop))
+                name, offset, p.size, self.shard_start, self.shard_stop))
 
     @property
     def label(self) -> str:
@@ -86,29 +86,16 @@ class FlatUnit:
 
     def decay_ranges(self) -> tuple:
         """Ranges in shard coordinates that belong to parameters with weight decay."""
-        ranges = []
-        for p, offset, size in zip(self.params, self.offsets, self.sizes):
-            if not p.decay:
-                continue
-            start = max(offset, self.shard_start) - self.shard_start
-            stop = min(offset + size, self.shard_stop) - self.shard_start
-            if stop > start:
-                ranges.append((start, stop))
-        return tuple(ranges)
+        ranges = [self.shard_range_of(i) for i, p in enumerate(self.params) if p.decay]
+        return tuple((lo, hi) for lo, hi in ranges if hi > lo)
 
     def views(self, flat) -> list:
         """Parameter-shaped views into a full flat buffer (``padded`` elements)."""
-        return [flat[o:o + n].reshape(p.shape)
-                for p, o, n in zip(self.params, self.offsets, self.sizes)]
+        return self.layout.views(flat)
 
     def flatten(self, arrays, out) -> None:
         """Copy parameter-shaped ``arrays`` into ``out`` (``None`` entries become zeros)."""
-        for a, o, n in zip(arrays, self.offsets, self.sizes):
-            if a is None:
-                out[o:o + n] = 0
-            else:
-                out[o:o + n] = a.reshape(-1)
-        out[self.numel:] = 0
+        self.layout.flatten(arrays, out)
 
     def shard_range_of(self, index: int) -> tuple:
         """``(lo, hi)`` of parameter ``index``'s owned elements in this rank's shard."""
@@ -119,5 +106,4 @@ class FlatUnit:
     def owned_piece(self, index: int, full_param) -> tuple:
         """``(shard_offset, values)``: the part of parameter ``index`` this rank owns."""
         start, stop = self.params[index].spec.flat.owned
-        offset = self.offsets[index] + start - self.shard_start
-        return offset, np.asarray(full_param).reshape(-1)[start:stop]
+        return self.shard_range_of(index)[0], full_param.reshape(-1)[start:stop]

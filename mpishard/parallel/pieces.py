@@ -17,7 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Piece", "pieces_of", "load_pieces"]
+from ..backend import to_numpy, xp_of
+
+__all__ = ["Piece", "pieces_of", "load_pieces", "gather_full_params"]
 
 
 @dataclass
@@ -80,13 +82,11 @@ def pieces_of(strategy, optimizer=None) -> list[Piece]:
         return pieces
     for unit in units:
         target = unit.target
-        for name, p, offset in zip(unit.names, unit.params, unit.offsets):
-            start, stop = p.spec.flat.owned
-            if stop <= start:
+        for i, (name, p) in enumerate(zip(unit.names, unit.params)):
+            lo, hi = unit.shard_range_of(i)
+            if hi <= lo:
                 continue
-            lo = offset + start - unit.shard_start
-            hi = lo + stop - start
-            runs = p.spec.global_runs((start, stop))
+            runs = p.spec.global_runs(p.spec.flat.owned)
             views = {"param": target.data[lo:hi]}
             if id(target) in index:
                 views.update(_state_views(optimizer, index[id(target)], lo, hi))
@@ -97,13 +97,31 @@ def pieces_of(strategy, optimizer=None) -> list[Piece]:
     return pieces
 
 
+def gather_full_params(strategy) -> dict:
+    """Name -> whole parameter as a host NumPy array, on every rank.
+
+    Collective over the mesh's world; every element comes from the one rank
+    that owns it. Pickles whole tensors: for tests and small models (checkpoints
+    stream pieces instead).
+    """
+    owned = [(p.name, p.global_shape, p.runs, to_numpy(p.array)) for p in pieces_of(strategy)
+             if p.kind == "param" and p.owner]
+    full: dict = {}
+    for rank_pieces in strategy.mesh.world.all_gather_obj(owned):
+        for name, shape, runs, values in rank_pieces:
+            flat = full.setdefault(name, np.zeros(shape, values.dtype)).reshape(-1)
+            pos = 0
+            for a, b in runs:
+                flat[a:b] = values[pos:pos + b - a]
+                pos += b - a
+    return full
+
+
 def load_pieces(strategy, optimizer, read: Callable[[str, str, list, str], np.ndarray]) -> None:
     """Fill every piece this rank holds from ``read(name, kind, runs, dtype) -> 1-D array``.
 
     Afterwards ZeRO stages 1/2 re-gather full parameters from the loaded shards.
     """
-    from ..backend import xp_of  # noqa: PLC0415
-
     for piece in pieces_of(strategy, optimizer):
         values = read(piece.name, piece.kind, piece.runs, piece.dtype)
         if values.size != piece.array.size:

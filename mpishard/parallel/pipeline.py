@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from ..autodiff.tensor import Tensor, no_grad
+from ..backend import to_numpy
 
 __all__ = ["partition_blocks", "Pipeline", "bubble_fraction"]
 
@@ -108,6 +109,7 @@ class Pipeline:
         self.stage, self.stages = self.pp.rank, self.pp.size
         self.idle_seconds = 0.0
         self.step_seconds = 0.0
+        self._dtype = np.dtype(self.model.parameters()[0].spec.dtype)
 
     # -- one micro-batch ------------------------------------------------------
     def _forward(self, i: int) -> None:
@@ -140,7 +142,7 @@ class Pipeline:
             out.backward(self.model.backend.asarray(grad))
         if not self.model.first_stage:
             send = np.zeros(inp.shape, self._dtype) if inp.grad is None else \
-                np.ascontiguousarray(_host(inp.grad))
+                np.ascontiguousarray(to_numpy(inp.grad))
             self._sends.append(self.pp.isend(send, self.stage - 1, 2 * i + 1))
 
     def _recv(self, buf, source: int, tag: int) -> None:
@@ -199,7 +201,6 @@ class Pipeline:
                              f"batch size that is a multiple of micro_batches")
         self._b = B // m
         self._rows = self._b * np.shape(x)[1]
-        self._dtype = np.dtype(self.model.parameters()[0].spec.dtype)
         self._x = [x[k * self._b:(k + 1) * self._b] for k in range(m)]
         self._y = [y[k * self._b:(k + 1) * self._b] for k in range(m)]
         self._saved, self._sends, self._losses = {}, [], []
@@ -216,7 +217,7 @@ class Pipeline:
             return
         p = self.model.transformer.wte.weight
         grad = np.zeros(p.shape, dtype=self._dtype) if p.grad is None else \
-            np.ascontiguousarray(_host(p.grad))
+            np.ascontiguousarray(to_numpy(p.grad))
         self.tie.all_reduce(grad, op="sum")
         p.grad = self.model.backend.asarray(grad)
 
@@ -225,6 +226,3 @@ class Pipeline:
         """Share of the last step this stage spent waiting for its neighbours."""
         return self.idle_seconds / self.step_seconds if self.step_seconds else 0.0
 
-
-def _host(array):
-    return array.get() if hasattr(array, "get") else array

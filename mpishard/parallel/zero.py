@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autodiff.tensor import Tensor
-from ..backend import xp_of
+from ..optim.clip import grad_sq_sum
 from ..nn.parameter import init_array
 from .base import Strategy
 from .data_parallel import check_replicas_equal
@@ -320,38 +320,24 @@ class ZeRO(Strategy):
 
     def _local_grad_sq(self) -> float:
         """Sum of squares of this rank's gradient shards, each element counted once overall."""
-        total = 0.0
+        pieces = []
         for unit in self.units:
             g = unit.target.grad
-            if g is None or not g.size:
+            if g is None:
                 continue
             if all(self.counts_once(p.spec) for p in unit.params):
-                ranges = [(0, g.size)]
-            else:
-                ranges = [unit.shard_range_of(i) for i, p in enumerate(unit.params)
-                          if self.counts_once(p.spec)]
-            for lo, hi in ranges:
-                g64 = g[lo:hi].astype(np.float64)
-                total += float(xp_of(g64).dot(g64, g64))
-        return total
+                pieces.append(g)
+                continue
+            for i, p in enumerate(unit.params):
+                if self.counts_once(p.spec):
+                    lo, hi = unit.shard_range_of(i)
+                    pieces.append(g[lo:hi])
+        return grad_sq_sum(pieces)
 
     def _after_update(self) -> None:
         if self.stage == 3:
             return
-        handles = []
-        for unit in self.units:
-            send = unit.target.data.copy()
-            handles.append((self.dp.iall_gather(send, unit.full), send))
-        for handle, _ in handles:
+        # The shard is this rank's block of the full buffer: an in-place all-gather.
+        handles = [self.dp.iall_gather(unit.target.data, unit.full) for unit in self.units]
+        for handle in handles:
             handle.wait()
-
-    # -- whole parameters (tests, checkpoints, export) ------------------------
-    def gather_full_params(self) -> dict:
-        """Name -> full parameter as a host NumPy array (collective over dp)."""
-        out = {}
-        for unit in self.units:
-            buf = self.xp.empty(unit.padded, dtype=unit.dtype)
-            self.dp.all_gather(unit.target.data, buf)
-            for name, view in zip(unit.names, unit.views(buf)):
-                out[name] = np.array(view.get() if hasattr(view, "get") else view)
-        return out
