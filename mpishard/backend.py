@@ -15,6 +15,8 @@ long-lived array the library allocates. Nothing here is global; pass it on.
 """
 from __future__ import annotations
 
+import contextlib
+import tracemalloc
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ import numpy as np
 __all__ = [
     "Backend",
     "MemoryLedger",
+    "ActivationMeasurement",
     "OutOfMemoryBudget",
     "BackendUnavailable",
     "xp_of",
@@ -167,6 +170,13 @@ class Backend:
         return "numpy/cpu" if self.name == "numpy" else f"cupy/cuda:{self.device}"
 
 
+@dataclass
+class ActivationMeasurement:
+    """What :meth:`MemoryLedger.measure_activations` found (``nbytes``, set on exit)."""
+
+    nbytes: int = 0
+
+
 # [Note: memory ledger]
 # The ledger counts *live* bytes of the long-lived arrays mpishard allocates,
 # by category. An array is registered once (``track`` or one of the allocation
@@ -193,6 +203,7 @@ class MemoryLedger:
         self._peak = {c: 0 for c in LEDGER_CATEGORIES}
         self._total = 0
         self._peak_total = 0
+        self._measured_activations = 0
 
     # -- allocation -------------------------------------------------------
     def check(self, category: str, nbytes: int, name: str = "") -> None:
@@ -281,6 +292,71 @@ class MemoryLedger:
         self._peak = dict(self._bytes)
         self._peak_total = self._total
 
+    # -- activations --------------------------------------------------------
+    @contextlib.contextmanager
+    def measure_activations(self):
+        """Measure the bytes one forward pass leaves alive for backward.
+
+            with ledger.measure_activations() as m:
+                _, loss = model(x, y)
+            m.nbytes        # also bytes_by_category()["activations"]
+
+        Counted: bytes allocated inside the ``with`` block and still alive at
+        its end (the arrays the graph keeps for backward, the outputs, the
+        graph's small Python objects), minus arrays the ledger already counts
+        in another category (e.g. ZeRO-3's gathered units). NumPy: by
+        :mod:`tracemalloc` (NumPy reports its data buffers to it), started for
+        the block and stopped after; Python allocations run slower meanwhile.
+        Where tracemalloc was already tracing, and on CuPy (the memory pool's
+        ``used_bytes()``), it is the net change instead, so memory allocated
+        before the block and freed inside it counts negative.
+
+        The figure replaces the previous one as the live ``"activations"``
+        bytes (one forward's worth at a time) and counts toward their peak;
+        :meth:`release_activations` drops it once backward has freed them. It
+        is recorded, never checked against the budget: the memory is taken.
+
+        Yields:
+            An :class:`ActivationMeasurement`; its ``nbytes`` is set on exit.
+        """
+        measurement = ActivationMeasurement()
+        ledger_before = dict(self._live)
+        on_device = self.cupy_pool is not None
+        started = False
+        if on_device:
+            used_before = int(self.cupy_pool.used_bytes())
+        else:
+            started = not tracemalloc.is_tracing()
+            if started:
+                tracemalloc.start()
+            used_before = tracemalloc.get_traced_memory()[0]
+        try:
+            yield measurement
+            if on_device:
+                grown = int(self.cupy_pool.used_bytes()) - used_before
+            else:
+                grown = tracemalloc.get_traced_memory()[0] - used_before
+        finally:
+            if started:
+                tracemalloc.stop()
+        # An entry is the same tuple object for as long as its array is tracked.
+        ledger_new = sum(e[1] for k, e in self._live.items() if ledger_before.get(k) is not e)
+        ledger_gone = sum(e[1] for k, e in ledger_before.items() if self._live.get(k) is not e)
+        sees_old_frees = not started  # fresh tracing does not see frees of older memory
+        measurement.nbytes = max(0, grown - ledger_new + (ledger_gone if sees_old_frees else 0))
+        self.record_activations(measurement.nbytes)
+
+    def record_activations(self, nbytes: int) -> None:
+        """Set the live ``"activations"`` figure to ``nbytes`` (replacing the last one)."""
+        self._bytes["activations"] -= self._measured_activations
+        self._total -= self._measured_activations
+        self._measured_activations = int(nbytes)
+        self._add("activations", self._measured_activations)
+
+    def release_activations(self) -> None:
+        """Drop the measured activations from the live bytes (their peak stays)."""
+        self.record_activations(0)
+
     def device_used_bytes(self) -> int | None:
         """CuPy memory-pool bytes in use (``None`` on NumPy), for cross-checks."""
         if self.cupy_pool is None:
@@ -290,4 +366,3 @@ class MemoryLedger:
     def _summary(self) -> str:
         parts = [f"{c} {b:,}" for c, b in self._bytes.items() if b]
         return ", ".join(parts) or "nothing"
-

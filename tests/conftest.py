@@ -4,6 +4,12 @@ The suite runs twice: serially (``pytest --with-mpi``: MPI tests at world size
 1) and under ``mpiexec -n 4 python -m mpi4py -m pytest --with-mpi``. In the
 multi-rank run only tests marked ``@pytest.mark.mpi`` run; the others already
 ran serially and would only repeat on every rank.
+
+Tests that take the ``array_backend`` fixture run once per array module:
+NumPy always, CuPy too when it imports and sees a GPU. ``MPISHARD_TEST_BACKENDS``
+(comma-separated, e.g. ``cupy``) picks the modules instead; asking for CuPy
+where it cannot run is an error in every such test, never a skip, so a GPU
+check cannot pass without the GPU (scripts/gpu_check.sh sets it).
 """
 from __future__ import annotations
 
@@ -31,6 +37,51 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "mpi" not in item.keywords:
                 item.add_marker(skip)
+
+
+ARRAY_BACKENDS = ("numpy", "cupy")
+
+
+def _array_backend_names() -> list:
+    requested = os.environ.get("MPISHARD_TEST_BACKENDS", "").strip()
+    if requested:
+        names = [n.strip() for n in requested.split(",") if n.strip()]
+        unknown = sorted(set(names) - set(ARRAY_BACKENDS))
+        if unknown:
+            raise pytest.UsageError(
+                f"MPISHARD_TEST_BACKENDS={requested!r} names {unknown}; use a "
+                f"comma-separated subset of {', '.join(ARRAY_BACKENDS)}")
+        return names
+    from mpishard.backend import cupy_or_none
+
+    cupy = cupy_or_none()
+    try:
+        gpus = cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
+    except Exception:  # CuPy imports but finds no driver
+        gpus = 0
+    return ["numpy", "cupy"] if gpus else ["numpy"]
+
+
+def _node_local_rank() -> int:
+    # From the launcher's environment, not a collective: fixtures run per test
+    # and a collective here could pair up differently on different ranks.
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+@pytest.fixture(params=_array_backend_names())
+def array_backend(request):
+    """A fresh :class:`mpishard.backend.Backend` for each array module under test.
+
+    On CuPy each rank binds GPU ``local rank % GPUs`` (ranks share one GPU).
+    Raises ``BackendUnavailable`` (an error, not a skip) when CuPy was asked
+    for and cannot run.
+    """
+    from mpishard.backend import Backend
+
+    return Backend.resolve(request.param, local_rank=_node_local_rank())
 
 
 @pytest.fixture

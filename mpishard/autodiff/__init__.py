@@ -1,7 +1,8 @@
 """A small, framework-free reverse-mode autodiff core on NumPy or CuPy arrays.
 
 ``Tensor`` and the backward engine are in :mod:`.tensor`; every op (forward
-beside backward) is in :mod:`.ops` and :mod:`.nn_ops`, listed in ``OPS``.
+beside backward) is in :mod:`.ops` and :mod:`.nn_ops`, listed in ``OPS``;
+activation checkpointing (:func:`recompute`) is in :mod:`.recompute`.
 """
 from . import nn_ops, ops
 from .gradcheck import gradcheck, numerical_grad
@@ -10,6 +11,7 @@ from .nn_ops import (causal_self_attention, cross_entropy, dropout, embedding, g
 from .ops import (OPS, add, concat, div, exp, getitem, log, masked_fill, matmul, max,
                   mean, mul, neg, permute, pow, relu, reshape, split, sqrt, sub, sum,
                   tanh, transpose, unbroadcast, where)
+from .recompute import recompute
 from .tensor import HookHandle, Tensor, enable_grad, is_grad_enabled, no_grad
 
 __all__ = [
@@ -19,5 +21,5 @@ __all__ = [
     "reshape", "transpose", "permute", "getitem", "concat", "split", "exp", "log",
     "tanh", "sqrt", "relu", "where", "masked_fill",
     "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
-    "embedding", "dropout", "causal_self_attention",
+    "embedding", "dropout", "causal_self_attention", "recompute",
 ]

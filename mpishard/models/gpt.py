@@ -9,6 +9,7 @@ stay 2-D, ``(B*T, C)``, between blocks: BLAS is fastest on 2-D operands
     >>> cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
     >>> model = GPT(cfg, seed=0)
     >>> logits, loss = model(idx, targets)      # idx, targets: (B, T) int arrays
+    >>> model.set_activation_checkpointing(True)  # recompute blocks in backward
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..autodiff import nn_ops
-from ..autodiff.tensor import Tensor, no_grad
+from ..autodiff.recompute import recompute
+from ..autodiff.tensor import Tensor, is_grad_enabled, no_grad
 from ..backend import Backend, xp_of
 from ..nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
 from ..nn.init import materialize
@@ -89,7 +91,14 @@ class MLP(Module):
 
 
 class Block(Module):
-    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+
+    With ``activation_checkpointing`` on (and grad mode on), the block keeps
+    only its input for backward and recomputes the rest there
+    (:func:`mpishard.autodiff.recompute`). The recompute calls :meth:`compute`,
+    not the block, so the block's own forward hooks (ZeRO-3 gathers and
+    releases a unit in them) run once per forward, never during the recompute.
+    """
 
     def __init__(self, config: GPTConfig, dtype: str = "float32"):
         super().__init__()
@@ -97,10 +106,22 @@ class Block(Module):
         self.attn = CausalSelfAttention(config, dtype)
         self.ln_2 = LayerNorm(config.n_embd, config.bias, dtype=dtype)
         self.mlp = MLP(config, dtype)
+        self.activation_checkpointing = False
 
     def forward(self, x, batch_size: int):
+        if self.activation_checkpointing and is_grad_enabled():
+            return recompute(self.compute, x, batch_size, rngs=self._dropout_rngs())
+        return self.compute(x, batch_size)
+
+    def compute(self, x, batch_size: int):
+        """The block's math, ``(B*T, C) -> (B*T, C)``, without the block's own hooks."""
         x = x + self.attn(self.ln_1(x), batch_size)
         return x + self.mlp(self.ln_2(x))
+
+    def _dropout_rngs(self) -> list:
+        """Generators of the dropouts that draw in this forward (the recompute replays them)."""
+        return [m.rng for _, m in self.named_modules()
+                if isinstance(m, Dropout) and m.training and m.p > 0.0]
 
 
 class GPT(Module):
@@ -152,6 +173,19 @@ class GPT(Module):
         self.loss_fn = nn_ops.cross_entropy
         if materialize_now:
             materialize(self, seed, self.backend)
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> "GPT":
+        """Recompute each block's activations in backward instead of keeping them.
+
+        Saves most activation memory (a block then keeps only its ``(B*T, C)``
+        input) for about one extra forward per step; gradients are
+        bit-identical either way. Works with tensor parallelism, pipeline
+        stages and ZeRO (see [Note: recompute] in mpishard/autodiff/recompute.py).
+        Returns the model.
+        """
+        for block in self.transformer.h.values():
+            block.activation_checkpointing = bool(enabled)
+        return self
 
     def shard_units(self) -> list[str]:
         """Module names that ZeRO communicates as units: one per block."""

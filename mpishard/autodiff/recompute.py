@@ -1,0 +1,137 @@
+"""Activation checkpointing: keep a function's inputs, recompute the rest in backward.
+
+``recompute(fn, *args)`` runs ``fn`` without recording its graph, so none of
+its intermediate activations outlive the call; only the inputs (and the states
+of the random generators named in ``rngs``) are kept. When backward reaches the
+result, ``fn`` runs again with the graph on, and the engine's backward runs
+through that fresh graph. The cost is one extra forward of ``fn`` per backward
+(Chen et al., 2016, "Training Deep Nets with Sublinear Memory Cost",
+arXiv:1604.06174).
+
+    >>> y = recompute(block_math, x, batch_size, rngs=[dropout.rng])
+
+[Note: recompute]
+- Same numbers: the recompute runs the same ops on the same input arrays, and
+  every generator in ``rngs`` is set back to its state from just before the
+  first run, so dropout draws the same masks. Afterwards each generator goes
+  back to the state it had when backward began (other forwards, e.g. later
+  pipeline micro-batches, may have drawn from it since). Gradients are
+  bit-identical to running ``fn`` without checkpointing.
+- Parameters that ``fn`` reads (and does not take as ``args``) are leaves of
+  the inner graph only: the inner backward accumulates their ``grad`` and
+  fires their grad-ready hooks (see [Note: grad-ready hooks] in tensor.py).
+  Such a parameter must not also be used outside ``fn`` (or in a second
+  recomputed call) in the same backward, or its hooks would fire before its
+  gradient is final.
+- ``fn`` reads ``param.data`` when it runs, also the second time, so a strategy
+  that gathers parameters before backward (ZeRO-3) has them in place when the
+  recompute needs them; see [Note: parameter storage] in tensor.py.
+- Collectives inside ``fn`` (tensor-parallel layers) run again in backward,
+  in the same order on every rank, so they stay matched.
+- The result joins the graph whenever grad mode is on, even if no input
+  requires grad: ``fn`` may use parameters that do.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .tensor import Tensor, enable_grad, is_grad_enabled, no_grad
+
+__all__ = ["recompute"]
+
+
+def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = ()) -> Tensor:
+    """``fn(*args)``, keeping only ``args``; ``fn`` runs again when backward needs it.
+
+    Args:
+        fn: a function of ``args`` returning one Tensor. It must compute the
+            same thing when called again (no state of its own that changes).
+        *args: Tensors (kept for the recompute; gradients flow to those that
+            require grad) and any other values (passed through as they are).
+        rngs: random generators ``fn`` draws from (NumPy ``Generator`` or
+            ``RandomState``, CuPy ``Generator``); their states are saved so
+            the recompute draws the same numbers. See [Note: recompute].
+
+    Returns:
+        A Tensor with ``fn``'s values whose backward recomputes ``fn``.
+
+    Raises:
+        TypeError: ``fn`` did not return a Tensor, or a generator of a kind
+            whose state cannot be saved.
+    """
+    rngs = tuple(rngs)
+    saved_states = [_get_state(rng) for rng in rngs]
+    with no_grad():
+        out = fn(*args)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"recompute: {getattr(fn, '__name__', fn)!r} returned "
+                        f"{type(out).__name__}, expected one Tensor")
+    # Each Tensor once, even if passed twice: its leaf collects both uses.
+    tensor_args = tuple({id(a): a for a in args if isinstance(a, Tensor)}.values())
+
+    def backward(g):
+        states_now = [_get_state(rng) for rng in rngs]
+        for rng, state in zip(rngs, saved_states):
+            _set_state(rng, state)
+        try:
+            # Fresh leaves on the same arrays: the inner backward stops at them.
+            leaves = {id(a): Tensor(a.data, requires_grad=a.requires_grad)
+                      for a in tensor_args}
+            with enable_grad():
+                again = fn(*[leaves[id(a)] if isinstance(a, Tensor) else a for a in args])
+        finally:
+            for rng, state in zip(rngs, states_now):
+                _set_state(rng, state)
+        if again.requires_grad:
+            again.backward(g)
+        return tuple(leaves[id(a)].grad if a.requires_grad else None for a in tensor_args)
+
+    result = Tensor(out.data)
+    if is_grad_enabled():
+        result.requires_grad = True
+        result._parents = tensor_args
+        result._backward = backward
+        result._op = "recompute"
+    return result
+
+
+# -- generator states --------------------------------------------------------------
+
+def _get_state(rng):
+    if isinstance(rng, np.random.Generator):
+        return rng.bit_generator.state          # a fresh dict each call
+    if isinstance(rng, np.random.RandomState):
+        return rng.get_state()
+    device_state = _cupy_state_array(rng)
+    if device_state is not None:
+        return device_state.copy()
+    raise TypeError(f"recompute: cannot save the state of a {type(rng).__module__}."
+                    f"{type(rng).__name__}; pass NumPy Generator/RandomState or CuPy "
+                    f"Generator objects in rngs")
+
+
+def _set_state(rng, state) -> None:
+    if isinstance(rng, np.random.Generator):
+        rng.bit_generator.state = state
+    elif isinstance(rng, np.random.RandomState):
+        rng.set_state(state)
+    else:
+        _cupy_state_array(rng)[...] = state
+
+
+def _cupy_state_array(rng):
+    """The device array holding a CuPy ``Generator``'s cuRAND states, or ``None``.
+
+    CuPy offers no public way to save a Generator's state; its cuRAND bit
+    generators (XORWOW, MRG32k3a, Philox) keep it in one device array,
+    ``bit_generator._state``, which is copied and written back here. That
+    array is large (one cuRAND state per thread: 2048 x SM count x 48 bytes
+    for XORWOW, about 13 MB on a 132-SM GPU), and one copy per generator is
+    kept per recomputed call until its backward.
+    """
+    if not type(rng).__module__.startswith("cupy"):
+        return None
+    state = getattr(getattr(rng, "bit_generator", None), "_state", None)
+    return state if type(state).__module__.startswith("cupy") else None
