@@ -91,7 +91,7 @@ def _cmd_estimate(args) -> int:
     strategies = [cfg.strategy] if args.config or "strategy" in _given(args) else \
         ["ddp", "zero1", "zero2", "zero3"]
     for strategy in strategies:
-        plan = plan_memory(model, strategy, dp)
+        plan = plan_memory(model, strategy, dp, precision=cfg.precision)
         print(plan.format())
         if cfg.memory_budget:
             fits = plan.total_peak_bytes <= cfg.memory_budget

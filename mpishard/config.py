@@ -56,7 +56,9 @@ class TrainConfig:
     beta1: float = 0.9                 # AdamW beta1
     beta2: float = 0.95                # AdamW beta2
     grad_clip: float = 1.0             # global-norm clipping (0: off)
-    dtype: str = "float32"             # float32 or float64
+    dtype: str = "float32"             # float32 or float64 (master weights, optimizer state)
+    precision: str = "float32"         # compute in float32 | float16 | bfloat16 (mixed precision)
+    activation_checkpointing: bool = False  # GPT: recompute each block's activations in backward
     seed: int = 0                      # initialisation and data order
     backend: str = "numpy"             # numpy | cupy | auto
     memory_budget: int = 0             # per-rank byte budget for the ledger (0: none)
@@ -81,6 +83,7 @@ class TrainConfig:
         """Raise :class:`ConfigError` for values no run can use."""
         choices = {"model": ("gpt", "mlp"), "strategy": ("ddp", "zero1", "zero2", "zero3"),
                    "dtype": ("float32", "float64"), "backend": ("numpy", "cupy", "auto"),
+                   "precision": ("float32", "float16", "bfloat16"),
                    "schedule": ("1f1b", "gpipe")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

@@ -53,7 +53,7 @@ class MLPRun:
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, backend: Backend):
         self.strategy = wrap_model(build_model(cfg, backend, materialize_now=False), mesh,
-                                   cfg.strategy)
+                                   cfg.strategy, precision=cfg.precision)
         self.micro = cfg.micro_steps
         self.ledger = self.strategy.ledger
 
@@ -65,7 +65,7 @@ class MLPRun:
         for ctx, i in zip(self.strategy.accumulation(self.micro), range(self.micro)):
             with ctx:
                 _, loss = self.strategy(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
-                (loss * (1.0 / self.micro)).backward()
+                (self.strategy.scale_loss(loss) * (1.0 / self.micro)).backward()
                 total += loss.item() / self.micro
         return total
 
@@ -104,7 +104,8 @@ class Trainer:
                 build_model(cfg, Backend(), materialize_now=False)
         except ValueError as err:   # pp larger than n_layer, tp larger than n_head, ...
             raise ConfigError(str(err)) from None
-        self.plan = plan_memory(shapes_only, cfg.strategy, self.mesh.dp.size)
+        self.plan = plan_memory(shapes_only, cfg.strategy, self.mesh.dp.size,
+                                precision=cfg.precision)
 
     def _load_data(self) -> None:
         cfg = self.cfg
@@ -139,7 +140,9 @@ class Trainer:
                  f"= mesh dp={mesh.dp.size} x tp={mesh.tp.size} x pp={mesh.pp.size}",
                  f"data: {self.data_desc}",
                  f"batch: {cfg.batch_size} per dp rank x {cfg.micro_steps} micro-steps x "
-                 f"{mesh.dp.size} dp ranks, {cfg.steps} steps, {cfg.dtype}",
+                 f"{mesh.dp.size} dp ranks, {cfg.steps} steps, {cfg.dtype}"
+                 + (f", computing in {cfg.precision}" if cfg.precision != "float32" else "")
+                 + (", activation checkpointing" if cfg.activation_checkpointing else ""),
                  self.plan.format()]
         if cfg.memory_budget:
             verdict = "fits" if self.plan.total_peak_bytes <= cfg.memory_budget else "DOES NOT FIT"
@@ -154,7 +157,9 @@ class Trainer:
         if cfg.model == "gpt":
             self.run = ParallelGPT(gpt_config(cfg), self.mesh, cfg.strategy, cfg.seed,
                                    cfg.dtype, self.backend, micro_batches=cfg.micro_steps,
-                                   schedule=cfg.schedule)
+                                   schedule=cfg.schedule, precision=cfg.precision)
+            if cfg.activation_checkpointing:
+                self.run.module.set_activation_checkpointing(True)
         else:
             self.run = MLPRun(cfg, self.mesh, self.backend)
         self.model = self.run.strategy
@@ -232,6 +237,7 @@ class Trainer:
         samples = cfg.batch_size * cfg.micro_steps * self.mesh.dp.size
         return {"step": self.step, "loss": float(buf[0]), "lr": self.opt.lr,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
+                "loss_scale": self.model.scaler.scale,
                 "step_s": seconds, "tokens_per_s": samples * self.tokens_per_sample / seconds}
 
     def _memory_and_comm(self) -> dict:

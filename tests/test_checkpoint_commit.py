@@ -42,7 +42,9 @@ def test_layout_on_disk(tmp_path, model):
     body = json.loads(raw)["manifest"]
     assert body["step"] == 7 and body["format_version"] == 1
     assert body["extra"] == {"data": {"index": 3}}
-    assert body["strategy"] == {"name": "ZeRO", "stage": 3, "steps": 0, "skipped_steps": 0}
+    assert body["strategy"] == {"name": "ZeRO", "stage": 3, "steps": 0, "skipped_steps": 0,
+                                "precision": {"compute_dtype": "float32",
+                                              "loss_scale": {"scale": 1.0, "clean_steps": 0}}}
     assert body["optimizer"]["type"] == "AdamW"
     assert body["aliases"] == {"lm_head.weight": "transformer.wte.weight"}
     names = [(t["name"], t["kind"]) for t in body["tensors"]]

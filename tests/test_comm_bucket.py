@@ -41,7 +41,7 @@ def test_padded_size_and_errors():
     with pytest.raises(ValueError, match=r"dtypes \['float32', 'float64'\]"):
         FlatLayout.of_arrays([np.zeros(2, np.float32), np.zeros(2)])
     layout = FlatLayout.of([(2, 3)], "float32")
-    with pytest.raises(ValueError, match=r"flat buffer has shape \(5,\) .* needs \(6,\) float32"):
+    with pytest.raises(ValueError, match=r"flat buffer has shape \(5,\); this layout needs \(6,\) elements"):
         layout.views(np.zeros(5, np.float32))
     with pytest.raises(ValueError, match=r"array of shape \(3, 2\) where the layout has \(2, 3\)"):
         layout.flatten([np.zeros((3, 2), np.float32)])

@@ -86,3 +86,15 @@ def test_skipped_step_leaves_parameters_unchanged(kind):
         for s0, s1 in zip(state_before, opt.state):
             for k in s0:
                 assert np.array_equal(s0[k], s1[k])
+
+
+def test_zero3_seeds_dropout_like_a_materialised_model():
+    """ZeRO-3 materialises into shards; its dropout generators still come from (seed, name)."""
+    from mpishard.checkpoint.state import module_rng_states
+    from mpishard.comm.testing import make_test_comm
+    from mpishard.models import GPTConfig
+
+    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10, dropout=0.1)
+    comm = make_test_comm("self")
+    zero3 = ZeRO(GPT(cfg, seed=5, materialize_now=False), Mesh(comm, dp=1), stage=3)
+    assert module_rng_states(zero3.module) == module_rng_states(GPT(cfg, seed=5))

@@ -8,6 +8,16 @@ silently promote float32 work to float64), and ``x*x*x`` instead of ``x**3``.
 
 Weights are read through ``tensor.data`` inside backward, see
 [Note: parameter storage] in tensor.py.
+
+[Note: 16-bit inputs]
+A float16 or bfloat16 input (mixed precision) gives an output of the same
+dtype, but the arithmetic inside runs wider: matrix products in
+:func:`mpishard.dtypes.matmul_dtype` (float32 on NumPy, native on CuPy, whose
+float16 GEMMs accumulate in float32) and every reduction (layer-norm
+statistics, softmax, cross-entropy) in float32. The cast happens at the op's
+boundary, in forward and again in backward, so what backward keeps is what
+forward kept (16-bit inputs, float32 statistics) and nothing ties a weight's
+float32 copy to the graph. Cross-entropy returns a float32 loss.
 """
 from __future__ import annotations
 
@@ -16,6 +26,7 @@ import math
 import numpy as np
 
 from ..backend import xp_of
+from ..dtypes import is_low_precision, matmul_dtype
 from .ops import as_tensor, make_result, register_op
 from .tensor import Tensor
 
@@ -54,6 +65,16 @@ def _col_sum(x2d):
     return xp.ones(x2d.shape[0], dtype=x2d.dtype) @ x2d
 
 
+def _up(a):
+    """``a`` in float32 if it is a 16-bit float array, else ``a`` itself (see [Note: 16-bit inputs])."""
+    return a.astype(np.float32) if is_low_precision(a.dtype) else a
+
+
+def _as(a, dtype):
+    """``a`` cast to ``dtype`` (no copy when it already is)."""
+    return a if a is None or a.dtype == dtype else a.astype(dtype)
+
+
 def _check_last_dim(op: str, x: Tensor, n: int, what: str) -> None:
     if x.ndim == 0 or x.shape[-1] != n:
         raise ValueError(f"{op}: input of shape {tuple(x.shape)} does not end in "
@@ -68,23 +89,24 @@ def linear(x, weight, bias=None) -> Tensor:
     x, weight = as_tensor(x), as_tensor(weight)
     n_out, n_in = weight.shape
     _check_last_dim("linear", x, n_in, f"weight {tuple(weight.shape)} in_features")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"linear: dtype mismatch {x.dtype} (input {tuple(x.shape)}) vs "
-                         f"{weight.dtype} (weight {tuple(weight.shape)})")
-    x2 = x.data.reshape(-1, n_in)                        # (N, in)
-    y = x2 @ weight.data.T                               # (N, out)
+    if x.data.dtype != weight.data.dtype:  # the arrays: a Parameter's dtype is its master's
+        raise ValueError(f"linear: dtype mismatch {x.data.dtype} (input {tuple(x.shape)}) vs "
+                         f"{weight.data.dtype} (weight {tuple(weight.shape)})")
+    dtype, cd = x.dtype, matmul_dtype(x.data)           # see [Note: 16-bit inputs]
+    x2 = _as(x.data.reshape(-1, n_in), cd)               # (N, in)
+    y = x2 @ _as(weight.data, cd).T                      # (N, out)
     if bias is not None:
         bias = as_tensor(bias)
         y += bias.data
     out_shape = x.shape[:-1] + (n_out,)
 
     def backward(g):
-        g2 = g.reshape(-1, n_out)                        # (N, out)
-        gx = (g2 @ weight.data).reshape(x.shape) if x.requires_grad else None
-        gw = g2.T @ x.data.reshape(-1, n_in) if weight.requires_grad else None
+        g2 = _as(g.reshape(-1, n_out), cd)               # (N, out)
+        gx = _as(g2 @ _as(weight.data, cd), dtype).reshape(x.shape) if x.requires_grad else None
+        gw = g2.T @ _as(x.data.reshape(-1, n_in), cd) if weight.requires_grad else None
         gb = _col_sum(g2) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
-    return make_result(y.reshape(out_shape), (x, weight, bias), backward, "linear")
+    return make_result(_as(y, dtype).reshape(out_shape), (x, weight, bias), backward, "linear")
 
 
 # -- cache blocking ----------------------------------------------------------
@@ -121,7 +143,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
         _check_last_dim("layer_norm", x, weight.shape[0], "weight size")
     if bias is not None:
         bias = as_tensor(bias)
-    x2 = x.data.reshape(-1, n)                           # (N, C)
+    dtype = x.dtype
+    x2 = _up(x.data.reshape(-1, n))                      # (N, C); see [Note: 16-bit inputs]
     xhat = xp.empty_like(x2)                             # kept for backward
     rstd = xp.empty(x2.shape[0], dtype=x2.dtype)         # (N,)
     y = xp.empty_like(x2)
@@ -136,14 +159,14 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
         xp.divide(1.0, rb, out=rb)
         hb *= rb[:, None]
         if weight is not None:
-            xp.multiply(hb, weight.data, out=yb)
+            xp.multiply(hb, _up(weight.data), out=yb)
         else:
             yb[...] = hb
         if bias is not None:
-            yb += bias.data
+            yb += _up(bias.data)
 
     def backward(g):
-        g2 = g.reshape(-1, n)
+        g2 = _up(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
         gw = _col_sum(g2 * xhat) if need_w else None
         gb = _col_sum(g2) if bias is not None and bias.requires_grad else None
@@ -153,7 +176,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
             for rows in _row_blocks(g2):
                 gb_, hb = gx[rows], xhat[rows]
                 if weight is not None:
-                    xp.multiply(g2[rows], weight.data, out=gb_)
+                    xp.multiply(g2[rows], _up(weight.data), out=gb_)
                 else:
                     gb_[...] = g2[rows]
                 mean_g = _row_sum(gb_) * inv_n
@@ -161,9 +184,10 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
                 gb_ -= mean_g[:, None]
                 gb_ -= hb * mean_gx[:, None]
                 gb_ *= rstd[rows][:, None]
-            gx = gx.reshape(x.shape)
+            gx = _as(gx, dtype).reshape(x.shape)
         return gx, gw, gb
-    return make_result(y.reshape(x.shape), (x, weight, bias), backward, "layer_norm")
+    return make_result(_as(y, dtype).reshape(x.shape), (x, weight, bias), backward,
+                       "layer_norm")
 
 
 # -- activations -----------------------------------------------------------
@@ -174,6 +198,7 @@ def gelu(x) -> Tensor:
     x = as_tensor(x)
     xp = xp_of(x.data)
     a2 = x.data.reshape(-1, x.shape[-1]) if x.ndim else x.data.reshape(1, 1)
+    a2 = _up(a2)                                         # see [Note: 16-bit inputs]
     t2 = xp.empty_like(a2)                               # tanh(u), kept for backward
     y2 = xp.empty_like(a2)
     for rows in _row_blocks(a2):                         # see [Note: cache blocking]
@@ -190,8 +215,8 @@ def gelu(x) -> Tensor:
 
     def backward(g):
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3k x^2)
-        a2 = x.data.reshape(t2.shape)
-        g2 = g.reshape(t2.shape)
+        a2 = _up(x.data.reshape(t2.shape))
+        g2 = _up(g.reshape(t2.shape))
         out2 = xp.empty_like(a2)
         sech2 = xp.empty_like(a2[_row_blocks(a2)[0]])
         for rows in _row_blocks(a2):
@@ -208,8 +233,8 @@ def gelu(x) -> Tensor:
             out += 1.0
             out *= 0.5
             out *= g2[rows]
-        return (out2.reshape(x.shape),)
-    return make_result(y2.reshape(x.shape), (x,), backward, "gelu")
+        return (_as(out2, x.dtype).reshape(x.shape),)
+    return make_result(_as(y2, x.dtype).reshape(x.shape), (x,), backward, "gelu")
 
 
 # -- softmax family ----------------------------------------------------------
@@ -239,15 +264,16 @@ def softmax(x, axis: int = -1) -> Tensor:
     """Softmax along ``axis`` (max-subtracted for stability)."""
     x = as_tensor(x)
     r, moved = _as_rows(x.data, axis)
-    p = r.copy()                                         # (rows, n)
+    p = _up(r).copy()                                    # (rows, n), see [Note: 16-bit inputs]
     _softmax_rows(p)
 
     def backward(g):
-        gr, _ = _as_rows(g, axis)
+        gr, _ = _as_rows(_up(g), axis)
         gx = gr - _row_dot(gr, p)[:, None]
         gx *= p
-        return (_from_rows(gx, moved, axis, x.ndim),)
-    return make_result(_from_rows(p, moved, axis, x.ndim), (x,), backward, "softmax")
+        return (_from_rows(_as(gx, x.dtype), moved, axis, x.ndim),)
+    return make_result(_from_rows(_as(p, x.dtype), moved, axis, x.ndim), (x,), backward,
+                       "softmax")
 
 
 @register_op
@@ -256,17 +282,19 @@ def log_softmax(x, axis: int = -1) -> Tensor:
     x = as_tensor(x)
     xp = xp_of(x.data)
     r, moved = _as_rows(x.data, axis)
+    r = _up(r)                                           # see [Note: 16-bit inputs]
     z = r - _row_max(r)[:, None]
     lse = xp.log(_row_sum(xp.exp(z)))
     z -= lse[:, None]                                    # z = log p
 
     def backward(g):
-        gr, _ = _as_rows(g, axis)
+        gr, _ = _as_rows(_up(g), axis)
         gx = xp.exp(z)
         gx *= -_row_sum(gr)[:, None]
         gx += gr
-        return (_from_rows(gx, moved, axis, x.ndim),)
-    return make_result(_from_rows(z, moved, axis, x.ndim), (x,), backward, "log_softmax")
+        return (_from_rows(_as(gx, x.dtype), moved, axis, x.ndim),)
+    return make_result(_from_rows(_as(z, x.dtype), moved, axis, x.ndim), (x,), backward,
+                       "log_softmax")
 
 
 @register_op
@@ -286,7 +314,7 @@ def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
         raise ValueError(f"cross_entropy: targets of shape {tuple(t.shape)} do not match "
                          f"logits of shape {tuple(logits.shape)} (expected "
                          f"{tuple(logits.shape[:-1])})")
-    x2 = logits.data.reshape(-1, n_class)                # (N, V)
+    x2 = _up(logits.data.reshape(-1, n_class))          # (N, V); see [Note: 16-bit inputs]
     t1 = t.reshape(-1)
     valid = t1 != ignore_index
     safe_t = xp.where(valid, t1, 0)
@@ -306,7 +334,7 @@ def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
         if n_valid != x2.shape[0]:
             p *= valid[:, None]
         p *= g / max(n_valid, 1)
-        return (p.reshape(logits.shape),)
+        return (_as(p, logits.dtype).reshape(logits.shape),)
     return make_result(xp.asarray(loss, dtype=x2.dtype), (logits,), backward,
                        "cross_entropy")
 
@@ -346,7 +374,7 @@ def embedding(indices, weight) -> Tensor:
     out = weight.data[flat].reshape(idx.shape + (width,))
 
     def backward(g):
-        return (_scatter_add_rows(n_rows, flat, g.reshape(-1, width)),)
+        return (_scatter_add_rows(n_rows, flat, _up(g.reshape(-1, width))),)
     return make_result(out, (weight,), backward, "embedding")
 
 
@@ -409,20 +437,25 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     hs = C // n_head
     scale = 1.0 / math.sqrt(hs)
     step = 1 if xp is np else B
-    bias = _causal_bias(T, xp, qkv.dtype)
+    cd = matmul_dtype(qkv.data)                           # see [Note: 16-bit inputs]
+    sd = np.dtype(np.float32) if is_low_precision(qkv.dtype) else cd  # softmax dtype
+    bias = _causal_bias(T, xp, sd)
     use_dropout = training and dropout_p > 0.0
 
     def heads(packed, b, which):                          # (nb, nh, T, hs) view
         return packed[b, :, which].transpose(0, 2, 1, 3)
 
-    packed = qkv.data.reshape(B, T, 3, n_head, hs)
-    att = xp.empty((B, n_head, T, T), dtype=qkv.dtype)   # softmax weights, kept
+    packed = _as(qkv.data, cd).reshape(B, T, 3, n_head, hs)
+    att = xp.empty((B, n_head, T, T), dtype=sd)          # softmax weights, kept
     drop = xp.empty_like(att) if use_dropout else None
-    out = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)
+    out = xp.empty((B, T, n_head, hs), dtype=cd)
     for b0 in range(0, B, step):
         b = slice(b0, b0 + step)
         a = att[b]
-        xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
+        if sd == cd:
+            xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
+        else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
+            a[...] = heads(packed, b, 0) @ heads(packed, b, 1).swapaxes(-1, -2)
         a *= scale
         a += bias
         _softmax_rows(a.reshape(-1, T))
@@ -431,27 +464,29 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             d[...] = rng.random(d.shape, dtype=np.float32) >= dropout_p
             d *= 1.0 / (1.0 - dropout_p)
             a = a * d
-        out[b] = (a @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
+        out[b] = (_as(a, cd) @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
 
     def backward(g):
-        packed = qkv.data.reshape(B, T, 3, n_head, hs)
-        gy = g.reshape(B, T, n_head, hs)
-        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=g.dtype)
+        packed = _as(qkv.data, cd).reshape(B, T, 3, n_head, hs)
+        gy = _as(g, cd).reshape(B, T, n_head, hs)
+        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=cd)
         for b0 in range(0, B, step):
             b = slice(b0, b0 + step)
             q, k, v = heads(packed, b, 0), heads(packed, b, 1), heads(packed, b, 2)
             gyb = gy[b].transpose(0, 2, 1, 3)            # (nb, nh, T, hs)
             a = att[b]
             used = a * drop[b] if use_dropout else a
-            dqkv[b, :, 2] = (used.swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)
-            da = gyb @ v.swapaxes(-1, -2)                # (nb, nh, T, T)
+            dqkv[b, :, 2] = (_as(used, cd).swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)
+            da = _as(gyb @ v.swapaxes(-1, -2), sd)       # (nb, nh, T, T)
             if use_dropout:
                 da *= drop[b]
             rows, d_rows = a.reshape(-1, T), da.reshape(-1, T)
             d_rows -= _row_dot(d_rows, rows)[:, None]    # softmax backward
             d_rows *= rows
             d_rows *= scale
+            da = _as(da, cd)
             dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
             dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
-        return (dqkv.reshape(N, width),)
-    return make_result(out.reshape(N, C), (qkv,), backward, "causal_self_attention")
+        return (_as(dqkv, qkv.dtype).reshape(N, width),)
+    return make_result(_as(out, qkv.dtype).reshape(N, C), (qkv,), backward,
+                       "causal_self_attention")

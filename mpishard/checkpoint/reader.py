@@ -268,6 +268,10 @@ def load_checkpoint(path, strategy, optimizer=None, *, world=None, verify: bool 
         optimizer.lr = float(manifest.optimizer["lr"])
     strategy.steps = manifest.strategy["steps"]
     strategy.skipped_steps = manifest.strategy["skipped_steps"]
+    saved = (manifest.strategy.get("precision") or {}).get("loss_scale")
+    scaler = getattr(strategy, "scaler", None)
+    if saved and scaler is not None and scaler.dynamic:  # resume the dynamic loss scale
+        scaler.load_state_dict(saved)
     return dict(manifest.extra)
 
 

@@ -47,6 +47,14 @@ _LEFTOVER = re.compile(r"step-\d+\.tmp|step-\d+(\.old)?\.deleting|latest\.tmp")
 _REPLACED = re.compile(r"(step-\d+)\.old")
 
 
+def _precision_record(strategy) -> dict | None:
+    """The compute dtype and loss-scale state (parameters are saved as float32 masters)."""
+    scaler = getattr(strategy, "scaler", None)
+    if scaler is None:
+        return None
+    return {"compute_dtype": strategy.compute_dtype.name, "loss_scale": scaler.state_dict()}
+
+
 def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=None,
                     extra_state: dict | None = None, keep_last: int | None = None) -> Path:
     """Save parameters, optimizer state and ``extra_state`` as ``directory/step-{step}``.
@@ -228,7 +236,8 @@ def _manifest_body(step: int, records: list, strategy, optimizer, world, extra_s
         "mpishard_version": __version__, "step": step, "world_size": world.size,
         "mesh": {axis: int(sizes[axis]) for axis in ("pp", "dp", "tp")},
         "strategy": {"name": type(strategy).__name__, "stage": getattr(strategy, "stage", None),
-                     "steps": int(strategy.steps), "skipped_steps": int(strategy.skipped_steps)},
+                     "steps": int(strategy.steps), "skipped_steps": int(strategy.skipped_steps),
+                     "precision": _precision_record(strategy)},
         "optimizer": None if optimizer is None else {
             "type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
             "lr": float(optimizer.lr), "state_names": state_names},

@@ -11,6 +11,8 @@ Using Model Parallelism" (2019, arXiv:1909.08053), section 3 and figure 3:
   partial sum of the output.
 
 Both return their input unchanged when the communicator has one rank.
+bfloat16 activations and gradients are summed in float32 (MPI has no
+bfloat16 arithmetic) and cast back; float16 ones are summed as they are.
 """
 from __future__ import annotations
 
@@ -20,10 +22,18 @@ from ..autodiff.tensor import Tensor
 __all__ = ["copy_to_tp", "reduce_from_tp"]
 
 
-def _contiguous_copy(array):
+def _summed(array, comm):
+    """A contiguous copy of ``array`` summed over ``comm`` (bfloat16 via float32)."""
     from ..backend import xp_of  # noqa: PLC0415
 
-    return xp_of(array).ascontiguousarray(array).copy()
+    xp = xp_of(array)
+    if array.dtype.name == "bfloat16":
+        wide = xp.ascontiguousarray(array, dtype=xp.float32)
+        comm.all_reduce(wide, op="sum")
+        return wide.astype(array.dtype)
+    out = xp.ascontiguousarray(array).copy()
+    comm.all_reduce(out, op="sum")
+    return out
 
 
 def copy_to_tp(x, comm) -> Tensor:
@@ -33,9 +43,7 @@ def copy_to_tp(x, comm) -> Tensor:
         return x
 
     def backward(g):
-        g = _contiguous_copy(g)
-        comm.all_reduce(g, op="sum")
-        return (g,)
+        return (_summed(g, comm),)
     return make_result(x.data, (x,), backward, "copy_to_tp")
 
 
@@ -44,6 +52,4 @@ def reduce_from_tp(x, comm) -> Tensor:
     x = as_tensor(x)
     if comm.size == 1:
         return x
-    out = _contiguous_copy(x.data)
-    comm.all_reduce(out, op="sum")
-    return make_result(out, (x,), lambda g: (g,), "reduce_from_tp")
+    return make_result(_summed(x.data, comm), (x,), lambda g: (g,), "reduce_from_tp")

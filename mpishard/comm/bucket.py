@@ -83,10 +83,11 @@ class FlatLayout:
         return tuple(prod(s) for s in self.shapes)
 
     def _check_flat(self, flat, where: str) -> None:
-        if flat.ndim != 1 or flat.size != self.padded_numel or flat.dtype != self.dtype:
+        # Positions only: the same layout serves a float32 master and its 16-bit copy.
+        if flat.ndim != 1 or flat.size != self.padded_numel:
             raise ValueError(
-                f"{where}: flat buffer has shape {tuple(flat.shape)} and dtype "
-                f"{flat.dtype}; this layout needs ({self.padded_numel},) {self.dtype}")
+                f"{where}: flat buffer has shape {tuple(flat.shape)}; this layout needs "
+                f"({self.padded_numel},) elements")
 
     def empty(self, xp=np):
         """An uninitialised flat buffer with zeroed padding."""

@@ -93,7 +93,7 @@ def check_array(a, where: str, role: str, *, output: bool = False) -> None:
         raise ValueError(
             f"{where}: {role} is read-only but receives data; pass a writeable "
             f"array (e.g. {role}.copy())")
-    if not _mpi_has_datatype(a.dtype.char):
+    if a.dtype.name != "bfloat16" and not _mpi_has_datatype(a.dtype.char):  # see is_bfloat16
         raise ValueError(
             f"{where}: {role} has dtype {a.dtype}, for which this MPI library "
             f"({MPI.get_vendor()[0]}) has no datatype; use float32 or float64")
@@ -106,6 +106,11 @@ def check_reduction(a, op: str, where: str):
     integer average would silently truncate).
     """
     mpi_op = mpi_reduce_op(op, where)
+    if is_bfloat16(a):
+        raise ValueError(
+            f"{where}: MPI has no bfloat16 arithmetic, so op {op!r} cannot reduce a "
+            f"bfloat16 array; reduce in float32 (mixed precision does by default: "
+            f"Precision(reduce_dtype='float32'))")
     kind = a.dtype.kind
     if kind not in "fiuc" or (kind == "c" and op == "max"):
         raise ValueError(
@@ -116,6 +121,18 @@ def check_reduction(a, op: str, where: str):
             f"{where}: op 'avg' on integer dtype {a.dtype} would truncate; cast "
             f"to a floating dtype or use op='sum' and divide yourself")
     return mpi_op
+
+
+def is_bfloat16(a) -> bool:
+    """Whether ``a`` holds bfloat16 (``ml_dtypes``): MPI has no such datatype, so
+    gathers, broadcasts and point-to-point move it as 16-bit integers
+    (:func:`wire_view`) and reductions refuse it."""
+    return a.dtype.name == "bfloat16"
+
+
+def wire_view(a):
+    """``a`` as MPI can describe it: bfloat16 viewed as uint16 (same bytes), else ``a``."""
+    return a.view(np.uint16) if is_bfloat16(a) else a
 
 
 def data_pointer(a) -> int:

@@ -209,6 +209,7 @@ class Communicator:
         return self._cuda_aware
 
     def _for_mpi(self, a, *, copy_in: bool, copy_out: bool, nonblocking_reduction=False):
+        a = checks.wire_view(a)
         if type(a) is np.ndarray:
             return a, None
         if self._device_path_cache is None:
@@ -394,7 +395,7 @@ class Communicator:
                 request = group.all_gather(send, recv, host_sync=self.timeout is not None)
             else:
                 recv_view, copy_back = self._for_mpi(recv, copy_in=False, copy_out=True)
-                if in_place and recv_view is recv:  # not staged: MPI reads our block of recv
+                if in_place and copy_back is None:  # not staged: MPI reads our block of recv
                     send_view = MPI.IN_PLACE
                 else:
                     send_view, _ = self._for_mpi(send, copy_in=True, copy_out=False)

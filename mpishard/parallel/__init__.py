@@ -11,6 +11,7 @@ from .data_parallel import DataParallel, check_replicas_equal
 from .flat import FlatShard, FlatUnit
 from .pieces import Piece, gather_full_params, load_pieces, pieces_of
 from .pipeline import Pipeline, bubble_fraction, partition_blocks
+from .precision import PRECISIONS, LossScaler, Precision
 from .planner import STRATEGIES, MemoryPlan, plan_memory
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               parallelize_gpt, vocab_parallel_cross_entropy)
@@ -21,4 +22,5 @@ __all__ = ["Strategy", "StepResult", "DataParallel", "ZeRO", "FlatUnit", "FlatSh
            "Piece", "pieces_of", "load_pieces", "gather_full_params", "ParallelGPT",
            "build_stage", "wrap_model", "Pipeline",
            "bubble_fraction", "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "parallelize_gpt", "vocab_parallel_cross_entropy"]
+           "VocabParallelEmbedding", "parallelize_gpt", "vocab_parallel_cross_entropy",
+           "Precision", "LossScaler", "PRECISIONS"]

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import MemoryLedger
+from ..dtypes import resolve_dtype
 from ..optim.clip import clip_coefficient
 from .pieces import gather_full_params
+from .precision import LossScaler, Precision
 
 __all__ = ["Strategy", "StepResult"]
 
@@ -57,9 +59,14 @@ class Strategy:
 
     Subclasses implement :meth:`parameters`, :meth:`reduce_grads`,
     :meth:`_local_grad_sq`, :meth:`_scale_grads` and optionally :meth:`_after_update`.
+
+    ``precision`` (a name or a :class:`Precision`) sets mixed precision; see
+    [Note: mixed precision] in precision.py. Subclasses read ``master_dtype``
+    (the model's dtype: master weights, optimizer state), ``compute_dtype``
+    and ``reduce_dtype``, and ``mixed`` (whether the first two differ).
     """
 
-    def __init__(self, module, mesh, ledger: MemoryLedger | None = None):
+    def __init__(self, module, mesh, ledger: MemoryLedger | None = None, precision=None):
         self.module = module
         self.mesh = mesh
         self.dp = mesh.dp
@@ -69,6 +76,16 @@ class Strategy:
         self.steps = 0
         self.skipped_steps = 0
         self._param_ids = [id(p) for p in module.parameters()]
+        self.precision = Precision.of(precision)
+        xp = backend.xp if backend is not None else np
+        params = module.parameters()
+        self.master_dtype = resolve_dtype(params[0].spec.dtype) if params else np.dtype("float32")
+        self.mixed = self.precision.mixed
+        self.compute_dtype = (resolve_dtype(self.precision.param_dtype, xp) if self.mixed
+                              else self.master_dtype)
+        self.reduce_dtype = (resolve_dtype(self.precision.reduce_dtype, xp) if self.mixed
+                             else self.master_dtype)
+        self.scaler = LossScaler(self.precision)
 
     # -- forward / modes ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -129,6 +146,11 @@ class Strategy:
         """Name -> whole parameter (host NumPy) on every rank; see :func:`pieces.gather_full_params`."""
         return gather_full_params(self)
 
+    def scale_loss(self, loss):
+        """``loss`` times the current loss scale (itself when there is none): call
+        ``backward()`` on this. :meth:`step` divides the scale out again."""
+        return loss if self.scaler.scale == 1.0 else loss * self.scaler.scale
+
     def zero_grad(self) -> None:
         for p in self.module.parameters():
             p.grad = None
@@ -157,25 +179,34 @@ class Strategy:
                 "added, removed or replaced); build the model completely, then wrap it once")
         return math.sqrt(flags[0])
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients so the global norm is at most ``max_norm``; returns the norm before."""
-        norm = self.grad_norm()
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Divide out the loss scale and clip to ``max_norm`` (``None``: no clipping),
+        as one scaling of the gradients; returns the unscaled norm before clipping."""
+        scale = self.scaler.scale
+        norm = self.grad_norm() / scale
         if math.isfinite(norm):
-            coeff = clip_coefficient(norm, max_norm)
-            if coeff < 1.0:
-                self._scale_grads(coeff)
+            factor = 1.0 / scale
+            if max_norm is not None:
+                factor *= clip_coefficient(norm, max_norm)
+            if factor != 1.0:
+                self._scale_grads(factor)
         return norm
 
     def step(self, optimizer, max_norm: float | None = None) -> StepResult:
-        """Reduce gradients, clip (optional), update unless non-finite, then zero gradients."""
+        """Reduce gradients, unscale and clip (optional), update unless non-finite, zero gradients.
+
+        A non-finite norm skips the update on every rank and, with a dynamic
+        loss scale, halves the scale (see [Note: mixed precision]).
+        """
         self.reduce_grads()
-        norm = self.clip_grad_norm(max_norm) if max_norm is not None else self.grad_norm()
+        norm = self.clip_grad_norm(max_norm)
         skipped = not math.isfinite(norm)
         if skipped:
             self.skipped_steps += 1
         else:
             optimizer.step()
             self._after_update()
+        self.scaler.update(overflow=skipped)
         self.zero_grad()
         self.steps += 1
         return StepResult(norm, skipped, self.steps)

@@ -50,11 +50,12 @@ def build_stage(config: GPTConfig, mesh, seed: int = 0, dtype: str = "float32",
     return model
 
 
-def wrap_model(model, mesh, strategy: str, seed: int | None = None):
+def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=None):
     """Wrap ``model`` with the named strategy (``ddp``, ``zero1``, ``zero2``, ``zero3``).
 
     An unmaterialised model is materialised from ``seed`` (default ``model.seed``)
     first, except under ZeRO-3, which materialises straight into shards.
+    ``precision`` is passed on (see :class:`~mpishard.parallel.Precision`).
     """
     if strategy not in ("ddp", "zero1", "zero2", "zero3"):
         raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2 or zero3")
@@ -62,8 +63,8 @@ def wrap_model(model, mesh, strategy: str, seed: int | None = None):
     if strategy != "zero3" and any(p.data is None for p in model.parameters()):
         materialize(model, seed, getattr(model, "backend", None))
     if strategy == "ddp":
-        return DataParallel(model, mesh)
-    return ZeRO(model, mesh, stage=int(strategy[-1]), seed=seed)
+        return DataParallel(model, mesh, precision=precision)
+    return ZeRO(model, mesh, stage=int(strategy[-1]), seed=seed, precision=precision)
 
 
 class ParallelGPT:
@@ -77,17 +78,19 @@ class ParallelGPT:
             gradient accumulation when ``pp == 1``).
         schedule: ``"1f1b"`` or ``"gpipe"``.
         stage_plan: blocks per pipeline stage (default: balanced by parameters).
+        precision: mixed precision, e.g. ``"bfloat16"`` (see :class:`~mpishard.parallel.Precision`).
     """
 
     def __init__(self, config: GPTConfig, mesh, strategy: str = "zero3", seed: int = 0,
                  dtype: str = "float32", backend: Backend | None = None,
-                 micro_batches: int = 1, schedule: str = "1f1b", stage_plan=None):
+                 micro_batches: int = 1, schedule: str = "1f1b", stage_plan=None,
+                 precision=None):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.config, self.mesh = config, mesh
         backend = backend or Backend()
         self.strategy = wrap_model(build_stage(config, mesh, seed, dtype, backend, stage_plan),
-                                   mesh, strategy, seed)
+                                   mesh, strategy, seed, precision)
         tie = None
         if mesh.pp.size > 1:  # first and last stage of each (dp, tp) pipeline share wte
             ends = mesh.pp.rank in (0, mesh.pp.size - 1)

@@ -9,6 +9,11 @@ in, so communication overlaps the rest of backward. Buckets are filled in
 reverse registration order (roughly the order backward produces gradients) and
 launched strictly in bucket order, so every rank issues the same collectives in
 the same order (see [Note: collective order] below).
+
+With mixed precision (``precision="float16"``, see [Note: mixed precision]) the
+model computes with a 16-bit copy of every parameter, buckets hold gradients in
+``reduce_dtype``, and the optimizer updates float32 masters
+(:meth:`parameters` returns them as :class:`FlatShard` targets).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from ..backend import to_numpy, xp_of
 from ..comm.bucket import FlatLayout
 from ..optim.clip import grad_sq_sum
 from .base import Strategy
+from .flat import FlatShard
 
 __all__ = ["DataParallel", "check_replicas_equal"]
 
@@ -53,9 +59,9 @@ def check_replicas_equal(module, comm, what: str = "parameters") -> None:
 class _Bucket:
     __slots__ = ("params", "flat", "views", "ready", "handle")
 
-    def __init__(self, params, ledger, xp, index):
+    def __init__(self, params, ledger, xp, index, dtype):
         self.params = params
-        layout = FlatLayout.of([p.shape for p in params], params[0].dtype)
+        layout = FlatLayout.of([p.shape for p in params], dtype)
         self.flat = ledger.zeros("grads", (layout.padded_numel,), layout.dtype,
                                  f"ddp bucket {index}", xp=xp)
         self.views = layout.views(self.flat)
@@ -81,11 +87,13 @@ class DataParallel(Strategy):
         bucket_bytes: target size of one gradient bucket.
         sync_params: ``"check"`` (raise if parameters differ across ranks) or
             ``"broadcast"`` (copy rank 0's parameters to every rank).
+        precision: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or a
+            :class:`~mpishard.parallel.Precision`.
     """
 
     def __init__(self, module, mesh, bucket_bytes: int = 4 << 20, sync_params: str = "check",
-                 ledger=None):
-        super().__init__(module, mesh, ledger)
+                 ledger=None, precision=None):
+        super().__init__(module, mesh, ledger, precision)
         if sync_params not in ("check", "broadcast"):
             raise ValueError(f"sync_params must be 'check' or 'broadcast', got {sync_params!r}")
         if bucket_bytes < 1:
@@ -98,31 +106,52 @@ class DataParallel(Strategy):
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple] = {}
         self._next_launch = 0
+        self._masters: dict[int, FlatShard] = {}
+        if self.dp.size > 1:
+            if sync_params == "broadcast":
+                for p in params:
+                    self.dp.broadcast(p.data, root=0)
+            else:
+                check_replicas_equal(module, self.dp)
+        if self.mixed:
+            self._make_masters(named=module.named_parameters())
         if self.dp.size == 1:
             return
-        if sync_params == "broadcast":
-            for p in params:
-                self.dp.broadcast(p.data, root=0)
-        else:
-            check_replicas_equal(module, self.dp)
         xp = xp_of(params[0].data)
         current, current_bytes = [], 0
         for p in reversed(params):
             if current and (current_bytes + p.data.nbytes > bucket_bytes
                             or p.dtype != current[0].dtype):
-                self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets)))
+                self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets),
+                                             self.reduce_dtype))
                 current, current_bytes = [], 0
             current.append(p)
             current_bytes += p.data.nbytes
         if current:
-            self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets)))
+            self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets),
+                                         self.reduce_dtype))
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
                 p.register_grad_ready_hook(self._on_grad_ready)
 
+    def _make_masters(self, named) -> None:
+        """Keep each parameter's values as its float32 master; compute with a 16-bit copy."""
+        for name, p in named:
+            # The master is the materialised array itself (already counted as "params").
+            self._masters[id(p)] = FlatShard(p.data.reshape(-1), p.decay_ranges, name)
+            p.data = self.ledger.track("params", p.data.astype(self.compute_dtype),
+                                       f"{self.compute_dtype.name} copy {name}")
+
     def parameters(self) -> list:
-        return self.module.parameters()
+        """The optimizer's targets: the parameters, or their float32 masters when mixed."""
+        if not self.mixed:
+            return self.module.parameters()
+        return [self._masters[id(p)] for p in self.module.parameters()]
+
+    def optimizer_target(self, p):
+        """What the optimizer updates for parameter ``p`` (``p``, or its master)."""
+        return self._masters.get(id(p), p)
 
     # -- communication ------------------------------------------------------
     def _on_grad_ready(self, p) -> None:
@@ -144,8 +173,15 @@ class DataParallel(Strategy):
 
     def reduce_grads(self) -> None:
         """Launch buckets that backward did not complete, wait for all, reset."""
-        if self.dp.size == 1:
-            return
+        if self.dp.size > 1:
+            self._reduce_buckets()
+        if self.mixed:  # the masters' gradients: bucket views, or float32 copies at dp=1
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    self._masters[id(p)].grad = p.grad.reshape(-1).astype(
+                        self.master_dtype, copy=False)
+
+    def _reduce_buckets(self) -> None:
         for bucket in self._buckets[self._next_launch:]:
             for i in range(len(bucket.params)):
                 bucket.stage(i)
@@ -160,4 +196,10 @@ class DataParallel(Strategy):
     def _local_grad_sq(self) -> float:
         if self.dp.rank != 0:  # every dp rank holds the same averaged gradients
             return 0.0
-        return grad_sq_sum(p.grad for p in self.module.parameters() if self.counts_once(p.spec))
+        return grad_sq_sum(self.optimizer_target(p).grad for p in self.module.parameters()
+                           if self.counts_once(p.spec))
+
+    def _after_update(self) -> None:
+        if self.mixed:  # the compute copies follow the updated masters
+            for p in self.module.parameters():
+                p.data[...] = self._masters[id(p)].data.reshape(p.data.shape)

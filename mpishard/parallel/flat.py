@@ -73,6 +73,7 @@ class FlatUnit:
         self.target = None        # FlatShard handed to the optimizer
         self.grad_shard = None    # this rank's averaged gradient slice
         self.grad_full = None     # full flat gradients (stage 1 only)
+        self.compute_shard = None  # 16-bit copy of the shard (stage 3, mixed precision)
         self.gather = None        # (handle, buffer) of a prefetch in flight
         self.ready = 0            # gradients final so far in this backward
         self.reductions = 0       # reduce-scatters launched this step

@@ -69,13 +69,15 @@ def pieces_of(strategy, optimizer=None) -> list[Piece]:
     pieces: list[Piece] = []
     units = getattr(strategy, "units", None)
     if units is None:  # replicated over dp (DataParallel, or no strategy)
+        target_of = getattr(strategy, "optimizer_target", lambda p: p)
         for name, p in strategy.module.named_parameters():
             owner = strategy.dp.rank == 0 and strategy.counts_once(p.spec)
-            flat = p.data.reshape(-1)
+            target = target_of(p)  # the float32 master under mixed precision
+            flat = target.data.reshape(-1)
             runs = p.spec.global_runs()
             views = {"param": flat}
-            if id(p) in index:
-                views.update(_state_views(optimizer, index[id(p)], 0, flat.size))
+            if id(target) in index:
+                views.update(_state_views(optimizer, index[id(target)], 0, flat.size))
             for kind, arr in views.items():
                 pieces.append(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr,
                                     owner))
@@ -120,7 +122,8 @@ def gather_full_params(strategy) -> dict:
 def load_pieces(strategy, optimizer, read: Callable[[str, str, list, str], np.ndarray]) -> None:
     """Fill every piece this rank holds from ``read(name, kind, runs, dtype) -> 1-D array``.
 
-    Afterwards ZeRO stages 1/2 re-gather full parameters from the loaded shards.
+    Afterwards ZeRO stages 1/2 re-gather full parameters from the loaded shards
+    and mixed precision casts the loaded masters into the compute copies.
     """
     for piece in pieces_of(strategy, optimizer):
         values = read(piece.name, piece.kind, piece.runs, piece.dtype)
@@ -128,5 +131,6 @@ def load_pieces(strategy, optimizer, read: Callable[[str, str, list, str], np.nd
             raise ValueError(f"{piece.name} ({piece.kind}): read {values.size} elements, "
                              f"the piece holds {piece.array.size}")
         piece.array[...] = xp_of(piece.array).asarray(values, dtype=piece.array.dtype)
-    if getattr(strategy, "units", None) is not None:
-        strategy._after_update()
+    after = getattr(strategy, "_after_update", None)
+    if after is not None:  # ZeRO-1/2 re-gather; mixed precision refreshes 16-bit copies
+        after()

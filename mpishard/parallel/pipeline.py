@@ -18,7 +18,9 @@ the batch, tagged ``2*i`` (activations of micro-batch ``i``) and ``2*i + 1``
 The bubble, the idle fraction of an ideal pipeline, is ``(p - 1) / (m + p - 1)``.
 Gradients are communicated once after the last micro-batch: the tied token
 table's two copies (first and last stage) are summed, then the strategy
-reduces over dp in ``step``.
+reduces over dp in ``step``. Activations and their gradients stay in the
+model's array module (device memory on CuPy); the communicator sends them
+directly (CUDA-aware MPI) or through its pinned staging buffers.
 """
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ import time
 import numpy as np
 
 from ..autodiff.tensor import Tensor, no_grad
-from ..backend import to_numpy
 
 __all__ = ["partition_blocks", "Pipeline", "bubble_fraction"]
 
@@ -109,7 +110,8 @@ class Pipeline:
         self.stage, self.stages = self.pp.rank, self.pp.size
         self.idle_seconds = 0.0
         self.step_seconds = 0.0
-        self._dtype = np.dtype(self.model.parameters()[0].spec.dtype)
+        self._dtype = strategy.compute_dtype  # activations cross stages in it
+        self._xp = self.model.backend.xp
 
     # -- one micro-batch ------------------------------------------------------
     def _forward(self, i: int) -> None:
@@ -117,18 +119,18 @@ class Pipeline:
         if self.model.first_stage:
             inp = x
         else:
-            buf = np.empty((self._rows, self.model.config.n_embd), dtype=self._dtype)
+            buf = self._xp.empty((self._rows, self.model.config.n_embd), dtype=self._dtype)
             self._recv(buf, self.stage - 1, 2 * i)
-            inp = Tensor(self.model.backend.asarray(buf), requires_grad=True)
+            inp = Tensor(buf, requires_grad=True)
         if self.model.last_stage:
             _, loss = self.strategy(inp, y, batch_size=self._b) if not self.model.first_stage \
                 else self.strategy(inp, y)
             self._losses.append(loss.item())
-            self._saved[i] = (inp, loss * (1.0 / self.micro_batches))
+            self._saved[i] = (inp, self.strategy.scale_loss(loss) * (1.0 / self.micro_batches))
         else:
             out = self.strategy(inp) if self.model.first_stage else \
                 self.strategy(inp, batch_size=self._b)
-            send = np.ascontiguousarray(out.numpy())
+            send = self._xp.ascontiguousarray(out.data)
             self._sends.append(self.pp.isend(send, self.stage + 1, 2 * i))
             self._saved[i] = (inp, out)
 
@@ -137,12 +139,12 @@ class Pipeline:
         if self.model.last_stage:
             out.backward()
         else:
-            grad = np.empty(out.shape, dtype=self._dtype)
+            grad = self._xp.empty(out.shape, dtype=self._dtype)
             self._recv(grad, self.stage + 1, 2 * i + 1)
-            out.backward(self.model.backend.asarray(grad))
+            out.backward(grad)
         if not self.model.first_stage:
-            send = np.zeros(inp.shape, self._dtype) if inp.grad is None else \
-                np.ascontiguousarray(to_numpy(inp.grad))
+            send = self._xp.zeros(inp.shape, self._dtype) if inp.grad is None else \
+                self._xp.ascontiguousarray(inp.grad, dtype=self._dtype)
             self._sends.append(self.pp.isend(send, self.stage - 1, 2 * i + 1))
 
     def _recv(self, buf, source: int, tag: int) -> None:
@@ -216,10 +218,12 @@ class Pipeline:
         if self.tie is None:
             return
         p = self.model.transformer.wte.weight
-        grad = np.zeros(p.shape, dtype=self._dtype) if p.grad is None else \
-            np.ascontiguousarray(to_numpy(p.grad))
+        # summed in float32 at least (MPI cannot add bfloat16), then back to the grad's dtype
+        dtype = np.promote_types(self._dtype, np.float32) if self.strategy.mixed else self._dtype
+        grad = self._xp.zeros(p.shape, dtype=dtype) if p.grad is None else \
+            self._xp.ascontiguousarray(p.grad, dtype=dtype)
         self.tie.all_reduce(grad, op="sum")
-        p.grad = self.model.backend.asarray(grad)
+        p.grad = grad.astype(self._dtype, copy=False)
 
     @property
     def idle_fraction(self) -> float:

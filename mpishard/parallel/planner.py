@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..dtypes import resolve_dtype
+from .precision import Precision
 from .zero import ZeRO, plan_units
 
 __all__ = ["MemoryPlan", "plan_memory", "STRATEGIES", "OPTIMIZER_STATES"]
@@ -69,7 +71,7 @@ def _window_peak(sizes: list, window: int) -> int:
 
 
 def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
-                dtype: str | None = None) -> MemoryPlan:
+                dtype: str | None = None, precision=None) -> MemoryPlan:
     """Predict per-rank bytes by ledger category for ``model`` under ``strategy``.
 
     Args:
@@ -79,6 +81,9 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
         dp_size: data-parallel size.
         optimizer: key of :data:`OPTIMIZER_STATES`.
         dtype: element dtype (default: the parameters').
+        precision: mixed precision as the strategy gets it (``"float16"``, a
+            :class:`Precision`): masters and optimizer state in ``dtype``, a
+            compute copy in ``param_dtype``, gradient buffers in ``reduce_dtype``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
@@ -88,38 +93,47 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     params = model.parameters()
     b = np.dtype(dtype or params[0].dtype).itemsize
+    policy = Precision.of(precision)
+    mixed = policy.mixed
+    cb = resolve_dtype(policy.param_dtype).itemsize if mixed else b    # compute copy
+    rb = resolve_dtype(policy.reduce_dtype).itemsize if mixed else b   # gradient buffers
     n = sum(p.size for p in params)
     n_states = OPTIMIZER_STATES[optimizer]
     factor = (dp_size - 1) / dp_size
     plan = MemoryPlan(strategy, dp_size, n, b)
     if strategy == "ddp":
-        plan.steady = {"params": n * b, "grads": n * b if dp_size > 1 else 0,
+        plan.steady = {"params": n * b + (n * cb if mixed else 0),
+                       "grads": n * rb if dp_size > 1 else 0,
                        "optim": n_states * n * b}
         plan.peak = {"gathered": 0, "comm": 0}
-        plan.bus_bytes_per_step = int(round(2 * factor * n * b))
+        plan.bus_bytes_per_step = int(round(2 * factor * n * rb))
         return plan
     stage = int(strategy[-1])
     names = list(getattr(model, "shard_units", lambda: [])())
     units = plan_units(model, names, dp_size, 0)
-    padded = sum(u.padded for u in units) * b
-    shards = sum(u.shard_size for u in units) * b
-    blocks = [u.padded * b for u in units if u.module is not None]
-    root = sum(u.padded * b for u in units if u.module is None)
-    # backward finishes units last block first, the root (embeddings) last
-    backward_order = blocks[::-1] + ([root] if root else [])
-    comm_peak = 0 if stage == 1 else _window_peak(
-        backward_order, ZeRO.max_inflight_reductions + 1)
-    plan.steady = {"params": padded if stage < 3 else shards,
-                   "grads": padded + shards if stage == 1 else shards,
-                   "optim": n_states * shards}
+    padded_n = sum(u.padded for u in units)
+    shards_n = sum(u.shard_size for u in units)
+    blocks = [u.padded * cb for u in units if u.module is not None]     # gathered, compute dtype
+    root = sum(u.padded * cb for u in units if u.module is None)
+    # A reduction in flight holds its flat buffer, plus a receive buffer when the
+    # reduce dtype is not the shard's (mixed precision).
+    # Stage 1 reduces from its full gradient buffer (counted as grads), in backward's order.
+    order = [u for u in units if u.module is not None][::-1] + [u for u in units if u.module is None]
+    in_flight = [(0 if stage == 1 else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
+                 for u in order]
+    comm_peak = _window_peak(in_flight, ZeRO.max_inflight_reductions + 1)
+    copy = padded_n * cb if stage < 3 else (shards_n * cb if mixed else 0)
+    plan.steady = {"params": (shards_n * b if stage == 3 or mixed else 0) + copy,
+                   "grads": shards_n * b + (padded_n * rb if stage == 1 else 0),
+                   "optim": n_states * shards_n * b}
     gathered = 0
     if stage == 3:
         pair = max((blocks[i] + blocks[i + 1] for i in range(len(blocks) - 1)),
                    default=blocks[0] if blocks else 0)
         gathered = root + pair
     plan.peak = {"gathered": gathered, "comm": comm_peak}
-    if stage < 3:
-        plan.bus_bytes_per_step = int(round(2 * factor * padded))
+    if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
+        plan.bus_bytes_per_step = int(round(factor * padded_n * (rb + cb)))
     else:  # gather every block twice (forward, backward), the root once, reduce-scatter all
-        plan.bus_bytes_per_step = int(round(factor * (2 * sum(blocks) + root + padded)))
+        plan.bus_bytes_per_step = int(round(factor * (2 * sum(blocks) + root + padded_n * rb)))
     return plan

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ..autodiff import nn_ops
 from ..autodiff.ops import as_tensor, make_result, mul
 from ..autodiff.tensor import Tensor
 from ..backend import xp_of
 from ..comm.autograd import copy_to_tp, reduce_from_tp
+from ..dtypes import is_low_precision
 from ..nn import Constant, Linear, Module, Normal, Parameter
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
@@ -142,6 +145,8 @@ def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
     logits = as_tensor(logits)
     t = targets.data if isinstance(targets, Tensor) else targets
     x = logits.data.reshape(-1, logits.shape[-1])                   # (N, V_local)
+    if is_low_precision(x.dtype):  # 16-bit logits: the softmax runs in float32
+        x = x.astype(np.float32)
     xp = xp_of(x)
     n_local = x.shape[1]
     t = t.reshape(-1)
@@ -166,7 +171,7 @@ def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
         p[rows, local_t] -= mine.astype(p.dtype)
         p *= valid[:, None]
         p *= g / max(n_valid, 1)
-        return (p.reshape(logits.shape),)
+        return (p.astype(logits.data.dtype, copy=False).reshape(logits.shape),)
     return make_result(xp.asarray(loss, dtype=x.dtype), (logits,), backward,
                        "vocab_parallel_cross_entropy")
 

@@ -23,6 +23,13 @@ released once its gradients are reduce-scattered; the next unit's gather is
 issued ahead with a non-blocking all-gather (``prefetch``). The root unit is
 gathered for the whole forward and backward. See ZeRO (Rajbhandari et al.,
 2020, arXiv:1910.02054).
+
+With mixed precision (see [Note: mixed precision] in precision.py) the shard
+is the float32 master. Stage 3 casts it once per step into a 16-bit copy of
+the shard (``unit.compute_shard``) and all-gathers that; stages 1 and 2 keep
+the whole model as a 16-bit buffer (``unit.full``) whose own block is refreshed
+from the master after each update and then all-gathered in place. Gradients
+are flattened into ``reduce_dtype`` buffers before the reduce-scatter.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import numpy as np
 
 from ..autodiff.tensor import Tensor
 from ..optim.clip import grad_sq_sum
+from ..nn.init import seed_dropout
 from ..nn.parameter import init_array
 from .base import Strategy
 from .data_parallel import check_replicas_equal
@@ -94,6 +102,8 @@ class ZeRO(Strategy):
         reshard_after_forward: stage 3: release a unit after its forward.
         prefetch: stage 3: gather the next unit ahead, non-blocking.
         seed: initialisation seed (default: ``module.seed``).
+        precision: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or a
+            :class:`~mpishard.parallel.Precision`.
     """
 
     #: reduce-scatters in flight before backward waits for the oldest
@@ -101,8 +111,8 @@ class ZeRO(Strategy):
 
     def __init__(self, module, mesh, stage: int = 3, units=None, root_unit: bool = True,
                  reshard_after_forward: bool = True, prefetch: bool = True, seed=None,
-                 ledger=None):
-        super().__init__(module, mesh, ledger)
+                 ledger=None, precision=None):
+        super().__init__(module, mesh, ledger, precision)
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         self.stage = stage
@@ -119,10 +129,13 @@ class ZeRO(Strategy):
         self.xp = backend.xp if backend is not None else np
         self._pending: list = []
         self._grads_reduced = False
+        deferred = any(p.data is None for p in module.parameters())
         for unit in self.units:
             self._materialize(unit, seed)
             for p in unit.params:
                 p.register_grad_ready_hook(lambda p, unit=unit: self._on_grad_ready(unit))
+        if deferred:  # what materialize() does besides parameters: dropout generators
+            seed_dropout(module, seed, backend)
         # See [Note: prefetch order].
         self._order: list[int] = []
         self._last_order: list[int] = list(range(len(self.blocks)))
@@ -134,15 +147,15 @@ class ZeRO(Strategy):
 
     # -- layout and materialisation -------------------------------------------
     def _materialize(self, unit: FlatUnit, seed: int) -> None:
-        xp, ledger = self.xp, self.ledger
-        if self.stage == 3:
+        xp, ledger, cd = self.xp, self.ledger, self.compute_dtype
+        unit.full, unit.compute_shard = None, None
+        if self.stage < 3:
+            unit.full = ledger.zeros("params", (unit.padded,), cd, f"params {unit.label}", xp=xp)
+        if self.stage < 3 and not self.mixed:  # the shard is this rank's block of full
+            shard = unit.full[unit.shard_start:unit.shard_stop]
+        else:
             shard = ledger.zeros("params", (unit.shard_size,), unit.dtype,
                                  f"param shard {unit.label}", xp=xp)
-            unit.full = None
-        else:
-            unit.full = ledger.zeros("params", (unit.padded,), unit.dtype,
-                                     f"params {unit.label}", xp=xp)
-            shard = unit.full[unit.shard_start:unit.shard_stop]
         views = unit.views(unit.full) if unit.full is not None else None
         for i, (name, p) in enumerate(zip(unit.names, unit.params)):
             if p.data is not None:
@@ -155,13 +168,19 @@ class ZeRO(Strategy):
                 views[i][...] = value
                 p.data = views[i]
             else:
+                p.data = xp.empty(0, dtype=cd)  # released; see [Note: parameter storage]
+            if views is None or self.mixed:
                 offset, piece = unit.owned_piece(i, value)
                 shard[offset:offset + piece.size] = piece
-                p.data = xp.empty(0, dtype=unit.dtype)  # released; see [Note: parameter storage]
         unit.target = FlatShard(shard, unit.decay_ranges(), unit.label)
+        if self.stage == 3 and self.mixed:
+            unit.compute_shard = ledger.zeros("params", (unit.shard_size,), cd,
+                                              f"{cd.name} param shard {unit.label}", xp=xp)
+            unit.compute_shard[...] = shard
+        rd = self.reduce_dtype
         unit.grad_shard = ledger.zeros("grads", (unit.shard_size,), unit.dtype,
                                        f"grad shard {unit.label}", xp=xp)
-        unit.grad_full = (ledger.zeros("grads", (unit.padded,), unit.dtype,
+        unit.grad_full = (ledger.zeros("grads", (unit.padded,), rd,
                                        f"grads {unit.label}", xp=xp) if self.stage == 1 else None)
         unit.gather = None
         unit.ready = 0
@@ -181,9 +200,9 @@ class ZeRO(Strategy):
             handle.wait()
             unit.gather = None
         else:
-            buf = self.ledger.empty("gathered", (unit.padded,), unit.dtype,
+            buf = self.ledger.empty("gathered", (unit.padded,), self.compute_dtype,
                                     f"gathered {unit.label}", xp=self.xp)
-            self.dp.all_gather(unit.target.data, buf)
+            self.dp.all_gather(self._gather_source(unit), buf)
         unit.full = buf
         for p, view in zip(unit.params, unit.views(buf)):
             p.data = view
@@ -193,16 +212,21 @@ class ZeRO(Strategy):
         if self.stage != 3 or unit is None or unit.full is None:
             return
         for p in unit.params:
-            p.data = self.xp.empty(0, dtype=unit.dtype)
+            p.data = self.xp.empty(0, dtype=self.compute_dtype)
         self.ledger.release(unit.full)
         unit.full = None
+
+    @staticmethod
+    def _gather_source(unit: FlatUnit):
+        """What stage 3 all-gathers: the shard, or its 16-bit copy under mixed precision."""
+        return unit.compute_shard if unit.compute_shard is not None else unit.target.data
 
     def _prefetch(self, unit: FlatUnit) -> None:
         if not self.prefetch or unit.full is not None or unit.gather is not None:
             return
-        buf = self.ledger.empty("gathered", (unit.padded,), unit.dtype,
+        buf = self.ledger.empty("gathered", (unit.padded,), self.compute_dtype,
                                 f"gathered {unit.label}", xp=self.xp)
-        unit.gather = (self.dp.iall_gather(unit.target.data, buf), buf)
+        unit.gather = (self.dp.iall_gather(self._gather_source(unit), buf), buf)
 
     # [Note: prefetch order]
     # Units run in the order the model calls them, not necessarily the order
@@ -265,31 +289,37 @@ class ZeRO(Strategy):
             self.reshard(unit)
 
     def _reduce_scatter(self, unit: FlatUnit) -> None:
+        rd = self.reduce_dtype
         if unit.grad_full is not None:  # stage 1 keeps full gradients
             flat = unit.grad_full
         else:
-            flat = self.ledger.empty("comm", (unit.padded,), unit.dtype,
+            flat = self.ledger.empty("comm", (unit.padded,), rd,
                                      f"grad bucket {unit.label}", xp=self.xp)
         unit.flatten([p.grad for p in unit.params], flat)
         full_grads = unit.views(flat) if unit.grad_full is not None else [None] * len(unit.params)
         for p, g in zip(unit.params, full_grads):
             p.grad = g
-        if unit.reductions == 0:
+        first = unit.reductions == 0
+        if first and rd == unit.grad_shard.dtype:
             recv = unit.grad_shard
         else:
-            recv = self.ledger.empty("comm", (unit.shard_size,), unit.dtype,
-                                     f"grad shard {unit.label} (accumulating)", xp=self.xp)
+            recv = self.ledger.empty("comm", (unit.shard_size,), rd,
+                                     f"grad shard {unit.label} (received)", xp=self.xp)
         unit.reductions += 1
-        self._pending.append((unit, self.dp.ireduce_scatter(flat, recv, op="avg"), flat, recv))
+        self._pending.append((unit, self.dp.ireduce_scatter(flat, recv, op="avg"), flat, recv,
+                              first))
         # Bound the full-size gradient buffers alive at once (stage 2/3 memory).
         while len(self._pending) > self.max_inflight_reductions:
             self._finish_oldest_reduction()
 
     def _finish_oldest_reduction(self) -> None:
-        unit, handle, flat, recv = self._pending.pop(0)
+        unit, handle, flat, recv, first = self._pending.pop(0)
         handle.wait()
         if recv is not unit.grad_shard:
-            unit.grad_shard += recv
+            if first:  # reduced in another dtype: cast into the shard
+                unit.grad_shard[...] = recv
+            else:
+                unit.grad_shard += recv
             self.ledger.release(recv)
         if flat is not unit.grad_full:
             self.ledger.release(flat)
@@ -335,9 +365,18 @@ class ZeRO(Strategy):
         return grad_sq_sum(pieces)
 
     def _after_update(self) -> None:
+        """Bring the compute copies up to date with the updated shards."""
         if self.stage == 3:
+            if self.mixed:
+                for unit in self.units:
+                    unit.compute_shard[...] = unit.target.data
             return
-        # The shard is this rank's block of the full buffer: an in-place all-gather.
-        handles = [self.dp.iall_gather(unit.target.data, unit.full) for unit in self.units]
+        # This rank's block of the full buffer (the shard itself, or its 16-bit
+        # copy under mixed precision) is current: an in-place all-gather.
+        blocks = [unit.full[unit.shard_start:unit.shard_stop] for unit in self.units]
+        if self.mixed:
+            for unit, block in zip(self.units, blocks):
+                block[...] = unit.target.data
+        handles = [self.dp.iall_gather(block, unit.full) for unit, block in zip(self.units, blocks)]
         for handle in handles:
             handle.wait()

@@ -1,0 +1,145 @@
+"""Mixed precision: what dtype parameters compute in, gradients reduce in, and loss scaling.
+
+    model = ZeRO(GPT(cfg, materialize_now=False), mesh, stage=3, precision="float16")
+    opt = AdamW(model.parameters(), lr=3e-4)          # float32 master shards
+    _, loss = model(x, y)
+    model.scale_loss(loss).backward()                 # loss x the current scale
+    result = model.step(opt, max_norm=1.0)            # unscale, clip, update or skip
+
+[Note: mixed precision]
+The model is built in float32; that copy is the *master*. A strategy with a
+16-bit ``param_dtype`` keeps the master (whole under DDP, this rank's shard
+under ZeRO) as the optimizer's target, with float32 optimizer state, and gives
+the model a 16-bit copy to compute with: ZeRO-3 casts its shard once per step
+and all-gathers 16-bit units (half the bytes), ZeRO-1/2 and DDP keep a 16-bit
+copy of the whole model. Backward produces 16-bit gradients; they are cast into
+``reduce_dtype`` buffers (float32 by default) before they are averaged, so the
+reduction and everything after it (norm, clipping, the update) runs in float32.
+After the update the master is cast back into the compute copy.
+
+float16 has 5 exponent bits: gradients below about 6e-8 flush to zero. So the
+loss is multiplied by a *loss scale* before backward (``scale_loss``), and
+``step`` divides it out again, folded into the clipping factor. With
+``loss_scale="dynamic"`` (the float16 default) the scale starts at 2**16,
+halves whenever a step's gradients hold an inf or NaN (the step is skipped,
+parameters and optimizer state untouched) and doubles after
+``growth_interval`` clean steps in a row, as torch.amp.GradScaler does. The
+overflow decision is the global gradient norm's, which one all-reduce over the
+whole mesh makes the same on every rank (see [Note: collective step
+decisions] in base.py), so all ranks skip together and keep the same scale.
+bfloat16 has float32's exponent range and needs no scaling.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..dtypes import FLOAT_DTYPES, LOW_PRECISION
+
+__all__ = ["Precision", "LossScaler", "PRECISIONS"]
+
+#: names accepted wherever a precision is asked for (``--precision``)
+PRECISIONS = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A mixed-precision policy (see [Note: mixed precision]).
+
+    Args:
+        param_dtype: dtype parameters are gathered and computed in; ``None``
+            computes in the model's own dtype (no mixed precision).
+        reduce_dtype: dtype gradients are averaged in (``"float32"``, or the
+            ``param_dtype`` to halve the bytes; bfloat16 cannot be reduced by MPI).
+        loss_scale: ``"dynamic"``, a fixed positive number, or ``None`` (no scaling).
+        init_scale, growth_factor, backoff_factor, growth_interval: the dynamic
+            scale's start, its factors on growth and overflow, and the clean
+            steps between growths.
+    """
+
+    param_dtype: str | None = None
+    reduce_dtype: str = "float32"
+    loss_scale: str | float | None = None
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        if self.param_dtype is not None and self.param_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"Precision: param_dtype {self.param_dtype!r} is not one of "
+                             f"{', '.join(FLOAT_DTYPES)}")
+        if self.reduce_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"Precision: reduce_dtype {self.reduce_dtype!r} is not one of "
+                             f"{', '.join(FLOAT_DTYPES)}")
+        if self.reduce_dtype == "bfloat16":
+            raise ValueError("Precision: reduce_dtype='bfloat16' is not possible, MPI has no "
+                             "bfloat16 arithmetic; use reduce_dtype='float32'")
+        scale = self.loss_scale
+        if not (scale is None or scale == "dynamic" or (
+                isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)):
+            raise ValueError(f"Precision: loss_scale must be 'dynamic', a positive number or "
+                             f"None, got {scale!r}")
+        if not (self.growth_factor >= 1.0 and 0.0 < self.backoff_factor <= 1.0
+                and self.init_scale > 0 and self.growth_interval >= 1):
+            raise ValueError("Precision: need growth_factor >= 1, 0 < backoff_factor <= 1, "
+                             "init_scale > 0 and growth_interval >= 1")
+
+    @classmethod
+    def of(cls, value) -> "Precision":
+        """A policy from a name (``"float32"``, ``"float16"``, ``"bfloat16"``), a
+        ``Precision``, or ``None`` (no mixed precision).
+
+        ``"float16"`` means float16 compute, float32 reduction, dynamic loss
+        scaling; ``"bfloat16"`` the same without scaling; ``"float32"`` (and
+        ``"float64"``) compute in the model's dtype.
+        """
+        if value is None or isinstance(value, Precision):
+            return value or cls()
+        if value in ("float32", "float64"):
+            return cls()
+        if value == "float16":
+            return cls("float16", loss_scale="dynamic")
+        if value == "bfloat16":
+            return cls("bfloat16")
+        raise ValueError(f"unknown precision {value!r}; use one of {', '.join(PRECISIONS)} "
+                         f"or a mpishard.parallel.Precision")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether parameters compute in a 16-bit dtype."""
+        return self.param_dtype in LOW_PRECISION
+
+
+class LossScaler:
+    """The current loss scale and its dynamic update (see [Note: mixed precision])."""
+
+    def __init__(self, precision: Precision):
+        self.precision = precision
+        self.dynamic = precision.loss_scale == "dynamic"
+        if self.dynamic:
+            self.scale = float(precision.init_scale)
+        else:
+            self.scale = float(precision.loss_scale or 1.0)
+        self.clean_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """After a step: back off on overflow, grow after enough clean steps."""
+        if not self.dynamic:
+            return
+        p = self.precision
+        if overflow:
+            self.scale *= p.backoff_factor
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= p.growth_interval:
+                self.scale *= p.growth_factor
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
