@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from test_cli import FAST, ROOT, mpishard
 
 
@@ -16,9 +18,11 @@ def _losses(path):
             if "loss" in r}
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--precision", "float16",
+                                         "--activation-checkpointing", "true"]])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, extra):
     run = tmp_path / "a"
-    args = [*FAST, "--steps", "6", "--checkpoint-interval", "3", "--dropout", "0.1"]
+    args = [*FAST, "--steps", "6", "--checkpoint-interval", "3", "--dropout", "0.1", *extra]
     out = mpishard("train", *args, "--checkpoint-dir", str(run), "--metrics",
                    str(run / "m.jsonl"), n=2)
     assert out.returncode == 0, out.stderr

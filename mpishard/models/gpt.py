@@ -208,6 +208,7 @@ class GPT(Module):
         """
         if self.first_stage:
             idx = inputs.data if isinstance(inputs, Tensor) else inputs
+            idx = self.backend.asarray(idx)                        # token ids onto the device
             B, T = idx.shape
             if T > self.config.block_size:
                 raise ValueError(f"sequence length {T} exceeds block_size "
@@ -230,7 +231,7 @@ class GPT(Module):
         logits = self.lm_head(x)                                   # (B*T, V)
         loss = None
         if targets is not None:
-            targets = targets.data if isinstance(targets, Tensor) else targets
+            targets = self.backend.asarray(targets.data if isinstance(targets, Tensor) else targets)
             loss = self.loss_fn(logits, targets.reshape(B * T))
         return logits.reshape(B, T, logits.shape[-1]), loss
 

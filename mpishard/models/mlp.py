@@ -45,7 +45,11 @@ class MLPClassifier(Module):
 
     def forward(self, x, targets=None):
         """Logits ``(N, n_classes)`` and, with integer ``targets``, the mean cross-entropy."""
-        h = x if isinstance(x, Tensor) else Tensor(x)
+        if not isinstance(x, Tensor):  # features onto the device, in the weights' dtype
+            x = Tensor(self.backend.asarray(x, dtype=self.layers[0].weight.data.dtype))
+        h = x
+        if targets is not None and not isinstance(targets, Tensor):
+            targets = self.backend.asarray(targets)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             h = layer(h)
