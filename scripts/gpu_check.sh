@@ -1,70 +1,89 @@
 #!/usr/bin/env bash
-# Exercise mpishard's CuPy communication paths on a GPU machine.
+# The GPU check: every GPU path of mpishard, one JSON report. See docs/gpu.md.
 #
-#   scripts/gpu_check.sh                   # uses .venv/bin/python, else python3
-#   PYTHON=/path/to/python scripts/gpu_check.sh
+#   scripts/fetch_gpu_wheels.sh          # once, on a machine with the internet:
+#                                        # mpich, mpi4py, pytest-mpi into .whl/
+#   scripts/gpu_check.sh                 # on the GPU machine (no internet needed)
+#   scripts/gpu_check.sh --dry-run       # without a GPU: the runner on NumPy
+#   scripts/gpu_check.sh --only bench_single,dtypes --budget 200
 #
-# Needs CuPy (pip install 'mpishard[cuda12]') and at least one visible GPU.
-# Runs, each with a time limit:
-#   1. one process: pinned staging after the stream sync, the CUDA-aware and
-#      Open MPI branches of DevicePath, all collectives on device arrays at
-#      size 1, and an NCCL group of size 1 when NCCL loads;
-#   2. two ranks, MPISHARD_CUDA_AWARE=0: every collective through pinned host
-#      staging;
-#   3. two ranks, detected CUDA-awareness: device buffers straight to MPI when
-#      the library is CUDA-aware (the same as 2 otherwise; says which);
-#   4. two ranks with comm_backend="nccl", only with >= 2 GPUs and NCCL
-#      (NCCL refuses two ranks on one GPU);
-#   5. the comm benchmark on device buffers, only with CUDA-aware MPI;
-#   6. every autodiff op and a GPT training step on CuPy against NumPy
-#      (scripts/gpu_train_check.py);
-#   7. `mpishard train --backend cupy` with ZeRO-3 on two ranks.
-# Exits non-zero on the first failure; prints "gpu_check: PASSED" at the end.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# Installs from $WHEELS (default .whl/) what the python lacks, under
+# /tmp/mpishard-gpu and without touching the network: pytest-mpi and mpi4py
+# into site/ (first on PYTHONPATH), the MPICH wheel under mpich/ (its mpiexec,
+# and the libmpi that mpi4py is pointed at with MPI4PY_LIBMPI, so launcher and
+# library agree). Then scripts/gpu_check.py runs each part under a time limit
+# (440 s for all together) and writes $OUT/gpu_check.json when OUT is set, else
+# runs/gpu_check.json (GPU_CHECK_JSON overrides), with the full log beside it.
+# Exit status: 0 all passed, 1 a part failed or timed out, 2 nothing could run
+# (no CuPy, no GPU, a wheel that does not install); the JSON says why.
+#
+# PYTHON picks the interpreter (default .venv/bin/python, else python3);
+# WHEELS the wheel folder; INSTALL_WHEELS=yes|no overrides what is installed.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
 
-PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=$(command -v python3)
-MPIEXEC=$(dirname "$PY")/mpiexec
-[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec)
-MPIFLAGS=()
-if "$PY" -c 'from mpi4py import MPI; import sys; sys.exit(MPI.get_vendor()[0] != "Open MPI")'; then
-    MPIFLAGS=(--oversubscribe --allow-run-as-root)
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=$(command -v python3); fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+JSON=${GPU_CHECK_JSON:-${OUT:+$OUT/gpu_check.json}}
+JSON=${JSON:-runs/gpu_check.json}
+WHEELS=${WHEELS:-.whl}
+PREFIX=/tmp/mpishard-gpu
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
-GPUS=$("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2>/dev/null) || {
-    echo "gpu_check: FAILED: CuPy does not import or sees no GPU (pip install 'mpishard[cuda12]')" >&2
+fail() {  # fail REASON: a report saying why (the Python runner never started), exit 2
+    mkdir -p "$(dirname "$JSON")"
+    printf '{"mode": "gpu", "status": "failed", "reason": "%s", "parts": []}\n' "$1" >"$JSON"
+    echo "gpu_check: FAILED: $1 (report in $JSON)" >&2
     exit 2
 }
-[ "$GPUS" -ge 1 ] || { echo "gpu_check: FAILED: no GPU visible" >&2; exit 2; }
-echo "gpu_check: $GPUS GPU(s), python $PY, mpiexec $MPIEXEC"
 
-run() {  # run LIMIT_SECONDS COMMAND...
-    local limit=$1; shift
-    echo "== $*"
-    timeout --kill-after=10 "$limit" "$@"
-}
+if [ -z "$PY" ] || [ ! -x "$PY" ]; then fail "no python: set PYTHON or install python3"; fi
 
-run 300 "$PY" scripts/gpu_check.py --part single
-run 300 env MPISHARD_CUDA_AWARE=0 "$MPIEXEC" ${MPIFLAGS[@]+"${MPIFLAGS[@]}"} -n 2 "$PY" -m mpi4py scripts/gpu_check.py --part mpi
-run 300 "$MPIEXEC" ${MPIFLAGS[@]+"${MPIFLAGS[@]}"} -n 2 "$PY" -m mpi4py scripts/gpu_check.py --part mpi
-
-NCCL_OK=$("$PY" -c 'from mpishard.comm import nccl_available; print(int(nccl_available()[0]))')
-if [ "$GPUS" -ge 2 ] && [ "$NCCL_OK" = 1 ]; then
-    run 300 "$MPIEXEC" ${MPIFLAGS[@]+"${MPIFLAGS[@]}"} -n 2 "$PY" -m mpi4py scripts/gpu_check.py --part nccl
-else
-    echo "SKIP 2-rank NCCL: needs >= 2 GPUs and NCCL (GPUs: $GPUS, NCCL loads: $NCCL_OK)"
+# Bring what this python lacks: pytest-mpi if it does not import; MPICH and a
+# matching mpi4py if no mpiexec is at hand. INSTALL_WHEELS=yes|no overrides.
+have_mpiexec=no
+for m in "${MPIEXEC:-}" "$(dirname "$PY")/mpiexec" "$(command -v mpiexec || true)"; do
+    if [ -n "$m" ] && [ -x "$m" ]; then have_mpiexec=yes; break; fi
+done
+shopt -s nullglob
+wanted=()
+case ${INSTALL_WHEELS:-auto} in
+    yes) wanted=("$WHEELS"/*.whl) ;;
+    no) ;;
+    *)
+        "$PY" -c "import pytest_mpi" 2>/dev/null || wanted+=("$WHEELS"/pytest_mpi-*.whl)
+        [ $have_mpiexec = yes ] || wanted+=("$WHEELS"/mpich-*.whl "$WHEELS"/mpi4py-*.whl) ;;
+esac
+mpich=() others=()
+for w in "${wanted[@]}"; do
+    case $(basename "$w") in mpich-*) mpich+=("$w") ;; *) others+=("$w") ;; esac
+done
+PIP=(-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
+     --disable-pip-version-check)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ ${#others[@]} -gt 0 ]; then
+    rm -rf "$PREFIX/site"
+    "$PY" "${PIP[@]}" --target "$PREFIX/site" "${others[@]}" ||
+        fail "pip could not install ${others[*]} into $PREFIX/site"
+    export PYTHONPATH="$PREFIX/site:$PYTHONPATH"
 fi
-
-AWARE=$("$PY" -c 'from mpishard.comm import detect_cuda_aware; print(int(detect_cuda_aware()[0]))')
-if [ "$AWARE" = 1 ]; then
-    run 300 "$MPIEXEC" ${MPIFLAGS[@]+"${MPIFLAGS[@]}"} -n 2 "$PY" benchmarks/comm.py --backend cupy --iters 10
-else
-    echo "SKIP device-buffer benchmark: MPI is not CUDA-aware"
+if [ ${#mpich[@]} -gt 0 ]; then
+    # --prefix, not --target: pip --target drops a wheel's data files (lib/libmpi.so*).
+    "$PY" "${PIP[@]}" --prefix "$PREFIX/mpich" "${mpich[@]}" ||
+        fail "pip could not install ${mpich[*]} into $PREFIX/mpich"
+    [ -e "$PREFIX/mpich/lib/libmpi.so.12" ] || fail "the mpich wheel has no lib/libmpi.so.12"
+    export MPI4PY_LIBMPI="$PREFIX/mpich/lib/libmpi.so.12" MPIEXEC="$PREFIX/mpich/bin/mpiexec"
+    export PATH="$PREFIX/mpich/bin:$PATH"
+elif [ $have_mpiexec = no ]; then
+    echo "gpu_check: no mpiexec and no mpich wheel in $WHEELS/: multi-rank parts will fail" \
+         "(run scripts/fetch_gpu_wheels.sh where there is internet)" >&2
 fi
-run 300 "$PY" scripts/gpu_train_check.py
-run 300 "$MPIEXEC" ${MPIFLAGS[@]+"${MPIFLAGS[@]}"} -n 2 "$PY" -m mpi4py -m mpishard train \
-    --backend cupy --strategy zero3 --steps 5 --n-layer 2 --n-embd 64 --n-head 4 \
-    --block-size 64 --batch-size 4 --max-bytes 200000 --eval-batches 1 --progress false
-echo "gpu_check: PASSED"
+export GPU_CHECK_INSTALLED="${wanted[*]:-none}"
+echo "gpu_check: python $PY; wheels installed: $GPU_CHECK_INSTALLED; report $JSON"
+rm -f "$JSON"
+"$PY" scripts/gpu_check.py --json "$JSON" "$@"
+rc=$?
+[ -s "$JSON" ] || fail "scripts/gpu_check.py exited with status $rc and wrote no report"
+exit $rc
