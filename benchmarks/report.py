@@ -36,6 +36,8 @@ BENCHMARKS = {  # name -> (command, environment overrides)
     "layouts": ([sys.executable, "benchmarks/layouts.py", "--launch"], THREADS),
     "checkpoint_kill": ([sys.executable, "benchmarks/checkpoint_kill.py", "--kills", "24"],
                         THREADS),
+    "precision": (_mpi(4, "benchmarks/precision.py", "--steps", "8"), THREADS),
+    "activations": ([sys.executable, "benchmarks/activations.py"], THREADS),
 }
 
 
@@ -123,6 +125,17 @@ def render(results: Path) -> str:
               "SIGKILL at random moments of repeated saves; after each kill the newest "
               "complete checkpoint must verify and load, and the next save must succeed "
               "(`benchmarks/checkpoint_kill.py`).", "", _table(results, "checkpoint_kill"), ""]
+    parts += ["## Mixed precision on the CPU", "",
+              "ZeRO-3 on 4 ranks, GPT config S, float32 against float16 and bfloat16 "
+              "compute (float32 masters, float32 gradient reduction), stepped in turn; "
+              "NumPy has no 16-bit matrix product, so the 16-bit runs compute in float32 "
+              "inside each op and pay the casts (`benchmarks/precision.py`).", "",
+              _table(results, "precision"), ""]
+    parts += ["## Activation checkpointing", "",
+              "GPT config S, one process: activation bytes one forward keeps for backward "
+              "(`MemoryLedger.measure_activations`) and step time, without and with "
+              "`set_activation_checkpointing(True)` (`benchmarks/activations.py`).", "",
+              _table(results, "activations"), ""]
     parts += ["## Regenerating this page", "",
               "```", "python benchmarks/report.py --run --results benchmarks/results/<date>", "```", "",
               "See [performance-benchmarks.md](performance-benchmarks.md) for what each "

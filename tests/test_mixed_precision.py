@@ -28,7 +28,6 @@ from mpishard.parallel import DataParallel, LossScaler, Precision, ZeRO, plan_me
 import parity
 
 STEPS, ACCUM, MAX_NORM = 4, 2, 0.5
-pytest.importorskip("ml_dtypes")
 
 
 def reference(precision: str, dp_size: int):
