@@ -189,7 +189,9 @@ def nccl_available() -> tuple[bool, str]:
         from cupy.cuda import nccl  # noqa: PLC0415
 
         if not getattr(nccl, "available", True):
-            return False, "CuPy was built without NCCL (cupy.cuda.nccl.available is False)"
+            return False, ("CuPy found no NCCL library (cupy.cuda.nccl.available is False: "
+                           "libnccl.so.2 did not load; pip install nvidia-nccl-cu12 or "
+                           "-cu13 to match CuPy, or use comm_backend='mpi')")
         return True, f"NCCL {nccl.get_version()}"
     except Exception as exc:  # ImportError, or libnccl missing at load time
         return False, f"cupy.cuda.nccl does not load: {exc}"
