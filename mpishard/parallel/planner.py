@@ -37,6 +37,7 @@ class MemoryPlan:
     steady: dict = field(default_factory=dict)   # params, grads, optim
     peak: dict = field(default_factory=dict)     # gathered, comm
     bus_bytes_per_step: int = 0
+    precision: str | None = None                 # e.g. "float16 compute, float32 gradients"
 
     @property
     def model_state_bytes(self) -> int:
@@ -50,8 +51,9 @@ class MemoryPlan:
     def format(self) -> str:
         def mib(n):
             return f"{n / 2**20:10.2f} MiB"
+        mixed = f" ({self.precision})" if self.precision else ""
         rows = [f"{self.strategy} on dp={self.dp_size}: {self.n_params:,} parameters, "
-                f"{self.itemsize}-byte elements; per rank:"]
+                f"{self.itemsize}-byte masters{mixed}; per rank:"]
         for k, v in self.steady.items():
             rows.append(f"  {k:<10}{mib(v)}")
         for k, v in self.peak.items():
@@ -100,7 +102,9 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
     n = sum(p.size for p in params)
     n_states = OPTIMIZER_STATES[optimizer]
     factor = (dp_size - 1) / dp_size
-    plan = MemoryPlan(strategy, dp_size, n, b)
+    plan = MemoryPlan(strategy, dp_size, n, b,
+                      precision=f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
+                      if mixed else None)
     if strategy == "ddp":
         plan.steady = {"params": n * b + (n * cb if mixed else 0),
                        "grads": n * rb if dp_size > 1 else 0,
