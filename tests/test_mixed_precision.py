@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpishard.backend import to_numpy, xp_of
 from mpishard.comm import Communicator, Mesh
 from mpishard.dtypes import resolve_dtype
 from mpishard.models import GPT
@@ -30,12 +31,12 @@ import parity
 STEPS, ACCUM, MAX_NORM = 4, 2, 0.5
 
 
-def reference(precision: str, dp_size: int):
+def reference(precision: str, dp_size: int, backend=None):
     """Losses and float32 masters after STEPS steps, with the strategies' casts done by hand."""
     policy = Precision.of(precision)
     low = resolve_dtype(policy.param_dtype)
     scaler = LossScaler(policy)
-    model = GPT(parity.UNEVEN, seed=0)
+    model = GPT(parity.UNEVEN, seed=0, backend=backend)
     named = list(model.named_parameters())
     masters = {n: p.data.copy() for n, p in named}
     targets = [_Target(masters[n], p.decay_ranges) for n, p in named]
@@ -44,7 +45,7 @@ def reference(precision: str, dp_size: int):
     for step in range(STEPS):
         for n, p in named:
             p.data = masters[n].astype(low)
-        total = {n: np.zeros_like(masters[n]) for n, _ in named}
+        total = {n: xp_of(masters[n]).zeros_like(masters[n]) for n, _ in named}
         loss_sum = 0.0
         for rank in range(dp_size):
             model.zero_grad()
@@ -55,8 +56,8 @@ def reference(precision: str, dp_size: int):
             for n, p in named:
                 total[n] += p.grad.astype(np.float32)
         grads = {n: g * (1.0 / dp_size) for n, g in total.items()}
-        sq = sum(float(np.dot(g.reshape(-1).astype(np.float64), g.reshape(-1))) for g in
-                 grads.values())
+        sq = sum(float(xp_of(g).dot(g.reshape(-1).astype(np.float64), g.reshape(-1)))
+                 for g in grads.values())
         norm = math.sqrt(sq) / scaler.scale
         if math.isfinite(norm):
             factor = clip_coefficient(norm, MAX_NORM) / scaler.scale
@@ -65,7 +66,7 @@ def reference(precision: str, dp_size: int):
             opt.step()
         scaler.update(not math.isfinite(norm))
         losses.append(loss_sum / dp_size)
-    return np.array(losses), masters
+    return np.array(losses), {n: to_numpy(m) for n, m in masters.items()}
 
 
 class _Target:
@@ -73,12 +74,13 @@ class _Target:
         self.data, self.grad, self.decay_ranges = array.reshape(-1), None, decay_ranges
 
 
-def wrap(kind: str, mesh, precision):
+def wrap(kind: str, mesh, precision, backend=None):
     if kind == "ddp":
-        return DataParallel(GPT(parity.UNEVEN, seed=0), mesh, precision=precision)
+        return DataParallel(GPT(parity.UNEVEN, seed=0, backend=backend), mesh,
+                            precision=precision)
     stage = int(kind[-1])
-    return ZeRO(GPT(parity.UNEVEN, seed=0, materialize_now=stage != 3), mesh, stage=stage,
-                precision=precision)
+    return ZeRO(GPT(parity.UNEVEN, seed=0, backend=backend, materialize_now=stage != 3), mesh,
+                stage=stage, precision=precision)
 
 
 def train(strategy, dp_rank: int):
@@ -101,10 +103,10 @@ def train(strategy, dp_rank: int):
 _REFERENCES: dict = {}
 
 
-def cached_reference(precision, dp_size):
-    key = (precision, dp_size)
+def cached_reference(precision, dp_size, backend):
+    key = (precision, dp_size, backend.name)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference(precision, dp_size)
+        _REFERENCES[key] = reference(precision, dp_size, backend)
     return _REFERENCES[key]
 
 
@@ -174,14 +176,18 @@ CASES = [("float16", k) for k in ("ddp", "zero1", "zero2", "zero3")] + \
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision,kind", CASES)
 @pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
-def test_mixed_precision_matches_same_casts_reference(precision, kind, dp_size):
+def test_mixed_precision_matches_same_casts_reference(precision, kind, dp_size, array_backend):
     if MPI.COMM_WORLD.size < dp_size:
         pytest.skip(f"needs {dp_size} ranks")
-    ref_losses, ref_params = cached_reference(precision, dp_size)
+    if precision == "bfloat16" and array_backend.name == "cupy":
+        with pytest.raises(ValueError, match="bfloat16 on CuPy"):
+            wrap(kind, Mesh(Communicator(MPI.COMM_SELF), dp=1), precision, array_backend)
+        return
+    ref_losses, ref_params = cached_reference(precision, dp_size, array_backend)
     with parity.sub_world(dp_size) as comm:
         if comm is None:
             return
-        strategy = wrap(kind, Mesh(comm, dp=dp_size), precision)
+        strategy = wrap(kind, Mesh(comm, dp=dp_size), precision, array_backend)
         losses, params, opt = train(strategy, comm.rank)
         assert strategy.skipped_steps == 0
         tol = 1e-5 if dp_size <= 2 else 3 * 2.0 ** -(11 if precision == "float16" else 8)
@@ -196,10 +202,10 @@ def test_mixed_precision_matches_same_casts_reference(precision, kind, dp_size):
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
-def test_inf_on_one_rank_makes_every_rank_skip(kind):
+def test_inf_on_one_rank_makes_every_rank_skip(kind, array_backend):
     world = Communicator(MPI.COMM_WORLD)
     strategy = wrap(kind, Mesh(world, dp=world.size),
-                    Precision("float16", loss_scale="dynamic", growth_interval=2))
+                    Precision("float16", loss_scale="dynamic", growth_interval=2), array_backend)
     opt = parity.make_optimizer(strategy.parameters(), strategy.ledger)
     bad_rank = world.size - 1
 
@@ -212,14 +218,15 @@ def test_inf_on_one_rank_makes_every_rank_skip(kind):
 
     step(False)
     before = strategy.gather_full_params()
-    state_before = [{k: v.copy() for k, v in s.items()} for s in opt.state]
+    state_before = [{k: to_numpy(v).copy() for k, v in s.items()} for s in opt.state]
     scale = strategy.scaler.scale
     result = step(True)
     assert result.skipped and not math.isfinite(result.grad_norm)
     assert strategy.skipped_steps == 1 and strategy.scaler.scale == scale / 2
     after = strategy.gather_full_params()
     assert all(np.array_equal(before[n], after[n]) for n in before)
-    assert all(np.array_equal(a[k], b[k]) for a, b in zip(state_before, opt.state) for k in a)
+    assert all(np.array_equal(a[k], to_numpy(b[k])) for a, b in zip(state_before, opt.state)
+               for k in a)
     # every rank made the same decision and holds the same scale
     assert world.all_gather_obj((result.skipped, strategy.scaler.scale)) == \
         [(True, scale / 2)] * world.size
