@@ -1,4 +1,4 @@
-"""Core ops: elementwise math, reductions and shape ops, each forward beside its backward.
+"""Core ops: elementwise math, matmul and reductions, each forward beside its backward.
 
 Every op takes Tensors (Python scalars and arrays are accepted as constants),
 computes its result with the array module of its input data, and, when any input
@@ -10,18 +10,19 @@ Broadcasting is undone in one place, :func:`unbroadcast`. Every op is listed
 in :data:`OPS`; the test suite checks each one against finite differences and
 fails for an op that has no such test.
 
-Neural-network ops (linear, layer_norm, softmax, cross_entropy, attention, ...)
-live next door in :mod:`mpishard.autodiff.nn_ops`.
+Shape ops (reshape, permute, indexing, concat, split) are in
+:mod:`.shape_ops` and neural-network ops (linear, layer_norm, softmax,
+cross_entropy, attention, ...) in :mod:`.nn_ops`; the helpers all of them
+share (:data:`OPS`, :func:`make_result`, ...) in :mod:`.graph`. This module
+re-exports both sets of names.
 """
 from __future__ import annotations
-
-import builtins
-from typing import Callable, Sequence
 
 import numpy as np
 
 from ..backend import xp_of
-from .tensor import Tensor, _grad_mode
+from .graph import OPS, as_tensor, make_result, register_op, unbroadcast  # noqa: F401
+from .tensor import Tensor
 
 __all__ = [
     "OPS", "register_op", "unbroadcast", "as_tensor", "make_result",
@@ -29,52 +30,6 @@ __all__ = [
     "sum", "mean", "max", "reshape", "transpose", "permute", "getitem",
     "concat", "split", "exp", "log", "tanh", "sqrt", "relu", "where", "masked_fill",
 ]
-
-#: name -> op function, for every differentiable op (the gradcheck test reads it).
-OPS: dict[str, Callable] = {}
-
-
-def register_op(fn: Callable) -> Callable:
-    """Add ``fn`` to :data:`OPS` under its name."""
-    OPS[fn.__name__] = fn
-    return fn
-
-
-# -- helpers ---------------------------------------------------------------
-
-def as_tensor(value) -> Tensor:
-    """Wrap arrays and scalars as constant Tensors; Tensors pass through."""
-    if isinstance(value, Tensor):
-        return value
-    return Tensor(value)
-
-
-def make_result(data, parents: tuple, backward: Callable, op: str) -> Tensor:
-    """Create an op's output and, when needed, attach it to the graph."""
-    out = Tensor(data)
-    if _grad_mode.enabled:
-        for p in parents:
-            if p is not None and p.requires_grad:
-                out.requires_grad = True
-                out._parents = parents
-                out._backward = backward
-                out._op = op
-                break
-    return out
-
-
-def unbroadcast(grad, shape: tuple):
-    """Sum ``grad`` over the axes that broadcasting added or stretched, to ``shape``."""
-    shape = tuple(shape)
-    if grad.shape == shape:
-        return grad
-    extra = grad.ndim - len(shape)
-    if extra > 0:
-        grad = grad.sum(axis=tuple(range(extra)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    if stretched:
-        grad = grad.sum(axis=stretched, keepdims=True)
-    return grad.reshape(shape)
 
 
 def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
@@ -314,126 +269,6 @@ def max(a, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
     return make_result(out, (a,), backward, "max")
 
 
-# -- shape ops -------------------------------------------------------------
-
-@register_op
-def reshape(a, *shape) -> Tensor:
-    """View with a new shape (``-1`` allowed once)."""
-    a = as_tensor(a)
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
-    try:
-        out = a.data.reshape(shape)
-    except ValueError:
-        raise ValueError(f"reshape: cannot reshape {tuple(a.shape)} "
-                         f"({a.size} elements) into {shape}") from None
-    return make_result(out, (a,), lambda g: (g.reshape(a.shape),), "reshape")
-
-
-@register_op
-def permute(a, *axes) -> Tensor:
-    """Reorder dimensions (``numpy.transpose`` with explicit axes)."""
-    a = as_tensor(a)
-    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
-        axes = tuple(axes[0])
-    if sorted(ax % builtins.max(a.ndim, 1) for ax in axes) != list(range(a.ndim)):
-        raise ValueError(f"permute: axes {axes} are not a permutation of "
-                         f"{a.ndim} dimensions (shape {tuple(a.shape)})")
-    axes = tuple(ax % a.ndim for ax in axes)
-    inverse = tuple(np.argsort(axes).tolist())
-    return make_result(a.data.transpose(axes), (a,),
-                       lambda g: (g.transpose(inverse),), "permute")
-
-
-@register_op
-def transpose(a, dim0: int = -2, dim1: int = -1) -> Tensor:
-    """Swap two dimensions (the last two by default)."""
-    a = as_tensor(a)
-    axes = list(range(a.ndim))
-    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
-    return permute(a, tuple(axes))
-
-
-def _unwrap_index(index):
-    if isinstance(index, Tensor):
-        return index.data
-    if isinstance(index, tuple):
-        return tuple(i.data if isinstance(i, Tensor) else i for i in index)
-    return index
-
-
-def _is_basic_index(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return all(isinstance(i, (int, slice, type(None), type(Ellipsis))) for i in items)
-
-
-@register_op
-def getitem(a, index) -> Tensor:
-    """``a[index]``: slices, integers, ``None``, ``...`` and integer/boolean arrays."""
-    a = as_tensor(a)
-    index = _unwrap_index(index)
-    out = a.data[index]
-    basic = _is_basic_index(index)
-
-    def backward(g):
-        xp = xp_of(g)
-        full = xp.zeros(a.shape, dtype=g.dtype)
-        if basic:
-            full[index] = g
-        elif xp is np:
-            np.add.at(full, index, g)
-        else:  # cupy
-            import cupyx  # noqa: PLC0415
-
-            cupyx.scatter_add(full, index, g)
-        return (full,)
-    return make_result(out, (a,), backward, "getitem")
-
-
-@register_op
-def concat(tensors: Sequence, axis: int = 0) -> Tensor:
-    """Join tensors along ``axis``."""
-    tensors = tuple(as_tensor(t) for t in tensors)
-    if not tensors:
-        raise ValueError("concat: needs at least one tensor")
-    xp = xp_of(tensors[0].data)
-    try:
-        out = xp.concatenate([t.data for t in tensors], axis=axis)
-    except ValueError:
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise ValueError(f"concat: shapes {shapes} do not match outside axis {axis}") from None
-    sizes = [t.shape[axis] for t in tensors]
-    bounds = np.cumsum(sizes)[:-1].tolist()
-
-    def backward(g):
-        return tuple(xp_of(g).split(g, bounds, axis=axis))
-    return make_result(out, tensors, backward, "concat")
-
-
-@register_op
-def split(a, sections, axis: int = 0) -> list:
-    """Split into pieces: ``sections`` is a count of equal parts or a list of sizes."""
-    a = as_tensor(a)
-    n = a.shape[axis]
-    if isinstance(sections, int):
-        if sections <= 0 or n % sections:
-            raise ValueError(f"split: dimension {axis} of size {n} does not split into "
-                             f"{sections} equal parts; pass a list of sizes")
-        sizes = [n // sections] * sections
-    else:
-        sizes = list(sections)
-        if builtins.sum(sizes) != n:
-            raise ValueError(f"split: sizes {sizes} add up to {builtins.sum(sizes)}, "
-                             f"not the size {n} of dimension {axis}")
-    pieces, start = [], 0
-    ax = axis % a.ndim
-    for size in sizes:
-        index = (slice(None),) * ax + (slice(start, start + size),)
-        pieces.append(getitem(a, index))
-        start += size
-    return pieces
-
-
 # -- elementwise unary -----------------------------------------------------
 
 @register_op
@@ -506,6 +341,8 @@ def masked_fill(a, mask, value: float) -> Tensor:
 
 
 # -- Tensor methods and operators ------------------------------------------
+
+from .shape_ops import concat, getitem, permute, reshape, split, transpose  # noqa: E402,F401
 
 def _rsub(a, b):
     return add(neg(a), b) if _is_scalar(b) else sub(b, a)

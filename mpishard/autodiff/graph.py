@@ -1,0 +1,59 @@
+"""What every op shares: the registry, constants as Tensors, results in the graph, unbroadcast.
+
+:mod:`.ops` (elementwise math, matmul, reductions), :mod:`.shape_ops` and
+:mod:`.nn_ops` build on these four helpers; :data:`OPS` lists every
+differentiable op, and the test suite gradchecks each one.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .tensor import Tensor, _grad_mode
+
+__all__ = ["OPS", "register_op", "as_tensor", "make_result", "unbroadcast"]
+
+#: name -> op function, for every differentiable op (the gradcheck test reads it).
+OPS: dict[str, Callable] = {}
+
+
+def register_op(fn: Callable) -> Callable:
+    """Add ``fn`` to :data:`OPS` under its name."""
+    OPS[fn.__name__] = fn
+    return fn
+
+
+# -- helpers ---------------------------------------------------------------
+
+def as_tensor(value) -> Tensor:
+    """Wrap arrays and scalars as constant Tensors; Tensors pass through."""
+    if isinstance(value, Tensor):
+        return value
+    return Tensor(value)
+
+
+def make_result(data, parents: tuple, backward: Callable, op: str) -> Tensor:
+    """Create an op's output and, when needed, attach it to the graph."""
+    out = Tensor(data)
+    if _grad_mode.enabled:
+        for p in parents:
+            if p is not None and p.requires_grad:
+                out.requires_grad = True
+                out._parents = parents
+                out._backward = backward
+                out._op = op
+                break
+    return out
+
+
+def unbroadcast(grad, shape: tuple):
+    """Sum ``grad`` over the axes that broadcasting added or stretched, to ``shape``."""
+    shape = tuple(shape)
+    if grad.shape == shape:
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad.reshape(shape)
