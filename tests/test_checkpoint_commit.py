@@ -44,7 +44,8 @@ def test_layout_on_disk(tmp_path, model):
     assert body["extra"] == {"data": {"index": 3}}
     assert body["strategy"] == {"name": "ZeRO", "stage": 3, "steps": 0, "skipped_steps": 0,
                                 "precision": {"compute_dtype": "float32",
-                                              "loss_scale": {"scale": 1.0, "clean_steps": 0}}}
+                                              "loss_scale": {"scale": 1.0, "clean_steps": 0,
+                                                             "dynamic": False}}}
     assert body["optimizer"]["type"] == "AdamW"
     assert body["aliases"] == {"lm_head.weight": "transformer.wte.weight"}
     names = [(t["name"], t["kind"]) for t in body["tensors"]]

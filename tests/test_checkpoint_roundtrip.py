@@ -310,3 +310,27 @@ def test_fine_tuning_starts_from_a_consolidated_file_on_every_rank():
             load_consolidated(root / "model.safetensors", fresh)
             for name, value in fresh.gather_full_params().items():
                 assert np.array_equal(value, saved[name]), name
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_zero3_load_after_an_evaluation_forward_uses_the_loaded_values():
+    """An eval forward leaves ZeRO-3's root unit gathered; loading must drop that copy."""
+    from mpishard.autodiff import no_grad
+
+    world = Communicator(MPI.COMM_WORLD)
+    with shared_tmp(world) as root:
+        saved = build("zero3", world, seed=0)
+        opt = make_optimizer(saved.parameters())
+        _train(saved, opt, world.rank, 0, 2)
+        save_checkpoint(root, 2, saved, opt, world=world)
+        x, y = batch(9, 0, world.rank)
+        with no_grad():
+            expected = saved(x, y)[1].item()
+        loaded = build("zero3", world, seed=1)
+        with no_grad():
+            before = loaded(x, y)[1].item()               # gathers the root unit
+        load_checkpoint(root, loaded, make_optimizer(loaded.parameters()), world=world)
+        with no_grad():
+            after = loaded(x, y)[1].item()
+        assert before != expected and after == expected

@@ -305,6 +305,11 @@ def test_checkpoint_keeps_float32_masters_and_loss_scale(tmp_path_factory):
     load_checkpoint(root, plain, None, world=world)
     full = plain.gather_full_params()
     assert all(np.array_equal(masters[n], full[n]) for n in masters)
+    # ... and a float16 run fine-tuning a float32 checkpoint keeps its own initial scale
+    save_checkpoint(root, 3, plain, None, world=world)
+    tuned = wrap("zero3", mesh, "float16")
+    load_checkpoint(root, tuned, None, world=world)
+    assert tuned.scaler.scale == 2.0 ** 16
 
 
 def test_planner_counts_masters_and_sixteen_bit_copies():

@@ -270,7 +270,7 @@ def load_checkpoint(path, strategy, optimizer=None, *, world=None, verify: bool 
     strategy.skipped_steps = manifest.strategy["skipped_steps"]
     saved = (manifest.strategy.get("precision") or {}).get("loss_scale")
     scaler = getattr(strategy, "scaler", None)
-    if saved and scaler is not None and scaler.dynamic:  # resume the dynamic loss scale
+    if saved and scaler is not None:  # resumes a dynamic scale only (see LossScaler)
         scaler.load_state_dict(saved)
     return dict(manifest.extra)
 

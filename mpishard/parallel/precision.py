@@ -123,13 +123,17 @@ class LossScaler:
             self.scale = float(precision.loss_scale or 1.0)
         self.clean_steps = 0
 
+    #: the dynamic scale never backs off below this (a run whose gradients
+    #: overflow even here has non-finite values that no scale can fix)
+    min_scale = 2.0 ** -24
+
     def update(self, overflow: bool) -> None:
         """After a step: back off on overflow, grow after enough clean steps."""
         if not self.dynamic:
             return
         p = self.precision
         if overflow:
-            self.scale *= p.backoff_factor
+            self.scale = max(self.scale * p.backoff_factor, self.min_scale)
             self.clean_steps = 0
         else:
             self.clean_steps += 1
@@ -138,8 +142,12 @@ class LossScaler:
                 self.clean_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "dynamic": self.dynamic}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume a dynamic scale. A state saved without one (a float32, bfloat16 or
+        fixed-scale run) leaves this scaler as its policy set it."""
+        if not (self.dynamic and state.get("dynamic", False)):
+            return
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])

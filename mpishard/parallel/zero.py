@@ -365,8 +365,14 @@ class ZeRO(Strategy):
         return grad_sq_sum(pieces)
 
     def _after_update(self) -> None:
-        """Bring the compute copies up to date with the updated shards."""
+        """Bring the compute copies up to date with the updated (or loaded) shards."""
         if self.stage == 3:
+            # A forward without backward (evaluation) leaves the root, and with
+            # reshard_after_forward=False the blocks, gathered: drop those copies
+            # so the next forward gathers the new values.
+            self._discard_prefetches()
+            for unit in self.units:
+                self.reshard(unit)
             if self.mixed:
                 for unit in self.units:
                     unit.compute_shard[...] = unit.target.data
