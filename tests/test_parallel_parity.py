@@ -98,3 +98,33 @@ def test_zero3_seeds_dropout_like_a_materialised_model():
     comm = make_test_comm("self")
     zero3 = ZeRO(GPT(cfg, seed=5, materialize_now=False), Mesh(comm, dp=1), stage=3)
     assert module_rng_states(zero3.module) == module_rng_states(GPT(cfg, seed=5))
+
+
+def _train_syncing_every_micro_step(strategy, dp_rank: int, steps: int, accum: int):
+    """As parity.train, but every micro-step's backward communicates (no no_sync)."""
+    from parity import batch, make_optimizer
+
+    opt = make_optimizer(strategy.parameters(), strategy.ledger)
+    for step in range(steps):
+        for micro in range(accum):
+            _, loss = strategy(*batch(step, micro, dp_rank))
+            (loss * (1.0 / accum)).backward()
+        strategy.step(opt, max_norm=MAX_NORM)
+    return strategy.gather_full_params()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_communicating_every_micro_step_equals_no_sync(size, kind):
+    """Each micro-step may reduce its own gradients; the sum must equal one reduction."""
+    if size > MPI.COMM_WORLD.size:
+        pytest.skip(f"needs {size} ranks")
+    with sub_world(size) as comm:
+        if comm is None:
+            return
+        _, once = train(build(kind, comm, "float64"), comm.rank, 3, ACCUM, MAX_NORM)
+        every = _train_syncing_every_micro_step(build(kind, comm, "float64"), comm.rank,
+                                                3, ACCUM)
+        assert max_rel_err(every, once, "max") <= 1e-10, kind

@@ -153,7 +153,26 @@ class DataParallel(Strategy):
         """What the optimizer updates for parameter ``p`` (``p``, or its master)."""
         return self._masters.get(id(p), p)
 
+    def __call__(self, *args, **kwargs):
+        self._settle()
+        return super().__call__(*args, **kwargs)
+
     # -- communication ------------------------------------------------------
+    def _settle(self) -> None:
+        """Before a forward: wait for the buckets an earlier backward of this step
+        launched, and let the next backward launch them again. Its gradients add
+        to the averaged ones already in the buckets, and averaging that sum adds
+        their average: each micro-step may communicate (``no_sync`` only saves
+        the traffic)."""
+        if self._next_launch == 0:
+            return
+        for bucket in self._buckets[:self._next_launch]:
+            bucket.handle.wait()
+            bucket.handle = None
+        for bucket in self._buckets:
+            bucket.ready = 0
+        self._next_launch = 0
+
     def _on_grad_ready(self, p) -> None:
         if not self.sync_gradients:
             return

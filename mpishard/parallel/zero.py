@@ -143,7 +143,7 @@ class ZeRO(Strategy):
             for i, unit in enumerate(self.blocks):
                 unit.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
                 unit.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-            module.register_forward_pre_hook(lambda m, a: self._pre_root_forward())
+        module.register_forward_pre_hook(lambda m, a: self._pre_root_forward())
 
     # -- layout and materialisation -------------------------------------------
     def _materialize(self, unit: FlatUnit, seed: int) -> None:
@@ -236,9 +236,25 @@ class ZeRO(Strategy):
     # would hold parameters from before the optimizer step, so reduce_grads()
     # discards every pending prefetch before the update.
     def _pre_root_forward(self) -> None:
+        self._settle_reductions()
+        if self.stage < 3:
+            return
         if self._order:
             self._last_order, self._order = self._order, []
         self.unshard(self.root)
+
+    def _settle_reductions(self) -> None:
+        """Before a forward: finish the reduce-scatters an earlier backward of this step
+        started, so the next backward never writes into a buffer MPI still reads.
+        Stage 1 also clears the full gradients it reduced: the next backward's
+        gradients then reduce on their own and add to the shard (each micro-step
+        may communicate; ``no_sync`` only saves the traffic)."""
+        while self._pending:
+            self._finish_oldest_reduction()
+        if self.stage == 1:
+            for unit in self.units:
+                if unit.reductions:
+                    unit.grad_full[...] = 0
 
     @staticmethod
     def _neighbour(order: list, i: int, delta: int):
