@@ -354,3 +354,16 @@ def test_tensor_and_pipeline_parallel_in_sixteen_bits(precision):
         size = math.sqrt(sum(float(np.sum(ref[n] ** 2)) for n in ref))
         ulp = 2.0 ** -(11 if precision == "float16" else 8)
         assert diff <= 10 * ulp * size, (dims, diff / size)
+
+
+def test_an_optimizer_built_before_wrapping_is_refused():
+    """Mixed-precision DDP updates float32 masters: the model's own parameters are not targets."""
+    from mpishard.optim import AdamW
+
+    model = GPT(parity.UNEVEN, seed=0)
+    opt = AdamW(model.parameters())
+    strategy = DataParallel(model, Mesh(Communicator(MPI.COMM_SELF), dp=1), precision="float16")
+    _, loss = strategy(*parity.batch(0, 0, 0))
+    strategy.scale_loss(loss).backward()
+    with pytest.raises(ValueError, match=r"target 0 is not one of DataParallel.parameters\(\)"):
+        strategy.step(opt)

@@ -192,12 +192,31 @@ class Strategy:
                 self._scale_grads(factor)
         return norm
 
+    def _check_optimizer(self, optimizer) -> None:
+        """Refuse an optimizer whose targets are not this strategy's (once per optimizer).
+
+        Built from the model before wrapping, it would update arrays the strategy
+        overwrites or never reads (ZeRO's shards, mixed precision's masters).
+        """
+        if getattr(self, "_checked_optimizer", None) is optimizer:
+            return
+        mine = {id(t) for t in self.parameters()}
+        stray = next((i for i, t in enumerate(optimizer.params) if id(t) not in mine), None)
+        if stray is not None:
+            raise ValueError(
+                f"{type(optimizer).__name__}: target {stray} is not one of "
+                f"{type(self).__name__}.parameters(); build the optimizer from the wrapped "
+                f"model, after wrapping (e.g. AdamW(model.parameters()) with model the "
+                f"strategy): ZeRO updates flat shards and mixed precision float32 masters")
+        self._checked_optimizer = optimizer
+
     def step(self, optimizer, max_norm: float | None = None) -> StepResult:
         """Reduce gradients, unscale and clip (optional), update unless non-finite, zero gradients.
 
         A non-finite norm skips the update on every rank and, with a dynamic
         loss scale, halves the scale (see [Note: mixed precision]).
         """
+        self._check_optimizer(optimizer)
         self.reduce_grads()
         norm = self.clip_grad_norm(max_norm)
         skipped = not math.isfinite(norm)
