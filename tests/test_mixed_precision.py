@@ -2,8 +2,8 @@
 
 The reference applies the same casts by hand in one process: float32 masters,
 a 16-bit copy that each dp rank's micro-batches run forward and backward on
-(loss times the scale), 16-bit gradients accumulated over micro-batches, cast
-to float32 and averaged over ranks, unscaled and clipped, and AdamW on the
+(loss times the scale), each micro-batch's 16-bit gradients added to float32
+sums, averaged over ranks, unscaled and clipped, and AdamW on the
 masters. At dp 1 and 2 the strategies agree with it to float32 rounding, judged per
 tensor in the 2-norm as in tests/parity.py. At dp 3 and 4 MPI adds the ranks'
 gradients in its own order, so the float32 masters differ from the reference
@@ -53,6 +53,8 @@ def reference(precision: str, dp_size: int, backend=None):
                 _, loss = model(*parity.batch(step, micro, rank))
                 (loss * scaler.scale * (1.0 / ACCUM)).backward()
                 loss_sum += loss.item() / ACCUM
+                for _, p in named:  # micro-batches accumulate in float32
+                    p.grad = p.grad.astype(np.float32)
             for n, p in named:
                 total[n] += p.grad.astype(np.float32)
         grads = {n: g * (1.0 / dp_size) for n, g in total.items()}

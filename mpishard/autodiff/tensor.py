@@ -294,8 +294,11 @@ def _accumulate(tensor: Tensor, g) -> None:
         raise RuntimeError(
             f"internal error: gradient of shape {g.shape} for tensor {tensor!r} "
             f"{tensor.name!r}; an op's backward returned the wrong shape")
-    if g.dtype != tensor.data.dtype:
-        g = g.astype(tensor.data.dtype)
+    # A gradient takes its tensor's dtype, or the dtype of the gradient buffer a
+    # strategy put in place (mixed precision accumulates 16-bit grads in float32).
+    dtype = tensor.data.dtype if tensor.grad is None else tensor.grad.dtype
+    if g.dtype != dtype:
+        g = g.astype(dtype)
     if tensor.grad is None:
         tensor.grad = g
     else:

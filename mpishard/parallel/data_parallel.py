@@ -116,6 +116,9 @@ class DataParallel(Strategy):
         if self.mixed:
             self._make_masters(named=module.named_parameters())
         if self.dp.size == 1:
+            if self.mixed:  # accumulate micro-batches in the reduce dtype, not 16 bits
+                for p in params:
+                    p.register_grad_ready_hook(self._widen)
             return
         xp = xp_of(params[0].data)
         current, current_bytes = [], 0
@@ -173,11 +176,17 @@ class DataParallel(Strategy):
             bucket.ready = 0
         self._next_launch = 0
 
+    def _widen(self, p) -> None:
+        if p.grad.dtype != self.reduce_dtype:
+            p.grad = p.grad.astype(self.reduce_dtype)
+
     def _on_grad_ready(self, p) -> None:
-        if not self.sync_gradients:
-            return
         b, i = self._where[id(p)]
         bucket = self._buckets[b]
+        if not self.sync_gradients:
+            if self.mixed:  # into the float32 bucket now: later micro-batches add there
+                bucket.stage(i)
+            return
         bucket.stage(i)
         bucket.ready += 1
         self._launch_in_order()

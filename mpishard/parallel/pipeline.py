@@ -218,12 +218,12 @@ class Pipeline:
         if self.tie is None:
             return
         p = self.model.transformer.wte.weight
-        # summed in float32 at least (MPI cannot add bfloat16), then back to the grad's dtype
+        # Mixed precision accumulates gradients in float32 (and MPI cannot add bfloat16).
         dtype = np.promote_types(self._dtype, np.float32) if self.strategy.mixed else self._dtype
         grad = self._xp.zeros(p.shape, dtype=dtype) if p.grad is None else \
             self._xp.ascontiguousarray(p.grad, dtype=dtype)
         self.tie.all_reduce(grad, op="sum")
-        p.grad = grad.astype(self._dtype, copy=False)
+        p.grad = grad
 
     @property
     def idle_fraction(self) -> float:

@@ -133,7 +133,7 @@ class ZeRO(Strategy):
         for unit in self.units:
             self._materialize(unit, seed)
             for p in unit.params:
-                p.register_grad_ready_hook(lambda p, unit=unit: self._on_grad_ready(unit))
+                p.register_grad_ready_hook(lambda p, unit=unit: self._on_grad_ready(unit, p))
         if deferred:  # what materialize() does besides parameters: dropout generators
             seed_dropout(module, seed, backend)
         # See [Note: prefetch order].
@@ -293,8 +293,10 @@ class ZeRO(Strategy):
                 unit.gather = None
 
     # -- gradients --------------------------------------------------------------
-    def _on_grad_ready(self, unit: FlatUnit) -> None:
+    def _on_grad_ready(self, unit: FlatUnit, p) -> None:
         self._grads_reduced = False
+        if self.mixed and not self.sync_gradients and p.grad.dtype != self.reduce_dtype:
+            p.grad = p.grad.astype(self.reduce_dtype)  # later micro-batches add in float32
         unit.ready += 1
         if unit.ready < len(unit.params):
             return
