@@ -125,6 +125,12 @@ def test_precision_names_and_errors():
         Precision("bfloat16", reduce_dtype="bfloat16")
     with pytest.raises(ValueError, match="loss_scale must be"):
         Precision("float16", loss_scale=-1.0)
+    with pytest.raises(ValueError, match="param_dtype 'float32' is not one of float16"):
+        Precision("float32")
+    with pytest.raises(ValueError, match="without a loss scale"):
+        Precision("bfloat16", reduce_dtype="float16")
+    with pytest.raises(ValueError, match="wrap it with precision='float16' or 'bfloat16'"):
+        GPT(parity.UNEVEN, dtype="float16")
 
 
 def test_dynamic_loss_scale_backs_off_and_grows():

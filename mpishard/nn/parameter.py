@@ -162,6 +162,10 @@ class ShardSpec:
         return np.concatenate(parts, axis=self.tp_dim)
 
 
+#: dtypes a Parameter may have (16-bit compute is the strategies' ``precision``)
+MASTER_DTYPES = ("float32", "float64")
+
+
 class Parameter(Tensor):
     """A trainable leaf tensor with an init rule, a weight-decay flag and a shard spec.
 
@@ -179,6 +183,12 @@ class Parameter(Tensor):
     __slots__ = ("init", "decay", "spec", "_shape")
 
     def __init__(self, shape, init=Normal(), decay: bool = True, dtype: str = "float32"):
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        if name not in MASTER_DTYPES:
+            raise ValueError(
+                f"parameter dtype {name!r}: parameters (the master weights the optimizer "
+                f"updates) are float32 or float64; for 16-bit compute build the model in "
+                f"float32 and wrap it with precision='float16' or 'bfloat16'")
         super().__init__(np.empty(0, dtype=dtype), requires_grad=True)
         self.data = None
         self._shape = tuple(int(n) for n in shape)

@@ -66,15 +66,21 @@ class Precision:
     growth_interval: int = 2000
 
     def __post_init__(self):
-        if self.param_dtype is not None and self.param_dtype not in FLOAT_DTYPES:
+        if self.param_dtype is not None and self.param_dtype not in LOW_PRECISION:
             raise ValueError(f"Precision: param_dtype {self.param_dtype!r} is not one of "
-                             f"{', '.join(FLOAT_DTYPES)}")
+                             f"{', '.join(LOW_PRECISION)} (None computes in the model's own "
+                             f"dtype)")
         if self.reduce_dtype not in FLOAT_DTYPES:
             raise ValueError(f"Precision: reduce_dtype {self.reduce_dtype!r} is not one of "
                              f"{', '.join(FLOAT_DTYPES)}")
         if self.reduce_dtype == "bfloat16":
             raise ValueError("Precision: reduce_dtype='bfloat16' is not possible, MPI has no "
                              "bfloat16 arithmetic; use reduce_dtype='float32'")
+        if (self.param_dtype == "bfloat16" and self.reduce_dtype == "float16"
+                and self.loss_scale is None):
+            raise ValueError("Precision: bfloat16 gradients reduced in float16 without a loss "
+                             "scale lose the small ones and overflow on large ones; use "
+                             "reduce_dtype='float32' or set loss_scale")
         scale = self.loss_scale
         if not (scale is None or scale == "dynamic" or (
                 isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)):
