@@ -171,6 +171,7 @@ class Trainer:
         self.step = 0
         if cfg.checkpoint_dir and cfg.resume:
             self._resume()
+        self._first_step = self.step  # its activations are measured (GPT)
 
     # -- checkpoints -------------------------------------------------------------
     def _resume(self) -> None:
@@ -227,8 +228,18 @@ class Trainer:
         self.opt.lr = self.schedule(self.step)
         for comm in self._axes().values():
             comm.stats.reset()
+        pipeline = getattr(self.run, "pipeline", None)
+        measure = pipeline is not None and self.step == self._first_step  # see pipeline.py
+        if measure:
+            pipeline.measure_activations = True
         t0 = time.perf_counter()
         loss = self.run.train_step(*self._batch(self.sampler))
+        if measure:
+            pipeline.measure_activations = False
+            most = self.world.all_reduce_obj(pipeline.activation_bytes, op="max")
+            self.log.info(f"activations kept for backward: {most / 2**20:.2f} MiB on the "
+                          f"busiest rank (measured on step {self.step + 1}"
+                          f"{', checkpointed' if cfg.activation_checkpointing else ''})")
         result = self.run.step(self.opt, max_norm=cfg.grad_clip or None)
         buf = np.array([loss])
         self.mesh.dp.all_reduce(buf, op="avg")

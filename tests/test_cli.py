@@ -115,3 +115,17 @@ def test_bench_commands_run():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["results"]["1_thread"]["mpishard"]["median_step_s"] > 0
+
+
+def test_train_measures_activations_and_checkpointing_shrinks_them():
+    """The first step's activations are measured and logged; checkpointing keeps fewer."""
+    mib = {}
+    for on in ("false", "true"):
+        out = mpishard("train", *FAST, "--n-layer", "3", "--n-embd", "64", "--block-size", "64",
+                       "--steps", "2", "--micro-steps", "2",
+                       "--precision", "bfloat16", "--activation-checkpointing", on)
+        assert out.returncode == 0, out.stderr
+        line = next(l for l in (out.stdout + out.stderr).splitlines()
+                    if "activations kept for backward" in l)
+        mib[on] = float(line.split("backward: ")[1].split(" MiB")[0])
+    assert mib["true"] > 0 and mib["false"] >= 2 * mib["true"], mib

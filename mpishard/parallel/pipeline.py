@@ -112,9 +112,28 @@ class Pipeline:
         self.step_seconds = 0.0
         self._dtype = strategy.compute_dtype  # activations cross stages in it
         self._xp = self.model.backend.xp
+        #: set to measure the next training step's activations (see [Note: measured activations])
+        self.measure_activations = False
+        self.activation_bytes = 0
+        self._alive: dict = {}
+
+    # [Note: measured activations]
+    # With measure_activations set, each micro-batch's forward runs inside the
+    # ledger's measure_activations() (tracemalloc on NumPy: slower, so one step
+    # at a time) and its bytes count as alive until its backward starts. The
+    # step's peak of that sum, what the schedule keeps at once (all m
+    # micro-batches under GPipe, at most p - s under 1F1B), becomes the ledger's
+    # "activations" peak and ``activation_bytes``.
+    def _forward(self, i: int) -> None:
+        if not self.measure_activations:
+            return self._run_forward(i)
+        with self.strategy.ledger.measure_activations() as measured:
+            self._run_forward(i)
+        self._alive[i] = measured.nbytes
+        self.activation_bytes = max(self.activation_bytes, sum(self._alive.values()))
 
     # -- one micro-batch ------------------------------------------------------
-    def _forward(self, i: int) -> None:
+    def _run_forward(self, i: int) -> None:
         x, y = self._x[i], self._y[i]
         if self.model.first_stage:
             inp = x
@@ -135,6 +154,7 @@ class Pipeline:
             self._saved[i] = (inp, out)
 
     def _backward(self, i: int) -> None:
+        self._alive.pop(i, None)
         inp, out = self._saved.pop(i)
         if self.model.last_stage:
             out.backward()
@@ -162,6 +182,7 @@ class Pipeline:
         """
         m = self._prepare(x, y)
         t0 = time.perf_counter()
+        self.activation_bytes, self._alive = 0, {}
         with self.strategy.no_sync():
             if self.schedule == "gpipe" or self.stages == 1:
                 for i in range(m):
@@ -182,6 +203,9 @@ class Pipeline:
         self._sends = []
         self._sum_tied_gradients()
         self.step_seconds = time.perf_counter() - t0
+        if self.measure_activations:  # the peak stays in the ledger; nothing is alive now
+            self.strategy.ledger.record_activations(self.activation_bytes)
+            self.strategy.ledger.release_activations()
         return self._mean_loss()
 
     def eval_step(self, x, y) -> float:
@@ -189,7 +213,7 @@ class Pipeline:
         m = self._prepare(x, y)
         with no_grad():
             for i in range(m):
-                self._forward(i)
+                self._run_forward(i)
                 self._saved.pop(i)
         for handle in self._sends:
             handle.wait()
