@@ -168,9 +168,14 @@ def test_a_rank_that_fails_to_save_fails_the_save_everywhere():
             assert "No space left on device (injected)" in err.failures[comm.size - 1]
             assert "No space left on device (injected)" in str(err)
             comm.barrier()
-            assert not (root / "step-2").exists() and not (root / "step-2.tmp").exists()
-            assert latest_checkpoint(root) == root / "step-1"
-            assert verify_checkpoint(root).step == 1
+            seen = {"no step-2": not (root / "step-2").exists(),
+                    "no step-2.tmp": not (root / "step-2.tmp").exists(),
+                    "latest": latest_checkpoint(root) == root / "step-1",
+                    "verifies": verify_checkpoint(root).step == 1}
+            # Every rank looks before rank 0 starts the next save (it makes step-2.tmp),
+            # and every rank learns what the others saw: a failed check fails all of them.
+            everyone = comm.all_gather_obj(seen)
+            assert all(all(s.values()) for s in everyone), everyone
             opt.fail = False
             assert save_checkpoint(root, 2, strategy, opt, keep_last=1) == root / "step-2"
             assert not (root / "step-1").exists()
