@@ -6,8 +6,9 @@
     python benchmarks/gpu.py --part dtypes --json runs/gpu_dtypes.json
     python benchmarks/gpu.py --backend numpy --tiny --json /tmp/gpu.json   # CPU smoke test
 
-``single`` (one rank): the model wrapped in DataParallel at size 1, so that
-``precision=`` applies, once per ``--precisions`` entry (float32, float16
+``single`` (one rank): the model wrapped at size 1 (``--strategy``, default
+ZeRO-1, whose flat per-block float32 masters keep the optimizer's kernel
+launches few), so that ``precision=`` applies, once per ``--precisions`` entry (float32, float16
 mixed precision): warm-up steps, then timed steps (forward, scaled backward,
 unscale + clip + AdamW) with the device synchronised around each. Reports
 tokens/s and model FLOPs utilisation as nanoGPT's ``estimate_mfu`` counts it
@@ -49,7 +50,7 @@ from mpishard.backend import Backend  # noqa: E402
 from mpishard.comm import Communicator, Mesh, node_local_rank  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
-from mpishard.parallel import DataParallel, ZeRO, plan_memory  # noqa: E402
+from mpishard.parallel import ZeRO, plan_memory, wrap_model  # noqa: E402
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -157,6 +158,7 @@ def run_single(args, cfg: GPTConfig) -> dict:
     tokens = args.batch_size * seq_len
     report = {"part": "single", "backend": args.backend, "device": device,
               "config": vars(cfg), "n_params_non_embedding": n_params,
+              "strategy": args.strategy,
               "batch_size": args.batch_size, "seq_len": seq_len, "tokens_per_step": tokens,
               "flops_per_token": fpt, "warmup": args.warmup, "steps": args.steps, "runs": []}
     print(f"single: GPT of {n_params:,} parameters (no position embedding), batch "
@@ -166,8 +168,8 @@ def run_single(args, cfg: GPTConfig) -> dict:
     for precision in args.precisions:
         strategy = opt = None  # the last run's model goes before the next is built
         backend = fresh_backend(args.backend, 0)
-        strategy = DataParallel(GPT(cfg, seed=0, backend=backend), Mesh(self_comm, dp=1),
-                                precision=precision)
+        strategy = wrap_model(GPT(cfg, seed=0, backend=backend, materialize_now=False),
+                              Mesh(self_comm, dp=1), args.strategy, precision=precision)
         opt = AdamW(strategy.parameters(), lr=3e-4, weight_decay=0.1, ledger=strategy.ledger)
         x, y = make_batch(backend, cfg, args.batch_size, seq_len, args.seed)
         run = {"precision": precision, **train_steps(strategy, opt, backend, x, y,
@@ -331,6 +333,10 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer width-32 GPT (tests; the numbers mean nothing)")
+    parser.add_argument("--strategy", choices=("ddp", "zero1", "zero2", "zero3"),
+                        default="zero1",
+                        help="single: the wrapper at size 1 (default zero1: one flat float32 "
+                             "master per block, so the optimizer runs ~13 updates, not ~150)")
     parser.add_argument("--precisions", default=None,
                         help="comma-separated (default float32,float16)")
     parser.add_argument("--batch-size", type=int, default=None,
