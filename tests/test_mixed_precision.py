@@ -39,6 +39,8 @@ def reference(precision: str, dp_size: int, backend=None):
     model = GPT(parity.UNEVEN, seed=0, backend=backend)
     named = list(model.named_parameters())
     masters = {n: p.data.copy() for n, p in named}
+    for _, p in named:  # every gradient contribution is added in float32
+        p.grad_dtype = np.dtype(np.float32)
     targets = [_Target(masters[n], p.decay_ranges) for n, p in named]
     opt = parity.make_optimizer(targets)
     losses = []
@@ -53,8 +55,6 @@ def reference(precision: str, dp_size: int, backend=None):
                 _, loss = model(*parity.batch(step, micro, rank))
                 (loss * scaler.scale * (1.0 / ACCUM)).backward()
                 loss_sum += loss.item() / ACCUM
-                for _, p in named:  # micro-batches accumulate in float32
-                    p.grad = p.grad.astype(np.float32)
             for n, p in named:
                 total[n] += p.grad.astype(np.float32)
         grads = {n: g * (1.0 / dp_size) for n, g in total.items()}

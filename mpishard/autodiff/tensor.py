@@ -101,9 +101,13 @@ class Tensor:
             with NumPy, float64 for floats).
         requires_grad: whether backward should compute ``grad`` for it.
         name: optional label, shown in errors.
+
+    ``grad_dtype`` (default ``None``: the data's dtype) is the dtype gradients
+    accumulate in; mixed precision sets float32 on 16-bit parameters so that
+    every contribution (tied uses, micro-batches) is added in float32.
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "name", "_parents",
+    __slots__ = ("data", "grad", "requires_grad", "name", "grad_dtype", "_parents",
                  "_backward", "_op", "_hooks", "__weakref__")
     __array_priority__ = 1000  # so ndarray + Tensor defers to Tensor.__radd__
 
@@ -117,6 +121,7 @@ class Tensor:
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self.name = name
+        self.grad_dtype = None
         self._parents: tuple = ()
         self._backward: Callable | None = None
         self._op = ""
@@ -294,9 +299,12 @@ def _accumulate(tensor: Tensor, g) -> None:
         raise RuntimeError(
             f"internal error: gradient of shape {g.shape} for tensor {tensor!r} "
             f"{tensor.name!r}; an op's backward returned the wrong shape")
-    # A gradient takes its tensor's dtype, or the dtype of the gradient buffer a
-    # strategy put in place (mixed precision accumulates 16-bit grads in float32).
-    dtype = tensor.data.dtype if tensor.grad is None else tensor.grad.dtype
+    # A gradient is added in the dtype of the buffer already there (a strategy's
+    # bucket view), else in the tensor's grad_dtype, else in its data's dtype.
+    if tensor.grad is not None:
+        dtype = tensor.grad.dtype
+    else:
+        dtype = tensor.grad_dtype or tensor.data.dtype
     if g.dtype != dtype:
         g = g.astype(dtype)
     if tensor.grad is None:

@@ -86,6 +86,9 @@ class Strategy:
         self.reduce_dtype = (resolve_dtype(self.precision.reduce_dtype, xp) if self.mixed
                              else self.master_dtype)
         self.scaler = LossScaler(self.precision)
+        if self.mixed:  # every gradient contribution is added in reduce_dtype, not 16 bits
+            for p in params:
+                p.grad_dtype = self.reduce_dtype
 
     # -- forward / modes ----------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -116,9 +116,6 @@ class DataParallel(Strategy):
         if self.mixed:
             self._make_masters(named=module.named_parameters())
         if self.dp.size == 1:
-            if self.mixed:  # accumulate micro-batches in the reduce dtype, not 16 bits
-                for p in params:
-                    p.register_grad_ready_hook(self._widen)
             return
         xp = xp_of(params[0].data)
         current, current_bytes = [], 0
@@ -137,6 +134,7 @@ class DataParallel(Strategy):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
                 p.register_grad_ready_hook(self._on_grad_ready)
+        module.register_forward_pre_hook(lambda m, a: self._settle())
 
     def _make_masters(self, named) -> None:
         """Keep each parameter's values as its float32 master; compute with a 16-bit copy."""
@@ -156,10 +154,6 @@ class DataParallel(Strategy):
         """What the optimizer updates for parameter ``p`` (``p``, or its master)."""
         return self._masters.get(id(p), p)
 
-    def __call__(self, *args, **kwargs):
-        self._settle()
-        return super().__call__(*args, **kwargs)
-
     # -- communication ------------------------------------------------------
     def _settle(self) -> None:
         """Before a forward: wait for the buckets an earlier backward of this step
@@ -176,16 +170,10 @@ class DataParallel(Strategy):
             bucket.ready = 0
         self._next_launch = 0
 
-    def _widen(self, p) -> None:
-        if p.grad.dtype != self.reduce_dtype:
-            p.grad = p.grad.astype(self.reduce_dtype)
-
     def _on_grad_ready(self, p) -> None:
         b, i = self._where[id(p)]
         bucket = self._buckets[b]
         if not self.sync_gradients:
-            if self.mixed:  # into the float32 bucket now: later micro-batches add there
-                bucket.stage(i)
             return
         bucket.stage(i)
         bucket.ready += 1

@@ -242,8 +242,7 @@ class Pipeline:
         if self.tie is None:
             return
         p = self.model.transformer.wte.weight
-        # Mixed precision accumulates gradients in float32 (and MPI cannot add bfloat16).
-        dtype = np.promote_types(self._dtype, np.float32) if self.strategy.mixed else self._dtype
+        dtype = p.grad_dtype or self._dtype  # float32 under mixed precision (see Tensor)
         grad = self._xp.zeros(p.shape, dtype=dtype) if p.grad is None else \
             self._xp.ascontiguousarray(p.grad, dtype=dtype)
         self.tie.all_reduce(grad, op="sum")

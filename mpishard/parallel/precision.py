@@ -12,9 +12,11 @@ The model is built in float32; that copy is the *master*. A strategy with a
 under ZeRO) as the optimizer's target, with float32 optimizer state, and gives
 the model a 16-bit copy to compute with: ZeRO-3 casts its shard once per step
 and all-gathers 16-bit units (half the bytes), ZeRO-1/2 and DDP keep a 16-bit
-copy of the whole model. Backward produces 16-bit gradients; they are cast into
-``reduce_dtype`` buffers (float32 by default) before they are averaged, so the
-reduction and everything after it (norm, clipping, the update) runs in float32.
+copy of the whole model. Backward computes 16-bit gradients, but each
+parameter's ``grad_dtype`` is ``reduce_dtype`` (float32 by default), so every
+contribution (a tied weight's two uses, the micro-batches of a step) is added
+in float32; the reduction and everything after it (norm, clipping, the
+update) runs in float32 too.
 After the update the master is cast back into the compute copy.
 
 float16 has 5 exponent bits: gradients below about 6e-8 flush to zero. So the

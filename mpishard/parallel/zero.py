@@ -133,7 +133,7 @@ class ZeRO(Strategy):
         for unit in self.units:
             self._materialize(unit, seed)
             for p in unit.params:
-                p.register_grad_ready_hook(lambda p, unit=unit: self._on_grad_ready(unit, p))
+                p.register_grad_ready_hook(lambda p, unit=unit: self._on_grad_ready(unit))
         if deferred:  # what materialize() does besides parameters: dropout generators
             seed_dropout(module, seed, backend)
         # See [Note: prefetch order].
@@ -143,7 +143,7 @@ class ZeRO(Strategy):
             for i, unit in enumerate(self.blocks):
                 unit.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
                 unit.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-        module.register_forward_pre_hook(lambda m, a: self._pre_root_forward())
+        module.register_forward_pre_hook(lambda m, a: self._before_forward())
 
     # -- layout and materialisation -------------------------------------------
     def _materialize(self, unit: FlatUnit, seed: int) -> None:
@@ -235,7 +235,7 @@ class ZeRO(Strategy):
     # unit that preceded in this forward. A prefetch that is never consumed
     # would hold parameters from before the optimizer step, so reduce_grads()
     # discards every pending prefetch before the update.
-    def _pre_root_forward(self) -> None:
+    def _before_forward(self) -> None:
         self._settle_reductions()
         if self.stage < 3:
             return
@@ -293,10 +293,8 @@ class ZeRO(Strategy):
                 unit.gather = None
 
     # -- gradients --------------------------------------------------------------
-    def _on_grad_ready(self, unit: FlatUnit, p) -> None:
+    def _on_grad_ready(self, unit: FlatUnit) -> None:
         self._grads_reduced = False
-        if self.mixed and not self.sync_gradients and p.grad.dtype != self.reduce_dtype:
-            p.grad = p.grad.astype(self.reduce_dtype)  # later micro-batches add in float32
         unit.ready += 1
         if unit.ready < len(unit.params):
             return
