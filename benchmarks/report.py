@@ -63,7 +63,11 @@ def _json(results: Path, name: str):
     return json.loads(lines[-1]) if lines else None
 
 
-def _table(results: Path, name: str, keep=lambda line: True) -> str:
+def _everything(line: str) -> bool:
+    return True
+
+
+def _table(results: Path, name: str, keep=_everything) -> str:
     """The benchmark's readable table: its stderr, or the non-JSON lines of its stdout."""
     text = ""
     for suffix in (".txt", ".json"):
@@ -74,6 +78,41 @@ def _table(results: Path, name: str, keep=lambda line: True) -> str:
         if text:
             break
     return "```\n" + text + "\n```" if text else "(not run)"
+
+
+#: (heading, what was measured, benchmark name, which lines of its table to keep)
+SECTIONS = [
+    ("Collectives: mpishard against raw mpi4py, 4 ranks",
+     "Median bus bandwidth per collective and size, nccl-tests definitions "
+     "(`benchmarks/comm.py`).", "comm", _everything),
+    ("Strategies against PyTorch DDP and FSDP2",
+     "GPT config S, 16 sequences per rank, float32, at 2 and 4 ranks "
+     "(`benchmarks/strategies.py`); torch uses gloo and `torchrun`.",
+     "strategies", lambda l: not l.startswith("round ")),
+    ("Bigger than one rank",
+     "A GPT whose parameters, gradients and Adam state exceed the per-rank "
+     "budget trains under ZeRO-3; DDP fails on the same budget with "
+     "`OutOfMemoryBudget` (`benchmarks/memory.py`).", "memory", _everything),
+    ("Every 4-rank layout: dp, tp, pp",
+     "GPT config S, the same global batch everywhere, one `mpiexec` per layout; "
+     "pipelines with 4 micro-batches, measured idle fraction next to the ideal "
+     "bubble (p-1)/(m+p-1) (`benchmarks/layouts.py --launch`).",
+     "layouts", lambda l: not l.endswith(": done")),
+    ("Killing a rank during checkpoint saves",
+     "SIGKILL at random moments of repeated saves; after each kill the newest "
+     "complete checkpoint must verify and load, and the next save must succeed "
+     "(`benchmarks/checkpoint_kill.py`).", "checkpoint_kill", _everything),
+    ("Mixed precision on the CPU",
+     "ZeRO-3 on 4 ranks, GPT config S, float32 against float16 and bfloat16 "
+     "compute (float32 masters, float32 gradient reduction), stepped in turn; "
+     "NumPy has no 16-bit matrix product, so the 16-bit runs compute in float32 "
+     "inside each op and pay the casts (`benchmarks/precision.py`).", "precision", _everything),
+    ("Activation checkpointing",
+     "GPT config S, one process: activation bytes one forward keeps for backward "
+     "(`MemoryLedger.measure_activations`) and step time, without and with "
+     "`set_activation_checkpointing(True)` (`benchmarks/activations.py`).",
+     "activations", _everything),
+]
 
 
 def render(results: Path) -> str:
@@ -104,38 +143,8 @@ def render(results: Path) -> str:
                       "PyTorch also runs its elementwise kernels in parallel, so the ratio "
                       "rises above 1 there; the cache-blocked elementwise ops of "
                       "`mpishard/autodiff/nn_ops.py` are where a thread pool would go.", ""]
-    parts += ["## Collectives: mpishard against raw mpi4py, 4 ranks", "",
-              "Median bus bandwidth per collective and size, nccl-tests definitions "
-              "(`benchmarks/comm.py`).", "", _table(results, "comm"), ""]
-    parts += ["## Strategies against PyTorch DDP and FSDP2", "",
-              "GPT config S, 16 sequences per rank, float32, at 2 and 4 ranks "
-              "(`benchmarks/strategies.py`); torch uses gloo and `torchrun`.", "",
-              _table(results, "strategies", lambda l: not l.startswith("round ")), ""]
-    parts += ["## Bigger than one rank", "",
-              "A GPT whose parameters, gradients and Adam state exceed the per-rank "
-              "budget trains under ZeRO-3; DDP fails on the same budget with "
-              "`OutOfMemoryBudget` (`benchmarks/memory.py`).", "",
-              _table(results, "memory"), ""]
-    parts += ["## Every 4-rank layout: dp, tp, pp", "",
-              "GPT config S, the same global batch everywhere, one `mpiexec` per layout; "
-              "pipelines with 4 micro-batches, measured idle fraction next to the ideal "
-              "bubble (p-1)/(m+p-1) (`benchmarks/layouts.py --launch`).", "",
-              _table(results, "layouts", lambda l: not l.endswith(": done")), ""]
-    parts += ["## Killing a rank during checkpoint saves", "",
-              "SIGKILL at random moments of repeated saves; after each kill the newest "
-              "complete checkpoint must verify and load, and the next save must succeed "
-              "(`benchmarks/checkpoint_kill.py`).", "", _table(results, "checkpoint_kill"), ""]
-    parts += ["## Mixed precision on the CPU", "",
-              "ZeRO-3 on 4 ranks, GPT config S, float32 against float16 and bfloat16 "
-              "compute (float32 masters, float32 gradient reduction), stepped in turn; "
-              "NumPy has no 16-bit matrix product, so the 16-bit runs compute in float32 "
-              "inside each op and pay the casts (`benchmarks/precision.py`).", "",
-              _table(results, "precision"), ""]
-    parts += ["## Activation checkpointing", "",
-              "GPT config S, one process: activation bytes one forward keeps for backward "
-              "(`MemoryLedger.measure_activations`) and step time, without and with "
-              "`set_activation_checkpointing(True)` (`benchmarks/activations.py`).", "",
-              _table(results, "activations"), ""]
+    for title, text, name, keep in SECTIONS:
+        parts += [f"## {title}", "", text, "", _table(results, name, keep), ""]
     parts += ["## Regenerating this page", "",
               "```", "python benchmarks/report.py --run --results benchmarks/results/<date>", "```", "",
               "See [performance-benchmarks.md](performance-benchmarks.md) for what each "
