@@ -186,7 +186,7 @@ def part_mpi(comm_backend: str) -> dict:
     from mpi4py import MPI
 
     from mpishard.comm import Communicator, node_local_rank
-    from mpishard.comm.gpu import format_rank_reports, rank_report
+    from mpishard.comm import format_rank_reports, rank_report
 
     world = Communicator.from_env(MPI.COMM_WORLD.Dup(), comm_backend=comm_backend, timeout=120)
     cp.cuda.Device(node_local_rank(world) % cp.cuda.runtime.getDeviceCount()).use()

@@ -108,7 +108,7 @@ def test_size_one_makes_no_mpi_call():
     comm.barrier()
     assert comm.all_reduce_obj(5) == 5 and comm.all_gather_obj(5) == [5]
     assert comm.broadcast_obj("x") == "x" and comm.gather_obj(1) == [1]
-    assert [e.op for e in comm.ledger][:3] == ["all_reduce", "iall_reduce", "reduce_scatter"]
+    assert [e.op for e in comm.history][:3] == ["all_reduce", "iall_reduce", "reduce_scatter"]
     assert comm.stats.total_bus_bytes == 0  # nothing left the rank
 
 

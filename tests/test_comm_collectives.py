@@ -113,6 +113,42 @@ def test_broadcast(comm, dtype, blocking):
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+@pytest.mark.parametrize("dtype", DTYPES + ["int64"])
+def test_all_to_all(comm, dtype, blocking):
+    """Block j of rank r's send lands in block r of rank j's recv."""
+    n = comm.size
+    call = comm.all_to_all if blocking else comm.iall_to_all
+    for block in COUNTS:
+        # element k of block j on rank r: 100 * r + 10 * j + k (exact in float16)
+        send = (100 * comm.rank + 10 * np.arange(n)[:, None]
+                + np.arange(block)[None, :]).astype(dtype)
+        recv = finish(call(send), blocking)
+        assert recv.shape == send.shape and recv.dtype == send.dtype
+        want = (100 * np.arange(n)[:, None] + 10 * comm.rank
+                + np.arange(block)[None, :]).astype(dtype)
+        np.testing.assert_array_equal(recv, want)
+        flat_out = np.empty(n * block, dtype)
+        assert finish(call(send.reshape(-1), flat_out), blocking) is flat_out
+        np.testing.assert_array_equal(flat_out, want.reshape(-1))
+    assert comm.stats["all_to_all"].calls == 2 * len(COUNTS)
+    assert comm.stats["all_to_all"].bus_bytes == sum(
+        int(round((n - 1) / n * n * b * np.dtype(dtype).itemsize)) for b in COUNTS) * 2
+
+
+def test_all_to_all_rejects_what_cannot_split(comm):
+    if comm.size > 1:
+        with pytest.raises(ValueError, match=f"do not split into {comm.size} equal blocks"):
+            comm.all_to_all(np.zeros(comm.size + 1))
+    with pytest.raises(ValueError, match="recv has 3 elements but send has"):
+        comm.all_to_all(np.zeros(2 * comm.size), np.zeros(3))
+    buf = np.zeros(2 * comm.size)
+    with pytest.raises(ValueError, match="recv overlaps send"):
+        comm.all_to_all(buf, buf)
+    with pytest.raises(ValueError, match="dtype"):
+        comm.all_to_all(np.zeros(comm.size, np.float32), np.zeros(comm.size, np.float64))
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 def test_send_recv_ring(comm, blocking):
     if comm.size == 1:
         with pytest.raises(ValueError, match="not another rank"):

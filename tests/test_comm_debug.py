@@ -6,7 +6,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import CollectiveTimeout, CommStats, Communicator
-from mpishard.comm.debug import Family, LedgerEntry, Watchdog
+from mpishard.comm.debug import Family, CallRecord, Watchdog
 from mpishard.comm.stats import bus_bytes
 from mpishard.comm.testing import make_test_comm
 
@@ -21,13 +21,13 @@ def comm(request):
 
 
 @pytest.mark.mpi
-def test_ledger_records_recent_collectives(comm):
+def test_history_records_recent_collectives(comm):
     comm.all_reduce(np.zeros((2, 3), np.float32), op="max")
     handle = comm.iall_gather(np.zeros(2, np.float64))
-    assert comm.ledger[-1].elapsed is None or comm.size == 1  # still pending
+    assert comm.history[-1].elapsed is None or comm.size == 1  # still pending
     handle.wait()
     comm.broadcast_obj("x")
-    first, second, third = list(comm.ledger)[-3:]
+    first, second, third = list(comm.history)[-3:]
     assert (first.seq, first.op, first.shape) == (1, "all_reduce", (2, 3))
     assert str(first.dtype) == "float32"
     assert first.detail == "op=max" and first.elapsed is not None and first.elapsed >= 0
@@ -35,26 +35,26 @@ def test_ledger_records_recent_collectives(comm):
     assert second.elapsed is not None
     assert (third.seq, third.op) == (3, "broadcast_obj")
     assert first.caller.startswith("tests/test_comm_debug.py:")  # the caller, not mpishard
-    text = comm.format_ledger()
+    text = comm.format_history()
     assert "all_reduce #1 (shape (2, 3), float32, op=max)" in text
 
 
 @pytest.mark.mpi
-def test_ledger_keeps_the_last_n_and_family_reports_children():
-    comm = Communicator(MPI.COMM_SELF, "small", ledger_size=3)
+def test_history_keeps_the_last_n_and_family_reports_children():
+    comm = Communicator(MPI.COMM_SELF, "small", history_size=3)
     for _ in range(5):
         comm.barrier()
-    assert [e.seq for e in comm.ledger] == [3, 4, 5]
+    assert [e.seq for e in comm.history] == [3, 4, 5]
     child = comm.dup(name="child")
     child.all_reduce_obj(1)
-    report = comm.format_ledger()
+    report = comm.format_history()
     assert "child" in report and "all_reduce_obj #1" in report and "barrier #5" in report
     child.free()
 
 
 def test_watchdog_fires_once_with_the_stuck_operation(capsys):
     fired = []
-    entry = LedgerEntry("world", 7, "all_reduce", (4,), "float32", "op=sum")
+    entry = CallRecord("world", 7, "all_reduce", (4,), "float32", "op=sum")
     dog = Watchdog(0.05, report=lambda: "world  all_reduce #7 ...", on_timeout=fired.append)
     dog.arm(entry)
     assert not dog.check(now=time.perf_counter())  # not overdue yet
@@ -72,7 +72,7 @@ def test_watchdog_fires_once_with_the_stuck_operation(capsys):
 def test_watchdog_quiet_when_disarmed_in_time():
     fired = []
     dog = Watchdog(0.05, report=lambda: "", on_timeout=fired.append)
-    dog.arm(LedgerEntry("world", 1, "barrier", None, None))
+    dog.arm(CallRecord("world", 1, "barrier", None, None))
     dog.disarm()
     time.sleep(0.2)
     assert fired == [] and not dog.check(now=time.perf_counter() + 100)

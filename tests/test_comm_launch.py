@@ -52,7 +52,7 @@ def test_exception_on_one_rank_aborts_with_its_traceback():
     assert "[mpishard rank 1/2] Traceback (most recent call last):" in out, out
     assert ("[mpishard rank 1/2] RuntimeError: rank 1 fails on purpose before the "
             "second all_reduce") in out, out
-    assert "[mpishard rank 1/2]   world        all_reduce #1" in out, out  # the ledger
+    assert "[mpishard rank 1/2]   world        all_reduce #1" in out, out  # the call history
     assert "finished (should not happen)" not in out
 
 
@@ -83,7 +83,7 @@ def test_watchdog_ends_a_job_where_one_rank_skipped_a_collective():
     assert ("[mpishard rank 0/2] CollectiveTimeout: all_reduce #3 (shape (8,), float32, "
             "op=sum) on communicator 'world'") in out, out
     assert "[mpishard rank 1/2] CollectiveTimeout: barrier #3 on communicator 'world'" in out
-    # The ledger: the completed collectives and the stuck one, still running.
+    # The call history: the completed collectives and the stuck one, still running.
     for entry in ("all_reduce #1 (shape (4,), float64, op=sum)",
                   "broadcast #2 (shape (2,), float64, root=0)", "RUNNING"):
         assert entry in out, (entry, out)

@@ -1,39 +1,19 @@
-"""Agreeing over ranks without pickle: JSON bytes through the buffer all-gather.
+"""Checkpoint failures agreed over ranks, as one :class:`CheckpointError` everywhere.
 
 [Note: checkpoint agreement]
 Every step of a save or load that can fail on some ranks only (a full disk, a
-missing file, a damaged shard) ends in :func:`agree`: each rank contributes
-``None`` or its error, every rank receives the whole failure map, and if it is
-not empty every rank raises the same :class:`CheckpointError` -- nobody is
-left waiting in a collective (see STYLE.md, anti-pattern 4). The messages
-travel as UTF-8 JSON in uint8 buffers through ``Communicator.all_gather``
-(mpi4py's buffer API), so nothing on a checkpoint path is ever unpickled.
+missing file, a damaged shard) ends in :func:`agree`, the checkpoint form of
+:func:`mpishard.comm.agree` (see [Note: agreed errors] there): every rank
+receives the whole failure map, and if it is not empty every rank raises the
+same :class:`CheckpointError`, naming each failing rank, so nobody is left
+waiting in a collective. Nothing on a checkpoint path is ever unpickled.
 """
 from __future__ import annotations
 
-import json
-
-import numpy as np
-
+from ..agree import agree as agree_over, exchange_json
 from .errors import CheckpointError
 
 __all__ = ["exchange_json", "agree", "error_record"]
-
-
-def exchange_json(comm, value) -> list:
-    """Every rank's JSON-able ``value``, as a list indexed by rank, on every rank."""
-    data = np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)
-    if comm.size == 1:
-        return [value]
-    lengths = np.empty(comm.size, dtype=np.int64)
-    comm.all_gather(np.array([data.size], dtype=np.int64), lengths)
-    width = int(lengths.max())
-    send = np.zeros(width, dtype=np.uint8)
-    send[:data.size] = data
-    recv = np.empty(width * comm.size, dtype=np.uint8)
-    comm.all_gather(send, recv)
-    return [json.loads(recv[r * width:r * width + int(n)].tobytes().decode("utf-8"))
-            for r, n in enumerate(lengths)]
 
 
 def _ranks(ranks: list) -> str:
@@ -73,21 +53,17 @@ def agree(comm, err: BaseException | None, what: str, payload=None) -> list:
         CheckpointError: with ``failures`` ``{rank: "path: rule: detail"}``; its
             ``path`` and ``rule`` are those of the lowest failing rank.
     """
-    outcomes = exchange_json(comm, {"error": error_record(err), "payload": payload})
-    failed = {rank: o["error"] for rank, o in enumerate(outcomes) if o["error"] is not None}
-    if not failed:
-        return [o["payload"] for o in outcomes]
-    texts = {rank: (f"{e['path']}: " if e["path"] else "") + f"{e['rule']}: {e['detail']}"
-             for rank, e in failed.items()}
-    first = failed[min(failed)]
-    by_text: dict = {}
-    for rank, text in sorted(texts.items()):
-        by_text.setdefault(text, []).append(rank)
-    listing = "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in by_text.items())
-    summary = (f"{what} failed on {len(failed)} of {comm.size} ranks: {listing}"
-               if comm.size > 1 else f"{what} failed: {listing}")
-    error = CheckpointError(first["path"], first["rule"], summary, texts)
-    error.args = (summary,)
-    if err is not None:
-        raise error from err
-    raise error
+    def rebuild(failed: dict, size: int) -> CheckpointError:
+        texts = {rank: (f"{e['path']}: " if e["path"] else "") + f"{e['rule']}: {e['detail']}"
+                 for rank, e in failed.items()}
+        first = failed[min(failed)]
+        by_text: dict = {}
+        for rank, text in sorted(texts.items()):
+            by_text.setdefault(text, []).append(rank)
+        listing = "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in by_text.items())
+        summary = (f"{what} failed on {len(failed)} of {size} ranks: {listing}"
+                   if size > 1 else f"{what} failed: {listing}")
+        error = CheckpointError(first["path"], first["rule"], summary, texts)
+        error.args = (summary,)
+        return error
+    return agree_over(comm, err, payload, describe=error_record, rebuild=rebuild)

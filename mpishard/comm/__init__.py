@@ -1,31 +1,35 @@
 """Communication: every byte that crosses ranks goes through here.
 
-Importing this package initialises MPI (it imports ``mpi4py.MPI``).
+Importing this package initialises MPI (it imports ``mpi4py.MPI``). It holds
+only what moves bytes; flat buffer layouts and the tensor-parallel autodiff ops
+are math, and live in :mod:`mpishard.parallel`.
 
 * :class:`Communicator` wraps one MPI communicator (collectives, non-blocking
   forms returning a :class:`Handle`, point to point, ``*_obj`` forms, split,
-  statistics in :class:`CommStats`, a ledger of recent collectives);
+  statistics in :class:`CommStats`, a history of recent calls);
 * :class:`Mesh` names the parallel axes (``dp``, ``tp``, ``pp``) as
   sub-communicators;
 * :func:`install_abort_hook`, :func:`check_launcher`, debug mode and the
   watchdog turn distributed failures into errors instead of hangs;
 * :mod:`.gpu` and :mod:`.nccl` handle CuPy arrays (CUDA-aware MPI, pinned host
-  staging, NCCL); :mod:`.bucket` flattens many arrays into one buffer.
+  staging, NCCL); :mod:`.launch` reports where each rank runs.
 
 See docs/comm.md for the whole story.
 """
 from .abort import LauncherMismatch, check_launcher, install_abort_hook
-from .bucket import FlatLayout, padded_size
 from .communicator import COMM_BACKENDS, Communicator
 from .debug import CollectiveMismatch, CollectiveTimeout
-from .gpu import detect_cuda_aware, format_rank_reports, nccl_available, rank_report
+from .env import ENVIRONMENT
+from .gpu import detect_cuda_aware, nccl_available
 from .handles import Handle
-from .mesh import Mesh, node_local_rank
+from .launch import format_rank_reports, node_local_rank, rank_report
+from .mesh import Mesh
 from .stats import CommStats
 
 __all__ = [
     "Communicator",
     "COMM_BACKENDS",
+    "ENVIRONMENT",
     "Mesh",
     "Handle",
     "CommStats",
@@ -39,6 +43,4 @@ __all__ = [
     "nccl_available",
     "rank_report",
     "format_rank_reports",
-    "FlatLayout",
-    "padded_size",
 ]

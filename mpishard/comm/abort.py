@@ -32,7 +32,7 @@ def _report(exc_type, exc, tb, communicators) -> str:
     for comm in communicators:
         lines.append(f"{prefix} last collectives of {comm.name!r} and its family "
                      f"(oldest first):")
-        lines.extend(f"{prefix}   {line}" for line in comm.format_ledger().splitlines())
+        lines.extend(f"{prefix}   {line}" for line in comm.format_history().splitlines())
     return "\n".join(lines) + "\n"
 
 
@@ -41,7 +41,7 @@ def install_abort_hook(*communicators, threads: bool = True) -> None:
 
     The hook prints the traceback with every line prefixed by
     ``[mpishard rank R/N]`` (so interleaved output from many ranks stays
-    readable), then the ledgers of ``communicators`` (see
+    readable), then the call histories of ``communicators`` (see
     [Note: collective order]), then calls ``MPI.COMM_WORLD.Abort(1)`` (130 for
     Ctrl-C), which ends every rank with a non-zero exit code instead of leaving
     the others waiting in their next collective.

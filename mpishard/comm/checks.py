@@ -22,7 +22,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..backend import xp_of
-from .bucket import padded_size
 
 __all__ = [
     "REDUCE_OPS",
@@ -35,6 +34,7 @@ __all__ = [
     "check_peer",
     "reduce_scatter_recv",
     "all_gather_recv",
+    "all_to_all_recv",
     "data_pointer",
 ]
 
@@ -176,11 +176,11 @@ def reduce_scatter_recv(send, recv, size: int, where: str = "reduce_scatter"):
     when the first dimension divides, else it is flat.
     """
     if send.size % size:
-        padded = padded_size(send.size, size)
+        padded = -(-send.size // size) * size
         raise ValueError(
             f"{where}: send has {send.size} elements, not a multiple of the "
             f"communicator size {size}; pad it to {padded} "
-            f"(mpishard.comm.bucket.padded_size({send.size}, {size}))")
+            f"(mpishard.parallel.padded_size({send.size}, {size}))")
     block = send.size // size
     if recv is None:
         xp = xp_of(send)
@@ -231,6 +231,30 @@ def all_gather_recv(send, recv, size: int, rank: int, where: str = "all_gather")
         f"{where}: send overlaps recv but is not this rank's block of it "
         f"(elements [{rank * send.size}:{(rank + 1) * send.size}]); pass a "
         f"separate send buffer or exactly that block")
+
+
+def all_to_all_recv(send, recv, size: int, where: str = "all_to_all"):
+    """Check (or allocate, shaped like ``send``) the receive buffer of an all-to-all.
+
+    Both hold ``size`` equal blocks of the flattened array; they must not overlap.
+    """
+    if send.size % size:
+        raise ValueError(
+            f"{where}: send has {send.size} elements, which do not split into "
+            f"{size} equal blocks (one per rank); send a multiple of {size} elements")
+    if recv is None:
+        return xp_of(send).empty(send.shape, dtype=send.dtype)
+    check_array(recv, where, "recv", output=True)
+    check_pair(send, recv, where)
+    if recv.size != send.size:
+        raise ValueError(
+            f"{where}: recv has {recv.size} elements but send has {send.size}; an "
+            f"all-to-all receives as many as it sends, pass recv with {send.size} "
+            f"elements (or recv=None)")
+    if _overlap(send, recv):
+        raise ValueError(f"{where}: recv overlaps send; pass a separate recv buffer "
+                         f"(or recv=None)")
+    return recv
 
 
 def check_root(root, size: int, where: str) -> int:

@@ -1,4 +1,4 @@
-"""Turning distributed mistakes into errors: ledger, fingerprints, watchdog.
+"""Turning distributed mistakes into errors: call history, fingerprints, watchdog.
 
 [Note: collective order]
 MPI matches collectives by order alone: every rank of a communicator must issue
@@ -6,7 +6,7 @@ the same collectives, in the same order, with matching buffers. A rank that
 skips one, or passes a different shape, makes the others hang or read garbage.
 mpishard guards this three ways:
 
-* the **ledger**: each communicator remembers its last ``N`` collectives
+* the **call history**: each communicator remembers its last ``N`` collectives
   (sequence number, op, shape, dtype, elapsed, caller), cheap enough to be on
   always, and printed when the job aborts or times out;
 * **debug mode** (``Communicator(debug=True)``, ``MPISHARD_DEBUG=1``): before
@@ -18,11 +18,11 @@ mpishard guards this three ways:
   leaving the others waiting;
 * the **watchdog** (``timeout=SECONDS``, ``MPISHARD_TIMEOUT``): a collective
   that has not completed after ``timeout`` seconds prints the stuck operation
-  and this rank's ledgers, then aborts the job. Every rank stuck in a
+  and this rank's call histories, then aborts the job. Every rank stuck in a
   collective has its own watchdog, so each of them prints before the job goes.
 
 A communicator and everything split or duplicated from it form a *family*:
-they share one watchdog and their ledgers are printed together.
+they share one watchdog and their call histories are printed together.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from mpi4py import MPI
 __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
-    "LedgerEntry",
-    "Ledger",
+    "CallRecord",
+    "CallHistory",
     "Family",
     "CallLog",
     "Watchdog",
@@ -76,7 +76,7 @@ def caller_location() -> tuple[str, int]:
     return (frame.f_code.co_filename, frame.f_lineno)
 
 
-class LedgerEntry:
+class CallRecord:
     """One collective as this rank saw it."""
 
     __slots__ = ("comm", "seq", "op", "shape", "dtype", "detail", "where",
@@ -115,16 +115,16 @@ class LedgerEntry:
         return f"{self.comm:<12} {self.describe():<56} {state:<16} {self.caller}"
 
     def __repr__(self) -> str:
-        return f"LedgerEntry({self.comm!r}, {self.describe()}, {self.caller})"
+        return f"CallRecord({self.comm!r}, {self.describe()}, {self.caller})"
 
 
-class Ledger:
+class CallHistory:
     """The last ``maxlen`` collectives of one communicator, oldest first."""
 
     def __init__(self, maxlen: int = 64):
-        self._entries: deque[LedgerEntry] = deque(maxlen=maxlen)
+        self._entries: deque[CallRecord] = deque(maxlen=maxlen)
 
-    def append(self, entry: LedgerEntry) -> None:
+    def append(self, entry: CallRecord) -> None:
         self._entries.append(entry)
 
     def __iter__(self):
@@ -133,7 +133,7 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __getitem__(self, index: int) -> LedgerEntry:
+    def __getitem__(self, index: int) -> CallRecord:
         return self._entries[index]
 
     @property
@@ -192,19 +192,19 @@ class CallLog:
     """The bookkeeping around every call of one communicator.
 
     ``begin`` numbers the call (collectives only: point-to-point calls have no
-    sequence number), appends a ledger entry, arms the watchdog and, in debug
+    sequence number), appends a history record, arms the watchdog and, in debug
     mode, exchanges fingerprints; ``end`` records the elapsed time and the
     statistics and disarms; ``reject`` raises an argument error, on every rank
     in debug mode. See [Note: collective order].
     """
 
-    def __init__(self, mpi_comm, name: str, *, debug: bool, watchdog, ledger: Ledger, stats):
+    def __init__(self, mpi_comm, name: str, *, debug: bool, watchdog, history: CallHistory, stats):
         self.mpi = mpi_comm
         self.name = name
         self.size = mpi_comm.Get_size()
         self.debug = debug
         self.watchdog = watchdog
-        self.ledger = ledger
+        self.history = history
         self.stats = stats
         self.seq = 0
 
@@ -217,13 +217,13 @@ class CallLog:
         raise error
 
     def begin(self, op: str, shape, dtype, detail: str = "", *, p2p: bool = False,
-              nonblocking: bool = False) -> LedgerEntry:
+              nonblocking: bool = False) -> CallRecord:
         """Start a call; for a non-blocking one the watchdog is left disarmed
         (``Handle.wait`` arms it)."""
         if not p2p:
             self.seq += 1
-        entry = LedgerEntry(self.name, None if p2p else self.seq, op, shape, dtype, detail)
-        self.ledger.append(entry)
+        entry = CallRecord(self.name, None if p2p else self.seq, op, shape, dtype, detail)
+        self.history.append(entry)
         if self.size == 1:
             return entry
         if self.watchdog is not None:
@@ -240,7 +240,7 @@ class CallLog:
             self.watchdog.disarm()
         return entry
 
-    def end(self, entry: LedgerEntry, kind: str | None, nbytes: int) -> None:
+    def end(self, entry: CallRecord, kind: str | None, nbytes: int) -> None:
         """Finish a call: elapsed time, watchdog off, statistics under ``kind``."""
         entry.elapsed = time.perf_counter() - entry.started
         if self.watchdog is not None:
@@ -250,7 +250,7 @@ class CallLog:
 
 
 class Family:
-    """A communicator and its split/dup descendants: one watchdog, shared ledgers."""
+    """A communicator and its split/dup descendants: one watchdog, shared call histories."""
 
     def __init__(self, timeout: float | None, on_timeout=None):
         self.timeout = timeout
@@ -263,12 +263,12 @@ class Family:
         self._members.append(weakref.ref(communicator))
 
     def report(self, last: int = 40) -> str:
-        """The most recent ``last`` ledger entries of every live member."""
+        """The most recent ``last`` history records of every live member."""
         entries = []
         for ref in self._members:
             member = ref()
             if member is not None:
-                entries.extend(member.ledger)
+                entries.extend(member.history)
         entries.sort(key=lambda e: e.started)
         lines = [entry.format() for entry in entries[-last:]]
         return "\n".join(lines) if lines else "(no collectives yet)"
@@ -285,7 +285,7 @@ class Watchdog:
 
     Args:
         timeout: seconds a collective may take.
-        report: returns the ledger text to print.
+        report: returns the call-history text to print.
         on_timeout: called with the :class:`CollectiveTimeout` after printing;
             the default waits ``grace`` seconds (so other stuck ranks can print
             too) and calls ``MPI.COMM_WORLD.Abort(124)``.
@@ -297,12 +297,12 @@ class Watchdog:
         self.grace = grace
         self._report = report
         self._on_timeout = on_timeout or self._abort
-        self._armed: tuple[LedgerEntry, float] | None = None
+        self._armed: tuple[CallRecord, float] | None = None
         self._fired = False
         self._thread: threading.Thread | None = None
         self._poll = min(1.0, max(0.02, self.timeout / 10))
 
-    def arm(self, entry: LedgerEntry) -> None:
+    def arm(self, entry: CallRecord) -> None:
         """Watch ``entry`` from now on (replaces any armed entry)."""
         self._armed = (entry, time.perf_counter())
         if self._thread is None:

@@ -1,5 +1,5 @@
 """Device (CuPy) buffers and MPI: stream synchronisation, CUDA-aware detection,
-pinned host staging, and the per-rank report ``mpishard info`` prints.
+and pinned host staging (what each rank runs on is reported by :mod:`.launch`).
 
 Nothing here imports CuPy at module level; NumPy-only runs never touch it.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 
 import numpy as np
 from mpi4py import MPI
@@ -40,8 +39,6 @@ __all__ = [
     "query_cuda_support",
     "detect_cuda_aware",
     "nccl_available",
-    "rank_report",
-    "format_rank_reports",
 ]
 
 #: Environment variables that vendors use to switch GPU support on, checked
@@ -195,65 +192,3 @@ def nccl_available() -> tuple[bool, str]:
         return True, f"NCCL {nccl.get_version()}"
     except Exception as exc:  # ImportError, or libnccl missing at load time
         return False, f"cupy.cuda.nccl does not load: {exc}"
-
-
-def _device_description(local_rank: int, backend) -> str:
-    if backend is not None:
-        return backend.describe()
-    cupy = cupy_or_none()
-    if cupy is None:
-        return "cpu (CuPy not importable)"
-    try:
-        gpus = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        gpus = 0
-    return f"cuda:{local_rank % gpus} of {gpus}" if gpus else "cpu (no GPU visible)"
-
-
-def rank_report(comm, backend=None) -> dict:
-    """What this rank runs on; collective over ``comm`` (it finds node-local ranks).
-
-    Args:
-        comm: a :class:`~mpishard.comm.Communicator`.
-        backend: the :class:`~mpishard.backend.Backend` in use, if one was
-            built (else the device a ``"cupy"`` backend would bind is reported).
-
-    Returns:
-        ``rank``, ``size``, ``host``, ``local_rank``, ``mpi_library``,
-        ``mpi_vendor``, ``comm_backend``, ``device``, ``cuda_aware``,
-        ``cuda_aware_how``, ``nccl_available``, ``nccl_how``.
-    """
-    from .mesh import node_local_rank  # noqa: PLC0415 (mesh imports communicator)
-
-    local_rank = node_local_rank(comm)
-    aware, how = comm.cuda_aware
-    nccl_ok, nccl_how = nccl_available()
-    vendor, version = MPI.get_vendor()
-    return {
-        "rank": comm.rank,
-        "size": comm.size,
-        "host": socket.gethostname(),
-        "local_rank": local_rank,
-        "mpi_library": loaded_libmpi() or "?",
-        "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
-        "comm_backend": comm.comm_backend,
-        "device": _device_description(local_rank, backend),
-        "cuda_aware": aware,
-        "cuda_aware_how": how,
-        "nccl_available": nccl_ok,
-        "nccl_how": nccl_how,
-    }
-
-
-def format_rank_reports(reports: list[dict]) -> str:
-    """One block per rank, for ``mpishard info``."""
-    lines = []
-    for r in reports:
-        lines.append(
-            f"rank {r['rank']}/{r['size']} on {r['host']} (local {r['local_rank']}): "
-            f"{r['mpi_vendor']} ({r['mpi_library']}), comm backend {r['comm_backend']}, "
-            f"device {r['device']}")
-        lines.append(f"    CUDA-aware MPI: {'yes' if r['cuda_aware'] else 'no'} "
-                     f"({r['cuda_aware_how']})")
-        lines.append(f"    NCCL: {'yes' if r['nccl_available'] else 'no'} ({r['nccl_how']})")
-    return "\n".join(lines)

@@ -3,8 +3,8 @@
 A :class:`Handle` is what ``iall_reduce``, ``ireduce_scatter``, ``iall_gather``,
 ``ibroadcast``, ``isend`` and ``irecv`` return. ``wait()`` blocks until the
 operation is complete, runs whatever must happen after completion (the
-division of an ``avg``, the copy back from a pinned host buffer, the ledger and
-statistics), and returns the result buffer. ``test()`` asks without blocking.
+division of an ``avg``, the copy back from a pinned host buffer, the call history
+and statistics), and returns the result buffer. ``test()`` asks without blocking.
 
 Every handle must be waited on (or tested until true) before its buffers are
 read or reused, as with MPI requests; the handle keeps the buffers alive until
@@ -43,7 +43,7 @@ class Handle:
         result: what ``wait()`` returns.
         finish: called once after completion (may be ``None``).
         watchdog: armed with ``entry`` while ``wait()`` blocks (may be ``None``).
-        entry: the ledger entry, completed with the elapsed time.
+        entry: the call-history record, completed with the elapsed time.
         keep: objects to keep alive until completion (staging buffers).
     """
 

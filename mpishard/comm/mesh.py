@@ -20,11 +20,9 @@ rather than re-deriving this formula.
 """
 from __future__ import annotations
 
-from mpi4py import MPI
-
 from .communicator import Communicator
 
-__all__ = ["Mesh", "node_local_rank", "MESH_AXES"]
+__all__ = ["Mesh", "MESH_AXES"]
 
 #: Axis names, outermost first.
 MESH_AXES = ("pp", "dp", "tp")
@@ -124,22 +122,3 @@ class Mesh:
     def __repr__(self) -> str:
         return (f"Mesh(pp={self.shape['pp']}, dp={self.shape['dp']}, tp={self.shape['tp']}; "
                 f"rank {self.world.rank} at {self.coords})")
-
-
-def node_local_rank(comm) -> int:
-    """This rank's index among the ranks of ``comm`` on the same node.
-
-    Used to bind a GPU (``local_rank % visible_devices``). Collective over
-    ``comm`` (a shared-memory ``Split_type``), except at size 1.
-
-    Args:
-        comm: a :class:`Communicator` or an mpi4py intracommunicator.
-    """
-    mpi_comm = comm.mpi if isinstance(comm, Communicator) else comm
-    if mpi_comm.Get_size() == 1:
-        return 0
-    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-    try:
-        return local.Get_rank()
-    finally:
-        local.Free()

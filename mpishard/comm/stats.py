@@ -17,6 +17,7 @@ all-reduce         the buffer                   2 (n - 1) / n * S
 reduce-scatter     the full (send) buffer       (n - 1) / n * S
 all-gather         the full (receive) buffer    (n - 1) / n * S
 broadcast          the buffer                   S
+all-to-all         the send buffer              (n - 1) / n * S
 send / recv        the buffer                   S
 barrier, *_obj     0 (calls and time only)      0
 =================  ===========================  ======================
@@ -36,6 +37,7 @@ _BUS_FACTORS = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "all_to_all": lambda n: (n - 1) / n,
     "send": lambda n: 1.0 if n > 1 else 0.0,
     "recv": lambda n: 1.0 if n > 1 else 0.0,
 }
@@ -46,7 +48,8 @@ def bus_bytes(kind: str, nbytes: int, size: int) -> int:
 
     Args:
         kind: ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
-            ``"broadcast"``, ``"send"`` or ``"recv"`` (anything else: 0).
+            ``"broadcast"``, ``"all_to_all"``, ``"send"`` or ``"recv"``
+            (anything else: 0).
         nbytes: the message size ``S`` as defined in the note.
         size: the number of ranks ``n``.
     """

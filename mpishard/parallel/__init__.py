@@ -8,7 +8,8 @@ tensor parallelism over ``mesh.tp`` and pipeline stages over ``mesh.pp``;
 from .base import StepResult, Strategy
 from .compose import ParallelGPT, build_stage, wrap_model
 from .data_parallel import DataParallel, check_replicas_equal
-from .flat import FlatShard, FlatUnit
+from .flat import FlatLayout, FlatShard, padded_size
+from .units import FlatUnit
 from .pieces import Piece, gather_full_params, load_pieces, pieces_of
 from .pipeline import Pipeline, bubble_fraction, partition_blocks
 from .precision import PRECISIONS, LossScaler, Precision
@@ -17,7 +18,7 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
                               parallelize_gpt, vocab_parallel_cross_entropy)
 from .zero import ZeRO, plan_units
 
-__all__ = ["Strategy", "StepResult", "DataParallel", "ZeRO", "FlatUnit", "FlatShard",
+__all__ = ["Strategy", "StepResult", "DataParallel", "ZeRO", "FlatUnit", "FlatShard", "FlatLayout", "padded_size",
            "plan_units", "check_replicas_equal", "MemoryPlan", "plan_memory", "STRATEGIES",
            "Piece", "pieces_of", "load_pieces", "gather_full_params", "ParallelGPT",
            "build_stage", "wrap_model", "Pipeline",

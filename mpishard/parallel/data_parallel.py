@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 
 from ..backend import to_numpy, xp_of
-from ..comm.bucket import FlatLayout
+from .flat import FlatLayout
 from ..optim.clip import grad_sq_sum
 from .base import Strategy
 from .flat import FlatShard

@@ -1,23 +1,133 @@
-"""Flat units: groups of parameters laid out in one padded buffer, sharded over dp.
+"""Flat buffers: many arrays in one contiguous buffer, and the optimizer's view of one.
 
-[Note: flat unit layout]
-A unit's parameters, in ``named_parameters`` order, are flattened one after the
-other into a single buffer of ``numel`` elements, padded with zeros to
-``padded = shard_size * dp_size`` so the dp ranks can own equal contiguous
-slices: dp rank ``r`` owns ``[r * shard_size, (r + 1) * shard_size)``. A rank
-may own only padding (a unit smaller than the dp size); padding stays zero in
-parameters, gradients and optimizer state. Each parameter's placement is written
-to its :class:`~mpishard.nn.ShardSpec` (``spec.flat``) so the checkpoint
-manifest and the memory planner read the same layout.
+One collective on one large buffer beats many on small ones (the per-call
+latency is paid once), so data parallelism all-reduces *buckets* of gradients
+and ZeRO keeps parameters, gradients and optimizer state as flat buffers
+padded to a multiple of the axis size. This module is the one place that
+computes such a layout.
+
+    layout = FlatLayout.of([w.shape, b.shape], dtype="float32", pad_to=comm.size)
+    flat = layout.flatten([w, b])                 # (layout.padded_numel,), zero padding
+    comm.all_reduce(flat, op="avg")
+    layout.unflatten_into(flat, [w, b])           # copy the averages back
+    shard = comm.reduce_scatter(flat)             # (layout.padded_numel // comm.size,)
+
+[Note: flat layout]
+Arrays are laid out in the order given, each C-contiguous, without gaps,
+followed by zero padding up to ``padded_numel`` (a multiple of ``pad_to``). So
+``offsets[i]`` is where array ``i`` starts in the flat buffer, and with
+``pad_to = n`` the buffer splits into ``n`` equal shards where shard ``r``
+covers elements ``[r * shard, (r + 1) * shard)``. Checkpoint manifests record
+these offsets; code that needs them takes them from a FlatLayout.
 """
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
+from math import prod
 
-from ..comm.bucket import FlatLayout
-from ..nn.parameter import FlatPlacement, Parameter
+import numpy as np
 
-__all__ = ["FlatUnit", "FlatShard"]
+from ..backend import xp_of
+
+__all__ = ["FlatLayout", "FlatShard", "padded_size"]
+
+
+def padded_size(numel: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= numel``."""
+    if multiple < 1:
+        raise ValueError(f"padded_size: multiple={multiple} must be >= 1")
+    return -(-numel // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each array lives in a flat buffer (see [Note: flat layout]).
+
+    Attributes:
+        shapes: the arrays' shapes, in order.
+        dtype: their common dtype.
+        offsets: start of each array in the flat buffer.
+        numel: elements of all arrays together.
+        padded_numel: ``numel`` rounded up to a multiple of ``pad_to``.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: np.dtype
+    offsets: tuple[int, ...]
+    numel: int
+    padded_numel: int
+
+    @classmethod
+    def of(cls, shapes, dtype, pad_to: int = 1) -> "FlatLayout":
+        """Lay out arrays of ``shapes`` and ``dtype``, padded to ``pad_to``."""
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += prod(shape)
+        return cls(shapes, np.dtype(dtype), tuple(offsets), total,
+                   padded_size(total, pad_to))
+
+    @classmethod
+    def of_arrays(cls, arrays, pad_to: int = 1) -> "FlatLayout":
+        """The layout of ``arrays`` (which must share one dtype)."""
+        dtypes = {str(a.dtype) for a in arrays}
+        if len(dtypes) > 1:
+            raise ValueError(f"FlatLayout: arrays have dtypes {sorted(dtypes)}; flatten "
+                             f"one dtype per buffer (group them by dtype first)")
+        dtype = arrays[0].dtype if arrays else np.float32
+        return cls.of([a.shape for a in arrays], dtype, pad_to)
+
+    def sizes(self) -> tuple[int, ...]:
+        """Elements of each array."""
+        return tuple(prod(s) for s in self.shapes)
+
+    def _check_flat(self, flat, where: str) -> None:
+        # Positions only: the same layout serves a float32 master and its 16-bit copy.
+        if flat.ndim != 1 or flat.size != self.padded_numel:
+            raise ValueError(
+                f"{where}: flat buffer has shape {tuple(flat.shape)}; this layout needs "
+                f"({self.padded_numel},) elements")
+
+    def empty(self, xp=np):
+        """An uninitialised flat buffer with zeroed padding."""
+        flat = xp.empty((self.padded_numel,), dtype=self.dtype)
+        flat[self.numel:] = 0
+        return flat
+
+    def flatten(self, arrays, out=None):
+        """Copy ``arrays`` into a flat buffer (``out``, or a new one); return it.
+
+        ``None`` entries are written as zeros.
+        """
+        if len(arrays) != len(self.shapes):
+            raise ValueError(f"flatten: got {len(arrays)} arrays, the layout has "
+                             f"{len(self.shapes)}")
+        if out is None:
+            present = [a for a in arrays if a is not None]
+            out = self.empty(xp_of(present[0]) if present else np)
+        else:
+            self._check_flat(out, "flatten")
+            out[self.numel:] = 0
+        for view, a, shape in zip(self.views(out), arrays, self.shapes):
+            if a is None:          # e.g. a parameter that received no gradient
+                view[...] = 0
+                continue
+            if tuple(a.shape) != shape:
+                raise ValueError(f"flatten: array of shape {tuple(a.shape)} where the "
+                                 f"layout has {shape}")
+            view[...] = a
+        return out
+
+    def views(self, flat) -> list:
+        """Views into ``flat``, one per array, with the arrays' shapes (no copies)."""
+        self._check_flat(flat, "views")
+        return [flat[o:o + prod(s)].reshape(s) for o, s in zip(self.offsets, self.shapes)]
+
+    def unflatten_into(self, flat, arrays) -> None:
+        """Copy the flat buffer's contents back into ``arrays`` (in place)."""
+        for view, a in zip(self.views(flat), arrays):
+            a[...] = view
 
 
 class FlatShard:
@@ -37,74 +147,3 @@ class FlatShard:
 
     def __repr__(self) -> str:
         return f"FlatShard({self.name!r}, {self.data.size} elements)"
-
-
-class FlatUnit:
-    """One unit's layout (see [Note: flat unit layout]), a :class:`FlatLayout` padded to dp.
-
-    Args:
-        name: unit name (module path, ``""`` for the root remainder).
-        named_params: ``(name, Parameter)`` pairs in order (at least one).
-        dp_size, dp_rank: the data-parallel axis.
-        module: the module whose forward this unit wraps (``None`` for the root).
-    """
-
-    def __init__(self, name: str, named_params: list, dp_size: int, dp_rank: int,
-                 module=None):
-        self.name, self.module = name, module
-        self.names = [n for n, _ in named_params]
-        self.params: list[Parameter] = [p for _, p in named_params]
-        if not self.params:
-            raise ValueError(f"unit {self.label!r} has no parameters; leave it out of the plan")
-        dtypes = {str(p.dtype) for p in self.params}
-        if len(dtypes) > 1:
-            raise ValueError(f"unit {self.label!r} mixes parameter dtypes {sorted(dtypes)}; "
-                             f"put parameters of different dtypes in different units")
-        self.layout = FlatLayout.of([p.shape for p in self.params], dtypes.pop(), pad_to=dp_size)
-        self.dtype = self.layout.dtype
-        self.offsets = self.layout.offsets
-        self.numel = self.layout.numel
-        self.padded = self.layout.padded_numel
-        self.shard_size = self.padded // dp_size
-        self.shard_start = dp_rank * self.shard_size
-        self.shard_stop = self.shard_start + self.shard_size
-        # Buffers and state the owning strategy attaches (see zero.py).
-        self.full = None          # full flat parameters while unsharded
-        self.target = None        # FlatShard handed to the optimizer
-        self.grad_shard = None    # this rank's averaged gradient slice
-        self.grad_full = None     # full flat gradients (stage 1 only)
-        self.compute_shard = None  # 16-bit copy of the shard (stage 3, mixed precision)
-        self.gather = None        # (handle, buffer) of a prefetch in flight
-        self.ready = 0            # gradients final so far in this backward
-        self.reductions = 0       # reduce-scatters launched this step
-        for p, offset in zip(self.params, self.offsets):
-            p.spec = dataclasses.replace(p.spec, flat=FlatPlacement(
-                name, offset, p.size, self.shard_start, self.shard_stop))
-
-    @property
-    def label(self) -> str:
-        return self.name or "<root>"
-
-    def decay_ranges(self) -> tuple:
-        """Ranges in shard coordinates that belong to parameters with weight decay."""
-        ranges = [self.shard_range_of(i) for i, p in enumerate(self.params) if p.decay]
-        return tuple((lo, hi) for lo, hi in ranges if hi > lo)
-
-    def views(self, flat) -> list:
-        """Parameter-shaped views into a full flat buffer (``padded`` elements)."""
-        return self.layout.views(flat)
-
-    def flatten(self, arrays, out) -> None:
-        """Copy parameter-shaped ``arrays`` into ``out`` (``None`` entries become zeros)."""
-        self.layout.flatten(arrays, out)
-
-    def shard_range_of(self, index: int) -> tuple:
-        """``(lo, hi)`` of parameter ``index``'s owned elements in this rank's shard."""
-        start, stop = self.params[index].spec.flat.owned
-        lo = self.offsets[index] + start - self.shard_start
-        return lo, lo + stop - start
-
-    def owned_piece(self, index: int, full_param) -> tuple:
-        """``(shard_offset, values)``: the part of parameter ``index`` this rank owns."""
-        start, stop = self.params[index].spec.flat.owned
-        return self.shard_range_of(index)[0], full_param.reshape(-1)[start:stop]

@@ -31,7 +31,7 @@ from ..autodiff import nn_ops
 from ..autodiff.ops import as_tensor, make_result, mul
 from ..autodiff.tensor import Tensor
 from ..backend import xp_of
-from ..comm.autograd import copy_to_tp, reduce_from_tp
+from .tp_ops import copy_to_tp, reduce_from_tp
 from ..dtypes import is_low_precision
 from ..nn import Constant, Linear, Module, Normal, Parameter
 

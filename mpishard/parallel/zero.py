@@ -41,7 +41,8 @@ from ..nn.init import seed_dropout
 from ..nn.parameter import init_array
 from .base import Strategy
 from .data_parallel import check_replicas_equal
-from .flat import FlatShard, FlatUnit
+from .flat import FlatShard
+from .units import FlatUnit
 
 __all__ = ["ZeRO", "plan_units"]
 

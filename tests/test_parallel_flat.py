@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpishard.comm import FlatLayout, padded_size
+from mpishard.parallel.flat import FlatLayout, padded_size
 from mpishard.comm.testing import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
