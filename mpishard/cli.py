@@ -82,14 +82,14 @@ def _cmd_train(args) -> int:
 def _cmd_estimate(args) -> int:
     from .backend import Backend
     from .config import config_from_args
-    from .parallel import plan_memory
+    from .parallel import STRATEGIES, plan_memory
     from .train import build_model
 
     cfg = config_from_args(args)
     model = build_model(cfg, Backend(), materialize_now=False)
     dp = cfg.dp or 1
     strategies = [cfg.strategy] if args.config or "strategy" in _given(args) else \
-        ["ddp", "zero1", "zero2", "zero3"]
+        list(STRATEGIES)
     for strategy in strategies:
         plan = plan_memory(model, strategy, dp, precision=cfg.precision)
         print(plan.format())

@@ -81,9 +81,11 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for values no run can use."""
-        choices = {"model": ("gpt", "mlp"), "strategy": ("ddp", "zero1", "zero2", "zero3"),
+        from .parallel import PRECISIONS, STRATEGIES  # noqa: PLC0415
+
+        choices = {"model": ("gpt", "mlp"), "strategy": tuple(STRATEGIES),
                    "dtype": ("float32", "float64"), "backend": ("numpy", "cupy", "auto"),
-                   "precision": ("float32", "float16", "bfloat16"),
+                   "precision": PRECISIONS,
                    "schedule": ("1f1b", "gpipe")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

@@ -25,6 +25,8 @@ import numpy as np
 
 from .. import __version__
 from ..backend import xp_of
+from ..parallel.pieces import load_pieces
+from ..parallel.strategy import Strategy
 from .collective import agree, exchange_json
 from .errors import CheckpointError
 from .format import numel, resolve_checkpoint
@@ -94,15 +96,13 @@ def load_consolidated(path, target, *, world=None, strict: bool = True) -> None:
         CheckpointError: a damaged file, a missing or unexpected name, or a
             shape that differs from the model's (on every rank, for a strategy).
     """
-    if not (hasattr(target, "module") and hasattr(target, "dp")):
+    if not isinstance(target, Strategy):
         _load_into_module(path, target, strict)
         return
     world = world if world is not None else target.mesh.world
     # Every rank's names: a pipeline stage holds only its own parameters.
     every_name = set().union(*exchange_json(world, [
         name for name, _ in target.module.named_parameters(remove_duplicate=False)]))
-    from ..parallel.pieces import load_pieces  # noqa: PLC0415 -- see reader.load_checkpoint
-
     shard, err, failure = None, None, None
 
     def read(name, kind, runs, dtype):

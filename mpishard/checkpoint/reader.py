@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..parallel.pieces import load_pieces
 from .collective import agree, exchange_json
 from .errors import CheckpointError
 from .format import MANIFEST, Manifest, numel, read_manifest, resolve_checkpoint
@@ -251,10 +252,6 @@ def load_checkpoint(path, strategy, optimizer=None, *, world=None, verify: bool 
                 failure = exc
         return np.zeros(sum(b - a for a, b in runs), dtype=dtype)
 
-    # Imported here: importing mpishard.parallel initialises MPI, which the
-    # one-process tools (inspect, consolidate) importing this package do not need.
-    from ..parallel.pieces import load_pieces  # noqa: PLC0415
-
     if optimizer is not None:
         optimizer.allocate_state()
     try:
@@ -266,12 +263,7 @@ def load_checkpoint(path, strategy, optimizer=None, *, world=None, verify: bool 
     if optimizer is not None and manifest.optimizer is not None:
         optimizer.step_count = manifest.optimizer["step_count"]
         optimizer.lr = float(manifest.optimizer["lr"])
-    strategy.steps = manifest.strategy["steps"]
-    strategy.skipped_steps = manifest.strategy["skipped_steps"]
-    saved = (manifest.strategy.get("precision") or {}).get("loss_scale")
-    scaler = getattr(strategy, "scaler", None)
-    if saved and scaler is not None:  # resumes a dynamic scale only (see LossScaler)
-        scaler.load_state_dict(saved)
+    strategy.load_state_dict(manifest.strategy)
     return dict(manifest.extra)
 
 

@@ -47,14 +47,6 @@ _LEFTOVER = re.compile(r"step-\d+\.tmp|step-\d+(\.old)?\.deleting|latest\.tmp")
 _REPLACED = re.compile(r"(step-\d+)\.old")
 
 
-def _precision_record(strategy) -> dict | None:
-    """The compute dtype and loss-scale state (parameters are saved as float32 masters)."""
-    scaler = getattr(strategy, "scaler", None)
-    if scaler is None:
-        return None
-    return {"compute_dtype": strategy.compute_dtype.name, "loss_scale": scaler.state_dict()}
-
-
 def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=None,
                     extra_state: dict | None = None, keep_last: int | None = None) -> Path:
     """Save parameters, optimizer state and ``extra_state`` as ``directory/step-{step}``.
@@ -103,13 +95,9 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
         err = exc
     agree(world, err, f"preparing {tmp}")
 
-    # Imported here: importing mpishard.parallel initialises MPI, which the
-    # one-process tools (inspect, consolidate) importing this package do not need.
-    from ..parallel.pieces import pieces_of  # noqa: PLC0415
-
     record = None
     try:
-        record = _write_shard(tmp, world.rank, pieces_of(strategy, optimizer), int(step))
+        record = _write_shard(tmp, world.rank, strategy.pieces(optimizer), int(step))
         record.update(_model_names(strategy.module))
     except Exception as exc:  # noqa: BLE001
         err = exc
@@ -229,15 +217,12 @@ def _manifest_body(step: int, records: list, strategy, optimizer, world, extra_s
                                             kinds.get(nk[1], len(kinds)), nk[1]))
     aliases = {alias: target for record in records for alias, target in record["aliases"].items()
                if (target, "param") in tensors and (alias, "param") not in tensors}
-    mesh = getattr(strategy, "mesh", None)
-    sizes = dict(mesh.shape) if mesh is not None else {"pp": 1, "dp": strategy.dp.size, "tp": 1}
+    sizes = strategy.mesh.shape
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
         "mpishard_version": __version__, "step": step, "world_size": world.size,
         "mesh": {axis: int(sizes[axis]) for axis in ("pp", "dp", "tp")},
-        "strategy": {"name": type(strategy).__name__, "stage": getattr(strategy, "stage", None),
-                     "steps": int(strategy.steps), "skipped_steps": int(strategy.skipped_steps),
-                     "precision": _precision_record(strategy)},
+        "strategy": strategy.state_dict(),
         "optimizer": None if optimizer is None else {
             "type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
             "lr": float(optimizer.lr), "state_names": state_names},

@@ -24,6 +24,8 @@ from ..autodiff.tensor import Tensor, is_grad_enabled, no_grad
 from ..backend import Backend, xp_of
 from ..nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
 from ..nn.init import materialize
+from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
+                       VocabParallelLoss)
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP"]
 
@@ -187,9 +189,29 @@ class GPT(Module):
             block.activation_checkpointing = bool(enabled)
         return self
 
-    def shard_units(self) -> list[str]:
-        """Module names that ZeRO communicates as units: one per block."""
-        return [f"transformer.h.{i}" for i in self.block_ids]
+    def parallel_plan(self) -> ParallelPlan:
+        """How the GPT is split (see [Note: parallel plans] in mpishard/nn/plan.py).
+
+        Tensor parallel as Megatron-LM: attention by heads (the fused q/k/v
+        projection column-parallel in three head-split segments, the output
+        projection row-parallel), the MLP by hidden features, the token table
+        and the tied output layer by vocabulary, the loss from split logits.
+        ZeRO units: one per block. Pipeline stages: runs of blocks, the first
+        stage adding the embeddings, the last the final norm and the head.
+        """
+        head = self.config.n_embd // self.config.n_head
+        return ParallelPlan(
+            tensor=(("transformer.wte", VocabParallel()),
+                    ("transformer.h.*.attn.c_attn", ColumnParallel(3, head, "n_head")),
+                    ("transformer.h.*.attn.c_proj", RowParallel(head, "n_head")),
+                    ("transformer.h.*.mlp.c_fc", ColumnParallel()),
+                    ("transformer.h.*.mlp.c_proj", RowParallel()),
+                    ("lm_head", ColumnParallel(groups="vocabulary")),
+                    ("loss", VocabParallelLoss("lm_head"))),
+            units=tuple(f"transformer.h.{i}" for i in self.block_ids),
+            pipeline=PipelinePlan("transformer.h", first=("transformer.wte", "transformer.wpe"),
+                                  last=("transformer.ln_f", "lm_head")),
+            tied=(("lm_head.weight", "transformer.wte.weight"),))
 
     def forward(self, inputs, targets=None, batch_size: int | None = None):
         """Run this model (or stage).

@@ -11,6 +11,7 @@ from ..autodiff.tensor import Tensor
 from ..backend import Backend
 from ..nn import Linear, Module, ModuleList
 from ..nn.init import materialize
+from ..nn.plan import ParallelPlan
 
 __all__ = ["MLPClassifier"]
 
@@ -39,9 +40,10 @@ class MLPClassifier(Module):
         if materialize_now:
             materialize(self, seed, self.backend)
 
-    def shard_units(self) -> list[str]:
-        """Module names that ZeRO communicates as units: one per layer."""
-        return [f"layers.{i}" for i in range(len(self.layers))]
+    def parallel_plan(self) -> ParallelPlan:
+        """ZeRO units: one per layer. No tensor or pipeline split: the classifier
+        trains with data parallelism (tp = pp = 1)."""
+        return ParallelPlan(units=tuple(f"layers.{i}" for i in range(len(self.layers))))
 
     def forward(self, x, targets=None):
         """Logits ``(N, n_classes)`` and, with integer ``targets``, the mean cross-entropy."""

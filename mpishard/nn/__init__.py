@@ -1,13 +1,17 @@
-"""Modules, parameters and layers (no communication here: see mpishard.parallel)."""
+"""Modules, parameters, layers and parallel plans (no communication here: see mpishard.parallel)."""
 from .init import materialize, seed_dropout
 from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleDict, ModuleList, StateDictError
 from .parameter import (Constant, FlatPlacement, Normal, Parameter, ShardSpec, init_array,
                         rng_for)
+from .plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
+                   VocabParallelLoss, plan_of)
 
 __all__ = [
     "Module", "ModuleList", "ModuleDict", "StateDictError", "Parameter", "ShardSpec",
     "FlatPlacement",
     "Normal", "Constant", "init_array", "rng_for", "materialize", "seed_dropout",
     "Linear", "Embedding", "LayerNorm", "Dropout",
+    "ParallelPlan", "PipelinePlan", "ColumnParallel", "RowParallel", "VocabParallel",
+    "VocabParallelLoss", "plan_of",
 ]

@@ -1,27 +1,32 @@
 """Parallel strategies: where math meets communication.
 
-``DataParallel`` (replicate, average gradients in buckets) and ``ZeRO``
-(stages 1/2/3: shard optimizer state, gradients, parameters) over ``mesh.dp``;
-tensor parallelism over ``mesh.tp`` and pipeline stages over ``mesh.pp``;
+Every strategy answers one contract (:class:`Strategy`, see [Note: strategy
+contract] in strategy.py) and is listed once in :data:`STRATEGIES`:
+``DataParallel`` (``ddp``: replicate, average gradients in buckets) and
+``ZeRO`` (``zero1``/``zero2``/``zero3``: shard optimizer state, gradients,
+parameters) over ``mesh.dp``. Tensor parallelism over ``mesh.tp`` and
+pipeline stages over ``mesh.pp`` apply a model's own parallel plan;
 ``ParallelGPT`` composes them all on one mesh.
 """
-from .base import StepResult, Strategy
+from . import data_parallel, zero_stage12, zero_stage3  # noqa: F401 (register the strategies)
 from .compose import ParallelGPT, build_stage, wrap_model
 from .data_parallel import DataParallel, check_replicas_equal
 from .flat import FlatLayout, FlatShard, padded_size
-from .units import FlatUnit
 from .pieces import Piece, gather_full_params, load_pieces, pieces_of
 from .pipeline import Pipeline, bubble_fraction, partition_blocks
-from .precision import PRECISIONS, LossScaler, Precision
-from .planner import STRATEGIES, MemoryPlan, plan_memory
+from .planner import MemoryPlan, PlanSizes, plan_memory
+from .precision import PRECISIONS, LossScaler, MasterCopies, Precision
+from .strategy import STRATEGIES, StepResult, Strategy, StrategyEntry, register_strategy
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               parallelize_gpt, vocab_parallel_cross_entropy)
-from .zero import ZeRO, plan_units
+from .units import FlatUnit, plan_units
+from .zero import ZeRO, ZeroUnit
 
-__all__ = ["Strategy", "StepResult", "DataParallel", "ZeRO", "FlatUnit", "FlatShard", "FlatLayout", "padded_size",
-           "plan_units", "check_replicas_equal", "MemoryPlan", "plan_memory", "STRATEGIES",
-           "Piece", "pieces_of", "load_pieces", "gather_full_params", "ParallelGPT",
-           "build_stage", "wrap_model", "Pipeline",
-           "bubble_fraction", "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_strategy",
+           "DataParallel", "ZeRO", "ZeroUnit", "FlatUnit", "FlatShard", "FlatLayout",
+           "padded_size", "plan_units", "check_replicas_equal", "MemoryPlan", "PlanSizes",
+           "plan_memory", "Piece", "pieces_of", "load_pieces", "gather_full_params",
+           "ParallelGPT", "build_stage", "wrap_model", "Pipeline", "bubble_fraction",
+           "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "parallelize_gpt", "vocab_parallel_cross_entropy",
-           "Precision", "LossScaler", "PRECISIONS"]
+           "Precision", "LossScaler", "MasterCopies", "PRECISIONS"]

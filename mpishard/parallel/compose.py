@@ -21,11 +21,9 @@ import dataclasses
 from ..autodiff.tensor import no_grad
 from ..backend import Backend
 from ..models.gpt import GPT, GPTConfig
-from ..nn.init import materialize
-from .data_parallel import DataParallel
 from .pipeline import Pipeline, partition_blocks
 from .tensor_parallel import parallelize_gpt
-from .zero import ZeRO
+from .strategy import strategy_entry
 
 __all__ = ["ParallelGPT", "build_stage", "wrap_model"]
 
@@ -51,20 +49,14 @@ def build_stage(config: GPTConfig, mesh, seed: int = 0, dtype: str = "float32",
 
 
 def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=None):
-    """Wrap ``model`` with the named strategy (``ddp``, ``zero1``, ``zero2``, ``zero3``).
+    """Wrap ``model`` with the strategy registered as ``strategy`` (``ddp``, ``zero1``,
+    ``zero2``, ``zero3``, or any name in :data:`STRATEGIES`).
 
-    An unmaterialised model is materialised from ``seed`` (default ``model.seed``)
-    first, except under ZeRO-3, which materialises straight into shards.
-    ``precision`` is passed on (see :class:`~mpishard.parallel.Precision`).
+    An unmaterialised model is materialised from ``seed`` (default
+    ``model.seed``), or, under ZeRO, straight into shards. ``precision`` is
+    passed on (see :class:`~mpishard.parallel.Precision`).
     """
-    if strategy not in ("ddp", "zero1", "zero2", "zero3"):
-        raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2 or zero3")
-    seed = getattr(model, "seed", 0) if seed is None else seed
-    if strategy != "zero3" and any(p.data is None for p in model.parameters()):
-        materialize(model, seed, getattr(model, "backend", None))
-    if strategy == "ddp":
-        return DataParallel(model, mesh, precision=precision)
-    return ZeRO(model, mesh, stage=int(strategy[-1]), seed=seed, precision=precision)
+    return strategy_entry(strategy).build(model, mesh, seed=seed, precision=precision)
 
 
 class ParallelGPT:

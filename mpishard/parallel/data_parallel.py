@@ -1,6 +1,6 @@
 """Data parallelism: every rank holds the whole model; gradients are averaged.
 
-    mpiexec -n 4 python -m mpi4py examples/train_gpt.py --strategy ddp
+    mpiexec -n 4 python -m mpi4py -m mpishard train --strategy ddp
 
 Gradients are averaged over ``mesh.dp`` in flat buckets. Each parameter's
 gradient is copied into its bucket the moment it is final (a grad-ready hook),
@@ -8,28 +8,30 @@ and a bucket's non-blocking all-reduce starts as soon as all its gradients are
 in, so communication overlaps the rest of backward. Buckets are filled in
 reverse registration order (roughly the order backward produces gradients) and
 launched strictly in bucket order, so every rank issues the same collectives in
-the same order (see [Note: collective order] below).
+the same order (see [Note: bucket launch order] below).
 
 With mixed precision (``precision="float16"``, see [Note: mixed precision]) the
 model computes with a 16-bit copy of every parameter, buckets hold gradients in
 ``reduce_dtype``, and the optimizer updates float32 masters
-(:meth:`parameters` returns them as :class:`FlatShard` targets).
+(:meth:`parameters` returns them as :class:`FlatShard` targets, held in
+:class:`MasterCopies`).
 """
 from __future__ import annotations
 
 import hashlib
 
 from ..backend import to_numpy, xp_of
-from .flat import FlatLayout
 from ..optim.clip import grad_sq_sum
-from .base import Strategy
-from .flat import FlatShard
+from .flat import FlatLayout
+from .planner import MemoryPlan
+from .precision import MasterCopies
+from .strategy import Strategy, register_strategy
 
 __all__ = ["DataParallel", "check_replicas_equal"]
 
-# [Note: collective order]
+# [Note: bucket launch order]
 # MPI matches collectives on a communicator by the order in which ranks issue
-# them. Grad-ready hooks fire in the order of the backward graph, which is the
+# them (see [Note: collective order] in mpishard/comm/debug.py). Grad-ready hooks fire in the order of the backward graph, which is the
 # same on every rank, but to be safe against parameters that get no gradient on
 # some step a bucket is launched only after every earlier bucket was: bucket i
 # waits for buckets 0..i-1, and reduce_grads() launches the rest in index order.
@@ -78,11 +80,13 @@ class _Bucket:
         p.grad = view
 
 
+@register_strategy("ddp", "data parallel: every rank holds the whole model; gradients "
+                   "averaged in buckets during backward")
 class DataParallel(Strategy):
     """Replicate the model on every dp rank and average gradients in buckets.
 
     Args:
-        module: a materialised model.
+        module: the model (an unmaterialised one is materialised from ``seed``).
         mesh: a :class:`mpishard.comm.Mesh` (its ``dp`` axis is used).
         bucket_bytes: target size of one gradient bucket.
         sync_params: ``"check"`` (raise if parameters differ across ranks) or
@@ -92,21 +96,18 @@ class DataParallel(Strategy):
     """
 
     def __init__(self, module, mesh, bucket_bytes: int = 4 << 20, sync_params: str = "check",
-                 ledger=None, precision=None):
-        super().__init__(module, mesh, ledger, precision)
+                 ledger=None, precision=None, seed: int | None = None):
+        super().__init__(module, mesh, ledger, precision, seed)
         if sync_params not in ("check", "broadcast"):
             raise ValueError(f"sync_params must be 'check' or 'broadcast', got {sync_params!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         params = module.parameters()
-        unmaterialised = [n for n, p in module.named_parameters() if p.data is None]
-        if unmaterialised:
-            raise ValueError(f"DataParallel needs a materialised model; {unmaterialised[0]} "
-                             f"has no data (build it with materialize_now=True)")
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple] = {}
         self._next_launch = 0
-        self._masters: dict[int, FlatShard] = {}
+        self.masters = MasterCopies()
+        self._master_of: dict = {}
         if self.dp.size > 1:
             if sync_params == "broadcast":
                 for p in params:
@@ -140,19 +141,21 @@ class DataParallel(Strategy):
         """Keep each parameter's values as its float32 master; compute with a 16-bit copy."""
         for name, p in named:
             # The master is the materialised array itself (already counted as "params").
-            self._masters[id(p)] = FlatShard(p.data.reshape(-1), p.decay_ranges, name)
+            master = p.data.reshape(-1)
             p.data = self.ledger.track("params", p.data.astype(self.compute_dtype),
                                        f"{self.compute_dtype.name} copy {name}")
+            self._master_of[id(p)] = self.masters.add(master, p.data.reshape(-1),
+                                                       p.decay_ranges, name)
 
     def parameters(self) -> list:
         """The optimizer's targets: the parameters, or their float32 masters when mixed."""
         if not self.mixed:
             return self.module.parameters()
-        return [self._masters[id(p)] for p in self.module.parameters()]
+        return self.masters.targets()
 
     def optimizer_target(self, p):
         """What the optimizer updates for parameter ``p`` (``p``, or its master)."""
-        return self._masters.get(id(p), p)
+        return self._master_of.get(id(p), p)
 
     # -- communication ------------------------------------------------------
     def _settle(self) -> None:
@@ -194,7 +197,7 @@ class DataParallel(Strategy):
         if self.mixed:  # the masters' gradients: bucket views, or float32 copies at dp=1
             for p in self.module.parameters():
                 if p.grad is not None:
-                    self._masters[id(p)].grad = p.grad.reshape(-1).astype(
+                    self._master_of[id(p)].grad = p.grad.reshape(-1).astype(
                         self.master_dtype, copy=False)
 
     def _reduce_buckets(self) -> None:
@@ -209,13 +212,25 @@ class DataParallel(Strategy):
             bucket.ready = 0
         self._next_launch = 0
 
-    def _local_grad_sq(self) -> float:
+    def local_grad_sq(self) -> float:
         if self.dp.rank != 0:  # every dp rank holds the same averaged gradients
             return 0.0
         return grad_sq_sum(self.optimizer_target(p).grad for p in self.module.parameters()
                            if self.counts_once(p.spec))
 
-    def _after_update(self) -> None:
-        if self.mixed:  # the compute copies follow the updated masters
-            for p in self.module.parameters():
-                p.data[...] = self._masters[id(p)].data.reshape(p.data.shape)
+    def after_update(self) -> None:
+        """The 16-bit compute copies follow the updated masters (mixed precision)."""
+        self.masters.refresh()
+
+    @classmethod
+    def plan_memory(cls, model, sizes, **_) -> MemoryPlan:
+        """Whole parameters, gradient buckets (none at dp 1: nothing to reduce, the
+        gradients are the autodiff's own) and optimizer state on every rank."""
+        s, n = sizes, sizes.n_params
+        plan = s.new_plan()
+        plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
+                       "grads": n * s.reduce_itemsize if s.dp_size > 1 else 0,
+                       "optim": s.n_states * n * s.itemsize}
+        plan.peak = {"gathered": 0, "comm": 0}
+        plan.bus_bytes_per_step = int(round(2 * s.factor * n * s.reduce_itemsize))
+        return plan

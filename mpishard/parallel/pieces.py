@@ -19,7 +19,8 @@ import numpy as np
 
 from ..backend import to_numpy, xp_of
 
-__all__ = ["Piece", "pieces_of", "load_pieces", "gather_full_params"]
+__all__ = ["Piece", "pieces_of", "replicated_pieces", "unit_pieces", "load_pieces",
+           "gather_full_params"]
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Piece:
             order of ``array``'s elements.
         array: a 1-D view into this rank's storage (writes land in place).
         owner: whether this rank is the one that saves it: exactly one rank
-            owns each element (see [Note: counted once] in base.py; a dp
+            owns each element (see [Note: counted once] in strategy.py; a dp
             replica is owned by dp rank 0, a tp-replicated tensor by tp rank 0,
             a tied copy on another pipeline stage by nobody). Non-owned pieces
             are still loaded.
@@ -61,42 +62,55 @@ def _state_views(optimizer, target_index: int, lo: int, hi: int) -> dict:
     return {name: arr[lo:hi] for name, arr in state.items()}
 
 
-def pieces_of(strategy, optimizer=None) -> list[Piece]:
-    """Every piece this rank holds of parameters and optimizer state (see [Note: pieces])."""
-    if optimizer is not None:
-        optimizer.allocate_state()
-    index = {id(t): i for i, t in enumerate(optimizer.params)} if optimizer is not None else {}
+def replicated_pieces(strategy, optimizer=None) -> list[Piece]:
+    """Pieces of a model every dp rank holds whole: each parameter (through
+    ``strategy.optimizer_target``, the float32 master under mixed precision)
+    and its optimizer state, owned by dp rank 0."""
+    index = _target_index(optimizer)
     pieces: list[Piece] = []
-    units = getattr(strategy, "units", None)
-    if units is None:  # replicated over dp (DataParallel, or no strategy)
-        target_of = getattr(strategy, "optimizer_target", lambda p: p)
-        for name, p in strategy.module.named_parameters():
-            owner = strategy.dp.rank == 0 and strategy.counts_once(p.spec)
-            target = target_of(p)  # the float32 master under mixed precision
-            flat = target.data.reshape(-1)
-            runs = p.spec.global_runs()
-            views = {"param": flat}
-            if id(target) in index:
-                views.update(_state_views(optimizer, index[id(target)], 0, flat.size))
-            for kind, arr in views.items():
-                pieces.append(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr,
-                                    owner))
-        return pieces
+    for name, p in strategy.module.named_parameters():
+        owner = strategy.dp.rank == 0 and strategy.counts_once(p.spec)
+        target = strategy.optimizer_target(p)
+        flat = target.data.reshape(-1)
+        views = {"param": flat}
+        if id(target) in index:
+            views.update(_state_views(optimizer, index[id(target)], 0, flat.size))
+        pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
+                            p.spec.global_runs(), arr, owner) for kind, arr in views.items())
+    return pieces
+
+
+def unit_pieces(strategy, units, optimizer=None) -> list[Piece]:
+    """Pieces of flat units (ZeRO): for each unit, this rank's slice of every
+    parameter in it (``unit.target``, a :class:`FlatShard`) and of its state."""
+    index = _target_index(optimizer)
+    pieces: list[Piece] = []
     for unit in units:
-        target = unit.target
-        for i, (name, p) in enumerate(zip(unit.names, unit.params)):
-            lo, hi = unit.shard_range_of(i)
+        target, layout = unit.target, unit.layout
+        for i, (name, p) in enumerate(zip(layout.names, layout.params)):
+            lo, hi = layout.shard_range_of(i)
             if hi <= lo:
                 continue
-            runs = p.spec.global_runs(p.spec.flat.owned)
             views = {"param": target.data[lo:hi]}
             if id(target) in index:
                 views.update(_state_views(optimizer, index[id(target)], lo, hi))
             owner = strategy.counts_once(p.spec)
-            for kind, arr in views.items():
-                pieces.append(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr,
-                                    owner))
+            runs = p.spec.global_runs(p.spec.flat.owned)
+            pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr, owner)
+                          for kind, arr in views.items())
     return pieces
+
+
+def pieces_of(strategy, optimizer=None) -> list[Piece]:
+    """``strategy.pieces(optimizer)``: every piece this rank holds (see [Note: pieces])."""
+    return strategy.pieces(optimizer)
+
+
+def _target_index(optimizer) -> dict:
+    if optimizer is None:
+        return {}
+    optimizer.allocate_state()
+    return {id(t): i for i, t in enumerate(optimizer.params)}
 
 
 def gather_full_params(strategy) -> dict:
@@ -106,7 +120,7 @@ def gather_full_params(strategy) -> dict:
     that owns it. Pickles whole tensors: for tests and small models (checkpoints
     stream pieces instead).
     """
-    owned = [(p.name, p.global_shape, p.runs, to_numpy(p.array)) for p in pieces_of(strategy)
+    owned = [(p.name, p.global_shape, p.runs, to_numpy(p.array)) for p in strategy.pieces()
              if p.kind == "param" and p.owner]
     full: dict = {}
     for rank_pieces in strategy.mesh.world.all_gather_obj(owned):
@@ -120,17 +134,13 @@ def gather_full_params(strategy) -> dict:
 
 
 def load_pieces(strategy, optimizer, read: Callable[[str, str, list, str], np.ndarray]) -> None:
-    """Fill every piece this rank holds from ``read(name, kind, runs, dtype) -> 1-D array``.
-
-    Afterwards ZeRO stages 1/2 re-gather full parameters from the loaded shards
-    and mixed precision casts the loaded masters into the compute copies.
-    """
-    for piece in pieces_of(strategy, optimizer):
+    """Fill every piece this rank holds from ``read(name, kind, runs, dtype) -> 1-D array``,
+    then let the strategy finish (``after_load``: ZeRO-1/2 re-gather full parameters,
+    mixed precision casts the loaded masters into the compute copies)."""
+    for piece in strategy.pieces(optimizer):
         values = read(piece.name, piece.kind, piece.runs, piece.dtype)
         if values.size != piece.array.size:
             raise ValueError(f"{piece.name} ({piece.kind}): read {values.size} elements, "
                              f"the piece holds {piece.array.size}")
         piece.array[...] = xp_of(piece.array).asarray(values, dtype=piece.array.dtype)
-    after = getattr(strategy, "_after_update", None)
-    if after is not None:  # ZeRO-1/2 re-gather; mixed precision refreshes 16-bit copies
-        after()
+    strategy.after_load()

@@ -1,7 +1,8 @@
 """Memory planner: per-rank bytes by category before spending any compute.
 
-``plan_memory`` reads the same unit layout the strategies build (see
-[Note: flat unit layout]) from an unmaterialised model, so its figures are the
+``plan_memory`` asks the registered strategy (see [Note: strategy contract])
+for its plan; each strategy reads the same layout it builds (ZeRO: the units of
+[Note: flat unit layout]) from an unmaterialised model, so the figures are the
 ledger's figures: steady-state bytes for parameters, gradients and optimizer
 state, and peaks for the transient categories (gathered units, communication
 buffers). It also predicts the bus bytes each rank moves per step.
@@ -17,11 +18,10 @@ import numpy as np
 
 from ..dtypes import resolve_dtype
 from .precision import Precision
-from .zero import ZeRO, plan_units
+from .strategy import strategy_entry
 
-__all__ = ["MemoryPlan", "plan_memory", "STRATEGIES", "OPTIMIZER_STATES"]
+__all__ = ["MemoryPlan", "PlanSizes", "plan_memory", "OPTIMIZER_STATES", "window_peak"]
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 #: flat state arrays per parameter element
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 
@@ -64,7 +64,44 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
-def _window_peak(sizes: list, window: int) -> int:
+@dataclass(frozen=True)
+class PlanSizes:
+    """What every strategy's memory formula reads (handed to ``Strategy.plan_memory``).
+
+    Attributes:
+        strategy: the registered name being planned.
+        dp_size: the data-parallel size ``N``.
+        n_params: parameter elements on this rank before sharding.
+        itemsize: bytes of a master element (and of optimizer state).
+        compute_itemsize: bytes of a compute-copy element (``itemsize`` unless mixed).
+        reduce_itemsize: bytes of a gradient element in reduction.
+        mixed: whether a 16-bit compute copy exists.
+        n_states: optimizer state arrays per element.
+        precision: a description for the plan's header, or ``None``.
+    """
+
+    strategy: str
+    dp_size: int
+    n_params: int
+    itemsize: int
+    compute_itemsize: int
+    reduce_itemsize: int
+    mixed: bool
+    n_states: int
+    precision: str | None = None
+
+    @property
+    def factor(self) -> float:
+        """``(N - 1) / N``: the share of a buffer a reduce-scatter or all-gather moves."""
+        return (self.dp_size - 1) / self.dp_size
+
+    def new_plan(self) -> MemoryPlan:
+        """An empty :class:`MemoryPlan` with this header, for a strategy to fill."""
+        return MemoryPlan(self.strategy, self.dp_size, self.n_params, self.itemsize,
+                          precision=self.precision)
+
+
+def window_peak(sizes: list, window: int) -> int:
     """Largest sum of ``window`` consecutive entries (buffers alive together)."""
     if not sizes:
         return 0
@@ -78,8 +115,8 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
 
     Args:
         model: a model (materialised or not; only shapes are read). Its
-            parameters' ``spec.flat`` is overwritten by the unit layout.
-        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+            parameters' ``spec.flat`` is overwritten by ZeRO's unit layout.
+        strategy: a name registered in :data:`~mpishard.parallel.STRATEGIES`.
         dp_size: data-parallel size.
         optimizer: key of :data:`OPTIMIZER_STATES`.
         dtype: element dtype (default: the parameters').
@@ -87,8 +124,7 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
             :class:`Precision`): masters and optimizer state in ``dtype``, a
             compute copy in ``param_dtype``, gradient buffers in ``reduce_dtype``.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    entry = strategy_entry(strategy)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(OPTIMIZER_STATES)}")
     if dp_size < 1:
@@ -97,47 +133,11 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
     b = np.dtype(dtype or params[0].dtype).itemsize
     policy = Precision.of(precision)
     mixed = policy.mixed
-    cb = resolve_dtype(policy.param_dtype).itemsize if mixed else b    # compute copy
-    rb = resolve_dtype(policy.reduce_dtype).itemsize if mixed else b   # gradient buffers
-    n = sum(p.size for p in params)
-    n_states = OPTIMIZER_STATES[optimizer]
-    factor = (dp_size - 1) / dp_size
-    plan = MemoryPlan(strategy, dp_size, n, b,
-                      precision=f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
-                      if mixed else None)
-    if strategy == "ddp":
-        plan.steady = {"params": n * b + (n * cb if mixed else 0),
-                       "grads": n * rb if dp_size > 1 else 0,
-                       "optim": n_states * n * b}
-        plan.peak = {"gathered": 0, "comm": 0}
-        plan.bus_bytes_per_step = int(round(2 * factor * n * rb))
-        return plan
-    stage = int(strategy[-1])
-    names = list(getattr(model, "shard_units", lambda: [])())
-    units = plan_units(model, names, dp_size, 0)
-    padded_n = sum(u.padded for u in units)
-    shards_n = sum(u.shard_size for u in units)
-    blocks = [u.padded * cb for u in units if u.module is not None]     # gathered, compute dtype
-    root = sum(u.padded * cb for u in units if u.module is None)
-    # A reduction in flight holds its flat buffer, plus a receive buffer when the
-    # reduce dtype is not the shard's (mixed precision).
-    # Stage 1 reduces from its full gradient buffer (counted as grads), in backward's order.
-    order = [u for u in units if u.module is not None][::-1] + [u for u in units if u.module is None]
-    in_flight = [(0 if stage == 1 else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
-                 for u in order]
-    comm_peak = _window_peak(in_flight, ZeRO.max_inflight_reductions + 1)
-    copy = padded_n * cb if stage < 3 else (shards_n * cb if mixed else 0)
-    plan.steady = {"params": (shards_n * b if stage == 3 or mixed else 0) + copy,
-                   "grads": shards_n * b + (padded_n * rb if stage == 1 else 0),
-                   "optim": n_states * shards_n * b}
-    gathered = 0
-    if stage == 3:
-        pair = max((blocks[i] + blocks[i + 1] for i in range(len(blocks) - 1)),
-                   default=blocks[0] if blocks else 0)
-        gathered = root + pair
-    plan.peak = {"gathered": gathered, "comm": comm_peak}
-    if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
-        plan.bus_bytes_per_step = int(round(factor * padded_n * (rb + cb)))
-    else:  # gather every block twice (forward, backward), the root once, reduce-scatter all
-        plan.bus_bytes_per_step = int(round(factor * (2 * sum(blocks) + root + padded_n * rb)))
-    return plan
+    sizes = PlanSizes(
+        strategy, dp_size, sum(p.size for p in params), b,
+        compute_itemsize=resolve_dtype(policy.param_dtype).itemsize if mixed else b,
+        reduce_itemsize=resolve_dtype(policy.reduce_dtype).itemsize if mixed else b,
+        mixed=mixed, n_states=OPTIMIZER_STATES[optimizer],
+        precision=(f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
+                   if mixed else None))
+    return entry.cls.plan_memory(model, sizes, **entry.options)

@@ -37,8 +37,9 @@ import math
 from dataclasses import dataclass
 
 from ..dtypes import FLOAT_DTYPES, LOW_PRECISION
+from .flat import FlatShard
 
-__all__ = ["Precision", "LossScaler", "PRECISIONS"]
+__all__ = ["Precision", "LossScaler", "MasterCopies", "PRECISIONS"]
 
 #: names accepted wherever a precision is asked for (``--precision``)
 PRECISIONS = ("float32", "float16", "bfloat16")
@@ -159,3 +160,35 @@ class LossScaler:
             return
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
+
+
+class MasterCopies:
+    """The float32 masters the optimizer updates, and the arrays the model computes with.
+
+    The one place [Note: mixed precision] keeps its two copies, for DDP
+    (per parameter) and ZeRO (per flat shard) alike. Each entry pairs a master
+    -- a :class:`~mpishard.parallel.FlatShard`, the optimizer's target -- with
+    the flat array the model reads: a 16-bit copy under mixed precision, the
+    master's own storage otherwise (then :meth:`refresh` has nothing to do).
+    """
+
+    def __init__(self):
+        self.pairs: list = []
+
+    def add(self, master, compute, decay_ranges: tuple, name: str):
+        """Pair ``master`` (1-D, the optimizer's values) with ``compute`` (1-D, the
+        same elements in the compute dtype, or ``master`` itself); return the
+        master's :class:`~mpishard.parallel.FlatShard`."""
+        target = FlatShard(master, decay_ranges, name)
+        self.pairs.append((target, compute))
+        return target
+
+    def targets(self) -> list:
+        """The masters, in the order they were added."""
+        return [target for target, _ in self.pairs]
+
+    def refresh(self) -> None:
+        """Cast every master into its compute copy (after an update or a load)."""
+        for target, compute in self.pairs:
+            if compute is not target.data:
+                compute[...] = target.data

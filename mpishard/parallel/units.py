@@ -17,7 +17,7 @@ import dataclasses
 from ..nn.parameter import FlatPlacement, Parameter
 from .flat import FlatLayout
 
-__all__ = ["FlatUnit"]
+__all__ = ["FlatUnit", "plan_units"]
 
 
 class FlatUnit:
@@ -49,15 +49,6 @@ class FlatUnit:
         self.shard_size = self.padded // dp_size
         self.shard_start = dp_rank * self.shard_size
         self.shard_stop = self.shard_start + self.shard_size
-        # Buffers and state the owning strategy attaches (see zero.py).
-        self.full = None          # full flat parameters while unsharded
-        self.target = None        # FlatShard handed to the optimizer
-        self.grad_shard = None    # this rank's averaged gradient slice
-        self.grad_full = None     # full flat gradients (stage 1 only)
-        self.compute_shard = None  # 16-bit copy of the shard (stage 3, mixed precision)
-        self.gather = None        # (handle, buffer) of a prefetch in flight
-        self.ready = 0            # gradients final so far in this backward
-        self.reductions = 0       # reduce-scatters launched this step
         for p, offset in zip(self.params, self.offsets):
             p.spec = dataclasses.replace(p.spec, flat=FlatPlacement(
                 name, offset, p.size, self.shard_start, self.shard_stop))
@@ -89,3 +80,45 @@ class FlatUnit:
         """``(shard_offset, values)``: the part of parameter ``index`` this rank owns."""
         start, stop = self.params[index].spec.flat.owned
         return self.shard_range_of(index)[0], full_param.reshape(-1)[start:stop]
+
+
+def plan_units(module, unit_names, dp_size: int, dp_rank: int, root_unit: bool = True):
+    """Build the :class:`FlatUnit` list: named units in order, then the root remainder.
+
+    Raises ``ValueError`` (identically on every rank) for an unknown unit, a
+    parameter in two units, or one in none (with ``root_unit=False``).
+    """
+    modules = dict(module.named_modules())
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    owner: dict[int, str] = {}
+    units = []
+    for unit_name in unit_names:
+        if unit_name not in modules or unit_name == "":
+            raise ValueError(f"unit {unit_name!r} is not a sub-module of "
+                             f"{type(module).__name__}; name modules as in named_modules(), "
+                             f"e.g. 'transformer.h.0'")
+        named = []
+        for _, p in modules[unit_name].named_parameters():
+            if id(p) in owner:
+                raise ValueError(f"parameter {canonical[id(p)]} is in two units, "
+                                 f"{owner[id(p)]!r} and {unit_name!r}; list each module once "
+                                 f"and no module inside another")
+            owner[id(p)] = unit_name
+            named.append((canonical[id(p)], p))
+        units.append(FlatUnit(unit_name, named, dp_size, dp_rank, modules[unit_name]))
+    rest = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
+    # A parameter shared with a module outside its unit would be needed while
+    # that unit is released (e.g. a tied embedding): refuse.
+    for mod_name, mod in modules.items():
+        for p in mod._parameters.values():
+            unit = owner.get(id(p))
+            if unit is not None and not (mod_name == unit or mod_name.startswith(unit + ".")):
+                raise ValueError(f"parameter {canonical[id(p)]} of unit {unit!r} is also used by "
+                                 f"module {mod_name!r} outside it; keep tied parameters in one "
+                                 f"unit (e.g. leave both in the root)")
+    if rest:
+        if not root_unit:
+            raise ValueError(f"parameters in no unit: {', '.join(n for n, _ in rest)}; add units "
+                             f"that cover them or pass root_unit=True")
+        units.append(FlatUnit("", rest, dp_size, dp_rank, None))
+    return units

@@ -1,10 +1,11 @@
-"""ZeRO stages 1, 2 and 3 (stage 3 is full sharding, as in FSDP): one class, a ``stage``.
+"""ZeRO stages 1, 2 and 3 (stage 3 is full sharding, as in FSDP): one entry, ``ZeRO(stage=...)``.
 
-    mpiexec -n 4 python -m mpi4py examples/train_gpt.py --strategy zero3
+    mpiexec -n 4 python -m mpi4py -m mpishard train --strategy zero3
 
-Parameters are grouped into units (a GPT block each, plus the root remainder:
-embeddings and the final norm), each laid out as one padded flat buffer (see
-[Note: flat unit layout] in flat.py). Each dp rank owns one contiguous slice.
+Parameters are grouped into units (the model plan's units, e.g. a GPT block
+each, plus the root remainder: embeddings and the final norm), each laid out as
+one padded flat buffer (see [Note: flat unit layout] in units.py). Each dp rank
+owns one contiguous slice of every unit.
 
 | stage | kept whole on every rank | kept as this rank's shard |
 |---|---|---|
@@ -12,83 +13,145 @@ embeddings and the final norm), each laid out as one padded flat buffer (see
 | 2 | parameters | gradients, optimizer state |
 | 3 | (a unit's parameters while it computes) | parameters, gradients, optimizer state |
 
-Gradients of a unit are reduce-scattered (averaged) into its gradient shard as
-soon as backward has finished the unit (grad-ready hooks), non-blocking. The
-optimizer updates the shards (:meth:`parameters` returns them as
-:class:`FlatShard` targets). Stages 1 and 2 then all-gather the updated shards
-into the full parameters. Stage 3 keeps only shards: a unit is all-gathered just
-before its forward, released after it (``reshard_after_forward``), gathered
-again when backward reaches it (a grad-ready hook on the unit's output), and
-released once its gradients are reduce-scattered; the next unit's gather is
-issued ahead with a non-blocking all-gather (``prefetch``). The root unit is
-gathered for the whole forward and backward. See ZeRO (Rajbhandari et al.,
-2020, arXiv:1910.02054).
+``ZeRO(module, mesh, stage=k)`` builds the stage's class: stages 1 and 2 in
+zero_stage12.py (:class:`~mpishard.parallel.zero_stage12.ShardedStateZeRO`),
+stage 3 in zero_stage3.py (:class:`~mpishard.parallel.zero_stage3.FullyShardedZeRO`),
+both subclasses of :class:`ZeRO`. What they share is here: each unit is a
+:class:`ZeroUnit` holding its master shard (the optimizer's target, a
+:class:`FlatShard`) and gradient shard, and reduce-scattering (averaging) its
+own gradients as soon as backward has finished it (grad-ready hooks),
+non-blocking, with at most ``max_inflight_reductions`` in flight. See ZeRO
+(Rajbhandari et al., 2020, arXiv:1910.02054).
 
-With mixed precision (see [Note: mixed precision] in precision.py) the shard
-is the float32 master. Stage 3 casts it once per step into a 16-bit copy of
-the shard (``unit.compute_shard``) and all-gathers that; stages 1 and 2 keep
-the whole model as a 16-bit buffer (``unit.full``) whose own block is refreshed
-from the master after each update and then all-gathered in place. Gradients
-are flattened into ``reduce_dtype`` buffers before the reduce-scatter.
+With mixed precision (see [Note: mixed precision] in precision.py) the shard is
+the float32 master and the model computes with a 16-bit copy
+(:class:`MasterCopies`); gradients are flattened into ``reduce_dtype``
+buffers before the reduce-scatter.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.tensor import Tensor
-from ..optim.clip import grad_sq_sum
 from ..nn.init import seed_dropout
 from ..nn.parameter import init_array
-from .base import Strategy
+from ..nn.plan import plan_of
+from ..optim.clip import grad_sq_sum
 from .data_parallel import check_replicas_equal
-from .flat import FlatShard
-from .units import FlatUnit
+from .pieces import unit_pieces
+from .planner import MemoryPlan, window_peak
+from .precision import MasterCopies
+from .strategy import Strategy, register_strategy
+from .units import FlatUnit, plan_units
 
-__all__ = ["ZeRO", "plan_units"]
+__all__ = ["ZeRO", "ZeroUnit", "plan_units"]
 
 
-def plan_units(module, unit_names, dp_size: int, dp_rank: int, root_unit: bool = True):
-    """Build the :class:`FlatUnit` list: named units in order, then the root remainder.
+class Reduction:
+    """One unit's reduce-scatter in flight: its handle and the buffers it holds."""
 
-    Raises ``ValueError`` (identically on every rank) for an unknown unit, a
-    parameter in two units, or one in none (with ``root_unit=False``).
+    __slots__ = ("unit", "handle", "flat", "recv", "first")
+
+    def __init__(self, unit, handle, flat, recv, first: bool):
+        self.unit, self.handle, self.flat, self.recv, self.first = unit, handle, flat, recv, first
+
+    def finish(self, ledger) -> None:
+        """Wait; add (or, for the step's first, cast) the received slice into the
+        gradient shard; release the buffers that were only for this reduction."""
+        self.handle.wait()
+        unit = self.unit
+        if self.recv is not unit.grad_shard:
+            if self.first:  # reduced in another dtype: cast into the shard
+                unit.grad_shard[...] = self.recv
+            else:
+                unit.grad_shard += self.recv
+            ledger.release(self.recv)
+        if self.flat is not unit.grad_full:
+            ledger.release(self.flat)
+
+
+class ZeroUnit:
+    """One unit's sharded state, the part every stage has: master and gradient shards.
+
+    Args:
+        layout: the unit's :class:`FlatUnit` (which parameters, where).
+        dp: the data-parallel communicator.
+        ledger, xp: where buffers are counted and allocated.
+        reduce_dtype: dtype gradients are averaged in.
+        keep_full_grads: hold the whole unit's gradients (stage 1).
+
+    Attributes:
+        target: the :class:`FlatShard` the optimizer updates (set by the stage).
+        grad_shard: this rank's averaged gradient slice.
+        grad_full: the full flat gradients (stage 1 only, else ``None``).
+        ready: parameters whose gradient is final so far in this backward.
+        reductions: reduce-scatters launched this step.
     """
-    modules = dict(module.named_modules())
-    canonical = {id(p): name for name, p in module.named_parameters()}
-    owner: dict[int, str] = {}
-    units = []
-    for unit_name in unit_names:
-        if unit_name not in modules or unit_name == "":
-            raise ValueError(f"unit {unit_name!r} is not a sub-module of "
-                             f"{type(module).__name__}; name modules as in named_modules(), "
-                             f"e.g. 'transformer.h.0'")
-        named = []
-        for _, p in modules[unit_name].named_parameters():
-            if id(p) in owner:
-                raise ValueError(f"parameter {canonical[id(p)]} is in two units, "
-                                 f"{owner[id(p)]!r} and {unit_name!r}; list each module once "
-                                 f"and no module inside another")
-            owner[id(p)] = unit_name
-            named.append((canonical[id(p)], p))
-        units.append(FlatUnit(unit_name, named, dp_size, dp_rank, modules[unit_name]))
-    rest = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
-    # A parameter shared with a module outside its unit would be needed while
-    # that unit is released (e.g. a tied embedding): refuse.
-    for mod_name, mod in modules.items():
-        for p in mod._parameters.values():
-            unit = owner.get(id(p))
-            if unit is not None and not (mod_name == unit or mod_name.startswith(unit + ".")):
-                raise ValueError(f"parameter {canonical[id(p)]} of unit {unit!r} is also used by "
-                                 f"module {mod_name!r} outside it; keep tied parameters in one "
-                                 f"unit (e.g. leave both in the root)")
-    if rest:
-        if not root_unit:
-            raise ValueError(f"parameters in no unit: {', '.join(n for n, _ in rest)}; add units "
-                             f"that cover them or pass root_unit=True")
-        units.append(FlatUnit("", rest, dp_size, dp_rank, None))
-    return units
+
+    def __init__(self, layout: FlatUnit, dp, ledger, xp, reduce_dtype, keep_full_grads: bool):
+        self.layout, self.dp, self.ledger, self.xp = layout, dp, ledger, xp
+        self.reduce_dtype = reduce_dtype
+        self.keep_full_grads = keep_full_grads
+        self.target = None
+        self.grad_shard = self.grad_full = None
+        self.ready = 0
+        self.reductions = 0
+
+    @property
+    def label(self) -> str:
+        return self.layout.label
+
+    def allocate_grads(self) -> None:
+        """The gradient shard (and, at stage 1, the full gradient buffer)."""
+        layout = self.layout
+        self.grad_shard = self.ledger.zeros("grads", (layout.shard_size,), layout.dtype,
+                                            f"grad shard {layout.label}", xp=self.xp)
+        if self.keep_full_grads:
+            self.grad_full = self.ledger.zeros("grads", (layout.padded,), self.reduce_dtype,
+                                               f"grads {layout.label}", xp=self.xp)
+
+    def grad_ready(self) -> bool:
+        """Count one parameter's gradient as final; ``True`` once all of the unit's are."""
+        self.ready += 1
+        if self.ready < len(self.layout.params):
+            return False
+        self.ready = 0
+        return True
+
+    def reduce_scatter(self) -> Reduction:
+        """Flatten the unit's gradients and start averaging them into this rank's slice."""
+        layout, rd = self.layout, self.reduce_dtype
+        if self.grad_full is not None:  # stage 1 keeps full gradients
+            flat = self.grad_full
+        else:
+            flat = self.ledger.empty("comm", (layout.padded,), rd,
+                                     f"grad bucket {layout.label}", xp=self.xp)
+        layout.flatten([p.grad for p in layout.params], flat)
+        full_grads = layout.views(flat) if self.grad_full is not None else [None] * len(
+            layout.params)
+        for p, g in zip(layout.params, full_grads):
+            p.grad = g
+        first = self.reductions == 0
+        if first and rd == self.grad_shard.dtype:
+            recv = self.grad_shard
+        else:
+            recv = self.ledger.empty("comm", (layout.shard_size,), rd,
+                                     f"grad shard {layout.label} (received)", xp=self.xp)
+        self.reductions += 1
+        return Reduction(self, self.dp.ireduce_scatter(flat, recv, op="avg"), flat, recv, first)
+
+    def finish_step(self) -> None:
+        """All of this step's reductions are done: hand the shard to the optimizer."""
+        self.ready = 0
+        self.reductions = 0
+        self.target.grad = self.grad_shard
 
 
+@register_strategy("zero3", "ZeRO-3 / FSDP: parameters, gradients and optimizer state "
+                   "sharded; units gathered around their forward and backward", stage=3)
+@register_strategy("zero2", "ZeRO-2: gradients and optimizer state sharded, parameters "
+                   "whole", stage=2)
+@register_strategy("zero1", "ZeRO-1: optimizer state sharded, parameters and gradients "
+                   "whole", stage=1)
 class ZeRO(Strategy):
     """Shard optimizer state (stage 1), + gradients (2), + parameters (3) over ``mesh.dp``.
 
@@ -98,7 +161,7 @@ class ZeRO(Strategy):
             tensor at a time, from seed and name, straight into shards).
         mesh: a :class:`mpishard.comm.Mesh`.
         stage: 1, 2 or 3.
-        units: module names that form units (default: ``module.shard_units()``).
+        units: module names that form units (default: the model plan's units).
         root_unit: put parameters of no unit into a root unit (default True).
         reshard_after_forward: stage 3: release a unit after its forward.
         prefetch: stage 3: gather the next unit ahead, non-blocking.
@@ -109,237 +172,103 @@ class ZeRO(Strategy):
 
     #: reduce-scatters in flight before backward waits for the oldest
     max_inflight_reductions = 2
+    materializes_shards = True
+    #: the stages a subclass implements; ``ZeRO(stage=k)`` builds the one listing k
+    stages: tuple = ()
+    _by_stage: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for stage in cls.stages:
+            ZeRO._by_stage[stage] = cls
+
+    def __new__(cls, module, mesh, stage: int = 3, units=None, root_unit: bool = True,
+                reshard_after_forward: bool = True, prefetch: bool = True, seed=None,
+                ledger=None, precision=None):
+        if cls is ZeRO:  # the public entry: the class of this stage (zero_stage12/3.py)
+            if stage not in (1, 2, 3):
+                raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+            cls = ZeRO._by_stage[stage]
+        return super().__new__(cls)
 
     def __init__(self, module, mesh, stage: int = 3, units=None, root_unit: bool = True,
                  reshard_after_forward: bool = True, prefetch: bool = True, seed=None,
                  ledger=None, precision=None):
-        super().__init__(module, mesh, ledger, precision)
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        if stage not in type(self).stages:
+            raise ValueError(f"{type(self).__name__} implements ZeRO stages {type(self).stages}, "
+                             f"not {stage!r}; build it as ZeRO(module, mesh, stage={stage!r})")
+        super().__init__(module, mesh, ledger, precision, seed)
         self.stage = stage
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        names = list(units) if units is not None else list(
-            getattr(module, "shard_units", lambda: [])())
-        self.units = plan_units(module, names, self.dp.size, self.dp.rank, root_unit)
-        self.blocks = [u for u in self.units if u.module is not None]
-        self.root = next((u for u in self.units if u.module is None), None)
+        names = list(units) if units is not None else list(plan_of(module).units)
+        layouts = plan_units(module, names, self.dp.size, self.dp.rank, root_unit)
         if any(p.data is not None for p in module.parameters()):
             check_replicas_equal(module, self.dp)
-        seed = seed if seed is not None else getattr(module, "seed", 0)
-        backend = getattr(module, "backend", None)
-        self.xp = backend.xp if backend is not None else np
-        self._pending: list = []
-        self._grads_reduced = False
         deferred = any(p.data is None for p in module.parameters())
+        self._pending: list[Reduction] = []
+        self._grads_reduced = False
+        self.masters = MasterCopies()
+        self.units = [self._make_unit(layout) for layout in layouts]
         for unit in self.units:
-            self._materialize(unit, seed)
-            for p in unit.params:
+            for p in unit.layout.params:
                 p.register_grad_ready_hook(lambda p, unit=unit: self._on_grad_ready(unit))
         if deferred:  # what materialize() does besides parameters: dropout generators
-            seed_dropout(module, seed, backend)
-        # See [Note: prefetch order].
-        self._order: list[int] = []
-        self._last_order: list[int] = list(range(len(self.blocks)))
-        if stage == 3:
-            for i, unit in enumerate(self.blocks):
-                unit.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
-                unit.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+            seed_dropout(module, self.seed, getattr(module, "backend", None))
         module.register_forward_pre_hook(lambda m, a: self._before_forward())
 
-    # -- layout and materialisation -------------------------------------------
-    def _materialize(self, unit: FlatUnit, seed: int) -> None:
-        xp, ledger, cd = self.xp, self.ledger, self.compute_dtype
-        unit.full, unit.compute_shard = None, None
-        if self.stage < 3:
-            unit.full = ledger.zeros("params", (unit.padded,), cd, f"params {unit.label}", xp=xp)
-        if self.stage < 3 and not self.mixed:  # the shard is this rank's block of full
-            shard = unit.full[unit.shard_start:unit.shard_stop]
-        else:
-            shard = ledger.zeros("params", (unit.shard_size,), unit.dtype,
-                                 f"param shard {unit.label}", xp=xp)
-        views = unit.views(unit.full) if unit.full is not None else None
-        for i, (name, p) in enumerate(zip(unit.names, unit.params)):
+    # -- what each stage defines ----------------------------------------------
+    def _make_unit(self, layout: FlatUnit) -> ZeroUnit:
+        """Build a unit's buffers and move its parameters' values into them."""
+        raise NotImplementedError
+
+    def _after_unit_backward(self, unit: ZeroUnit) -> None:
+        """Runs when backward has finished a unit (stage 3 releases it)."""
+
+    def _after_reductions(self) -> None:
+        """Runs in :meth:`reduce_grads` after the last reduction (stage 3 cleans up)."""
+
+    # -- shared ---------------------------------------------------------------
+    def _initial_values(self, layout: FlatUnit):
+        """``(index, parameter, value)`` per parameter of the unit, one at a time: its
+        data (released from the ledger), or drawn from (seed, name) when deferred."""
+        for i, (name, p) in enumerate(zip(layout.names, layout.params)):
             if p.data is not None:
                 value = p.data
-                ledger.release(p.data)
-            else:  # deferred: one tensor at a time, from (seed, name)
-                full = init_array(p.init, p.spec.global_shape, seed, name)
-                value = xp.asarray(p.spec.local_slice_of(full).astype(unit.dtype))
-            if views is not None:
-                views[i][...] = value
-                p.data = views[i]
+                self.ledger.release(p.data)
             else:
-                p.data = xp.empty(0, dtype=cd)  # released; see [Note: parameter storage]
-            if views is None or self.mixed:
-                offset, piece = unit.owned_piece(i, value)
-                shard[offset:offset + piece.size] = piece
-        unit.target = FlatShard(shard, unit.decay_ranges(), unit.label)
-        if self.stage == 3 and self.mixed:
-            unit.compute_shard = ledger.zeros("params", (unit.shard_size,), cd,
-                                              f"{cd.name} param shard {unit.label}", xp=xp)
-            unit.compute_shard[...] = shard
-        rd = self.reduce_dtype
-        unit.grad_shard = ledger.zeros("grads", (unit.shard_size,), unit.dtype,
-                                       f"grad shard {unit.label}", xp=xp)
-        unit.grad_full = (ledger.zeros("grads", (unit.padded,), rd,
-                                       f"grads {unit.label}", xp=xp) if self.stage == 1 else None)
-        unit.gather = None
-        unit.ready = 0
-        unit.reductions = 0
+                full = init_array(p.init, p.spec.global_shape, self.seed, name)
+                value = self.xp.asarray(p.spec.local_slice_of(full).astype(layout.dtype))
+            yield i, p, value
 
     def parameters(self) -> list:
         """This rank's flat shards, one per unit: hand these to the optimizer."""
         return [unit.target for unit in self.units]
 
-    # -- stage 3: unshard / reshard -------------------------------------------
-    def unshard(self, unit: FlatUnit) -> None:
-        """Make the unit's full parameters available (waits for a prefetch if one is pending)."""
-        if unit is None or unit.full is not None:
-            return
-        if unit.gather is not None:
-            handle, buf = unit.gather
-            handle.wait()
-            unit.gather = None
-        else:
-            buf = self.ledger.empty("gathered", (unit.padded,), self.compute_dtype,
-                                    f"gathered {unit.label}", xp=self.xp)
-            self.dp.all_gather(self._gather_source(unit), buf)
-        unit.full = buf
-        for p, view in zip(unit.params, unit.views(buf)):
-            p.data = view
+    def describe(self) -> dict:
+        return {"name": "ZeRO", "stage": self.stage}
 
-    def reshard(self, unit: FlatUnit) -> None:
-        """Release the unit's full parameters (stage 3 only; a no-op otherwise)."""
-        if self.stage != 3 or unit is None or unit.full is None:
-            return
-        for p in unit.params:
-            p.data = self.xp.empty(0, dtype=self.compute_dtype)
-        self.ledger.release(unit.full)
-        unit.full = None
+    def pieces(self, optimizer=None) -> list:
+        return unit_pieces(self, self.units, optimizer)
 
-    @staticmethod
-    def _gather_source(unit: FlatUnit):
-        """What stage 3 all-gathers: the shard, or its 16-bit copy under mixed precision."""
-        return unit.compute_shard if unit.compute_shard is not None else unit.target.data
-
-    def _prefetch(self, unit: FlatUnit) -> None:
-        if not self.prefetch or unit.full is not None or unit.gather is not None:
-            return
-        buf = self.ledger.empty("gathered", (unit.padded,), self.compute_dtype,
-                                f"gathered {unit.label}", xp=self.xp)
-        unit.gather = (self.dp.iall_gather(self._gather_source(unit), buf), buf)
-
-    # [Note: prefetch order]
-    # Units run in the order the model calls them, not necessarily the order
-    # they were listed. Each forward records that order; the next forward
-    # prefetches the unit that followed last time, and backward prefetches the
-    # unit that preceded in this forward. A prefetch that is never consumed
-    # would hold parameters from before the optimizer step, so reduce_grads()
-    # discards every pending prefetch before the update.
     def _before_forward(self) -> None:
-        self._settle_reductions()
-        if self.stage < 3:
-            return
-        if self._order:
-            self._last_order, self._order = self._order, []
-        self.unshard(self.root)
-
-    def _settle_reductions(self) -> None:
-        """Before a forward: finish the reduce-scatters an earlier backward of this step
-        started, so the next backward never writes into a buffer MPI still reads.
-        Stage 1 also clears the full gradients it reduced: the next backward's
-        gradients then reduce on their own and add to the shard (each micro-step
-        may communicate; ``no_sync`` only saves the traffic)."""
+        """Before a forward: finish the reduce-scatters an earlier backward of this
+        step started, so the next backward never writes into a buffer MPI still reads."""
         while self._pending:
-            self._finish_oldest_reduction()
-        if self.stage == 1:
-            for unit in self.units:
-                if unit.reductions:
-                    unit.grad_full[...] = 0
+            self._pending.pop(0).finish(self.ledger)
 
-    @staticmethod
-    def _neighbour(order: list, i: int, delta: int):
-        if i not in order:
-            return None
-        k = order.index(i) + delta
-        return order[k] if 0 <= k < len(order) else None
-
-    def _pre_forward(self, i: int) -> None:
-        self._order.append(i)
-        self.unshard(self.blocks[i])
-        nxt = self._neighbour(self._last_order, i, +1)
-        if nxt is not None:
-            self._prefetch(self.blocks[nxt])
-
-    def _post_forward(self, i: int, output) -> None:
-        if self.reshard_after_forward:
-            self.reshard(self.blocks[i])
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        for out in outputs:
-            if isinstance(out, Tensor) and out.requires_grad:
-                out.register_grad_ready_hook(lambda t, i=i: self._pre_backward(i))
-
-    def _pre_backward(self, i: int) -> None:
-        self.unshard(self.blocks[i])
-        prev = self._neighbour(self._order, i, -1)
-        if prev is not None:
-            self._prefetch(self.blocks[prev])
-
-    def _discard_prefetches(self) -> None:
-        for unit in self.blocks:
-            if unit.gather is not None:
-                handle, buf = unit.gather
-                handle.wait()
-                self.ledger.release(buf)
-                unit.gather = None
-
-    # -- gradients --------------------------------------------------------------
-    def _on_grad_ready(self, unit: FlatUnit) -> None:
+    def _on_grad_ready(self, unit: ZeroUnit) -> None:
         self._grads_reduced = False
-        unit.ready += 1
-        if unit.ready < len(unit.params):
+        if not unit.grad_ready():
             return
-        unit.ready = 0
         if self.sync_gradients:
-            self._reduce_scatter(unit)
-        if unit is not self.root:  # the root may serve more micro-batches' backward
-            self.reshard(unit)
+            self._launch(unit)
+        self._after_unit_backward(unit)
 
-    def _reduce_scatter(self, unit: FlatUnit) -> None:
-        rd = self.reduce_dtype
-        if unit.grad_full is not None:  # stage 1 keeps full gradients
-            flat = unit.grad_full
-        else:
-            flat = self.ledger.empty("comm", (unit.padded,), rd,
-                                     f"grad bucket {unit.label}", xp=self.xp)
-        unit.flatten([p.grad for p in unit.params], flat)
-        full_grads = unit.views(flat) if unit.grad_full is not None else [None] * len(unit.params)
-        for p, g in zip(unit.params, full_grads):
-            p.grad = g
-        first = unit.reductions == 0
-        if first and rd == unit.grad_shard.dtype:
-            recv = unit.grad_shard
-        else:
-            recv = self.ledger.empty("comm", (unit.shard_size,), rd,
-                                     f"grad shard {unit.label} (received)", xp=self.xp)
-        unit.reductions += 1
-        self._pending.append((unit, self.dp.ireduce_scatter(flat, recv, op="avg"), flat, recv,
-                              first))
+    def _launch(self, unit: ZeroUnit) -> None:
+        self._pending.append(unit.reduce_scatter())
         # Bound the full-size gradient buffers alive at once (stage 2/3 memory).
         while len(self._pending) > self.max_inflight_reductions:
-            self._finish_oldest_reduction()
-
-    def _finish_oldest_reduction(self) -> None:
-        unit, handle, flat, recv, first = self._pending.pop(0)
-        handle.wait()
-        if recv is not unit.grad_shard:
-            if first:  # reduced in another dtype: cast into the shard
-                unit.grad_shard[...] = recv
-            else:
-                unit.grad_shard += recv
-            self.ledger.release(recv)
-        if flat is not unit.grad_full:
-            self.ledger.release(flat)
+            self._pending.pop(0).finish(self.ledger)
 
     def reduce_grads(self) -> None:
         """Reduce-scatter what backward did not (in unit order), wait for everything.
@@ -351,55 +280,67 @@ class ZeRO(Strategy):
         for unit in self.units:
             unit.ready = 0
             if unit.reductions == 0:
-                self._reduce_scatter(unit)
+                self._launch(unit)
         while self._pending:
-            self._finish_oldest_reduction()
-        self._discard_prefetches()
-        self.reshard(self.root)
+            self._pending.pop(0).finish(self.ledger)
+        self._after_reductions()
         for unit in self.units:
-            unit.reductions = 0
-            unit.target.grad = unit.grad_shard
+            unit.finish_step()
         self._grads_reduced = True
 
     def zero_grad(self) -> None:
         super().zero_grad()
         self._grads_reduced = False
 
-    def _local_grad_sq(self) -> float:
+    def local_grad_sq(self) -> float:
         """Sum of squares of this rank's gradient shards, each element counted once overall."""
         pieces = []
         for unit in self.units:
-            g = unit.target.grad
+            g, layout = unit.target.grad, unit.layout
             if g is None:
                 continue
-            if all(self.counts_once(p.spec) for p in unit.params):
+            if all(self.counts_once(p.spec) for p in layout.params):
                 pieces.append(g)
                 continue
-            for i, p in enumerate(unit.params):
+            for i, p in enumerate(layout.params):
                 if self.counts_once(p.spec):
-                    lo, hi = unit.shard_range_of(i)
+                    lo, hi = layout.shard_range_of(i)
                     pieces.append(g[lo:hi])
         return grad_sq_sum(pieces)
 
-    def _after_update(self) -> None:
-        """Bring the compute copies up to date with the updated (or loaded) shards."""
-        if self.stage == 3:
-            # A forward without backward (evaluation) leaves the root, and with
-            # reshard_after_forward=False the blocks, gathered: drop those copies
-            # so the next forward gathers the new values.
-            self._discard_prefetches()
-            for unit in self.units:
-                self.reshard(unit)
-            if self.mixed:
-                for unit in self.units:
-                    unit.compute_shard[...] = unit.target.data
-            return
-        # This rank's block of the full buffer (the shard itself, or its 16-bit
-        # copy under mixed precision) is current: an in-place all-gather.
-        blocks = [unit.full[unit.shard_start:unit.shard_stop] for unit in self.units]
-        if self.mixed:
-            for unit, block in zip(self.units, blocks):
-                block[...] = unit.target.data
-        handles = [self.dp.iall_gather(block, unit.full) for unit, block in zip(self.units, blocks)]
-        for handle in handles:
-            handle.wait()
+    @classmethod
+    def plan_memory(cls, model, sizes, stage: int = 3, **_) -> MemoryPlan:
+        """Per-rank bytes of stage ``stage`` (see [Note: flat unit layout]); the same
+        units the strategy builds, read from the model's shapes."""
+        s = sizes
+        units = plan_units(model, list(plan_of(model).units), s.dp_size, 0)
+        padded_n = sum(u.padded for u in units)
+        shards_n = sum(u.shard_size for u in units)
+        blocks = [u.padded * s.compute_itemsize for u in units if u.module is not None]
+        root = sum(u.padded * s.compute_itemsize for u in units if u.module is None)
+        b, cb, rb = s.itemsize, s.compute_itemsize, s.reduce_itemsize
+        # A reduction in flight holds its flat buffer, plus a receive buffer when the
+        # reduce dtype is not the shard's (mixed precision). Stage 1 reduces from its
+        # full gradient buffer (counted as grads), in backward's order.
+        order = [u for u in units if u.module is not None][::-1] + [
+            u for u in units if u.module is None]
+        in_flight = [(0 if stage == 1 else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
+                     for u in order]
+        plan = s.new_plan()
+        copy = padded_n * cb if stage < 3 else (shards_n * cb if s.mixed else 0)
+        plan.steady = {"params": (shards_n * b if stage == 3 or s.mixed else 0) + copy,
+                       "grads": shards_n * b + (padded_n * rb if stage == 1 else 0),
+                       "optim": s.n_states * shards_n * b}
+        gathered = 0
+        if stage == 3:
+            pair = max((blocks[i] + blocks[i + 1] for i in range(len(blocks) - 1)),
+                       default=blocks[0] if blocks else 0)
+            gathered = root + pair
+        plan.peak = {"gathered": gathered,
+                     "comm": window_peak(in_flight, cls.max_inflight_reductions + 1)}
+        if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
+            plan.bus_bytes_per_step = int(round(s.factor * padded_n * (rb + cb)))
+        else:  # gather every block twice (forward, backward), the root once, reduce-scatter all
+            plan.bus_bytes_per_step = int(round(s.factor * (2 * sum(blocks) + root
+                                                            + padded_n * rb)))
+        return plan

@@ -1,4 +1,4 @@
-"""What every strategy shares: the step verb, collective clipping, accumulation.
+"""The strategy contract, the one registry of strategies, and the step every strategy shares.
 
 A strategy wraps a model once. The training loop then reads like the
 single-process one::
@@ -11,6 +11,29 @@ single-process one::
                 _, loss = model(x[micro], y[micro])
                 (loss * (1.0 / accum)).backward()
         result = model.step(opt, max_norm=1.0)          # reduce, clip, update, zero
+
+[Note: strategy contract]
+Everything outside a strategy -- the trainer, the checkpoint package, the
+planner, the CLI -- talks to it through these verbs and nothing else:
+
+==================  ================================================================
+``parameters()``    the optimizer's targets (parameters, flat shards or masters)
+forward hooks       registered on the module in ``__init__`` (gather, settle, ...)
+``reduce_grads()``  finish this step's gradient communication
+``local_grad_sq()`` this rank's share of the squared global norm ([Note: counted once])
+``scale_grads(f)``  multiply the optimizer targets' gradients (unscale, clip)
+``after_update()``  after the optimizer ran: refresh compute copies, re-gather
+``pieces(opt)``     what this rank holds, as pieces of global tensors ([Note: pieces])
+``after_load()``    after checkpoint pieces were written into the buffers
+``state_dict()``    counters and loss scale for the manifest; ``load_state_dict``
+``plan_memory(..)`` (a classmethod) predicted per-rank bytes (:mod:`.planner`)
+==================  ================================================================
+
+A strategy is listed once, with :func:`register_strategy`, in
+:data:`STRATEGIES`; config validation, ``mpishard train``/``estimate``,
+:func:`~mpishard.parallel.wrap_model`, the planner and checkpoints all find it
+there. A new strategy is one class (this base gives it the step, clipping,
+accumulation and replicated checkpoint pieces) plus that one line.
 
 [Note: collective step decisions]
 Clipping and the non-finite check must come out the same on every rank, or
@@ -31,17 +54,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..backend import MemoryLedger
 from ..dtypes import resolve_dtype
+from ..nn.init import materialize
 from ..optim.clip import clip_coefficient
-from .pieces import gather_full_params
+from .pieces import gather_full_params, replicated_pieces
 from .precision import LossScaler, Precision
 
-__all__ = ["Strategy", "StepResult"]
+__all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_strategy",
+           "strategy_entry"]
 
 
 @dataclass(frozen=True)
@@ -54,36 +79,93 @@ class StepResult:
     step: int
 
 
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One line of :data:`STRATEGIES`: a name, the class, and the options the name implies.
+
+    ``build(module, mesh, **kwargs)`` is ``cls(module, mesh, **options, **kwargs)``.
+    """
+
+    name: str
+    cls: type
+    summary: str
+    options: dict = field(default_factory=dict)
+
+    def build(self, module, mesh, **kwargs):
+        return self.cls(module, mesh, **self.options, **kwargs)
+
+
+#: name -> :class:`StrategyEntry`, in registration order (see [Note: strategy contract])
+STRATEGIES: dict[str, StrategyEntry] = {}
+
+
+def register_strategy(name: str, summary: str, **options):
+    """Class decorator: list a :class:`Strategy` under ``name`` in :data:`STRATEGIES`.
+
+    ``options`` are the keyword arguments the name stands for (``zero2`` is
+    ``ZeRO`` with ``stage=2``). Registering a name twice is an error.
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError(f"strategy name {name!r} must be a non-empty string")
+
+    def register(cls):
+        if name in STRATEGIES and STRATEGIES[name].cls is not cls:
+            raise ValueError(f"strategy {name!r} is already registered "
+                             f"({STRATEGIES[name].cls.__name__}); pick another name")
+        STRATEGIES[name] = StrategyEntry(name, cls, summary, dict(options))
+        return cls
+    return register
+
+
+def strategy_entry(name: str) -> StrategyEntry:
+    """The registered strategy ``name``, or a ValueError listing the registered ones."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
 class Strategy:
-    """Base class: holds the module, the dp communicator and the shared step logic.
+    """Base class of every strategy: the contract's shared half (see [Note: strategy contract]).
 
     Subclasses implement :meth:`parameters`, :meth:`reduce_grads`,
-    :meth:`_local_grad_sq`, :meth:`_scale_grads` and optionally :meth:`_after_update`.
+    :meth:`local_grad_sq` and :meth:`plan_memory`, and override
+    :meth:`after_update`, :meth:`pieces` and :meth:`optimizer_target` where
+    they keep something other than whole replicated parameters.
 
+    An unmaterialised model is materialised from ``seed`` (default
+    ``module.seed``) before the subclass sees it, unless the class sets
+    ``materializes_shards`` (ZeRO materialises straight into its flat shards).
     ``precision`` (a name or a :class:`Precision`) sets mixed precision; see
     [Note: mixed precision] in precision.py. Subclasses read ``master_dtype``
     (the model's dtype: master weights, optimizer state), ``compute_dtype``
     and ``reduce_dtype``, and ``mixed`` (whether the first two differ).
     """
 
-    def __init__(self, module, mesh, ledger: MemoryLedger | None = None, precision=None):
+    #: the class materialises deferred parameters itself (into shards)
+    materializes_shards = False
+
+    def __init__(self, module, mesh, ledger: MemoryLedger | None = None, precision=None,
+                 seed: int | None = None):
         self.module = module
         self.mesh = mesh
         self.dp = mesh.dp
         backend = getattr(module, "backend", None)
+        self.seed = getattr(module, "seed", 0) if seed is None else seed
+        if not self.materializes_shards and any(p.data is None for p in module.parameters()):
+            materialize(module, self.seed, backend)
         self.ledger = ledger or (backend.ledger if backend is not None else MemoryLedger())
         self.sync_gradients = True
         self.steps = 0
         self.skipped_steps = 0
         self._param_ids = [id(p) for p in module.parameters()]
         self.precision = Precision.of(precision)
-        xp = backend.xp if backend is not None else np
+        self.xp = backend.xp if backend is not None else np
         params = module.parameters()
         self.master_dtype = resolve_dtype(params[0].spec.dtype) if params else np.dtype("float32")
         self.mixed = self.precision.mixed
-        self.compute_dtype = (resolve_dtype(self.precision.param_dtype, xp) if self.mixed
+        self.compute_dtype = (resolve_dtype(self.precision.param_dtype, self.xp) if self.mixed
                               else self.master_dtype)
-        self.reduce_dtype = (resolve_dtype(self.precision.reduce_dtype, xp) if self.mixed
+        self.reduce_dtype = (resolve_dtype(self.precision.reduce_dtype, self.xp) if self.mixed
                              else self.master_dtype)
         self.scaler = LossScaler(self.precision)
         if self.mixed:  # every gradient contribution is added in reduce_dtype, not 16 bits
@@ -125,7 +207,7 @@ class Strategy:
                              f"{micro_steps!r}")
         return [self.no_sync(i < micro_steps - 1) for i in range(micro_steps)]
 
-    # -- to implement -------------------------------------------------------
+    # -- the contract: to implement -------------------------------------------
     def parameters(self) -> list:
         """The optimizer's targets (full parameters, or this rank's flat shards)."""
         raise NotImplementedError
@@ -134,17 +216,63 @@ class Strategy:
         """Finish all gradient communication for this step (launch what is left, wait)."""
         raise NotImplementedError
 
-    def _local_grad_sq(self) -> float:
+    def local_grad_sq(self) -> float:
+        """This rank's share of the squared global gradient norm (see [Note: counted once])."""
         raise NotImplementedError
 
-    def _scale_grads(self, factor: float) -> None:
+    @classmethod
+    def plan_memory(cls, model, sizes, **options):
+        """Predicted per-rank bytes: a :class:`~mpishard.parallel.MemoryPlan` for
+        ``model`` (shapes only) and ``sizes`` (:class:`~mpishard.parallel.PlanSizes`)."""
+        raise NotImplementedError(f"{cls.__name__} has no memory plan")
+
+    # -- the contract: defaults -------------------------------------------------
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every optimizer target's gradient by ``factor`` (unscaling, clipping)."""
         for p in self.parameters():
             if p.grad is not None:
                 p.grad *= factor
 
-    def _after_update(self) -> None:
-        """Runs after the optimizer updated this rank's parameters (ZeRO-1/2 all-gather)."""
+    def after_update(self) -> None:
+        """Runs after the optimizer updated this rank's targets (ZeRO-1/2 all-gather,
+        16-bit copies refreshed from their masters)."""
 
+    def after_load(self) -> None:
+        """Runs after a checkpoint filled :meth:`pieces`: by default as after an update."""
+        self.after_update()
+
+    def optimizer_target(self, p):
+        """What the optimizer updates for parameter ``p`` (``p`` itself, or its master)."""
+        return p
+
+    def pieces(self, optimizer=None) -> list:
+        """What this rank holds of parameters and optimizer state, as :class:`Piece`\\ s.
+
+        The default: every parameter whole, owned by dp rank 0 (a replicated model).
+        """
+        return replicated_pieces(self, optimizer)
+
+    def describe(self) -> dict:
+        """``{"name": class name, "stage": ZeRO stage or None}`` for checkpoint manifests."""
+        return {"name": type(self).__name__, "stage": None}
+
+    def state_dict(self) -> dict:
+        """Step counters and the loss scale (what a checkpoint keeps of the strategy)."""
+        return {**self.describe(), "steps": int(self.steps),
+                "skipped_steps": int(self.skipped_steps),
+                "precision": {"compute_dtype": self.compute_dtype.name,
+                              "loss_scale": self.scaler.state_dict()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s counters; a dynamic loss scale only from a
+        checkpoint that had one (see :class:`LossScaler`)."""
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        saved = (state.get("precision") or {}).get("loss_scale")
+        if saved:
+            self.scaler.load_state_dict(saved)
+
+    # -- provided ---------------------------------------------------------------
     def gather_full_params(self) -> dict:
         """Name -> whole parameter (host NumPy) on every rank; see :func:`pieces.gather_full_params`."""
         return gather_full_params(self)
@@ -160,7 +288,6 @@ class Strategy:
         for p in self.parameters():
             p.grad = None
 
-    # -- the step -----------------------------------------------------------
     def _model_changed(self) -> bool:
         return [id(p) for p in self.module.parameters()] != self._param_ids
 
@@ -172,7 +299,7 @@ class Strategy:
 
     def grad_norm(self) -> float:
         """Global gradient norm, the same on every rank. See [Note: collective step decisions]."""
-        sq = self._local_grad_sq()
+        sq = self.local_grad_sq()
         # +inf stands for any non-finite value (NaN + x stays NaN, but is harder to read).
         flags = np.array([sq if math.isfinite(sq) else math.inf, float(self._model_changed())])
         self.mesh.world.all_reduce(flags, op="sum")
@@ -192,7 +319,7 @@ class Strategy:
             if max_norm is not None:
                 factor *= clip_coefficient(norm, max_norm)
             if factor != 1.0:
-                self._scale_grads(factor)
+                self.scale_grads(factor)
         return norm
 
     def _check_optimizer(self, optimizer) -> None:
@@ -227,7 +354,7 @@ class Strategy:
             self.skipped_steps += 1
         else:
             optimizer.step()
-            self._after_update()
+            self.after_update()
         self.scaler.update(overflow=skipped)
         self.zero_grad()
         self.steps += 1
