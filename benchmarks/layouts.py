@@ -43,14 +43,15 @@ def run_layout(world, name, dp, tp, pp, strategy, args) -> dict | None:
     import numpy as np
 
     from mpishard.comm import Mesh
-    from mpishard.models import GPTConfig
+    from mpishard.models import GPT, GPTConfig
     from mpishard.optim import AdamW
-    from mpishard.parallel import ParallelGPT, bubble_fraction
+    from mpishard.parallel import ParallelModel, bubble_fraction
 
     mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
     per_rank = args.global_batch // dp
     micro = args.micro if pp > 1 else 1
-    run = ParallelGPT(GPTConfig(**CONFIG_S), mesh, strategy=strategy, micro_batches=micro)
+    run = ParallelModel(GPT(GPTConfig(**CONFIG_S), materialize_now=False), mesh,
+                        strategy=strategy, micro_batches=micro)
     opt = AdamW(run.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                 ledger=run.ledger)
     r = np.random.default_rng(mesh.dp.rank)

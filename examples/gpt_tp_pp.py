@@ -16,9 +16,9 @@ from mpi4py import MPI
 import mpishard
 from mpishard.comm import Communicator, Mesh
 from mpishard.data import BatchSampler, load_corpus
-from mpishard.models import GPTConfig
+from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
-from mpishard.parallel import ParallelGPT
+from mpishard.parallel import ParallelModel
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--dp", type=int, default=None)
@@ -33,7 +33,8 @@ mpishard.install_abort_hook()
 world = Communicator.from_env(MPI.COMM_WORLD)
 mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
 config = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
-run = ParallelGPT(config, mesh, strategy=args.strategy, micro_batches=args.micro)
+run = ParallelModel(GPT(config, materialize_now=False), mesh, strategy=args.strategy,
+                    micro_batches=args.micro)
 opt = AdamW(run.parameters(), lr=3e-3, betas=(0.9, 0.95), ledger=run.ledger)
 corpus = load_corpus(None, max_bytes=500_000)
 sampler = BatchSampler(corpus.train, 64, 2 * args.micro, mesh.dp_rank, mesh.dp.size, seed=0)

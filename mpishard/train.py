@@ -28,7 +28,7 @@ from .data import VOCAB_SIZE, ArraySampler, BatchSampler, DataError, load_corpus
 from .log import RankLogger
 from .models import GPT, GPTConfig, MLPClassifier
 from .optim import AdamW, CosineSchedule
-from .parallel import ParallelGPT, build_stage, plan_memory, wrap_model
+from .parallel import ParallelModel, build_stage, plan_memory, wrap_model
 
 __all__ = ["gpt_config", "build_model", "MLPRun", "Trainer", "run"]
 
@@ -100,7 +100,8 @@ class Trainer:
                                        memory_budget=cfg.memory_budget or None)
         self._build_samplers()
         try:
-            shapes_only = build_stage(gpt_config(cfg), self.mesh) if cfg.model == "gpt" else \
+            shapes_only = build_stage(build_model(cfg, Backend(), False), self.mesh) \
+                if cfg.model == "gpt" else \
                 build_model(cfg, Backend(), materialize_now=False)
         except ValueError as err:   # pp larger than n_layer, tp larger than n_head, ...
             raise ConfigError(str(err)) from None
@@ -155,9 +156,9 @@ class Trainer:
     def build(self) -> None:
         cfg = self.cfg
         if cfg.model == "gpt":
-            self.run = ParallelGPT(gpt_config(cfg), self.mesh, cfg.strategy, cfg.seed,
-                                   cfg.dtype, self.backend, micro_batches=cfg.micro_steps,
-                                   schedule=cfg.schedule, precision=cfg.precision)
+            self.run = ParallelModel(build_model(cfg, self.backend, False), self.mesh,
+                                     cfg.strategy, micro_batches=cfg.micro_steps,
+                                     schedule=cfg.schedule, precision=cfg.precision)
             if cfg.activation_checkpointing:
                 self.run.module.set_activation_checkpointing(True)
         else:

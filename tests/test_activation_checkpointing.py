@@ -21,7 +21,7 @@ from mpishard.comm.testing import make_test_comm
 from mpishard.models import GPT, GPTConfig
 from mpishard.nn import Parameter
 from mpishard.optim import AdamW
-from mpishard.parallel import ParallelGPT, ZeRO
+from mpishard.parallel import ParallelModel, ZeRO
 from parity import batch, make_optimizer, sub_world
 
 TINY = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=12, dropout=0.1)
@@ -296,7 +296,8 @@ def test_zero3_bit_identical_with_and_without(size):
 
 def _parallel_gpt_run(comm, dp, tp, pp, checkpointing: bool, steps: int = 3):
     mesh = Mesh(comm, dp=dp, tp=tp, pp=pp)
-    run = ParallelGPT(TINY, mesh, strategy="zero3", dtype="float32", micro_batches=2)
+    run = ParallelModel(GPT(TINY, dtype="float32", materialize_now=False), mesh,
+                        strategy="zero3", micro_batches=2)
     run.module.set_activation_checkpointing(checkpointing)
     opt = make_optimizer(run.parameters(), run.ledger)
     losses = []

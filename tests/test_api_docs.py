@@ -44,7 +44,7 @@ REQUIRED = {
     "mpishard.optim": ["AdamW", "SGD", "Adam", "CosineSchedule", "clip_grad_norm"],
     "mpishard.comm": ["Communicator", "Mesh", "Handle", "install_abort_hook", "check_launcher"],
     "mpishard.parallel": ["DataParallel", "ZeRO", "plan_memory", "StepResult", "Strategy",
-                          "ParallelGPT", "Pipeline", "ColumnParallelLinear", "RowParallelLinear"],
+                          "ParallelModel", "Pipeline", "ColumnParallelLinear", "RowParallelLinear"],
     "mpishard.data": ["load_corpus", "BatchSampler", "DataError"],
     "mpishard.checkpoint": ["save_checkpoint", "load_checkpoint", "consolidate",
                             "CheckpointError"],

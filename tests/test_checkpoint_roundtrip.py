@@ -265,14 +265,15 @@ def test_tensor_and_pipeline_layouts_load_anywhere(dp, tp, pp):
     if MPI.COMM_WORLD.size != 4:
         pytest.skip("needs 4 ranks")
     from mpishard.comm import Mesh
-    from mpishard.models import GPTConfig
-    from mpishard.parallel import ParallelGPT
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.parallel import ParallelModel
 
     cfg = GPTConfig(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=12)
     world = Communicator(MPI.COMM_WORLD)
     mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
     with shared_tmp(world) as root:
-        run = ParallelGPT(cfg, mesh, strategy="zero3", dtype="float64", micro_batches=2)
+        run = ParallelModel(GPT(cfg, dtype="float64", materialize_now=False), mesh,
+                            strategy="zero3", micro_batches=2)
         opt = make_optimizer(run.parameters())
         x = np.random.default_rng(mesh.dp_rank).integers(0, 40, (4, 8))
         run.train_step(x, x)
@@ -290,7 +291,8 @@ def test_tensor_and_pipeline_layouts_load_anywhere(dp, tp, pp):
         _assert_same(saved, full_tensors(flat, flat_opt, world), f"dp{dp} tp{tp} pp{pp} -> zero3")
         save_checkpoint(root, 2, flat, flat_opt)
 
-        back = ParallelGPT(cfg, mesh, strategy="zero3", seed=5, dtype="float64", micro_batches=2)
+        back = ParallelModel(GPT(cfg, seed=5, dtype="float64", materialize_now=False), mesh,
+                             strategy="zero3", micro_batches=2)
         back_opt = make_optimizer(back.parameters())
         load_checkpoint(root / "step-2", back.strategy, back_opt)
         _assert_same(saved, full_tensors(back.strategy, back_opt, world), "and back")

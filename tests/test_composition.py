@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import Mesh
-from mpishard.models import GPTConfig
-from mpishard.parallel import ParallelGPT, bubble_fraction, partition_blocks
+from mpishard.models import GPT, GPTConfig
+from mpishard.parallel import ParallelModel, bubble_fraction, partition_blocks
 from parity import batch, make_optimizer, max_rel_err, reference, sub_world
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=4, n_head=4, n_embd=12)
@@ -28,8 +28,8 @@ def _reference():
 
 def train_layout(comm, dp, tp, pp, strategy="ddp", schedule="1f1b", micro=1):
     mesh = Mesh(comm, dp=dp, tp=tp, pp=pp)
-    run = ParallelGPT(CFG, mesh, strategy=strategy, dtype="float64", micro_batches=micro,
-                      schedule=schedule)
+    run = ParallelModel(GPT(CFG, dtype="float64", materialize_now=False), mesh,
+                        strategy=strategy, micro_batches=micro, schedule=schedule)
     opt = make_optimizer(run.parameters(), run.ledger)
     share = DATA_DP // dp          # data of `share` reference ranks per dp rank
     losses = []
@@ -106,17 +106,16 @@ def test_bad_layouts_raise_before_communicating():
             return
         mesh = Mesh(comm)
         with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
-            ParallelGPT(CFG, mesh, micro_batches=0)
-        run = ParallelGPT(CFG, mesh, micro_batches=3)
+            ParallelModel(GPT(CFG, materialize_now=False), mesh, micro_batches=0)
+        run = ParallelModel(GPT(CFG, materialize_now=False), mesh, micro_batches=3)
         with pytest.raises(ValueError, match="batch of 2 does not split into 3 micro-batches"):
             run.train_step(*batch(0, 0, 0, CFG))
 
 
 def test_tp_larger_than_heads_is_refused():
-    from mpishard.models import GPT
-    from mpishard.parallel import parallelize_gpt
+    from mpishard.parallel import apply_tensor_plan
 
     class FiveRanks:  # only the size is read before the check
         size, rank = 5, 0
     with pytest.raises(ValueError, match="tp=5 is larger than n_head=4"):
-        parallelize_gpt(GPT(CFG, materialize_now=False), FiveRanks())
+        apply_tensor_plan(GPT(CFG, materialize_now=False), FiveRanks())

@@ -24,7 +24,7 @@ FORBIDDEN = {
     "comm": {"mpishard.nn", "mpishard.optim", "mpishard.models", "mpishard.parallel",
              "mpishard.checkpoint", "mpishard.cli", "mpishard.train", "mpishard.recipes",
              "mpishard.config"},
-    "parallel": {"mpishard.checkpoint", "mpishard.cli", "mpishard.train",
+    "parallel": {"mpishard.models", "mpishard.checkpoint", "mpishard.cli", "mpishard.train",
                  "mpishard.recipes", "mpishard.config"},
     "checkpoint": {"mpishard.cli", "mpishard.train", "mpishard.recipes", "mpishard.config"},
 }

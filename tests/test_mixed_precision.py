@@ -337,7 +337,7 @@ def test_planner_counts_masters_and_sixteen_bit_copies():
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 def test_tensor_and_pipeline_parallel_in_sixteen_bits(precision):
     """tp x pp, dp x tp and dp x pp train in 16 bits and track their float32 runs."""
-    from mpishard.parallel import ParallelGPT
+    from mpishard.parallel import ParallelModel
 
     world = Communicator(MPI.COMM_WORLD)
     if world.size != 4:
@@ -346,8 +346,9 @@ def test_tensor_and_pipeline_parallel_in_sixteen_bits(precision):
         runs = {}
         for prec in (None, precision):
             mesh = Mesh(world, **dims)
-            run = ParallelGPT(parity.UNEVEN, mesh, strategy="zero3" if dims["pp"] == 1 else
-                              "zero1", micro_batches=2, precision=prec)
+            run = ParallelModel(GPT(parity.UNEVEN, materialize_now=False), mesh,
+                                strategy="zero3" if dims["pp"] == 1 else "zero1",
+                                micro_batches=2, precision=prec)
             opt = parity.make_optimizer(run.parameters(), run.ledger)
             losses = []
             for step in range(3):

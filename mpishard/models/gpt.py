@@ -3,8 +3,9 @@
 Weights are stored ``[out, in]`` and named as in nanoGPT
 (``transformer.wte.weight``, ``transformer.h.0.attn.c_attn.weight``, ...), so a
 state dict exported from here loads into a PyTorch nanoGPT model. Activations
-stay 2-D, ``(B*T, C)``, between blocks: BLAS is fastest on 2-D operands
-(``NUMPY_SPEED.md`` item 1).
+stay 2-D, ``(B*T, C)``, between blocks: BLAS is fastest on 2-D operands (a 3-D
+activation times a 2-D weight was measured slower than the same product on the
+flattened activation).
 
     >>> cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
     >>> model = GPT(cfg, seed=0)
@@ -22,7 +23,7 @@ from ..autodiff import nn_ops
 from ..autodiff.recompute import recompute
 from ..autodiff.tensor import Tensor, is_grad_enabled, no_grad
 from ..backend import Backend, xp_of
-from ..nn import Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
+from ..nn import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
 from ..nn.init import materialize
 from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
@@ -67,13 +68,14 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(C, C, config.bias, init_std=proj_std, dtype=dtype)
         self.resid_dropout = Dropout(config.dropout)
         self.attn_dropout = Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.head_size = C // config.n_head
 
     def forward(self, x, batch_size: int):
-        qkv = self.c_attn(x)                                       # (B*T, 3C)
-        y = nn_ops.causal_self_attention(qkv, self.n_head, batch_size,
+        qkv = self.c_attn(x)                                       # (B*T, 3 * nh * hs)
+        n_head = qkv.shape[-1] // (3 * self.head_size)             # this rank's heads under tp
+        y = nn_ops.causal_self_attention(qkv, n_head, batch_size,
                                          self.attn_dropout.p, self.attn_dropout.rng,
-                                         self.training)            # (B*T, C)
+                                         self.training)            # (B*T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -151,6 +153,7 @@ class GPT(Module):
         self.config = config
         self.backend = backend or Backend()
         self.seed = seed
+        self.dtype = dtype
         self.first_stage, self.last_stage = first_stage, last_stage
         self.block_ids = list(range(config.n_layer) if blocks is None else blocks)
         if any(not 0 <= i < config.n_layer for i in self.block_ids):
@@ -170,9 +173,9 @@ class GPT(Module):
             self.lm_head = Linear(C, config.vocab_size, bias=False, dtype=dtype)
             # Weight tying, as in nanoGPT: the output projection is the token table.
             self.lm_head.weight = self.transformer.wte.weight
-        #: maps (logits (N, V), targets (N,)) to the mean loss; tensor parallelism
-        #: swaps in a vocab-parallel cross-entropy.
-        self.loss_fn = nn_ops.cross_entropy
+            # (logits (N, V), targets (N,)) -> mean loss; the tensor-parallel plan
+            # swaps in the vocabulary-parallel cross-entropy.
+            self.loss = CrossEntropyLoss()
         if materialize_now:
             materialize(self, seed, self.backend)
 
@@ -212,6 +215,17 @@ class GPT(Module):
             pipeline=PipelinePlan("transformer.h", first=("transformer.wte", "transformer.wpe"),
                                   last=("transformer.ln_f", "lm_head")),
             tied=(("lm_head.weight", "transformer.wte.weight"),))
+
+    def pipeline_stage(self, blocks, first_stage: bool, last_stage: bool) -> "GPT":
+        """A new, unmaterialised GPT holding ``blocks`` (and, first or last, what those
+        stages add): see [Note: pipeline stage interface] in mpishard/nn/plan.py."""
+        return GPT(self.config, seed=self.seed, dtype=self.dtype, backend=self.backend,
+                   materialize_now=False, blocks=blocks, first_stage=first_stage,
+                   last_stage=last_stage)
+
+    def activation_shape(self, batch_size: int, seq_len: int) -> tuple:
+        """What one stage hands the next: ``(B*T, C)``."""
+        return (batch_size * seq_len, self.config.n_embd)
 
     def forward(self, inputs, targets=None, batch_size: int | None = None):
         """Run this model (or stage).
@@ -254,7 +268,7 @@ class GPT(Module):
         loss = None
         if targets is not None:
             targets = self.backend.asarray(targets.data if isinstance(targets, Tensor) else targets)
-            loss = self.loss_fn(logits, targets.reshape(B * T))
+            loss = self.loss(logits, targets.reshape(B * T))
         return logits.reshape(B, T, logits.shape[-1]), loss
 
     @no_grad()

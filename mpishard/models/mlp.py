@@ -35,6 +35,7 @@ class MLPClassifier(Module):
             raise ValueError(f"MLPClassifier: every width must be positive, got {widths}")
         self.backend = backend or Backend()
         self.seed = seed
+        self.first_stage = self.last_stage = True  # one pipeline stage (no PipelinePlan)
         self.layers = ModuleList([Linear(a, b, bias, init_std=(2.0 / a) ** 0.5, dtype=dtype)
                                   for a, b in zip(widths[:-1], widths[1:])])
         if materialize_now:

@@ -1,4 +1,4 @@
-"""Layers: Linear, Embedding, LayerNorm, Dropout.
+"""Layers: Linear, Embedding, LayerNorm, Dropout, CrossEntropyLoss.
 
 Weights are stored ``[out, in]`` like ``torch.nn.Linear`` so state dicts load
 into PyTorch models unchanged.
@@ -11,7 +11,7 @@ from ..autodiff import nn_ops
 from .module import Module
 from .parameter import Constant, Normal, Parameter
 
-__all__ = ["Linear", "Embedding", "LayerNorm", "Dropout"]
+__all__ = ["Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss"]
 
 
 class Linear(Module):
@@ -85,3 +85,16 @@ class Dropout(Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+class CrossEntropyLoss(Module):
+    """The mean cross-entropy of ``(N, V)`` logits against ``(N,)`` targets
+    (``ignore_index`` left out). A module, so a model's parallel plan can swap it
+    for the vocabulary-parallel loss."""
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, logits, targets):
+        return nn_ops.cross_entropy(logits, targets, ignore_index=self.ignore_index)

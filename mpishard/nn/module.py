@@ -78,6 +78,32 @@ class Module:
             for child_name, child in reversed(children):
                 stack.append((f"{name}.{child_name}" if name else child_name, child))
 
+    def get_submodule(self, path: str) -> "Module":
+        """The module at dotted ``path`` (``""``: this one); KeyError naming the missing part."""
+        module = self
+        for part in path.split(".") if path else []:
+            if part not in module._modules:
+                raise KeyError(f"{type(self).__name__} has no module {path!r} "
+                               f"({part!r} is not a child of {type(module).__name__})")
+            module = module._modules[part]
+        return module
+
+    def set_submodule(self, path: str, module: "Module") -> None:
+        """Replace the module at dotted ``path``; it keeps its place in the order."""
+        parent, _, name = path.rpartition(".")
+        owner = self.get_submodule(parent)
+        if name not in owner._modules:
+            raise KeyError(f"{type(self).__name__} has no module {path!r}")
+        setattr(owner, name, module)
+
+    def get_parameter(self, path: str) -> Parameter:
+        """The parameter at dotted ``path`` (``"transformer.wte.weight"``)."""
+        parent, _, name = path.rpartition(".")
+        owner = self.get_submodule(parent)
+        if name not in owner._parameters:
+            raise KeyError(f"{type(self).__name__} has no parameter {path!r}")
+        return owner._parameters[name]
+
     def children(self) -> Iterator["Module"]:
         return iter(self._modules.values())
 

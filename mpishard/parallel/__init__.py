@@ -6,10 +6,10 @@ contract] in strategy.py) and is listed once in :data:`STRATEGIES`:
 ``ZeRO`` (``zero1``/``zero2``/``zero3``: shard optimizer state, gradients,
 parameters) over ``mesh.dp``. Tensor parallelism over ``mesh.tp`` and
 pipeline stages over ``mesh.pp`` apply a model's own parallel plan;
-``ParallelGPT`` composes them all on one mesh.
+``ParallelModel`` composes them all on one mesh.
 """
 from . import data_parallel, zero_stage12, zero_stage3  # noqa: F401 (register the strategies)
-from .compose import ParallelGPT, build_stage, wrap_model
+from .compose import ParallelModel, build_stage, wrap_model
 from .data_parallel import DataParallel, check_replicas_equal
 from .flat import FlatLayout, FlatShard, padded_size
 from .pieces import Piece, gather_full_params, load_pieces, pieces_of
@@ -17,8 +17,10 @@ from .pipeline import Pipeline, bubble_fraction, partition_blocks
 from .planner import MemoryPlan, PlanSizes, plan_memory
 from .precision import PRECISIONS, LossScaler, MasterCopies, Precision
 from .strategy import STRATEGIES, StepResult, Strategy, StrategyEntry, register_strategy
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                              parallelize_gpt, vocab_parallel_cross_entropy)
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
+                              VocabParallelEmbedding, apply_tensor_plan, split_range,
+                              tie_parameters)
+from .tp_ops import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 from .units import FlatUnit, plan_units
 from .zero import ZeRO, ZeroUnit
 
@@ -26,7 +28,9 @@ __all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_st
            "DataParallel", "ZeRO", "ZeroUnit", "FlatUnit", "FlatShard", "FlatLayout",
            "padded_size", "plan_units", "check_replicas_equal", "MemoryPlan", "PlanSizes",
            "plan_memory", "Piece", "pieces_of", "load_pieces", "gather_full_params",
-           "ParallelGPT", "build_stage", "wrap_model", "Pipeline", "bubble_fraction",
+           "ParallelModel", "build_stage", "wrap_model", "Pipeline", "bubble_fraction",
            "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "parallelize_gpt", "vocab_parallel_cross_entropy",
+           "VocabParallelEmbedding", "VocabParallelCrossEntropy", "apply_tensor_plan",
+           "tie_parameters", "split_range", "copy_to_tp", "reduce_from_tp",
+           "vocab_parallel_cross_entropy",
            "Precision", "LossScaler", "MasterCopies", "PRECISIONS"]

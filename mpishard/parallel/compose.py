@@ -1,50 +1,86 @@
-"""One GPT on a dp x tp x pp mesh: pipeline stage, tensor-parallel layers, ZeRO or DDP.
+"""Any model with a parallel plan on a dp x tp x pp mesh: pipeline stage, tensor-parallel
+layers, then a registered strategy (DDP or ZeRO) over dp.
 
     mesh = Mesh(world, dp=2, tp=2, pp=1)
-    run = ParallelGPT(GPTConfig(...), mesh, strategy="zero3", micro_batches=2)
+    run = ParallelModel(GPT(GPTConfig(...), materialize_now=False), mesh, strategy="zero3",
+                        micro_batches=2)
     opt = AdamW(run.parameters(), lr=3e-4, ledger=run.ledger)
     for step in range(steps):
         loss = run.train_step(x, y)          # x, y: this dp rank's batch (same on tp/pp peers)
         run.step(opt, max_norm=1.0)
 
-Built in this order, each layer reading the one before: the pipeline stage's
-blocks (:func:`partition_blocks`), tensor-parallel layers over ``mesh.tp``
-(:func:`parallelize_gpt`), then DataParallel or ZeRO over ``mesh.dp``, driven
+Built in this order, each reading the model's own :class:`~mpishard.nn.ParallelPlan`
+(see [Note: parallel plans] in mpishard/nn/plan.py): this rank's pipeline
+stage (:func:`build_stage`: the model's ``pipeline_stage`` for the blocks
+:func:`partition_blocks` gives it), its tensor-parallel layers over ``mesh.tp``
+(:func:`apply_tensor_plan`), then the strategy over ``mesh.dp``, driven
 micro-batch by micro-batch by a :class:`Pipeline` (also when ``pp == 1``).
 Parameters are materialised from (seed, name) straight into their tp slices
-and, under ZeRO-3, into dp shards: no rank ever holds the whole model.
+and, under ZeRO, into dp shards: no rank ever holds the whole model.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from ..autodiff.tensor import no_grad
-from ..backend import Backend
-from ..models.gpt import GPT, GPTConfig
+from ..nn.plan import plan_of
 from .pipeline import Pipeline, partition_blocks
-from .tensor_parallel import parallelize_gpt
 from .strategy import strategy_entry
+from .tensor_parallel import apply_tensor_plan
 
-__all__ = ["ParallelGPT", "build_stage", "wrap_model"]
+__all__ = ["ParallelModel", "build_stage", "wrap_model"]
 
 
-def build_stage(config: GPTConfig, mesh, seed: int = 0, dtype: str = "float32",
-                backend: Backend | None = None, stage_plan=None) -> GPT:
-    """This rank's pipeline stage of the GPT, with tensor-parallel layers, unmaterialised."""
-    C = config.n_embd
-    per_block = 12 * C * C + 13 * C
-    ranges = partition_blocks(config.n_layer, mesh.pp.size, per_block,
-                              first_extra=(config.vocab_size + config.block_size) * C,
-                              last_extra=2 * C, plan=stage_plan)
-    s, last = mesh.pp.rank, mesh.pp.size - 1
-    model = GPT(config, seed=seed, dtype=dtype, backend=backend, materialize_now=False,
-                blocks=ranges[s], first_stage=s == 0, last_stage=s == last)
-    parallelize_gpt(model, mesh.tp)
-    if mesh.pp.size > 1 and s == last:  # a copy of the first stage's token table
-        wte = model.transformer.wte.weight
-        wte.spec = dataclasses.replace(wte.spec, replica=True)
-    for p in model.parameters():
-        p.spec = dataclasses.replace(p.spec, pp_stage=s)
+def _params_in(model, paths, exclude=()) -> int:
+    """Parameter elements of the modules at ``paths`` (that the model has), leaving out
+    the parameters in ``exclude`` (ids)."""
+    total, seen = 0, set(exclude)
+    for path in paths:
+        try:
+            module = model.get_submodule(path)
+        except KeyError:
+            continue
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.size
+    return total
+
+
+def build_stage(model, mesh, stage_plan=None):
+    """This rank's pipeline stage of ``model`` (whole and unmaterialised), with its
+    tensor-parallel layers applied over ``mesh.tp``; unmaterialised.
+
+    Stages are balanced by parameter count (``stage_plan``, blocks per stage,
+    overrides it). A tied parameter held by a stage other than its owner's
+    (the token table on the last stage) is marked ``spec.replica``.
+
+    Raises:
+        ValueError: ``pp > 1`` for a model without a pipeline plan, more stages
+            than blocks, or a tensor-parallel split that does not fit.
+    """
+    plan = plan_of(model)
+    pp, s = mesh.pp.size, mesh.pp.rank
+    first_names: set = set()   # parameters the first stage owns (a later stage's are replicas)
+    if pp > 1:
+        if plan.pipeline is None:
+            raise ValueError(f"{type(model).__name__} has no pipeline plan (its "
+                             f"parallel_plan() has pipeline=None); use pp=1")
+        pipe = plan.pipeline
+        blocks = list(model.get_submodule(pipe.blocks).values())
+        first = [(n, p) for n, p in model.named_parameters()
+                 if any(n.startswith(f + ".") for f in pipe.first)]
+        first_names = {n for n, _ in first}
+        ranges = partition_blocks(len(blocks), pp, [b.num_parameters() for b in blocks],
+                                  first_extra=_params_in(model, pipe.first),
+                                  last_extra=_params_in(model, pipe.last,
+                                                        exclude={id(p) for _, p in first}),
+                                  plan=stage_plan)
+        model = model.pipeline_stage(ranges[s], first_stage=s == 0, last_stage=s == pp - 1)
+    apply_tensor_plan(model, mesh.tp, plan_of(model))
+    for name, p in model.named_parameters():
+        replica = s > 0 and name in first_names   # held for a tie; owned by stage 0
+        p.spec = dataclasses.replace(p.spec, pp_stage=s, replica=p.spec.replica or replica)
     return model
 
 
@@ -59,40 +95,44 @@ def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=No
     return strategy_entry(strategy).build(model, mesh, seed=seed, precision=precision)
 
 
-class ParallelGPT:
-    """A GPT trained on any dp x tp x pp factorisation of the world.
+class ParallelModel:
+    """A model trained on any dp x tp x pp factorisation of the world.
 
     Args:
-        config: the model.
+        model: the whole model, unmaterialised (``materialize_now=False``):
+            only its shapes and plan are read; this rank builds its own part.
         mesh: the :class:`~mpishard.comm.Mesh`.
-        strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` over ``mesh.dp``.
+        strategy: a name in :data:`STRATEGIES` (``"ddp"``, ``"zero1"``, ...) over ``mesh.dp``.
         micro_batches: micro-batches per step (the pipeline's ``m``; plain
             gradient accumulation when ``pp == 1``).
         schedule: ``"1f1b"`` or ``"gpipe"``.
         stage_plan: blocks per pipeline stage (default: balanced by parameters).
         precision: mixed precision, e.g. ``"bfloat16"`` (see :class:`~mpishard.parallel.Precision`).
+        seed: initialisation seed (default: the model's).
     """
 
-    def __init__(self, config: GPTConfig, mesh, strategy: str = "zero3", seed: int = 0,
-                 dtype: str = "float32", backend: Backend | None = None,
-                 micro_batches: int = 1, schedule: str = "1f1b", stage_plan=None,
-                 precision=None):
+    def __init__(self, model, mesh, strategy: str = "zero3", micro_batches: int = 1,
+                 schedule: str = "1f1b", stage_plan=None, precision=None,
+                 seed: int | None = None):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        self.config, self.mesh = config, mesh
-        backend = backend or Backend()
-        self.strategy = wrap_model(build_stage(config, mesh, seed, dtype, backend, stage_plan),
-                                   mesh, strategy, seed, precision)
-        tie = None
-        if mesh.pp.size > 1:  # first and last stage of each (dp, tp) pipeline share wte
+        plan = plan_of(model)
+        self.mesh = mesh
+        self.strategy = wrap_model(build_stage(model, mesh, stage_plan), mesh, strategy,
+                                   seed, precision)
+        tie, tied = None, []
+        if mesh.pp.size > 1 and plan.tied:  # first and last stage of each (dp, tp) pipeline
             ends = mesh.pp.rank in (0, mesh.pp.size - 1)
             color = mesh.dp.rank * mesh.tp.size + mesh.tp.rank if ends else None
-            tie = mesh.world.split(color, name="tied-embedding")
-        self.pipeline = Pipeline(self.strategy, mesh, micro_batches, schedule, tie)
+            tie = mesh.world.split(color, name="tied")
+            names = dict(self.strategy.module.named_parameters(remove_duplicate=False))
+            tied = [names[source] for _, source in plan.tied if source in names] if ends else []
+        self.pipeline = Pipeline(self.strategy, mesh, micro_batches, schedule, tie, tied)
 
     # -- the training loop's verbs -------------------------------------------
     @property
-    def module(self) -> GPT:
+    def module(self):
+        """This rank's part of the model (a pipeline stage, tensor-parallel layers)."""
         return self.strategy.module
 
     @property

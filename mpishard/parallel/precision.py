@@ -28,7 +28,7 @@ parameters and optimizer state untouched) and doubles after
 ``growth_interval`` clean steps in a row, as torch.amp.GradScaler does. The
 overflow decision is the global gradient norm's, which one all-reduce over the
 whole mesh makes the same on every rank (see [Note: collective step
-decisions] in base.py), so all ranks skip together and keep the same scale.
+decisions] in strategy.py), so all ranks skip together and keep the same scale.
 bfloat16 has float32's exponent range and needs no scaling.
 """
 from __future__ import annotations

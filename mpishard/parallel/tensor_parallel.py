@@ -10,33 +10,34 @@ A linear layer's weight is split across the ranks of ``mesh.tp``:
   ``y = g(x_local @ W_local.T) + b``, the output is whole again.
 - :class:`VocabParallelEmbedding` splits the vocabulary; each rank looks up the
   tokens it holds and ``g`` sums the rows.
-- :func:`vocab_parallel_cross_entropy` computes the loss from vocabulary-split
+- :class:`VocabParallelCrossEntropy` computes the loss from vocabulary-split
   logits with three all-reduces of one number per row; full logits never exist.
 
-``f``/``g`` are :func:`mpishard.comm.copy_to_tp` / :func:`mpishard.comm.reduce_from_tp`.
-:func:`parallelize_gpt` swaps a GPT's layers for these: attention split by
-heads (each rank gets whole heads; uneven counts work, e.g. 5 heads on 2 ranks
-as 3 + 2), the MLP's hidden width split, the vocabulary split. Every split
-parameter records its blocks in ``spec.tp_dim``/``spec.tp_blocks`` and is
-initialised by cutting its blocks from the same (seed, name) tensor the
-unsharded model draws, so a tensor-parallel model starts equal to the plain one.
+``f``/``g`` are :func:`~mpishard.parallel.tp_ops.copy_to_tp` /
+:func:`~mpishard.parallel.tp_ops.reduce_from_tp`. :func:`apply_tensor_plan`
+swaps the layers a model's plan names for these (see [Note: parallel plans] in
+mpishard/nn/plan.py): a style says how a layer's features fall into groups
+(an attention head is one group of ``head_size`` features), and each tp rank
+takes a contiguous run of groups, the first ``n % tp`` ranks one more (5 heads
+on 2 ranks: 3 + 2). Every split parameter records its blocks in
+``spec.tp_dim``/``spec.tp_blocks`` and is initialised by cutting its blocks from
+the same (seed, name) tensor the unsharded model draws, so a tensor-parallel
+model starts equal to the plain one.
 """
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from ..autodiff import nn_ops
-from ..autodiff.ops import as_tensor, make_result, mul
+from ..autodiff.ops import mul
 from ..autodiff.tensor import Tensor
 from ..backend import xp_of
-from .tp_ops import copy_to_tp, reduce_from_tp
-from ..dtypes import is_low_precision
-from ..nn import Constant, Linear, Module, Normal, Parameter
+from ..nn import Constant, Embedding, Linear, Module, Normal, Parameter
+from ..nn.plan import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
+from .tp_ops import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "parallelize_gpt", "split_range"]
+           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters", "split_range"]
 
 
 def split_range(n: int, parts: int, index: int) -> tuple:
@@ -71,10 +72,10 @@ class ColumnParallelLinear(Module):
         super().__init__()
         self.tp = tp
         self.in_features, self.out_features = in_features, out_features
-        blocks = blocks or [split_range(out_features, tp.size, tp.rank)]
-        self.weight = _split_param((out_features, in_features), blocks, 0, Normal(init_std),
+        self.blocks = tuple(blocks or [split_range(out_features, tp.size, tp.rank)])
+        self.weight = _split_param((out_features, in_features), self.blocks, 0, Normal(init_std),
                                    True, dtype)
-        self.bias = _split_param((out_features,), blocks, 0, Constant(0.0), False, dtype) \
+        self.bias = _split_param((out_features,), self.blocks, 0, Constant(0.0), False, dtype) \
             if bias else None
 
     def forward(self, x):
@@ -93,8 +94,8 @@ class RowParallelLinear(Module):
         super().__init__()
         self.tp = tp
         self.in_features, self.out_features = in_features, out_features
-        blocks = blocks or [split_range(in_features, tp.size, tp.rank)]
-        self.weight = _split_param((out_features, in_features), blocks, 1, Normal(init_std),
+        self.blocks = tuple(blocks or [split_range(in_features, tp.size, tp.rank)])
+        self.weight = _split_param((out_features, in_features), self.blocks, 1, Normal(init_std),
                                    True, dtype)
         self.bias = Parameter((out_features,), Constant(0.0), False, dtype) if bias else None
 
@@ -128,100 +129,106 @@ class VocabParallelEmbedding(Module):
         return reduce_from_tp(rows, self.tp)
 
 
-def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
-                                 ignore_index: int = -100) -> Tensor:
-    """Mean cross-entropy from logits split by vocabulary, without gathering them.
+class VocabParallelCrossEntropy(Module):
+    """The mean cross-entropy of logits whose vocabulary columns start at ``vocab_start``."""
 
-    Args:
-        logits: ``(N, V_local)``, this rank's vocabulary columns
-            ``[vocab_start, vocab_start + V_local)``.
-        targets: ``(N,)`` global token ids (``ignore_index`` left out).
-        tp: the tensor-parallel Communicator.
+    def __init__(self, tp, vocab_start: int):
+        super().__init__()
+        self.tp, self.vocab_start = tp, vocab_start
 
-    Megatron-LM's recipe: all-reduce the row maxima (max), the sums of
-    exponentials (sum) and the target logits (sum, from the rank that holds
-    each target); the gradient ``softmax - onehot`` needs no communication.
-    """
-    logits = as_tensor(logits)
-    t = targets.data if isinstance(targets, Tensor) else targets
-    x = logits.data.reshape(-1, logits.shape[-1])                   # (N, V_local)
-    if is_low_precision(x.dtype):  # 16-bit logits: the softmax runs in float32
-        x = x.astype(np.float32)
-    xp = xp_of(x)
-    n_local = x.shape[1]
-    t = t.reshape(-1)
-    rows = xp.arange(x.shape[0])
-    valid = t != ignore_index
-    mine = (t >= vocab_start) & (t < vocab_start + n_local) & valid
-    local_t = xp.where(mine, t - vocab_start, 0)
-    row_max = x.max(axis=1)
-    tp.all_reduce(row_max, op="max")
-    e = x - row_max[:, None]
-    picked = xp.where(mine, e[rows, local_t], 0.0).astype(x.dtype)
-    xp.exp(e, out=e)
-    sums = e.sum(axis=1)
-    tp.all_reduce(sums, op="sum")
-    tp.all_reduce(picked, op="sum")
-    per_row = xp.log(sums) - picked
-    n_valid = int(valid.sum())
-    loss = (per_row * valid).sum() / n_valid if n_valid else per_row.sum() * float("nan")
-
-    def backward(g):
-        p = e * (1.0 / sums)[:, None]                               # local softmax columns
-        p[rows, local_t] -= mine.astype(p.dtype)
-        p *= valid[:, None]
-        p *= g / max(n_valid, 1)
-        return (p.astype(logits.data.dtype, copy=False).reshape(logits.shape),)
-    return make_result(xp.asarray(loss, dtype=x.dtype), (logits,), backward,
-                       "vocab_parallel_cross_entropy")
+    def forward(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_start)
 
 
-def _like(linear: Linear, cls, tp, blocks):
-    return cls(linear.in_features, linear.out_features, tp, bias=linear.bias is not None,
-               init_std=linear.weight.init.std, dtype=linear.weight.spec.dtype, blocks=blocks)
+# -- applying a plan -------------------------------------------------------------
+
+def _matching(model, pattern: str) -> list:
+    """``(path, module)`` of every module whose dotted path matches ``pattern``
+    (``*`` matches one path component)."""
+    want = pattern.split(".")
+    return [(path, m) for path, m in model.named_modules()
+            if path and len(path.split(".")) == len(want)
+            and all(w in ("*", p) for w, p in zip(want, path.split(".")))]
 
 
-def parallelize_gpt(model, tp) -> Module:
-    """Swap a (not yet materialised) GPT's layers for tensor-parallel ones over ``tp``.
+def _groups(n: int, unit: int, parts: int, what: str, path: str, tp) -> tuple:
+    """This rank's ``(first, stop)`` group of the ``n // (parts * unit)`` per segment."""
+    if n % parts or (n // parts) % unit:
+        raise ValueError(f"{path}: {n} features do not split into {parts} segment(s) of "
+                         f"groups of {unit} ({what}); the plan does not fit the layer")
+    groups = n // parts // unit
+    if tp.size > groups:
+        raise ValueError(f"tp={tp.size} is larger than {what}={groups} ({path}): every "
+                         f"tensor-parallel rank needs at least one; use tp <= {groups}")
+    return split_range(groups, tp.size, tp.rank)
+
+
+def _swap(model, path: str, module, style, tp):
+    """The tensor-parallel replacement of ``module`` for ``style``."""
+    if isinstance(style, VocabParallelLoss):
+        head = model.get_submodule(style.logits)
+        return VocabParallelCrossEntropy(tp, head.blocks[0][0])
+    if isinstance(style, VocabParallel):
+        if not isinstance(module, Embedding):
+            raise TypeError(f"{path}: VocabParallel applies to an Embedding, not "
+                            f"{type(module).__name__}")
+        _groups(module.num_embeddings, 1, 1, style.groups, path, tp)
+        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, tp,
+                                      module.weight.init.std, module.weight.spec.dtype)
+    if not isinstance(module, Linear):
+        raise TypeError(f"{path}: {type(style).__name__} applies to a Linear, not "
+                        f"{type(module).__name__}")
+    kwargs = dict(bias=module.bias is not None, init_std=module.weight.init.std,
+                  dtype=module.weight.spec.dtype)
+    if isinstance(style, ColumnParallel):
+        n = module.out_features
+        g0, g1 = _groups(n, style.unit, style.parts, style.groups, path, tp)
+        seg = n // style.parts
+        blocks = [(k * seg + g0 * style.unit, k * seg + g1 * style.unit)
+                  for k in range(style.parts)]
+        return ColumnParallelLinear(module.in_features, n, tp, blocks=blocks, **kwargs)
+    if isinstance(style, RowParallel):
+        g0, g1 = _groups(module.in_features, style.unit, 1, style.groups, path, tp)
+        return RowParallelLinear(module.in_features, module.out_features, tp,
+                                 blocks=[(g0 * style.unit, g1 * style.unit)], **kwargs)
+    raise TypeError(f"{path}: unknown tensor-parallel style {style!r}")
+
+
+def apply_tensor_plan(model, tp, plan=None) -> Module:
+    """Swap the layers ``plan`` (default: the model's own) names for tensor-parallel ones.
+
+    The model must not be materialised yet (its split parameters are drawn in
+    their slices later). Tied parameters (``plan.tied``) are tied again after
+    the swap. Returns the model.
 
     Raises:
-        ValueError: ``tp`` larger than the number of heads or the vocabulary, or
-            a model whose parameters already hold values.
+        ValueError: ``tp`` larger than a layer's groups (heads, vocabulary), a
+            model without a tensor-parallel plan at ``tp > 1``, or parameters
+            that already hold values.
     """
     if tp.size == 1:
         return model
-    cfg = model.config
+    plan = plan or plan_of(model)
+    if not plan.tensor:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (its "
+                         f"parallel_plan() lists no tensor styles); use tp=1")
     if any(p.data is not None for p in model.parameters()):
-        raise ValueError("parallelize_gpt needs a model built with materialize_now=False")
-    if tp.size > cfg.n_head:
-        raise ValueError(f"tp={tp.size} is larger than n_head={cfg.n_head}: every "
-                         f"tensor-parallel rank needs at least one head; use tp <= {cfg.n_head}")
-    if tp.size > cfg.vocab_size:
-        raise ValueError(f"tp={tp.size} is larger than the vocabulary ({cfg.vocab_size})")
-    C, hs = cfg.n_embd, cfg.n_embd // cfg.n_head
-    h0, h1 = split_range(cfg.n_head, tp.size, tp.rank)
-    heads = (h0 * hs, h1 * hs)
-    hidden = [split_range(4 * C, tp.size, tp.rank)]
-    for block in model.transformer.h.values():
-        attn, mlp = block.attn, block.mlp
-        qkv = [(heads[0] + k * C, heads[1] + k * C) for k in range(3)]   # q, k, v columns
-        attn.c_attn = _like(attn.c_attn, ColumnParallelLinear, tp, qkv)
-        attn.c_proj = _like(attn.c_proj, RowParallelLinear, tp, [heads])
-        attn.n_head = h1 - h0
-        mlp.c_fc = _like(mlp.c_fc, ColumnParallelLinear, tp, hidden)
-        mlp.c_proj = _like(mlp.c_proj, RowParallelLinear, tp, hidden)
-    if "wte" in model.transformer:
-        old = model.transformer.wte
-        model.transformer.wte = VocabParallelEmbedding(
-            old.num_embeddings, old.embedding_dim, tp, old.weight.init.std, old.weight.spec.dtype)
-    if model.last_stage:
-        wte = model.transformer.wte
-        head = ColumnParallelLinear(C, cfg.vocab_size, tp, bias=False,
-                                    blocks=[(wte.vocab_start, wte.vocab_stop)],
-                                    dtype=wte.weight.spec.dtype)
-        head.weight = wte.weight                                    # still tied
-        model.lm_head = head
-        start = wte.vocab_start
-        model.loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(
-            logits, targets, tp, start)
+        raise ValueError("apply_tensor_plan needs a model built with materialize_now=False")
+    for pattern, style in plan.tensor:
+        for path, module in _matching(model, pattern):
+            model.set_submodule(path, _swap(model, path, module, style, tp))
+    tie_parameters(model, plan.tied)
     return model
+
+
+def tie_parameters(model, tied) -> None:
+    """Make each ``(alias, source)`` pair one parameter where the model holds both."""
+    names = dict(model.named_parameters(remove_duplicate=False))
+    for alias, source in tied:
+        if alias not in names or source not in names:
+            continue
+        owner, _, attr = alias.rpartition(".")
+        if names[alias].shape != names[source].shape:
+            raise ValueError(f"tied {alias} {names[alias].shape} and {source} "
+                             f"{names[source].shape} differ after the tensor-parallel split")
+        setattr(model.get_submodule(owner), attr, names[source])

@@ -1,4 +1,4 @@
-"""Collectives as autodiff ops: Megatron-LM's f and g for tensor parallelism.
+"""Collectives as autodiff ops: Megatron-LM's f and g, and the vocabulary-parallel loss.
 
 Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models
 Using Model Parallelism" (2019, arXiv:1909.08053), section 3 and figure 3:
@@ -9,33 +9,45 @@ Using Model Parallelism" (2019, arXiv:1909.08053), section 3 and figure 3:
 - ``g`` = :func:`reduce_from_tp`: all-reduce (sum) in forward, identity in
   backward. It sits after a row-parallel layer, whose ranks each produce a
   partial sum of the output.
+- :func:`vocab_parallel_cross_entropy`: the mean cross-entropy from logits split
+  by vocabulary, with three all-reduces of one number per row.
 
-Both return their input unchanged when the communicator has one rank.
-bfloat16 activations and gradients are summed in float32 (MPI has no
-bfloat16 arithmetic) and cast back; float16 ones are summed as they are.
+Each is registered in ``OPS`` like every other op and has a gradient check
+that runs across ranks (tests/test_parallel_tp_ops.py): the tp group as one
+function, its inputs perturbed rank by rank. ``f`` and ``g`` return their input
+unchanged when the communicator has one rank. bfloat16 activations and
+gradients are summed in float32 (MPI has no bfloat16 arithmetic) and cast
+back; float16 ones are summed as they are.
 """
 from __future__ import annotations
 
-from ..autodiff.ops import as_tensor, make_result
-from ..autodiff.tensor import Tensor
+import numpy as np
 
-__all__ = ["copy_to_tp", "reduce_from_tp"]
+from ..autodiff.graph import as_tensor, make_result, register_op
+from ..autodiff.tensor import Tensor
+from ..backend import xp_of
+from ..dtypes import is_low_precision
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "vocab_parallel_cross_entropy"]
 
 
 def _summed(array, comm):
-    """A contiguous copy of ``array`` summed over ``comm`` (bfloat16 via float32)."""
-    from ..backend import xp_of  # noqa: PLC0415
+    """A contiguous copy of ``array`` summed over ``comm`` (bfloat16 via float32).
 
+    ``xp.array(..., order="C")`` rather than ``ascontiguousarray``: the latter
+    turns a 0-d array (a summed scalar) into shape ``(1,)``.
+    """
     xp = xp_of(array)
     if array.dtype.name == "bfloat16":
-        wide = xp.ascontiguousarray(array, dtype=xp.float32)
+        wide = xp.array(array, dtype=xp.float32, order="C")
         comm.all_reduce(wide, op="sum")
         return wide.astype(array.dtype)
-    out = xp.ascontiguousarray(array).copy()
+    out = xp.array(array, order="C")
     comm.all_reduce(out, op="sum")
     return out
 
 
+@register_op
 def copy_to_tp(x, comm) -> Tensor:
     """Megatron's ``f``: identity forward, gradient all-reduced over ``comm`` in backward."""
     x = as_tensor(x)
@@ -47,9 +59,59 @@ def copy_to_tp(x, comm) -> Tensor:
     return make_result(x.data, (x,), backward, "copy_to_tp")
 
 
+@register_op
 def reduce_from_tp(x, comm) -> Tensor:
     """Megatron's ``g``: forward all-reduce (sum) over ``comm``, identity backward."""
     x = as_tensor(x)
     if comm.size == 1:
         return x
     return make_result(_summed(x.data, comm), (x,), lambda g: (g,), "reduce_from_tp")
+
+
+@register_op
+def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
+                                 ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy from logits split by vocabulary, without gathering them.
+
+    Args:
+        logits: ``(N, V_local)``, this rank's vocabulary columns
+            ``[vocab_start, vocab_start + V_local)``.
+        targets: ``(N,)`` global token ids (``ignore_index`` left out).
+        tp: the tensor-parallel Communicator.
+
+    Megatron-LM's recipe: all-reduce the row maxima (max), the sums of
+    exponentials (sum) and the target logits (sum, from the rank that holds
+    each target); the gradient ``softmax - onehot`` needs no communication.
+    """
+    logits = as_tensor(logits)
+    t = targets.data if isinstance(targets, Tensor) else targets
+    x = logits.data.reshape(-1, logits.shape[-1])                   # (N, V_local)
+    if is_low_precision(x.dtype):  # 16-bit logits: the softmax runs in float32
+        x = x.astype(np.float32)
+    xp = xp_of(x)
+    n_local = x.shape[1]
+    t = t.reshape(-1)
+    rows = xp.arange(x.shape[0])
+    valid = t != ignore_index
+    mine = (t >= vocab_start) & (t < vocab_start + n_local) & valid
+    local_t = xp.where(mine, t - vocab_start, 0)
+    row_max = x.max(axis=1)
+    tp.all_reduce(row_max, op="max")
+    e = x - row_max[:, None]
+    picked = xp.where(mine, e[rows, local_t], 0.0).astype(x.dtype)
+    xp.exp(e, out=e)
+    sums = e.sum(axis=1)
+    tp.all_reduce(sums, op="sum")
+    tp.all_reduce(picked, op="sum")
+    per_row = xp.log(sums) - picked
+    n_valid = int(valid.sum())
+    loss = (per_row * valid).sum() / n_valid if n_valid else per_row.sum() * float("nan")
+
+    def backward(g):
+        p = e * (1.0 / sums)[:, None]                               # local softmax columns
+        p[rows, local_t] -= mine.astype(p.dtype)
+        p *= valid[:, None]
+        p *= g / max(n_valid, 1)
+        return (p.astype(logits.data.dtype, copy=False).reshape(logits.shape),)
+    return make_result(xp.asarray(loss, dtype=x.dtype), (logits,), backward,
+                       "vocab_parallel_cross_entropy")
