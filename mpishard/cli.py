@@ -75,7 +75,9 @@ def _cmd_train(args) -> int:
 
     world = Communicator.from_env(MPI.COMM_WORLD)
     check_launcher(world)
-    run(config_from_args(args), world)
+    notes: list = []
+    cfg = config_from_args(args, notes)
+    run(cfg, world, notes)
     return 0
 
 
@@ -83,19 +85,21 @@ def _cmd_estimate(args) -> int:
     from .backend import Backend
     from .config import config_from_args
     from .parallel import STRATEGIES, plan_memory
-    from .train import build_model
+    from .recipes import recipe_for
 
     cfg = config_from_args(args)
-    model = build_model(cfg, Backend(), materialize_now=False)
-    dp = cfg.dp or 1
-    strategies = [cfg.strategy] if args.config or "strategy" in _given(args) else \
+    model = recipe_for(cfg).model(Backend())
+    dp = cfg.parallel.dp or 1
+    strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
+    budget = cfg.run.memory_budget
     for strategy in strategies:
-        plan = plan_memory(model, strategy, dp, precision=cfg.precision)
+        plan = plan_memory(model, strategy, dp, cfg.optim.optimizer,
+                           precision=cfg.parallel.precision)
         print(plan.format())
-        if cfg.memory_budget:
-            fits = plan.total_peak_bytes <= cfg.memory_budget
-            print(f"  budget    {cfg.memory_budget / 2**20:10.2f} MiB per rank: "
+        if budget:
+            fits = plan.total_peak_bytes <= budget
+            print(f"  budget    {budget / 2**20:10.2f} MiB per rank: "
                   f"{'fits' if fits else 'does not fit'}")
     return 0
 
@@ -107,26 +111,27 @@ def _cmd_sample(args) -> int:
     from .backend import Backend
     from .checkpoint import CheckpointError, load_checkpoint, read_manifest, resolve_checkpoint
     from .comm import Communicator, Mesh
-    from .config import ConfigError, TrainConfig
+    from .config import ConfigError, config_from_dict, flat_values
     from .parallel import DataParallel
-    from .train import build_model
+    from .recipes import recipe_for
 
     step_dir = resolve_checkpoint(args.checkpoint)
     saved = read_manifest(step_dir).extra.get("config")
-    if not saved or saved.get("model") != "gpt":
-        raise CheckpointError(step_dir, "config", "no GPT training config in the manifest; "
-                              "sample needs a checkpoint written by 'mpishard train --model gpt'")
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
-    world = Communicator.from_env(MPI.COMM_SELF)      # one process, whatever the saved layout
-    model = DataParallel(build_model(cfg, Backend()), Mesh(world))
-    load_checkpoint(step_dir, model, None, world=world)
+    cfg = config_from_dict(flat_values(saved, str(step_dir), [])) if saved else None
+    recipe = recipe_for(cfg) if cfg is not None else None
+    if recipe is None or not recipe.can_sample:
+        raise CheckpointError(step_dir, "config", "no training config of a model that writes "
+                              "text in the manifest; sample needs a checkpoint written by "
+                              "'mpishard train --model gpt'")
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
-    prompt = np.frombuffer(args.prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)[None]
-    out = model.module.generate(prompt, args.tokens, temperature=args.temperature,
-                                top_k=args.top_k, rng=np.random.default_rng(args.seed))
+    world = Communicator.from_env(MPI.COMM_SELF)      # one process, whatever the saved layout
+    model = DataParallel(recipe.model(Backend()), Mesh(world))
+    load_checkpoint(step_dir, model, None, world=world)
+    text = recipe.sample(model.module, args.prompt, args.tokens, args.seed,
+                         temperature=args.temperature, top_k=args.top_k)
     if MPI.COMM_WORLD.rank == 0:
-        print(bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace"))
+        print(text)
     return 0
 
 
@@ -150,11 +155,26 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _given(args) -> set:
-    from .config import TrainConfig
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the environment table's line breaks (descriptions are wrapped by :func:`_wrap`)."""
 
-    return {name for name in TrainConfig.__dataclass_fields__
-            if getattr(args, name, None) is not None}
+
+def _wrap(text: str) -> str:
+    import textwrap
+
+    return textwrap.fill(text, 79)
+
+
+def _environment_help() -> str:
+    from .comm.env import ENVIRONMENT
+
+    import textwrap
+
+    table = dict(ENVIRONMENT, OMP_NUM_THREADS="BLAS threads per rank; with several ranks per "
+                 "node set it to cores // ranks (1 when oversubscribed)")
+    rows = [textwrap.fill(text, 79, initial_indent=f"  {name:<24}", subsequent_indent=" " * 26)
+            for name, text in table.items()]
+    return "environment variables:\n" + "\n".join(rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,14 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, MPI library, backend and device of each rank")
     info.set_defaults(func=_cmd_info)
 
-    train = sub.add_parser("train", help="train a model (GPT on text, MLP on digits)")
+    train = sub.add_parser("train", help="train a model (GPT on text, MLP on digits)",
+                           description=_wrap("Train a model on every rank of the job. "
+                           "Settings come from the defaults, then --config FILE, then these "
+                           "flags; each flag is also a key of its [section] in the TOML file."),
+                           epilog=_environment_help(), formatter_class=_Formatter)
     train.add_argument("--config", help="TOML file with training settings")
-    add_config_flags(train)
+    add_config_flags(train, "train")
     train.set_defaults(func=_cmd_train)
 
-    estimate = sub.add_parser("estimate", help="per-rank memory by category, before training")
+    estimate = sub.add_parser("estimate", help="per-rank memory by category, before training",
+                              description=_wrap("Predict per-rank memory (and bus bytes per "
+                              "step) of a layout without building it; without --strategy, "
+                              "every registered strategy."), formatter_class=_Formatter)
     estimate.add_argument("--config", help="TOML file with training settings")
-    add_config_flags(estimate)
+    add_config_flags(estimate, "estimate")
     estimate.set_defaults(func=_cmd_estimate)
     bench = sub.add_parser("bench", help="benchmarks: comm (collectives vs raw mpi4py), "
                            "step (one process vs torch), strategies (DDP/ZeRO vs torch)")

@@ -1,121 +1,282 @@
-"""Training configuration: one dataclass, read from TOML, every key also a flag.
+"""Training configuration: five sections, read from TOML, every key also a flag.
 
     mpishard train --config examples/configs/demo.toml --steps 50 --strategy zero3
 
-Precedence: dataclass defaults < TOML file < command-line flags. A TOML key
-or flag that does not exist is an error that names the closest real key.
+The sections are the TOML tables ``[model]``, ``[parallel]``, ``[optim]``,
+``[data]`` and ``[run]`` (:class:`TrainConfig`); in code ``cfg.optim.lr``. Each
+key has one flag name, unique across sections (``lr`` is ``--lr``; the model's
+``name`` is ``--model``, the data's ``path`` is ``--data``), and each field
+carries its own help text, which ``--help`` prints. Precedence: defaults < TOML
+file < command-line flags. A key or flag that does not exist is an error naming
+the closest real one; top-level (flat) keys, as written before the sections
+existed, are still read, with a note saying where each belongs now.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "ConfigError", "load_config", "add_config_flags", "config_from_args"]
+__all__ = ["TrainConfig", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig",
+           "RunConfig", "ConfigError", "SECTIONS", "KEYS", "Key", "load_config",
+           "config_from_dict"]
 
 
-class ConfigError(ValueError):
-    """A configuration file or flag that cannot be used."""
+def opt(default, help: str, *, flag: str | None = None, choices=None, low=None,
+        above=None, high=None, estimate: bool = False):
+    """A config field: its default, what it means, and the values it admits.
+
+    ``choices`` is a tuple or a function returning one (registries are read
+    when validating); ``low``/``above``/``high`` bound numbers (``>=``, ``>``,
+    ``<``); ``flag`` is its flat name when not the field's own; ``estimate``:
+    ``mpishard estimate`` reads it too.
+    """
+    meta = dict(help=help, flag=flag, choices=choices, low=low, above=above, high=high,
+                estimate=estimate)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _models():
+    from .recipes import RECIPES  # noqa: PLC0415 (the registry fills on import)
+    return tuple(RECIPES)
+
+
+def _strategies():
+    from .parallel import STRATEGIES  # noqa: PLC0415
+    return tuple(STRATEGIES)
+
+
+@dataclass
+class ModelConfig:
+    """[model] what is trained"""
+
+    name: str = opt("gpt", "which model: gpt (a byte-level GPT on text) or mlp (a digits "
+                    "classifier)", flag="model", choices=_models, estimate=True)
+    vocab_size: int = opt(256, "tokens in the vocabulary (text is read as bytes, so training "
+                          "needs at least 256)", low=1, estimate=True)
+    block_size: int = opt(64, "context length in tokens", low=1, estimate=True)
+    n_layer: int = opt(2, "transformer blocks", low=1, estimate=True)
+    n_head: int = opt(4, "attention heads per block", low=1, estimate=True)
+    n_embd: int = opt(64, "model width (a multiple of n_head)", low=1, estimate=True)
+    dropout: float = opt(0.0, "dropout probability", low=0.0, high=1.0)
+    bias: bool = opt(True, "biases in linear and layer-norm layers", estimate=True)
+    hidden: list = opt([128, 128], "MLP hidden widths, e.g. [128, 64]", estimate=True)
+    dtype: str = opt("float32", "master weights and optimizer state: float32 or float64",
+                     choices=("float32", "float64"), estimate=True)
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in "
+                                         "backward instead of keeping them", estimate=True)
+
+
+@dataclass
+class ParallelConfig:
+    """[parallel] how the model is split over the ranks"""
+
+    strategy: str = opt("zero3", "data-parallel strategy over dp", choices=_strategies,
+                        estimate=True)
+    dp: int = opt(0, "data-parallel size (0: world size / (tp * pp))", low=0, estimate=True)
+    tp: int = opt(1, "tensor-parallel size (ranks splitting each layer)", low=1, estimate=True)
+    pp: int = opt(1, "pipeline-parallel size (stages of blocks)", low=1, estimate=True)
+    pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"))
+    precision: str = opt("float32", "compute precision: float32, or float16/bfloat16 with "
+                         "float32 masters (mixed precision)",
+                         choices=("float32", "float16", "bfloat16"), estimate=True)
+
+
+@dataclass
+class OptimConfig:
+    """[optim] the optimizer and its schedule"""
+
+    optimizer: str = opt("adamw", "the optimizer (its state is sharded like the parameters)",
+                         choices=("adamw", "adam", "sgd", "sgd-momentum"), estimate=True)
+    steps: int = opt(100, "optimizer steps to train for", low=1)
+    batch_size: int = opt(8, "sequences (or samples) per dp rank per micro-step", low=1)
+    micro_steps: int = opt(1, "micro-batches per step (gradient accumulation; the "
+                           "pipeline's micro-batches)", low=1)
+    lr: float = opt(3e-3, "peak learning rate", above=0.0)
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay", low=0.0)
+    warmup_steps: int = opt(10, "linear warm-up steps", low=0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)",
+                              low=0.0)
+    beta1: float = opt(0.9, "Adam beta1", low=0.0, high=1.0)
+    beta2: float = opt(0.95, "Adam beta2", low=0.0, high=1.0)
+    grad_clip: float = opt(1.0, "global-norm gradient clipping (0: off)", low=0.0)
+
+
+@dataclass
+class DataConfig:
+    """[data] what is trained on"""
+
+    path: str = opt("", "text file or folder of text (empty: the Python standard "
+                    "library's sources)", flag="data")
+    max_bytes: int = opt(4_000_000, "read at most this many bytes of text", low=1)
+
+
+@dataclass
+class RunConfig:
+    """[run] evaluation, checkpoints, output and placement"""
+
+    seed: int = opt(0, "initialisation and data order", low=0)
+    backend: str = opt("numpy", "array backend: numpy, cupy (one GPU per rank) or auto",
+                       choices=("numpy", "cupy", "auto"))
+    memory_budget: int = opt(0, "per-rank byte budget for the memory ledger (0: none)", low=0,
+                             estimate=True)
+    eval_interval: int = opt(50, "steps between validation losses (0: start and end only)",
+                             low=0)
+    eval_batches: int = opt(4, "batches per validation loss", low=1)
+    checkpoint_dir: str = opt("", "where step-N/ checkpoints go (empty: none)")
+    checkpoint_interval: int = opt(0, "steps between checkpoints (0: only at the end)", low=0)
+    keep_last: int = opt(2, "checkpoints to keep", low=1)
+    resume: bool = opt(False, "resume from the newest checkpoint in checkpoint_dir")
+    metrics: str = opt("", "JSON-lines metrics file (empty: none)")
+    log_dir: str = opt("", "one log file per rank (empty: none)")
+    sample_tokens: int = opt(0, "tokens to sample from the model at the end", low=0)
+    sample_prompt: str = opt("def ", "prompt for that sample")
+    progress: bool = opt(True, "progress bar on rank 0")
+    dry_run: bool = opt(False, "print the plan and exit")
 
 
 @dataclass
 class TrainConfig:
-    """Everything ``mpishard train`` needs, with a comment per field."""
+    """Everything ``mpishard train`` reads: one dataclass per TOML section."""
 
-    # model
-    model: str = "gpt"                 # "gpt" (text) or "mlp" (digits)
-    block_size: int = 64               # GPT context length in bytes
-    n_layer: int = 2                   # GPT blocks
-    n_head: int = 4                    # GPT attention heads
-    n_embd: int = 64                   # GPT width
-    dropout: float = 0.0               # GPT dropout probability
-    bias: bool = True                  # biases in Linear and LayerNorm
-    hidden: str = "128,128"            # MLP hidden widths, comma-separated
-    # parallelism
-    strategy: str = "zero3"            # ddp | zero1 | zero2 | zero3
-    dp: int = 0                        # data-parallel size (0: world size / (tp * pp))
-    tp: int = 1                        # tensor-parallel size
-    pp: int = 1                        # pipeline-parallel size
-    schedule: str = "1f1b"             # pipeline schedule: 1f1b | gpipe
-    # optimisation
-    steps: int = 100                   # optimizer steps
-    batch_size: int = 8                # sequences (or samples) per dp rank per micro-step
-    micro_steps: int = 1               # micro-batches per step (accumulation; pipeline m)
-    lr: float = 3e-3                   # peak learning rate
-    min_lr: float = 3e-4               # learning rate at the end of the cosine decay
-    warmup_steps: int = 10             # linear warm-up steps
-    weight_decay: float = 0.1          # AdamW decoupled weight decay (matrices only)
-    beta1: float = 0.9                 # AdamW beta1
-    beta2: float = 0.95                # AdamW beta2
-    grad_clip: float = 1.0             # global-norm clipping (0: off)
-    dtype: str = "float32"             # float32 or float64 (master weights, optimizer state)
-    precision: str = "float32"         # compute in float32 | float16 | bfloat16 (mixed precision)
-    activation_checkpointing: bool = False  # GPT: recompute each block's activations in backward
-    seed: int = 0                      # initialisation and data order
-    backend: str = "numpy"             # numpy | cupy | auto
-    memory_budget: int = 0             # per-rank byte budget for the ledger (0: none)
-    # data
-    data: str = ""                     # text file or folder ("": Python stdlib sources)
-    max_bytes: int = 4_000_000         # read at most this many bytes of text
-    # evaluation, checkpoints, output
-    eval_interval: int = 50            # steps between validation losses (0: start and end only)
-    eval_batches: int = 4              # batches per validation loss
-    checkpoint_dir: str = ""           # where step-N/ checkpoints go ("": none)
-    checkpoint_interval: int = 0       # steps between checkpoints (0: only at the end)
-    keep_last: int = 2                 # checkpoints to keep
-    resume: bool = False               # resume from the latest checkpoint in checkpoint_dir
-    metrics: str = ""                  # JSON-lines metrics file ("": none)
-    log_dir: str = ""                  # one log file per rank ("": none)
-    sample_tokens: int = 0             # bytes to sample from the model at the end
-    sample_prompt: str = "def "        # prompt for that sample
-    progress: bool = True              # progress bar on rank 0
-    dry_run: bool = False              # print the plan and exit
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` for values no run can use."""
-        from .parallel import PRECISIONS, STRATEGIES  # noqa: PLC0415
-
-        choices = {"model": ("gpt", "mlp"), "strategy": tuple(STRATEGIES),
-                   "dtype": ("float32", "float64"), "backend": ("numpy", "cupy", "auto"),
-                   "precision": PRECISIONS,
-                   "schedule": ("1f1b", "gpipe")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{key} = {getattr(self, key)!r} is not one of "
-                                  f"{', '.join(allowed)}")
-        for key in ("steps", "batch_size", "micro_steps", "block_size", "n_layer", "n_head",
-                    "n_embd", "tp", "pp", "eval_batches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.dp < 0:
-            raise ConfigError(f"dp must be >= 0 (0 = infer), got {self.dp}")
-
-    def hidden_sizes(self) -> tuple:
-        try:
-            return tuple(int(w) for w in self.hidden.split(",") if w.strip())
-        except ValueError:
-            raise ConfigError(f"hidden = {self.hidden!r}: give widths like '128,64'") from None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
-_FIELDS = {f.name: f for f in fields(TrainConfig)}
+#: section name -> its dataclass
+SECTIONS = {f.name: f.default_factory for f in fields(TrainConfig)}
 
 
-def _closest(name: str) -> str:
-    match = difflib.get_close_matches(name, list(_FIELDS), n=1, cutoff=0.5)
+@dataclass(frozen=True)
+class Key:
+    """One config key: its section, field, flat (flag) name and metadata."""
+
+    section: str
+    name: str
+    flat: str
+    type: str
+    default: object
+    meta: dict
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.flat.replace("_", "-")
+
+
+#: flat name -> :class:`Key`, in section order
+KEYS: dict = {}
+for _section, _cls in SECTIONS.items():
+    for _f in fields(_cls):
+        _default = _f.default_factory() if _f.default is dataclasses.MISSING else _f.default
+        _key = Key(_section, _f.name, _f.metadata["flag"] or _f.name, _f.type, _default,
+                   dict(_f.metadata))
+        KEYS[_key.flat] = _key
+#: flat names from before a rename -> today's
+RENAMED = {"schedule": "pipeline_schedule"}
+
+
+def _closest(name: str, names) -> str:
+    match = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
-def load_config(path: str | Path | None, overrides: dict | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides``."""
+def _coerce(key: Key, value, where: str):
+    """``value`` as the key's type, or a ConfigError naming the key."""
+    if key.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if key.type == "list":
+        if isinstance(value, str):  # "128,64", as flags and older files write it
+            try:
+                return [int(w) for w in value.split(",") if w.strip()]
+            except ValueError:
+                raise ConfigError(f"{where} {key.flat!r}: give widths like [128, 64], got "
+                                  f"{value!r}") from None
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value):
+            return list(value)
+    elif key.type == type(value).__name__:
+        return value
+    raise ConfigError(f"{where} {key.flat!r} wants a {key.type}, got {value!r}")
+
+
+def _check(key: Key, value) -> None:
+    m, label = key.meta, f"{key.flat} = {value!r}"
+    choices = m["choices"]() if callable(m["choices"]) else m["choices"]
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{label} is not one of {', '.join(choices)}")
+    if m["low"] is not None and value < m["low"]:
+        raise ConfigError(f"{key.flat} must be >= {m['low']}, got {value}")
+    if m["above"] is not None and not value > m["above"]:
+        raise ConfigError(f"{key.flat} must be > {m['above']}, got {value}")
+    if m["high"] is not None and not value < m["high"]:
+        raise ConfigError(f"{label}: must be below {m['high']}")
+
+
+def flat_values(raw: dict, where: str, notes: list) -> dict:
+    """Flat name -> value from a TOML document (or a saved config): sections, and
+    the top-level keys of older files (each noted in ``notes``)."""
     values: dict = {}
+    for top, value in raw.items():
+        top = top.replace("-", "_")
+        if isinstance(value, dict) and top in SECTIONS:
+            by_name = {k.name: k for k in KEYS.values() if k.section == top}
+            for name, v in value.items():
+                name = name.replace("-", "_")
+                key = by_name.get(name) or (KEYS.get(name) if KEYS.get(name) and
+                                            KEYS[name].section == top else None)
+                if key is None:
+                    raise ConfigError(f"unknown config key {name!r} in [{top}]"
+                                      f"{_closest(name, by_name)}")
+                values[key.flat] = v
+        elif isinstance(value, dict):   # an old [train] table: its keys are flat
+            values.update(flat_values({k: v for k, v in value.items()}, where, notes))
+        else:
+            name = RENAMED.get(top, top)
+            if name not in KEYS:
+                raise ConfigError(f"unknown config key {top!r}{_closest(top, KEYS)}")
+            key = KEYS[name]
+            notes.append(f"{where}: top-level key {top!r} is read as before; write it as "
+                         f"{key.name!r} under [{key.section}]")
+            values[name] = value
+    return values
+
+
+def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
+    """A checked :class:`TrainConfig` from flat names -> values (defaults for the rest)."""
+    parts = {section: {} for section in SECTIONS}
+    for flat, value in values.items():
+        if flat not in KEYS:
+            raise ConfigError(f"unknown config key {flat!r}{_closest(flat, KEYS)}")
+        key = KEYS[flat]
+        parts[key.section][key.name] = _coerce(key, value, where)
+    cfg = TrainConfig(**{s: SECTIONS[s](**v) for s, v in parts.items()})
+    for key in KEYS.values():
+        _check(key, getattr(getattr(cfg, key.section), key.name))
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: dict | None = None,
+                notes: list | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names).
+
+    Deprecation notes (flat keys) are appended to ``notes`` when given.
+    """
+    values: dict = {}
+    notes = [] if notes is None else notes
     if path:
         path = Path(path)
         if not path.exists():
@@ -124,48 +285,61 @@ def load_config(path: str | Path | None, overrides: dict | None = None) -> Train
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
-        for section, value in raw.items():  # [train] tables are flattened
-            items = value.items() if isinstance(value, dict) else [(section, value)]
-            for key, v in items:
-                values[key.replace("-", "_")] = v
+        values = flat_values(raw, str(path), notes)
     values.update(overrides or {})
-    for key, value in values.items():
-        if key not in _FIELDS:
-            raise ConfigError(f"unknown config key {key!r}{_closest(key)}")
-        expected = _FIELDS[key].type
-        if expected == "float" and isinstance(value, int) and not isinstance(value, bool):
-            values[key] = float(value)
-        elif expected != type(value).__name__:
-            raise ConfigError(f"config key {key!r} wants a {expected}, got {value!r}")
-    config = dataclasses.replace(TrainConfig(), **values)
-    config.validate()
-    return config
+    return config_from_dict(values, "config key")
 
+
+def as_flat(cfg: TrainConfig) -> dict:
+    """Flat name -> value of every key (what flags and the metrics header show)."""
+    return {k.flat: getattr(getattr(cfg, k.section), k.name) for k in KEYS.values()}
+
+
+# -- flags ----------------------------------------------------------------------
 
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):
         return False
+    import argparse  # noqa: PLC0415
+
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per config key (defaults come from the dataclass and the TOML file)."""
-    group = parser.add_argument_group("training settings (also TOML keys)")
-    converters = {"int": int, "float": float, "str": str, "bool": _bool}
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kwargs = dict(dest=f.name, default=None, type=converters[f.type],
-                      help=f"(default {f.default!r})", metavar=f.type.upper())
-        if f.type == "bool":
-            kwargs["nargs"] = "?"
-            kwargs["const"] = True
-        group.add_argument(flag, **kwargs)
+def _shown(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return repr(value) if isinstance(value, str) else str(value).lower() \
+        if isinstance(value, bool) else str(value)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
+def add_config_flags(parser, command: str = "train") -> None:
+    """One ``--flag`` per config key, grouped by section, each with its meaning and
+    default; ``command="estimate"`` adds only the keys the estimate reads."""
+    converters = {"int": int, "float": float, "str": str, "bool": _bool, "list": str}
+    for section, cls in SECTIONS.items():
+        keys = [k for k in KEYS.values() if k.section == section
+                and (command != "estimate" or k.meta["estimate"])]
+        if not keys:
+            continue
+        group = parser.add_argument_group(cls.__doc__.strip())
+        for key in keys:
+            choices = key.meta["choices"]
+            choices = choices() if callable(choices) else choices
+            listed = f"; one of {', '.join(choices)}" if choices else ""
+            kwargs = dict(dest=key.flat, default=None, type=converters[key.type],
+                          metavar=key.type.upper(),
+                          help=f"{key.meta['help']}{listed} (default: {_shown(key.default)})")
+            if key.type == "bool":
+                kwargs.update(nargs="?", const=True)
+            names = [key.flag] + [f"--{old.replace('_', '-')}" for old, new in RENAMED.items()
+                                  if new == key.flat]
+            group.add_argument(*names, **kwargs)
+
+
+def config_from_args(args, notes: list | None = None) -> TrainConfig:
     """Merge ``--config FILE`` and the flags that were given."""
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
-                 if getattr(args, f.name, None) is not None}
-    return load_config(getattr(args, "config", None), overrides)
+    overrides = {flat: getattr(args, flat) for flat in KEYS
+                 if getattr(args, flat, None) is not None}
+    return load_config(getattr(args, "config", None), overrides, notes)

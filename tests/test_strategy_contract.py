@@ -130,3 +130,25 @@ def test_appears_in_mpishard_estimate():
         assert main(["estimate", "--strategy", NAME, "--dp", "4", "--n-layer", "2"]) == 0
     assert f"{NAME} on dp=4" in out.getvalue()
     assert "bus bytes per step" in out.getvalue()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_trains_and_resumes_through_mpishard_train(tmp_path_factory):
+    """The trainer, config validation and checkpoints find it by name alone."""
+    from mpishard.checkpoint import read_manifest
+    from mpishard.comm import Communicator
+    from mpishard.config import load_config
+    from mpishard.train import run
+
+    world = MPI.COMM_WORLD
+    root = world.bcast(str(tmp_path_factory.mktemp("train")) if world.rank == 0 else None)
+    flags = dict(strategy=NAME, n_layer=1, n_embd=16, n_head=2, block_size=16, batch_size=2,
+                 max_bytes=20_000, eval_batches=1, progress=False, steps=3, checkpoint_dir=root)
+    with Communicator(world.Dup(), "train", _owned=True) as comm:
+        first = run(load_config(None, flags), comm)
+        again = run(load_config(None, dict(flags, steps=5, resume=True)), comm)
+    assert first["steps"] == 3 and again["steps"] == 5 and not again["stopped"]
+    manifest = read_manifest(f"{root}/step-5")
+    assert manifest.strategy["name"] == "AllReduceEach" and manifest.strategy["steps"] == 5
+    assert manifest.extra["config"]["parallel"]["strategy"] == NAME

@@ -106,6 +106,11 @@ class Mesh:
             raise ValueError(f"mesh has no axis {name!r}; the axes are dp, tp and pp")
         return getattr(self, name)
 
+    def active_axes(self) -> dict:
+        """``{name: communicator}`` of the axes with more than one rank, outermost first."""
+        return {name: getattr(self, name) for name in MESH_AXES
+                if getattr(self, name).size > 1}
+
     def world_rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
         """The world rank at coordinates ``(pp, dp, tp)`` ([Note: mesh layout])."""
         for axis, i in (("pp", pp), ("dp", dp), ("tp", tp)):

@@ -193,6 +193,24 @@ class Pipeline:
                 self._xp.ascontiguousarray(inp.grad, dtype=self._dtype)
             step.sends.append(self.pp.isend(send, self.stage - 1, 2 * i + 1))
 
+    def _schedule(self, step: _Step, m: int) -> None:
+        """GPipe or 1F1B over the stages, communicating no gradients over dp."""
+        with self.strategy.no_sync():
+            if self.schedule == "gpipe":
+                for i in range(m):
+                    self._forward(step, i)
+                for i in range(m):
+                    self._backward(step, i)
+            else:
+                warmup = min(self.stages - self.stage - 1, m)
+                for i in range(warmup):
+                    self._forward(step, i)
+                for i in range(m - warmup):
+                    self._forward(step, warmup + i)
+                    self._backward(step, i)
+                for i in range(m - warmup, m):
+                    self._backward(step, i)
+
     def _recv(self, buf, source: int, tag: int) -> None:
         t0 = time.perf_counter()
         self.pp.recv(buf, source, tag)
@@ -209,21 +227,13 @@ class Pipeline:
         m = self.micro_batches
         t0 = time.perf_counter()
         self.activation_bytes = 0
-        with self.strategy.no_sync():
-            if self.schedule == "gpipe" or self.stages == 1:
-                for i in range(m):
+        if self.stages == 1:  # plain accumulation: the last backward communicates (overlap)
+            for i, context in enumerate(self.strategy.accumulation(m)):
+                with context:
                     self._forward(step, i)
-                for i in range(m):
                     self._backward(step, i)
-            else:
-                warmup = min(self.stages - self.stage - 1, m)
-                for i in range(warmup):
-                    self._forward(step, i)
-                for i in range(m - warmup):
-                    self._forward(step, warmup + i)
-                    self._backward(step, i)
-                for i in range(m - warmup, m):
-                    self._backward(step, i)
+        else:  # tied copies are summed first, then step() reduces over dp
+            self._schedule(step, m)
         for handle in step.sends:
             handle.wait()
         self._sum_tied_gradients()

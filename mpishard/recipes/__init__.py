@@ -1,0 +1,16 @@
+"""Recipes: what each kind of model needs to train through ``mpishard train``.
+
+[Note: recipes]
+The trainer knows no model kind. A :class:`Recipe` answers for one: the model
+(whole and unmaterialised; the trainer's :class:`~mpishard.parallel.ParallelModel`
+cuts this rank's part from it), the data it trains on, the samplers that feed
+each dp rank, what one sample counts in tokens, and whether it can sample text.
+Recipes are listed once in :data:`RECIPES` (the ``--model`` choices); a new
+model kind is a recipe plus one :func:`register_recipe` line.
+"""
+from __future__ import annotations
+
+from .base import RECIPES, Recipe, recipe_for, register_recipe
+from . import digits, text  # noqa: F401,E402 (register the built-in recipes)
+
+__all__ = ["Recipe", "RECIPES", "register_recipe", "recipe_for"]

@@ -1,0 +1,83 @@
+"""The training configuration: sections, flat keys of older files, types, bounds, --help."""
+import argparse
+from dataclasses import asdict
+
+import pytest
+
+from mpishard.config import (KEYS, SECTIONS, ConfigError, add_config_flags, config_from_dict,
+                             flat_values, load_config)
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_sections_read_into_their_dataclasses(tmp_path):
+    cfg = load_config(write(tmp_path, "[model]\nname = 'mlp'\nhidden = [64, 32]\n"
+                                      "[parallel]\nstrategy = 'ddp'\ntp = 1\n"
+                                      "[optim]\nlr = 1e-3\noptimizer = 'sgd-momentum'\n"
+                                      "[data]\npath = 'corpus.txt'\n[run]\nseed = 7\n"))
+    assert (cfg.model.name, cfg.model.hidden, cfg.parallel.strategy) == ("mlp", [64, 32], "ddp")
+    assert (cfg.optim.lr, cfg.optim.optimizer, cfg.data.path, cfg.run.seed) == \
+        (1e-3, "sgd-momentum", "corpus.txt", 7)
+    assert set(asdict(cfg)) == set(SECTIONS)
+
+
+def test_flat_keys_still_read_with_a_note_each(tmp_path):
+    notes = []
+    cfg = load_config(write(tmp_path, "lr = 0.01\nschedule = 'gpipe'\nhidden = '128,64'\n"
+                                      "data = 'x.txt'\n"), notes=notes)
+    assert cfg.optim.lr == 0.01 and cfg.parallel.pipeline_schedule == "gpipe"
+    assert cfg.model.hidden == [128, 64] and cfg.data.path == "x.txt"
+    assert any("'lr'" in n and "[optim]" in n for n in notes)
+    assert any("'schedule'" in n and "'pipeline_schedule' under [parallel]" in n for n in notes)
+    assert len(notes) == 4
+
+
+def test_flags_override_the_file(tmp_path):
+    cfg = load_config(write(tmp_path, "[optim]\nsteps = 9\n"), {"steps": 3, "model": "mlp"})
+    assert cfg.optim.steps == 3 and cfg.model.name == "mlp"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[model]\nn_layers = 3\n", "unknown config key 'n_layers' in [model]; did you mean "
+                                "'n_layer'?"),
+    ("n_layers = 3\n", "unknown config key 'n_layers'; did you mean 'n_layer'?"),
+    ("[optim]\nlr = -1e-3\n", "lr must be > 0.0, got -0.001"),
+    ("[model]\ndropout = 1.0\n", "dropout = 1.0: must be below 1.0"),
+    ("[optim]\nsteps = 'ten'\n", "config key 'steps' wants a int, got 'ten'"),
+    ("[model]\nhidden = [1.5]\n", "config key 'hidden' wants a list"),
+    ("[parallel]\nstrategy = 'zero9'\n", "strategy = 'zero9' is not one of ddp, zero1"),
+    ("[optim]\noptimizer = 'lion'\n", "optimizer = 'lion' is not one of adamw, adam, sgd"),
+    ("[run]\nkeep_last = 0\n", "keep_last must be >= 1, got 0"),
+])
+def test_bad_values_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(write(tmp_path, text))
+
+
+def test_a_saved_flat_config_from_before_the_sections_loads():
+    old = {"model": "gpt", "n_layer": 3, "schedule": "1f1b", "hidden": "128,128",
+           "strategy": "zero3", "lr": 0.003, "data": "", "dry_run": False}
+    cfg = config_from_dict(flat_values(old, "checkpoint", []))
+    assert cfg.model.n_layer == 3 and cfg.model.hidden == [128, 128]
+    again = config_from_dict(flat_values(asdict(cfg), "checkpoint", []))
+    assert again == cfg
+
+
+def test_help_groups_flags_by_section_with_meaning_and_default():
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, "train")
+    text = parser.format_help()
+    for cls in SECTIONS.values():
+        assert cls.__doc__.strip() + ":" in text
+    for key in KEYS.values():
+        action = next(a for a in parser._actions if a.dest == key.flat)
+        assert key.meta["help"] and "(default: " in action.help, key.flat
+    estimate = argparse.ArgumentParser()
+    add_config_flags(estimate, "estimate")
+    flags = {a.option_strings[0] for a in estimate._actions if a.option_strings}
+    assert {"--strategy", "--tp", "--n-layer", "--precision"} <= flags
+    assert not {"--lr", "--seed", "--metrics", "--steps"} & flags
