@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from ckpt_scripts.common import clean_env, mpiexec_command, reap_shared_memory  # noqa: E402
 from mpishard.checkpoint import latest_checkpoint, verify_checkpoint  # noqa: E402
-from mpishard.checkpoint.format import complete_steps  # noqa: E402
+from mpishard.checkpoint.locate import complete_steps  # noqa: E402
 
 
 def _lines(proc) -> queue.Queue:

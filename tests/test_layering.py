@@ -142,6 +142,12 @@ def test_no_import_cycle():
     assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 
 
+def test_no_module_over_the_line_limit():
+    long = {str(p.relative_to(PKG.parent)): n for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split along a real seam): {long}"
+
+
 def test_no_top_level_cupy_import_anywhere():
     bad = [str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py")
            if any(n == "cupy" or n.startswith("cupy") for n in imports_of(p, True))]

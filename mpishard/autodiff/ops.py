@@ -127,7 +127,7 @@ def neg(a) -> Tensor:
 
 def _power(x, p):
     # float32 x**3 with negative values goes through np.power and is ~260x
-    # slower than x*x*x (NUMPY_SPEED.md item 4); only **2 has a fast path.
+    # slower than x*x*x (measured on NumPy 2); only **2 has a fast path.
     if p == 2:
         return x * x
     if p == 3:

@@ -12,7 +12,8 @@ Saving and loading are collective; a failure on any rank is a
 """
 from .consolidate import consolidate, load_consolidated
 from .errors import CheckpointError
-from .format import Manifest, latest_checkpoint, read_manifest, resolve_checkpoint
+from .format import Manifest, read_manifest
+from .locate import latest_checkpoint, resolve_checkpoint
 from .inspect import Inspection, inspect_checkpoint
 from .reader import ShardReader, load_checkpoint, verify_checkpoint
 from .signals import StopSignals

@@ -29,7 +29,8 @@ from ..parallel.pieces import load_pieces
 from ..parallel.strategy import Strategy
 from .collective import agree, exchange_json
 from .errors import CheckpointError
-from .format import numel, resolve_checkpoint
+from .format import numel
+from .locate import resolve_checkpoint
 from .reader import ShardReader, verify_checkpoint
 from .shards import SafetensorsWriter, ShardFile
 

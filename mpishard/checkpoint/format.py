@@ -13,7 +13,7 @@ A checkpoint directory holds one sub-directory per saved step::
       step-N.old/              step-N while a save to the same step replaces it
 
 Only a directory named exactly ``step-N`` (or ``step-N.old`` when no ``step-N``
-exists; see :func:`resolve_checkpoint`) counts as a checkpoint, so whatever a
+exists; see :func:`~mpishard.checkpoint.resolve_checkpoint`) counts as a checkpoint, so whatever a
 killed save leaves behind is never mistaken for one.
 
 [Note: manifest]
@@ -42,8 +42,7 @@ from .errors import CheckpointError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "LATEST", "DTYPES", "Manifest",
            "TensorEntry", "PieceEntry", "FileEntry", "seal_manifest", "read_manifest",
-           "parse_manifest", "shard_file_name", "step_dir_name", "resolve_checkpoint",
-           "latest_checkpoint", "complete_steps", "numel"]
+           "parse_manifest", "shard_file_name", "step_dir_name", "numel", "STEP_RE", "LATEST_RE"]
 
 FORMAT_NAME = "mpishard-checkpoint"
 FORMAT_VERSION = 1
@@ -59,8 +58,8 @@ ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8, "int8": 1, "int16": 2, "in
             "int64": 8, "uint8": 1}
 
 _FILE_RE = re.compile(r"rank-(0|[1-9][0-9]{0,8})\.safetensors")
-_STEP_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})(\.old)?")
-_LATEST_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})")
+STEP_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})(\.old)?")
+LATEST_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _SEALED = re.compile(rb'\{"sha256":"([0-9a-f]{64})","manifest":(.*)\}\n', re.DOTALL)
 _SEAL_PREFIX = b'{"sha256":"'
@@ -366,59 +365,3 @@ class _Validator:
                             "alias that is not one)", target)
             aliases[alias] = target
         return aliases
-
-
-# -- finding checkpoints ----------------------------------------------------------
-def complete_steps(root) -> dict:
-    """``{step: directory}`` of complete checkpoints under ``root`` (see [Note: checkpoint layout]).
-
-    ``step-N`` wins over ``step-N.old``; a directory counts once its manifest exists.
-    """
-    found: dict = {}
-    try:
-        entries = sorted(Path(root).iterdir())
-    except OSError:
-        return found
-    for entry in entries:
-        match = _STEP_RE.fullmatch(entry.name)
-        if match is None or not (entry / MANIFEST).is_file():
-            continue
-        step = int(match.group(1))
-        if match.group(2) is None or step not in found:
-            found[step] = entry
-    return found
-
-
-def latest_checkpoint(root):
-    """The checkpoint to resume from under ``root``, or ``None`` if there is none.
-
-    The step named in ``root/latest`` when that directory is complete; otherwise
-    (``latest`` missing or pointing at a directory a crash left incomplete) the
-    complete checkpoint with the highest step.
-    """
-    root = Path(root)
-    try:
-        with open(root / LATEST, "rb") as f:
-            named = f.read(64).decode("ascii", "replace").strip()
-    except OSError:
-        named = ""
-    if _LATEST_RE.fullmatch(named) and (root / named / MANIFEST).is_file():
-        return root / named
-    steps = complete_steps(root)
-    return steps[max(steps)] if steps else None
-
-
-def resolve_checkpoint(path) -> Path:
-    """A step directory from ``path``: itself if it holds a manifest, else its latest.
-
-    Raises:
-        CheckpointError: rule ``no-checkpoint`` when there is none.
-    """
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        return path
-    found = latest_checkpoint(path)
-    if found is None:
-        raise CheckpointError(path, "no-checkpoint", "no complete checkpoint here: neither "
-                              "a manifest.json nor a step-N/ directory with one")
-    return found

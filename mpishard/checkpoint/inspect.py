@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError
-from .format import FORMAT_NAME, read_manifest, resolve_checkpoint
+from .format import FORMAT_NAME, read_manifest
+from .locate import resolve_checkpoint
 from .reader import verify_file
 
 __all__ = ["inspect_checkpoint", "Inspection"]

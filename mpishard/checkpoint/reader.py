@@ -29,7 +29,8 @@ import numpy as np
 from ..parallel.pieces import load_pieces
 from .collective import agree, exchange_json
 from .errors import CheckpointError
-from .format import MANIFEST, Manifest, numel, read_manifest, resolve_checkpoint
+from .format import MANIFEST, Manifest, numel, read_manifest
+from .locate import resolve_checkpoint
 from .shards import ShardFile, sha256_file
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "verify_file", "ShardReader"]

@@ -37,11 +37,12 @@ from .. import __version__
 from ..backend import to_numpy
 from .collective import agree
 from .errors import CheckpointError
-from .format import (DTYPES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, complete_steps,
-                     parse_manifest, seal_manifest, shard_file_name, step_dir_name)
+from .format import (DTYPES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, parse_manifest,
+                     seal_manifest, shard_file_name, step_dir_name)
+from .locate import complete_steps
 from .shards import fsync_path, sha256_file
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_checkpoint", "delete_checkpoints"]
 
 _LEFTOVER = re.compile(r"step-\d+\.tmp|step-\d+(\.old)?\.deleting|latest\.tmp")
 _REPLACED = re.compile(r"(step-\d+)\.old")
@@ -273,6 +274,22 @@ def _prune(root: Path, keep_last: int, committed: int) -> None:
             except OSError as err:
                 warnings.warn(f"checkpoint {path} was not deleted (keep_last={keep_last}): "
                               f"{err}", stacklevel=3)
+
+
+def delete_checkpoints(root) -> int:
+    """Delete every checkpoint under ``root`` (complete ones, killed saves' leftovers,
+    ``latest``); returns how many complete checkpoints there were. Not collective:
+    rank 0 calls it (``mpishard train --overwrite true``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    complete = len(complete_steps(root))
+    for entry in sorted(root.iterdir()):
+        if re.fullmatch(r"step-\d+(\.old|\.tmp)?", entry.name):
+            _remove_tree(entry)
+        elif _LEFTOVER.fullmatch(entry.name) or entry.name == LATEST:
+            _delete(entry)
+    return complete
 
 
 def _remove_tree(path: Path) -> None:

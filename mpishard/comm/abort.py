@@ -5,7 +5,7 @@ changes nothing. The launch form that makes one rank's exception end the whole
 job even without this hook is ``python -m mpi4py`` (mpi4py then calls
 ``MPI_Abort`` itself):
 
-    mpiexec -n 4 python -m mpi4py examples/train_gpt.py
+    mpiexec -n 4 python -m mpi4py -m mpishard train
 """
 from __future__ import annotations
 

@@ -1,0 +1,213 @@
+"""The softmax family, cross-entropy and causal attention, forward beside backward.
+
+Split from :mod:`.nn_ops` (which re-exports them) along the seam of what they
+share: row-wise softmax over the last axis, computed in float32 for 16-bit
+inputs (see [Note: 16-bit inputs] in nn_ops.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import xp_of
+from ..dtypes import is_low_precision, matmul_dtype
+from .ops import as_tensor, make_result, register_op
+from .rows import cast, row_dot, row_max, row_sum, up
+from .tensor import Tensor
+
+__all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention"]
+
+
+# -- softmax family ----------------------------------------------------------
+
+def _as_rows(a, axis):
+    """Move ``axis`` last and view as 2-D (a copy only when axis is not last)."""
+    moved = a if axis in (-1, a.ndim - 1) else xp_of(a).moveaxis(a, axis, -1)
+    return xp_of(a).ascontiguousarray(moved).reshape(-1, moved.shape[-1]), moved.shape
+
+
+def _from_rows(r, moved_shape, axis, ndim):
+    out = r.reshape(moved_shape)
+    if axis in (-1, ndim - 1):
+        return out
+    return xp_of(r).moveaxis(out, -1, axis)
+
+
+def _softmax_rows(rows) -> None:
+    """Row-wise softmax of a 2-D array, in place (max-subtracted for stability)."""
+    rows -= row_max(rows)[:, None]
+    xp_of(rows).exp(rows, out=rows)
+    rows *= (1.0 / row_sum(rows))[:, None]
+
+
+@register_op
+def softmax(x, axis: int = -1) -> Tensor:
+    """Softmax along ``axis`` (max-subtracted for stability)."""
+    x = as_tensor(x)
+    r, moved = _as_rows(x.data, axis)
+    p = up(r).copy()                                    # (rows, n), see [Note: 16-bit inputs]
+    _softmax_rows(p)
+
+    def backward(g):
+        gr, _ = _as_rows(up(g), axis)
+        gx = gr - row_dot(gr, p)[:, None]
+        gx *= p
+        return (_from_rows(cast(gx, x.dtype), moved, axis, x.ndim),)
+    return make_result(_from_rows(cast(p, x.dtype), moved, axis, x.ndim), (x,), backward,
+                       "softmax")
+
+
+@register_op
+def log_softmax(x, axis: int = -1) -> Tensor:
+    """``log(softmax(x))`` along ``axis``, computed stably."""
+    x = as_tensor(x)
+    xp = xp_of(x.data)
+    r, moved = _as_rows(x.data, axis)
+    r = up(r)                                           # see [Note: 16-bit inputs]
+    z = r - row_max(r)[:, None]
+    lse = xp.log(row_sum(xp.exp(z)))
+    z -= lse[:, None]                                    # z = log p
+
+    def backward(g):
+        gr, _ = _as_rows(up(g), axis)
+        gx = xp.exp(z)
+        gx *= -row_sum(gr)[:, None]
+        gx += gr
+        return (_from_rows(cast(gx, x.dtype), moved, axis, x.ndim),)
+    return make_result(_from_rows(cast(z, x.dtype), moved, axis, x.ndim), (x,), backward,
+                       "log_softmax")
+
+
+@register_op
+def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
+    """Mean negative log-likelihood of integer ``targets`` under ``softmax(logits)``.
+
+    Args:
+        logits: ``(..., V)`` scores.
+        targets: ``(...)`` integer class indices; entries equal to
+            ``ignore_index`` are left out of the mean.
+    """
+    logits = as_tensor(logits)
+    t = targets.data if isinstance(targets, Tensor) else targets
+    xp = xp_of(logits.data)
+    n_class = logits.shape[-1]
+    if tuple(t.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets of shape {tuple(t.shape)} do not match "
+                         f"logits of shape {tuple(logits.shape)} (expected "
+                         f"{tuple(logits.shape[:-1])})")
+    x2 = up(logits.data.reshape(-1, n_class))          # (N, V); see [Note: 16-bit inputs]
+    t1 = t.reshape(-1)
+    valid = t1 != ignore_index
+    safe_t = xp.where(valid, t1, 0)
+    rows = xp.arange(x2.shape[0])
+    e = x2 - row_max(x2)[:, None]
+    picked = e[rows, safe_t]
+    xp.exp(e, out=e)
+    s = row_sum(e)                                      # (N,)
+    per_row = xp.log(s) - picked
+    n_valid = int(valid.sum())
+    total = (per_row * valid).sum() if n_valid != x2.shape[0] else per_row.sum()
+    loss = total / n_valid if n_valid else total * float("nan")
+
+    def backward(g):
+        p = e * (1.0 / s)[:, None]                       # softmax, fresh
+        p[rows, safe_t] -= 1.0
+        if n_valid != x2.shape[0]:
+            p *= valid[:, None]
+        p *= g / max(n_valid, 1)
+        return (cast(p, logits.dtype).reshape(logits.shape),)
+    return make_result(xp.asarray(loss, dtype=x2.dtype), (logits,), backward,
+                       "cross_entropy")
+
+
+# -- attention -------------------------------------------------------------
+
+def _causal_bias(T: int, xp, dtype):
+    return xp.triu(xp.full((T, T), -np.inf, dtype=dtype), 1)
+
+
+@register_op
+def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 0.0,
+                          rng=None, training: bool = True) -> Tensor:
+    """Multi-head causal attention on packed ``[q | k | v]`` rows.
+
+    Args:
+        qkv: ``(B*T, 3*C)`` rows, the output of the ``c_attn`` projection, with
+            ``C = n_head * head_size`` (q, k, v side by side, heads inside each).
+        n_head: number of heads in ``qkv`` (local heads under tensor parallelism).
+        batch_size: ``B``; ``T`` is ``rows // B``.
+        dropout_p, rng, training: dropout on the attention weights.
+
+    Returns:
+        ``(B*T, C)``: the heads' outputs side by side, ready for ``c_proj``.
+
+    Written out as ``softmax(q k^T / sqrt(hs) + causal mask) v`` with the
+    softmax backward fused in; the T x T weights are kept for backward. On
+    NumPy it runs one sequence at a time so each (nh, T, T) block stays in
+    cache (see [Note: cache blocking]); on CuPy all at once.
+    """
+    qkv = as_tensor(qkv)
+    xp = xp_of(qkv.data)
+    N, width = qkv.shape
+    if width % (3 * n_head) or N % batch_size:
+        raise ValueError(f"causal_self_attention: qkv of shape {tuple(qkv.shape)} does not "
+                         f"split into batch {batch_size} x 3 x {n_head} heads")
+    B, T = batch_size, N // batch_size
+    C = width // 3
+    hs = C // n_head
+    scale = 1.0 / math.sqrt(hs)
+    step = 1 if xp is np else B
+    cd = matmul_dtype(qkv.data)                           # see [Note: 16-bit inputs]
+    sd = np.dtype(np.float32) if is_low_precision(qkv.dtype) else cd  # softmax dtype
+    bias = _causal_bias(T, xp, sd)
+    use_dropout = training and dropout_p > 0.0
+
+    def heads(packed, b, which):                          # (nb, nh, T, hs) view
+        return packed[b, :, which].transpose(0, 2, 1, 3)
+
+    packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
+    att = xp.empty((B, n_head, T, T), dtype=sd)          # softmax weights, kept
+    drop = xp.empty_like(att) if use_dropout else None
+    out = xp.empty((B, T, n_head, hs), dtype=cd)
+    for b0 in range(0, B, step):
+        b = slice(b0, b0 + step)
+        a = att[b]
+        if sd == cd:
+            xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
+        else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
+            a[...] = heads(packed, b, 0) @ heads(packed, b, 1).swapaxes(-1, -2)
+        a *= scale
+        a += bias
+        _softmax_rows(a.reshape(-1, T))
+        if use_dropout:
+            d = drop[b]
+            d[...] = rng.random(d.shape, dtype=np.float32) >= dropout_p
+            d *= 1.0 / (1.0 - dropout_p)
+            a = a * d
+        out[b] = (cast(a, cd) @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
+
+    def backward(g):
+        packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
+        gy = cast(g, cd).reshape(B, T, n_head, hs)
+        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=cd)
+        for b0 in range(0, B, step):
+            b = slice(b0, b0 + step)
+            q, k, v = heads(packed, b, 0), heads(packed, b, 1), heads(packed, b, 2)
+            gyb = gy[b].transpose(0, 2, 1, 3)            # (nb, nh, T, hs)
+            a = att[b]
+            used = a * drop[b] if use_dropout else a
+            dqkv[b, :, 2] = (cast(used, cd).swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)
+            da = cast(gyb @ v.swapaxes(-1, -2), sd)       # (nb, nh, T, T)
+            if use_dropout:
+                da *= drop[b]
+            rows, d_rows = a.reshape(-1, T), da.reshape(-1, T)
+            d_rows -= row_dot(d_rows, rows)[:, None]    # softmax backward
+            d_rows *= rows
+            d_rows *= scale
+            da = cast(da, cd)
+            dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
+            dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
+        return (cast(dqkv, qkv.dtype).reshape(N, width),)
+    return make_result(cast(out, qkv.dtype).reshape(N, C), (qkv,), backward,
+                       "causal_self_attention")

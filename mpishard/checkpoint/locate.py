@@ -1,0 +1,68 @@
+"""Finding checkpoints under a root: the complete ones, the one to resume from.
+
+See [Note: checkpoint layout] in format.py: only ``step-N`` (or ``step-N.old``
+when no ``step-N`` exists) holding a manifest counts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import CheckpointError
+from .format import LATEST, LATEST_RE, MANIFEST, STEP_RE
+
+__all__ = ["complete_steps", "latest_checkpoint", "resolve_checkpoint"]
+
+
+def complete_steps(root) -> dict:
+    """``{step: directory}`` of complete checkpoints under ``root`` (see [Note: checkpoint layout]).
+
+    ``step-N`` wins over ``step-N.old``; a directory counts once its manifest exists.
+    """
+    found: dict = {}
+    try:
+        entries = sorted(Path(root).iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        match = STEP_RE.fullmatch(entry.name)
+        if match is None or not (entry / MANIFEST).is_file():
+            continue
+        step = int(match.group(1))
+        if match.group(2) is None or step not in found:
+            found[step] = entry
+    return found
+
+
+def latest_checkpoint(root):
+    """The checkpoint to resume from under ``root``, or ``None`` if there is none.
+
+    The step named in ``root/latest`` when that directory is complete; otherwise
+    (``latest`` missing or pointing at a directory a crash left incomplete) the
+    complete checkpoint with the highest step.
+    """
+    root = Path(root)
+    try:
+        with open(root / LATEST, "rb") as f:
+            named = f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        named = ""
+    if LATEST_RE.fullmatch(named) and (root / named / MANIFEST).is_file():
+        return root / named
+    steps = complete_steps(root)
+    return steps[max(steps)] if steps else None
+
+
+def resolve_checkpoint(path) -> Path:
+    """A step directory from ``path``: itself if it holds a manifest, else its latest.
+
+    Raises:
+        CheckpointError: rule ``no-checkpoint`` when there is none.
+    """
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(path, "no-checkpoint", "no complete checkpoint here: neither "
+                              "a manifest.json nor a step-N/ directory with one")
+    return found
