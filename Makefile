@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml --overwrite true
 	$(PY) -m mpishard plot runs/demo/metrics.jsonl -o runs/demo/loss.png
 	$(PY) -m mpishard checkpoint inspect runs/demo/checkpoints | head -4
 	@$(PY) -c "import json; v = [r['val_loss'] for r in map(json.loads, open('runs/demo/metrics.jsonl')) if 'val_loss' in r]; print(f'demo: validation loss {v[0]:.3f} -> {v[-1]:.3f} nats per byte (plot runs/demo/loss.png, checkpoint runs/demo/checkpoints)')"

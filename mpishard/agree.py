@@ -45,17 +45,19 @@ def describe_error(err: BaseException) -> dict:
     return {"type": type(err).__name__, "message": str(err)}
 
 
-def rebuild_same_type(*types: type) -> Callable[[dict, int], BaseException]:
+def rebuild_same_type(*types: type, name_the_rank: bool = True
+                      ) -> Callable[[dict, int], BaseException]:
     """A ``rebuild`` that raises the lowest failing rank's error again, as its own
     type when it is one of ``types`` (else ``RuntimeError``), naming that rank
-    when not every rank failed."""
+    when not every rank failed (unless ``name_the_rank`` is false: work only one
+    rank does)."""
     by_name = {t.__name__: t for t in types}
 
     def rebuild(failures: dict, size: int) -> BaseException:
         rank = min(failures)
         record = failures[rank]
         text = record["message"]
-        if len(failures) < size:
+        if len(failures) < size and name_the_rank:
             text = f"on rank {rank}: {text}"
         return by_name.get(record["type"], RuntimeError)(text)
     return rebuild

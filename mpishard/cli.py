@@ -30,7 +30,12 @@ def _env_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but only rank 0 prints usage errors (every rank still exits 2)."""
+    """argparse, but only rank 0 prints usage errors (every rank still exits 2), and a
+    flag must be spelled out (``--n-lay`` is not silently ``--n-layer``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         if _env_rank() == 0:
@@ -83,29 +88,32 @@ def _cmd_train(args) -> int:
 
 def _cmd_estimate(args) -> int:
     from .backend import Backend
-    from .config import config_from_args
-    from .parallel import STRATEGIES, plan_memory
+    from .config import ConfigError, config_from_args
+    from .parallel import STRATEGIES, plan_layout
     from .recipes import recipe_for
+    from .train import layout_of
 
     cfg = config_from_args(args)
-    model = recipe_for(cfg).model(Backend())
+    recipe = recipe_for(cfg)
     dp = cfg.parallel.dp or 1
     strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
     budget = cfg.run.memory_budget
     for strategy in strategies:
-        plan = plan_memory(model, strategy, dp, cfg.optim.optimizer,
-                           precision=cfg.parallel.precision)
+        cfg.parallel.strategy = strategy
+        try:   # each plan consumes its model (layers are swapped for tensor-parallel ones)
+            plan = plan_layout(recipe.model(Backend()), layout_of(cfg, dp, recipe))
+        except ValueError as err:   # tp larger than n_head, pp than n_layer, ...
+            raise ConfigError(str(err)) from None
         print(plan.format())
         if budget:
             fits = plan.total_peak_bytes <= budget
-            print(f"  budget    {budget / 2**20:10.2f} MiB per rank: "
+            print(f"  budget      {budget / 2**20:10.2f} MiB per rank: "
                   f"{'fits' if fits else 'does not fit'}")
     return 0
 
 
 def _cmd_sample(args) -> int:
-    import numpy as np
     from mpi4py import MPI
 
     from .backend import Backend
@@ -214,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
     add_plot_command(sub)
     add_checkpoint_commands(sub)
+    parser.commands = dict(sub.choices)   # name -> its parser (unknown-flag errors)
 
     sample = sub.add_parser("sample", help="generate text from a GPT checkpoint (any layout)")
     sample.add_argument("--checkpoint", required=True,
@@ -227,24 +236,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser, argv):
+    """Parse; an unknown flag is an error of its command, naming the closest real flag."""
+    from .config import closest_key
+
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser.commands.get(getattr(args, "command", None), parser)
+        flags = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+        unknown = next((e.split("=")[0] for e in extra if e.startswith("--")), None)
+        hint = ""
+        if unknown:
+            match = closest_key(unknown[2:].replace("-", "_"),
+                                [f[2:].replace("-", "_") for f in flags])
+            hint = f"; did you mean --{match.replace('_', '-')}?" if match else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def main(argv=None) -> int:
-    """Entry point of the ``mpishard`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``mpishard`` command; returns the exit status.
+
+    A user error is raised alike on every rank (by construction, or agreed
+    first: [Note: agreed errors] in mpishard/agree.py): rank 0 prints one line
+    and every rank returns 2. A memory budget overrun happens on the ranks
+    that overran only, so it aborts the job, naming the rank.
+    """
+    args = _parse(build_parser(), argv)
     from .backend import BackendUnavailable, OutOfMemoryBudget
     from .checkpoint import CheckpointError
     from .comm import LauncherMismatch, install_abort_hook
     from .config import ConfigError
     from .data import DataError
 
-    # Raised alike on every rank (see train._agree): one line, exit 2 everywhere.
-    user_errors = (ConfigError, DataError, LauncherMismatch, BackendUnavailable,
-                   OutOfMemoryBudget, CheckpointError)
+    agreed_errors = (ConfigError, DataError, LauncherMismatch, BackendUnavailable,
+                     CheckpointError)
     install_abort_hook()
     try:
         return int(args.func(args) or 0)
-    except user_errors as err:
+    except agreed_errors as err:
         if _env_rank() == 0:
             print(f"mpishard: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except OutOfMemoryBudget as err:
+        print(f"mpishard: error on rank {_env_rank()}: {err}", file=sys.stderr, flush=True)
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(2)
         return 2
 
 

@@ -87,7 +87,8 @@ class ParallelConfig:
     dp: int = opt(0, "data-parallel size (0: world size / (tp * pp))", low=0, estimate=True)
     tp: int = opt(1, "tensor-parallel size (ranks splitting each layer)", low=1, estimate=True)
     pp: int = opt(1, "pipeline-parallel size (stages of blocks)", low=1, estimate=True)
-    pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"))
+    pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"),
+                                 estimate=True)
     precision: str = opt("float32", "compute precision: float32, or float16/bfloat16 with "
                          "float32 masters (mixed precision)",
                          choices=("float32", "float16", "bfloat16"), estimate=True)
@@ -100,9 +101,14 @@ class OptimConfig:
     optimizer: str = opt("adamw", "the optimizer (its state is sharded like the parameters)",
                          choices=("adamw", "adam", "sgd", "sgd-momentum"), estimate=True)
     steps: int = opt(100, "optimizer steps to train for", low=1)
-    batch_size: int = opt(8, "sequences (or samples) per dp rank per micro-step", low=1)
+    batch_size: int = opt(8, "sequences (or samples) per dp rank per micro-step", low=1,
+                          estimate=True)
     micro_steps: int = opt(1, "micro-batches per step (gradient accumulation; the "
-                           "pipeline's micro-batches)", low=1)
+                           "pipeline's micro-batches)", low=1, estimate=True)
+    global_batch: int = opt(0, "sequences per step over all dp ranks; when set, micro_steps "
+                            "follows from it (global_batch / (batch_size x dp)), also when "
+                            "a run resumes on another number of ranks (0: batch_size x "
+                            "micro_steps x dp)", low=0)
     lr: float = opt(3e-3, "peak learning rate", above=0.0)
     min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay", low=0.0)
     warmup_steps: int = opt(10, "linear warm-up steps", low=0)
@@ -119,7 +125,8 @@ class DataConfig:
 
     path: str = opt("", "text file or folder of text (empty: the Python standard "
                     "library's sources)", flag="data")
-    max_bytes: int = opt(4_000_000, "read at most this many bytes of text", low=1)
+    max_bytes: int = opt(0, "read at most this many bytes of text (0: all of --data, or "
+                         "4,000,000 bytes of the built-in corpus)", low=0)
 
 
 @dataclass
@@ -138,6 +145,9 @@ class RunConfig:
     checkpoint_interval: int = opt(0, "steps between checkpoints (0: only at the end)", low=0)
     keep_last: int = opt(2, "checkpoints to keep", low=1)
     resume: bool = opt(False, "resume from the newest checkpoint in checkpoint_dir")
+    overwrite: bool = opt(False, "start afresh where checkpoint_dir or the metrics file hold "
+                          "an earlier run: its checkpoints are deleted, its metrics "
+                          "replaced")
     metrics: str = opt("", "JSON-lines metrics file (empty: none)")
     log_dir: str = opt("", "one log file per rank (empty: none)")
     sample_tokens: int = opt(0, "tokens to sample from the model at the end", low=0)
@@ -187,11 +197,35 @@ for _section, _cls in SECTIONS.items():
         KEYS[_key.flat] = _key
 #: flat names from before a rename -> today's
 RENAMED = {"schedule": "pipeline_schedule"}
+#: names other tools use -> ours (suggested, never accepted silently)
+KNOWN_AS = {"learning_rate": "lr", "max_lr": "lr", "lr_min": "min_lr", "final_lr": "min_lr",
+            "n_layers": "n_layer", "num_layers": "n_layer", "num_hidden_layers": "n_layer",
+            "n_heads": "n_head", "num_heads": "n_head", "num_attention_heads": "n_head",
+            "hidden_size": "n_embd", "d_model": "n_embd", "dim": "n_embd",
+            "seq_len": "block_size", "seq_length": "block_size", "max_seq_len": "block_size",
+            "context_length": "block_size", "micro_batch_size": "batch_size",
+            "gradient_accumulation_steps": "micro_steps", "grad_accum_steps": "micro_steps",
+            "max_steps": "steps", "train_steps": "steps", "max_iters": "steps",
+            "warmup_iters": "warmup_steps", "warmup": "warmup_steps",
+            "clip_grad": "grad_clip", "max_grad_norm": "grad_clip",
+            "tensor_parallel": "tp", "pipeline_parallel": "pp", "data_parallel": "dp",
+            "dataset": "data", "data_path": "data", "out_dir": "checkpoint_dir",
+            "save_interval": "checkpoint_interval", "eval_iters": "eval_batches",
+            "vocab": "vocab_size", "dropout_p": "dropout", "mixed_precision": "precision"}
+
+
+def closest_key(name: str, names=None) -> str | None:
+    """The real key a mistyped or foreign ``name`` most likely means, or ``None``."""
+    names = list(KEYS if names is None else names)
+    if name in KNOWN_AS and KNOWN_AS[name] in names:
+        return KNOWN_AS[name]
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return match[0] if match else None
 
 
 def _closest(name: str, names) -> str:
-    match = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
+    match = closest_key(name, names)
+    return f"; did you mean {match!r}?" if match else ""
 
 
 def _coerce(key: Key, value, where: str):
@@ -266,6 +300,13 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
     cfg = TrainConfig(**{s: SECTIONS[s](**v) for s, v in parts.items()})
     for key in KEYS.values():
         _check(key, getattr(getattr(cfg, key.section), key.name))
+    run = cfg.run
+    if run.resume and not run.checkpoint_dir:
+        raise ConfigError("resume = true needs checkpoint_dir: the directory to resume from "
+                          "(--checkpoint-dir DIR)")
+    if run.resume and run.overwrite:
+        raise ConfigError("resume = true and overwrite = true contradict each other: resume "
+                          "continues the run in checkpoint_dir, overwrite deletes it")
     return cfg
 
 

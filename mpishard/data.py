@@ -18,9 +18,13 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["Corpus", "load_corpus", "default_corpus_files", "BatchSampler", "ArraySampler",
-           "DataError", "load_digits", "VOCAB_SIZE"]
+           "DataError", "load_digits", "VOCAB_SIZE", "DEFAULT_CORPUS_BYTES"]
 
 VOCAB_SIZE = 256  # bytes
+#: how much of the built-in corpus (the standard library's sources) is read by default
+DEFAULT_CORPUS_BYTES = 4_000_000
+#: files that hold token ids or pickles (nanoGPT's prepared data), not text
+_NOT_TEXT = ("train.bin", "val.bin", "meta.pkl")
 
 
 class DataError(ValueError):
@@ -29,12 +33,21 @@ class DataError(ValueError):
 
 @dataclass
 class Corpus:
-    """A byte corpus split into train and validation parts."""
+    """A byte corpus split into train and validation parts.
+
+    ``available`` is how many bytes the source holds; fewer were read when
+    ``max_bytes`` cut it (``truncated``).
+    """
 
     train: np.ndarray
     val: np.ndarray
     source: str
     n_files: int
+    available: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.available > self.train.size + self.val.size
 
     @property
     def vocab_size(self) -> int:
@@ -60,28 +73,42 @@ def _files_under(path: Path) -> list[Path]:
     return [p for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith(".")]
 
 
-def load_corpus(path: str | Path | None = None, max_bytes: int = 4_000_000,
+def load_corpus(path: str | Path | None = None, max_bytes: int | None = None,
                 val_fraction: float = 0.1, min_bytes: int = 2) -> Corpus:
     """Read text bytes from a file or folder (default: the stdlib sources).
 
     Args:
         path: a file or a folder (read recursively, sorted); ``None`` for the default.
-        max_bytes: stop reading after this many bytes (deterministic selection).
+        max_bytes: stop reading after this many bytes (deterministic selection);
+            ``None`` or 0: all of ``path``, or :data:`DEFAULT_CORPUS_BYTES` of the
+            built-in corpus.
         val_fraction: the last part of the bytes kept for validation.
         min_bytes: each split must hold at least this many bytes (pass
             ``block_size + 1``); otherwise :class:`DataError`.
 
     Raises:
-        DataError: missing path, empty corpus, or too short for one block.
+        DataError: missing path, a folder of token files (nanoGPT's prepared
+            ``train.bin``/``val.bin``/``meta.pkl``), empty corpus, or too short
+            for one block.
     """
     if path is None:
         files, source = default_corpus_files(), "python stdlib sources"
+        max_bytes = max_bytes or DEFAULT_CORPUS_BYTES
     else:
         path = Path(path)
         if not path.exists():
             raise DataError(f"data path {str(path)!r} does not exist; pass a text file or a "
                             f"folder of text files, or leave --data out for the default corpus")
+        found = sorted(p.name for p in ([path] if path.is_file() else path.iterdir())
+                       if p.name in _NOT_TEXT)
+        if found:
+            raise DataError(f"data path {str(path)!r} holds {', '.join(found)}: token ids "
+                            f"and a pickle as nanoGPT's prepare.py writes them, not text. "
+                            f"mpishard reads text as bytes; point --data at the text itself "
+                            f"(e.g. the input.txt prepare.py read)")
         files, source = _files_under(path), str(path)
+    available = sum(f.stat().st_size for f in files)
+    max_bytes = max_bytes or available
     chunks, total = [], 0
     for f in files:
         if total >= max_bytes:
@@ -100,7 +127,7 @@ def load_corpus(path: str | Path | None = None, max_bytes: int = 4_000_000,
             f"the corpus at {source!r} has {raw.size} bytes: {train.size} for training and "
             f"{val.size} for validation, but one block needs {min_bytes}; use more text or "
             f"a smaller --block-size")
-    return Corpus(train, val, source, len(chunks))
+    return Corpus(train, val, source, len(chunks), available)
 
 
 class BatchSampler:

@@ -1,8 +1,10 @@
 """One rank-aware logger for all output (no ``if rank == 0:`` in the loop).
 
 ``RankLogger.info`` prints on rank 0 only; ``all`` prints on every rank with a
-``[rank N]`` prefix. With ``log_dir`` every rank also appends everything it
-logs to ``log_dir/rank-N.log``.
+``[rank N]`` prefix; ``own`` prints nothing and goes to this rank's file only.
+With ``log_dir`` every rank appends what it logs itself to
+``log_dir/rank-N.log``: rank 0's file has the run's lines, every rank's file its
+own step times, memory and collective waits (``mpishard train`` writes those).
 """
 from __future__ import annotations
 
@@ -35,10 +37,14 @@ class RankLogger:
             self._file.flush()
 
     def info(self, message: str) -> None:
-        """Print on rank 0 (and log on every rank with a log file)."""
-        self._to_file(message)
+        """Print on rank 0 (and log it in rank 0's file)."""
         if self.rank == 0:
+            self._to_file(message)
             print(message, file=self.stream, flush=True)
+
+    def own(self, message: str) -> None:
+        """Log in this rank's own file only (every rank its own figures)."""
+        self._to_file(message)
 
     def all(self, message: str) -> None:
         """Print on every rank, prefixed with the rank."""
@@ -46,7 +52,7 @@ class RankLogger:
         print(f"[rank {self.rank}] {message}", file=self.stream, flush=True)
 
     def error(self, message: str) -> None:
-        """One line on rank 0's stderr."""
+        """One line on rank 0's stderr (and in every rank's file)."""
         self._to_file("error: " + message)
         if self.rank == 0:
             print(f"mpishard: error: {message}", file=sys.stderr, flush=True)

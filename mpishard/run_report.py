@@ -42,7 +42,8 @@ def thread_warning(reports: list, environ=None, cores: int | None = None) -> lis
     """A warning when the ranks on one node times their BLAS threads exceed its cores.
 
     A BLAS without ``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS`` starts one thread
-    per core in every rank.
+    per core in every rank. More ranks than cores at one thread each is left
+    alone: that is a deliberate choice (tests, small demos), not a setting to fix.
     """
     environ = os.environ if environ is None else environ
     per_host: dict = {}
@@ -55,7 +56,7 @@ def thread_warning(reports: list, environ=None, cores: int | None = None) -> lis
         threads = int(setting) if setting else cores
     except ValueError:
         threads = cores
-    if ranks * threads <= cores:
+    if threads <= 1 or ranks * threads <= cores:
         return []
     why = (f"OMP_NUM_THREADS/OPENBLAS_NUM_THREADS={setting}" if setting else
            "OMP_NUM_THREADS/OPENBLAS_NUM_THREADS are unset, so each rank's BLAS may start "
@@ -70,6 +71,14 @@ class Progress:
 
     def __init__(self, total: int, bar):
         self.total, self.bar = total, bar
+
+    def line(self, text: str, log) -> None:
+        """A line of its own (a validation loss): above the bar, or plainly logged."""
+        if self.bar is not None:
+            self.bar.write(text)
+            log.own(text)
+        else:
+            log.info(text)
 
     def report(self, record: dict, log) -> None:
         if self.bar is not None:

@@ -26,7 +26,8 @@ from .config import ConfigError, TrainConfig
 from .data import DataError
 from .log import RankLogger
 from .optim import SGD, Adam, AdamW, CosineSchedule
-from .parallel import ParallelModel, build_stage, plan_memory
+from .parallel import Layout, ParallelModel, plan_layout
+from .preflight import check_run_files
 from .recipes import recipe_for
 from .run_report import MetricsFile, describe_plan, progress_bar
 
@@ -51,20 +52,22 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, world: Communicator):
         self.cfg, self.world = cfg, world
         self.log = RankLogger(world.rank, cfg.run.log_dir or None)
+        self.notes = check_run_files(cfg, world)                 # see [Note: run safety]
         self.recipe = recipe_for(cfg)
         self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
         p = cfg.parallel
-        dp = p.dp or world.size // (p.tp * p.pp)
         try:
-            self.mesh = Mesh(world, dp=dp, tp=p.tp, pp=p.pp)
+            self.mesh = Mesh(world, dp=p.dp or None, tp=p.tp, pp=p.pp)
         except ValueError as err:  # raised alike on every rank, before communicating
             raise ConfigError(str(err)) from None
-        self.backend = Backend.resolve(cfg.run.backend, local_rank=node_local_rank(world),
-                                       memory_budget=cfg.run.memory_budget or None)
+        resolve_global_batch(cfg, self.mesh.dp.size)
+        local_rank = node_local_rank(world)
+        self.backend = agreed(world, lambda: Backend.resolve(
+            cfg.run.backend, local_rank=local_rank, memory_budget=cfg.run.memory_budget or None))
         self.sampler = self.recipe.train_sampler(self.mesh.dp_rank, self.mesh.dp.size)
-        stage = agreed(world, lambda: build_stage(self.recipe.model(Backend()), self.mesh))
-        self.plan = plan_memory(stage, p.strategy, self.mesh.dp.size, cfg.optim.optimizer,
-                                precision=p.precision)
+        self.plan = agreed(world, lambda: plan_layout(self.recipe.model(Backend()),
+                                                      layout_of(cfg, self.mesh.dp.size,
+                                                                self.recipe)))
 
     def build(self) -> None:
         """The model on this rank's part of the mesh, its optimizer, and a resume."""
@@ -161,8 +164,11 @@ class Trainer:
                 record = self.run_step()
                 if metrics.active:   # a collective (gather to rank 0): only when it is written
                     record.update(self.memory_and_comm())
+                self.log.own(own_line(record, self.strategy.ledger, self.mesh))
                 if self._due(run.eval_interval) and self.steps_done < cfg.optim.steps:
                     record["val_loss"] = self.evaluate()
+                    bar.line(f"step {self.steps_done}: val loss {record['val_loss']:.4f}",
+                             self.log)
                 stopped = stop.should_stop(self.world)           # collective, every step
                 if run.checkpoint_dir and (stopped or self.steps_done == cfg.optim.steps
                                            or self._due(run.checkpoint_interval)):
@@ -188,6 +194,37 @@ class Trainer:
         return {"memory": self.world.gather_obj(self.strategy.ledger.peak_by_category()),
                 "comm": {axis: comm.stats.snapshot()
                          for axis, comm in self.mesh.active_axes().items()}}
+
+
+def resolve_global_batch(cfg: TrainConfig, dp: int) -> None:
+    """With ``global_batch`` set, the micro-steps that give it on ``dp`` ranks."""
+    o = cfg.optim
+    if not o.global_batch:
+        return
+    per_step = o.batch_size * dp
+    if o.global_batch % per_step:
+        raise ConfigError(f"global_batch = {o.global_batch} is not a multiple of batch_size "
+                          f"{o.batch_size} x {dp} dp ranks = {per_step}; pick a global batch "
+                          f"that is, or another batch_size")
+    o.micro_steps = o.global_batch // per_step
+
+
+def own_line(record: dict, ledger, mesh) -> str:
+    """This rank's figures of a step, for its own log file."""
+    held = sum(ledger.bytes_by_category().values())
+    waits = {axis: comm.stats.total_seconds for axis, comm in mesh.active_axes().items()}
+    waited = ", ".join(f"{axis} {t:.3f} s" for axis, t in waits.items()) or "none"
+    return (f"step {record['step']}: {record['step_s']:.3f} s, {held / 2**20:.2f} MiB "
+            f"held, collectives {waited}")
+
+
+def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
+    """The :class:`~mpishard.parallel.Layout` a config trains (``dp`` data-parallel ranks)."""
+    p, o = cfg.parallel, cfg.optim
+    return Layout(dp, p.tp, p.pp, p.strategy, p.precision, o.optimizer,
+                  batch_size=o.batch_size, seq_len=recipe.tokens_per_sample,
+                  micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
+                  activation_checkpointing=cfg.model.activation_checkpointing)
 
 
 def stop_reason(stop, stopped: bool, run) -> str:
@@ -216,10 +253,12 @@ def agreed(world: Communicator, local_work):
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     """Plan, build, train, report. Returns the summary dict (on every rank)."""
     trainer = Trainer(cfg, world)
-    for note in notes:
+    for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")
     trainer.log.info(describe_plan(trainer))
     if cfg.run.dry_run:
+        trainer.log.info("dry run: nothing was trained")
+        trainer.log.close()
         return {"dry_run": True, "plan": asdict(trainer.plan)}
     trainer.build()
     summary = trainer.fit()

@@ -82,7 +82,8 @@ def test_mesh_2x2_and_4x1_explicit():
                        r"whose product is {n}"),
     (dict(dp=0), r"mesh dp=0 must be a positive int"),
     (dict(tp=2.0), r"mesh tp=2.0 must be a positive int"),
-    (dict(tp=3, pp=3), r"mesh tp=3 x pp=3 = 9 does not divide world size {n}"),
+    (dict(tp=3, pp=3), r"mesh tp=3 x pp=3 = 9 exceeds the world size {n}; launch at least 9 "
+                       r"ranks"),
     (dict(ep=2), r"unknown mesh axis 'ep'; the axes are dp, tp and pp"),
 ])
 def test_mesh_that_does_not_fit(kwargs, match):
@@ -91,6 +92,17 @@ def test_mesh_that_does_not_fit(kwargs, match):
     with pytest.raises(ValueError, match=match.format(n=world.size)):
         Mesh(world, **kwargs)
     world.mpi = real
+    world.free()
+
+
+@pytest.mark.mpi
+def test_mesh_sizes_that_do_not_divide():
+    """tp x pp below the world size but not a divisor of it (a world of 6, tp=4)."""
+    world = make_test_comm("world")
+    world.mpi, real, world.size = None, world.mpi, 6   # checked before any communication
+    with pytest.raises(ValueError, match=r"mesh tp=4 x pp=1 = 4 does not divide world size 6"):
+        Mesh(world, tp=4)
+    world.mpi, world.size = real, real.Get_size()
     world.free()
 
 

@@ -79,3 +79,19 @@ def test_ledger_matches_planner_with_mixed_precision(precision):
             assert plan.peak["gathered"] * 2 == full.peak["gathered"]
         assert {t.data.dtype.name for t in strategy.parameters()} == {"float32"}
         assert {p.data.dtype.name for p in strategy.module.parameters()} == {precision}
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_ddp_and_zero1_hold_one_copy_of_the_gradients():
+    """DDP keeps its buckets and ZeRO-1 its shard inside the full buffer at dp 1: both
+    hold the gradients once, in ledger-counted memory, as the planner says."""
+    world = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
+    held = {}
+    for kind in ("ddp", "zero1"):
+        plan = plan_memory(GPT(CONFIG_S, materialize_now=False), kind, 1)
+        strategy, _opt = _one_step(kind, world)
+        held[kind] = _check_against_plan(strategy, plan, kind)
+    n_bytes = 4 * GPT(CONFIG_S, materialize_now=False).num_parameters()
+    assert held["ddp"]["grads"] == n_bytes
+    assert abs(held["zero1"]["grads"] - n_bytes) <= 4 * world.size * 8   # unit padding only
+    world.free()

@@ -91,7 +91,7 @@ class Communicator(Runner, Messages):
         self._cuda_aware_override = cuda_aware
         self._cuda_aware_source = _cuda_aware_source
         self._cuda_aware: tuple[bool, str] | None = None
-        self._device_path_cache: DevicePath | None = None
+        self._device_path_cache = None          # a gpu.DevicePath once a device array is seen
         self._nccl = None
         self._owned = _owned
         self._family = _family if _family is not None else Family(self.timeout)

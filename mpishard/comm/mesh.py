@@ -69,6 +69,11 @@ class Mesh:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"mesh {axis}={n!r} must be a positive int")
         if dp is None:
+            if tp * pp > world.size:
+                raise ValueError(
+                    f"mesh tp={tp} x pp={pp} = {tp * pp} exceeds the world size "
+                    f"{world.size}; launch at least {tp * pp} ranks (mpiexec -n {tp * pp}) "
+                    f"or lower tp and pp")
             if world.size % (tp * pp):
                 raise ValueError(
                     f"mesh tp={tp} x pp={pp} = {tp * pp} does not divide world size "

@@ -25,6 +25,7 @@ from ..autodiff.tensor import Tensor, is_grad_enabled, no_grad
 from ..backend import Backend, xp_of
 from ..nn import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
 from ..nn.init import materialize
+from .gpt_activations import gpt_activation_bytes
 from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
 
@@ -222,6 +223,11 @@ class GPT(Module):
         return GPT(self.config, seed=self.seed, dtype=self.dtype, backend=self.backend,
                    materialize_now=False, blocks=blocks, first_stage=first_stage,
                    last_stage=last_stage)
+
+    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32") -> int:
+        """Bytes one micro-batch's forward keeps for backward on this model or stage
+        (see [Note: activation bytes] in mpishard/models/gpt_activations.py)."""
+        return gpt_activation_bytes(self, batch_size, seq_len, dtype)
 
     def activation_shape(self, batch_size: int, seq_len: int) -> tuple:
         """What one stage hands the next: ``(B*T, C)``."""

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..autodiff import nn_ops
 from ..autodiff.ops import relu
 from ..autodiff.tensor import Tensor
@@ -45,6 +47,17 @@ class MLPClassifier(Module):
         """ZeRO units: one per layer. No tensor or pipeline split: the classifier
         trains with data parallelism (tp = pp = 1)."""
         return ParallelPlan(units=tuple(f"layers.{i}" for i in range(len(self.layers))))
+
+    def activation_bytes(self, batch_size: int, seq_len: int = 1, dtype="float32") -> int:
+        """Bytes one micro-batch's forward keeps for backward: each layer's output, each
+        ReLU's, and the loss's shifted logits and per-row arrays (as the GPT's, see
+        mpishard/models/gpt_activations.py)."""
+        c = np.dtype(dtype).itemsize
+        f = 4 if c == 2 else c
+        n, widths = batch_size, [layer.out_features for layer in self.layers]
+        total = sum(n * w * c for w in widths) + sum(n * w * c for w in widths[:-1])
+        total += n * widths[-1] * f + (n * widths[-1] * 4 if c == 2 else 0) + n * (18 + f)
+        return int(total) + (2 << 10) * len(widths)    # the graph's Python objects
 
     def forward(self, x, targets=None):
         """Logits ``(N, n_classes)`` and, with integer ``targets``, the mean cross-entropy."""

@@ -12,6 +12,7 @@ from . import data_parallel, zero_stage12, zero_stage3  # noqa: F401 (register t
 from .compose import ParallelModel, build_stage, wrap_model
 from .data_parallel import DataParallel, check_replicas_equal
 from .flat import FlatLayout, FlatShard, padded_size
+from .layout import Layout, LayoutMesh, LayoutPlan, StagePlan, plan_layout
 from .pieces import Piece, gather_full_params, load_pieces, pieces_of
 from .pipeline import Pipeline, bubble_fraction, partition_blocks
 from .planner import MemoryPlan, PlanSizes, plan_memory
@@ -27,7 +28,7 @@ from .zero import ZeRO, ZeroUnit
 __all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_strategy",
            "DataParallel", "ZeRO", "ZeroUnit", "FlatUnit", "FlatShard", "FlatLayout",
            "padded_size", "plan_units", "check_replicas_equal", "MemoryPlan", "PlanSizes",
-           "plan_memory", "Piece", "pieces_of", "load_pieces", "gather_full_params",
+           "plan_memory", "Layout", "LayoutMesh", "LayoutPlan", "StagePlan", "plan_layout", "Piece", "pieces_of", "load_pieces", "gather_full_params",
            "ParallelModel", "build_stage", "wrap_model", "Pipeline", "bubble_fraction",
            "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "apply_tensor_plan",

@@ -116,8 +116,8 @@ class DataParallel(Strategy):
                 check_replicas_equal(module, self.dp)
         if self.mixed:
             self._make_masters(named=module.named_parameters())
-        if self.dp.size == 1:
-            return
+        # Buckets at every dp size, also 1 (where nothing is sent): gradients then
+        # always live in ledger-counted buffers, as the plan says.
         xp = xp_of(params[0].data)
         current, current_bytes = [], 0
         for p in reversed(params):
@@ -192,9 +192,8 @@ class DataParallel(Strategy):
 
     def reduce_grads(self) -> None:
         """Launch buckets that backward did not complete, wait for all, reset."""
-        if self.dp.size > 1:
-            self._reduce_buckets()
-        if self.mixed:  # the masters' gradients: bucket views, or float32 copies at dp=1
+        self._reduce_buckets()
+        if self.mixed:  # the masters' gradients: the (float32) bucket views
             for p in self.module.parameters():
                 if p.grad is not None:
                     self._master_of[id(p)].grad = p.grad.reshape(-1).astype(
@@ -224,12 +223,12 @@ class DataParallel(Strategy):
 
     @classmethod
     def plan_memory(cls, model, sizes, **_) -> MemoryPlan:
-        """Whole parameters, gradient buckets (none at dp 1: nothing to reduce, the
-        gradients are the autodiff's own) and optimizer state on every rank."""
+        """Whole parameters, gradient buckets (the gradients themselves, also at dp 1)
+        and optimizer state on every rank."""
         s, n = sizes, sizes.n_params
         plan = s.new_plan()
         plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
-                       "grads": n * s.reduce_itemsize if s.dp_size > 1 else 0,
+                       "grads": n * s.reduce_itemsize,
                        "optim": s.n_states * n * s.itemsize}
         plan.peak = {"gathered": 0, "comm": 0}
         plan.bus_bytes_per_step = int(round(2 * s.factor * n * s.reduce_itemsize))

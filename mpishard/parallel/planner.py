@@ -78,6 +78,7 @@ class PlanSizes:
         mixed: whether a 16-bit compute copy exists.
         n_states: optimizer state arrays per element.
         precision: a description for the plan's header, or ``None``.
+        micro_batches: forward/backward passes per step (ZeRO-3 gathers in each).
     """
 
     strategy: str
@@ -89,6 +90,7 @@ class PlanSizes:
     mixed: bool
     n_states: int
     precision: str | None = None
+    micro_batches: int = 1
 
     @property
     def factor(self) -> float:
@@ -110,7 +112,7 @@ def window_peak(sizes: list, window: int) -> int:
 
 
 def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
-                dtype: str | None = None, precision=None) -> MemoryPlan:
+                dtype: str | None = None, precision=None, micro_batches: int = 1) -> MemoryPlan:
     """Predict per-rank bytes by ledger category for ``model`` under ``strategy``.
 
     Args:
@@ -123,6 +125,8 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
         precision: mixed precision as the strategy gets it (``"float16"``, a
             :class:`Precision`): masters and optimizer state in ``dtype``, a
             compute copy in ``param_dtype``, gradient buffers in ``reduce_dtype``.
+        micro_batches: forward and backward passes per step (gradients are
+            still reduced once).
     """
     entry = strategy_entry(strategy)
     if optimizer not in OPTIMIZER_STATES:
@@ -139,5 +143,5 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
         reduce_itemsize=resolve_dtype(policy.reduce_dtype).itemsize if mixed else b,
         mixed=mixed, n_states=OPTIMIZER_STATES[optimizer],
         precision=(f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
-                   if mixed else None))
+                   if mixed else None), micro_batches=micro_batches)
     return entry.cls.plan_memory(model, sizes, **entry.options)

@@ -30,8 +30,6 @@ buffers before the reduce-scatter.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..nn.init import seed_dropout
 from ..nn.parameter import init_array
 from ..nn.plan import plan_of
@@ -57,7 +55,8 @@ class Reduction:
     def finish(self, ledger) -> None:
         """Wait; add (or, for the step's first, cast) the received slice into the
         gradient shard; release the buffers that were only for this reduction."""
-        self.handle.wait()
+        if self.handle is not None:  # None: nothing to send (see ZeroUnit.aliased)
+            self.handle.wait()
         unit = self.unit
         if self.recv is not unit.grad_shard:
             if self.first:  # reduced in another dtype: cast into the shard
@@ -83,6 +82,8 @@ class ZeroUnit:
         target: the :class:`FlatShard` the optimizer updates (set by the stage).
         grad_shard: this rank's averaged gradient slice.
         grad_full: the full flat gradients (stage 1 only, else ``None``).
+        aliased: stage 1 on one rank, gradients reduced in the shard's dtype: the
+            shard *is* the full gradient buffer (no second copy, nothing to send).
         ready: parameters whose gradient is final so far in this backward.
         reductions: reduce-scatters launched this step.
     """
@@ -93,6 +94,7 @@ class ZeroUnit:
         self.keep_full_grads = keep_full_grads
         self.target = None
         self.grad_shard = self.grad_full = None
+        self.aliased = False
         self.ready = 0
         self.reductions = 0
 
@@ -103,11 +105,14 @@ class ZeroUnit:
     def allocate_grads(self) -> None:
         """The gradient shard (and, at stage 1, the full gradient buffer)."""
         layout = self.layout
-        self.grad_shard = self.ledger.zeros("grads", (layout.shard_size,), layout.dtype,
-                                            f"grad shard {layout.label}", xp=self.xp)
         if self.keep_full_grads:
             self.grad_full = self.ledger.zeros("grads", (layout.padded,), self.reduce_dtype,
                                                f"grads {layout.label}", xp=self.xp)
+            if self.dp.size == 1 and self.reduce_dtype == layout.dtype:
+                self.grad_shard, self.aliased = self.grad_full, True
+                return
+        self.grad_shard = self.ledger.zeros("grads", (layout.shard_size,), layout.dtype,
+                                            f"grad shard {layout.label}", xp=self.xp)
 
     def grad_ready(self) -> bool:
         """Count one parameter's gradient as final; ``True`` once all of the unit's are."""
@@ -131,6 +136,9 @@ class ZeroUnit:
         for p, g in zip(layout.params, full_grads):
             p.grad = g
         first = self.reductions == 0
+        if self.aliased:  # the full buffer is the shard: nothing to reduce or send
+            self.reductions += 1
+            return Reduction(self, None, flat, self.grad_shard, first)
         if first and rd == self.grad_shard.dtype:
             recv = self.grad_shard
         else:
@@ -328,8 +336,10 @@ class ZeRO(Strategy):
                      for u in order]
         plan = s.new_plan()
         copy = padded_n * cb if stage < 3 else (shards_n * cb if s.mixed else 0)
+        aliased = stage == 1 and s.dp_size == 1 and rb == b   # see ZeroUnit.aliased
         plan.steady = {"params": (shards_n * b if stage == 3 or s.mixed else 0) + copy,
-                       "grads": shards_n * b + (padded_n * rb if stage == 1 else 0),
+                       "grads": (0 if aliased else shards_n * b)
+                       + (padded_n * rb if stage == 1 else 0),
                        "optim": s.n_states * shards_n * b}
         gathered = 0
         if stage == 3:
@@ -340,7 +350,8 @@ class ZeRO(Strategy):
                      "comm": window_peak(in_flight, cls.max_inflight_reductions + 1)}
         if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
             plan.bus_bytes_per_step = int(round(s.factor * padded_n * (rb + cb)))
-        else:  # gather every block twice (forward, backward), the root once, reduce-scatter all
-            plan.bus_bytes_per_step = int(round(s.factor * (2 * sum(blocks) + root
-                                                            + padded_n * rb)))
+        else:  # gather every block twice (forward, backward) per micro-batch, the root
+            # once, reduce-scatter all once
+            plan.bus_bytes_per_step = int(round(s.factor * (2 * s.micro_batches * sum(blocks)
+                                                            + root + padded_n * rb)))
         return plan

@@ -50,7 +50,7 @@ class ShardedStateZeRO(ZeRO):
         super()._before_forward()
         if self.stage == 1:
             for unit in self.units:
-                if unit.reductions:
+                if unit.reductions and not unit.aliased:  # aliased: the sum stays in place
                     unit.grad_full[...] = 0
 
     def after_update(self) -> None:

@@ -39,11 +39,14 @@ class TextGPT(Recipe):
         if cfg.model.vocab_size < VOCAB_SIZE:
             raise ConfigError(f"vocab_size = {cfg.model.vocab_size}: text is read as bytes "
                               f"({VOCAB_SIZE} symbols); use vocab_size >= {VOCAB_SIZE}")
-        corpus = load_corpus(cfg.data.path or None, cfg.data.max_bytes,
+        corpus = load_corpus(cfg.data.path or None, cfg.data.max_bytes or None,
                              min_bytes=cfg.model.block_size + 1)
         self.train, self.val = corpus.train, corpus.val
+        read = corpus.train.size + corpus.val.size
+        cut = (f"; the first {read:,} of {corpus.available:,} bytes (max_bytes), raise "
+               f"--max-bytes to read more" if corpus.truncated else "")
         return (f"{corpus.source}: {corpus.train.size:,} train / {corpus.val.size:,} val "
-                f"bytes from {corpus.n_files} files")
+                f"bytes from {corpus.n_files} files{cut}")
 
     def train_sampler(self, dp_rank: int, dp_size: int):
         c = self.cfg

@@ -65,11 +65,18 @@ def shared_tmp(comm):
             shutil.rmtree(path, ignore_errors=True)
 
 
+#: launcher settings a child mpiexec needs (Open MPI as root, oversubscribed): kept
+LAUNCHER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+
 def clean_env(**extra) -> dict:
-    """The environment for a child ``mpiexec``: no inherited MPI/Slurm variables, 1 BLAS thread."""
+    """The environment for a child ``mpiexec``: none of the variables of the job this
+    process may run in (rank, size, PMI, Slurm), but the launcher's own settings
+    (``LAUNCHER_SETTINGS``, ``PRTE_MCA_*``), and 1 BLAS thread."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPISHARD_",
-                                "SLURM_"))}
+           if k in LAUNCHER_SETTINGS or k.startswith("PRTE_MCA_")
+           or not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPISHARD_",
+                                "SLURM_", "PRTE_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                PYTHONDONTWRITEBYTECODE="1", **extra)
     return env

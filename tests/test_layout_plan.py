@@ -1,0 +1,79 @@
+"""The layout plan against what a run of that layout holds and moves.
+
+Each layout trains one step of a small GPT through ParallelModel on 4 ranks
+(activations measured on the step, as mpishard train does) and compares, on
+every rank, its ledger (parameters, gradients, optimizer state, gathered
+units, communication buffers, activations) and the bus bytes each of its mesh
+axes and the tied-parameter group moved with :func:`plan_layout`'s figures for
+its pipeline stage. Even splits: every tp rank holds the same sizes.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpishard.comm import Communicator, Mesh
+from mpishard.models import GPT, GPTConfig
+from mpishard.optim import AdamW
+from mpishard.parallel import Layout, ParallelModel, plan_layout
+
+CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
+B, T = 4, 32
+LAYOUTS = [  # dp, tp, pp, strategy, precision, micro-batches, schedule, checkpointing
+    (4, 1, 1, "ddp", None, 1, "1f1b", False),
+    (2, 2, 1, "zero3", None, 2, "1f1b", False),
+    (1, 2, 2, "zero1", None, 2, "1f1b", False),
+    (2, 1, 2, "zero3", "bfloat16", 2, "gpipe", False),
+    (1, 2, 2, "ddp", "bfloat16", 4, "1f1b", True),
+    (2, 2, 1, "zero2", None, 1, "1f1b", True),
+]
+
+
+def _run(layout, world):
+    dp, tp, pp = layout.dp, layout.tp, layout.pp
+    mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
+    run = ParallelModel(GPT(CFG, materialize_now=False), mesh, layout.strategy,
+                        micro_batches=layout.micro_batches, schedule=layout.schedule,
+                        precision=layout.precision)
+    run.module.set_activation_checkpointing(layout.activation_checkpointing)
+    opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
+    opt.allocate_state()
+    run.ledger.reset_peak()
+    comms = {**mesh.active_axes(), **({"tied": run.pipeline.tie} if run.pipeline.tie else {})}
+    for comm in comms.values():
+        comm.stats.reset()
+    x = np.random.default_rng(mesh.dp_rank).integers(0, CFG.vocab_size,
+                                                      (B * layout.micro_batches, T))
+    run.pipeline.measure_activations = True
+    run.train_step(x, x)
+    run.pipeline.measure_activations = False
+    run.step(opt)
+    return mesh, run, opt, {axis: c.stats.total_bus_bytes for axis, c in comms.items()}
+
+
+def _close(got, want, what, tol=0.05):
+    assert abs(got - want) <= tol * max(want, 1), f"{what}: measured {got}, planned {want}"
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: "dp{}-tp{}-pp{}-{}-{}-m{}-{}-ac{}".format(*s))
+def test_layout_plan_matches_the_run(spec):
+    world = Communicator(MPI.COMM_WORLD)
+    if world.size != 4:
+        pytest.skip("needs 4 ranks")
+    dp, tp, pp, strategy, precision, micro, schedule, checkpointing = spec
+    layout = Layout(dp, tp, pp, strategy, precision, batch_size=B, seq_len=T,
+                    micro_batches=micro, schedule=schedule,
+                    activation_checkpointing=checkpointing)
+    plan = plan_layout(GPT(CFG, materialize_now=False), layout)
+    mesh, run, _opt, bus = _run(layout, world)
+    stage = plan.stages[mesh.pp_rank]
+    live, peak = run.ledger.bytes_by_category(), run.ledger.peak_by_category()
+    for cat, want in stage.memory.steady.items():
+        _close(live[cat], want, f"rank {world.rank} {cat}")
+    for cat, want in stage.memory.peak.items():
+        _close(peak[cat], want, f"rank {world.rank} peak {cat}")
+    _close(peak["activations"], stage.activation_bytes, f"rank {world.rank} activations")
+    for axis, want in stage.bus_bytes.items():
+        _close(bus.get(axis, 0), want, f"rank {world.rank} {axis} bus bytes")
+    assert set(bus) <= set(stage.bus_bytes), (bus, stage.bus_bytes)
