@@ -37,7 +37,7 @@ def mpi_library_version() -> str:
     mpi4py.rc.finalize = False
     from mpi4py import MPI
 
-    return MPI.Get_library_version().strip()
+    return MPI.Get_library_version().replace("\x00", "").strip()   # Open MPI ends it with NUL
 
 
 def srun_mpi_type(version: str) -> tuple[str, str]:

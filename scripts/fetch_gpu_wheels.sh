@@ -37,4 +37,4 @@ mv "$staging"/*.whl "$DEST"/
 ls -l "$DEST"
 total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
 echo "fetch_gpu_wheels: ${PINS[*]} in $DEST/, $((total / 1048576)) MiB" \
-     "(the working tree that travels to the GPU machine must stay under 64 MiB)"
+     "(copy them to the GPU node with the working tree: docs/gpu.md)"
