@@ -28,7 +28,11 @@ endif
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS)
 STAMP := $(VENV)/.installed
+REFERENCE_STAMP := $(VENV)/.installed-reference
 PYTEST_FLAGS ?= -q -p no:cacheprovider
+# The tests match PyTorch and transformers as references; torch is pinned to a
+# CPU build that exists as a wheel (override TORCH to pick another).
+TORCH ?= torch==2.13.0
 # Oversubscribed ranks must not also spawn BLAS threads.
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
@@ -40,8 +44,14 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,plot,progress,checkpoint,bench,digits]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits]'
 	touch $(STAMP)
+
+# the test and benchmark references on top (make demo does not need them)
+$(REFERENCE_STAMP): $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH)'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),reference]'
+	touch $(REFERENCE_STAMP)
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml --overwrite true
@@ -49,17 +59,16 @@ demo: $(STAMP)
 	$(PY) -m mpishard checkpoint inspect runs/demo/checkpoints | head -4
 	@$(PY) -c "import json; v = [r['val_loss'] for r in map(json.loads, open('runs/demo/metrics.jsonl')) if 'val_loss' in r]; print(f'demo: validation loss {v[0]:.3f} -> {v[-1]:.3f} nats per byte (plot runs/demo/loss.png, checkpoint runs/demo/checkpoints)')"
 
-test: $(STAMP)
+test: $(REFERENCE_STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi
 
-test-serial: $(STAMP)
+test-serial: $(REFERENCE_STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi tests
 
-test-mpi: $(STAMP)
+test-mpi: $(REFERENCE_STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests
 
-bench: $(STAMP)
-	$(PY) -m pip install -q torch==2.13.0 || echo "torch not installed: torch columns skipped"
+bench: $(REFERENCE_STAMP)
 	$(PY) benchmarks/step.py
 
 gpu-wheels: $(STAMP)

@@ -75,7 +75,7 @@ def _cmd_train(args) -> int:
     from mpi4py import MPI
 
     from .comm import Communicator, check_launcher
-    from .config import config_from_args
+    from .flags import config_from_args
     from .train import run
 
     world = Communicator.from_env(MPI.COMM_WORLD)
@@ -88,7 +88,8 @@ def _cmd_train(args) -> int:
 
 def _cmd_estimate(args) -> int:
     from .backend import Backend
-    from .config import ConfigError, config_from_args
+    from .config import ConfigError
+    from .flags import config_from_args
     from .parallel import STRATEGIES, plan_layout
     from .recipes import recipe_for
     from .train import layout_of
@@ -186,9 +187,10 @@ def _environment_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import add_config_flags
+    from .flags import add_config_flags
     from .checkpoint.cli import add_checkpoint_commands
     from .plot import add_plot_command
+    from .prepare import add_prepare_command
 
     parser = _Parser(prog="mpishard", description="Readable model sharding on NumPy/CuPy "
                      "and mpi4py. Launch multi-rank commands as "
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, MPI library, backend and device of each rank")
     info.set_defaults(func=_cmd_info)
 
-    train = sub.add_parser("train", help="train a model (GPT on text, MLP on digits)",
+    train = sub.add_parser("train", help="train a model (GPT or Llama on text or token ids, MLP on "
+                           "digits)",
                            description=_wrap("Train a model on every rank of the job. "
                            "Settings come from the defaults, then --config FILE, then these "
                            "flags; each flag is also a key of its [section] in the TOML file."),
@@ -222,17 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
     add_plot_command(sub)
     add_checkpoint_commands(sub)
-    parser.commands = dict(sub.choices)   # name -> its parser (unknown-flag errors)
+    add_prepare_command(sub)
 
-    sample = sub.add_parser("sample", help="generate text from a GPT checkpoint (any layout)")
+    sample = sub.add_parser("sample", help="generate text from a language-model checkpoint "
+                            "(any layout)")
     sample.add_argument("--checkpoint", required=True,
                         help="checkpoint root (its newest step) or a step-N directory")
     sample.add_argument("--prompt", default="def ", help="text to continue")
-    sample.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (bytes for a "
+                        "model trained on text as bytes)")
     sample.add_argument("--temperature", type=float, default=0.8)
     sample.add_argument("--top-k", type=int, default=40)
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=_cmd_sample)
+    parser.commands = dict(sub.choices)   # name -> its parser (unknown-flag errors)
     return parser
 
 

@@ -52,6 +52,11 @@ def _models():
     return tuple(RECIPES)
 
 
+def _presets():
+    from .presets import PRESETS  # noqa: PLC0415
+    return ("", *PRESETS)
+
+
 def _strategies():
     from .parallel import STRATEGIES  # noqa: PLC0415
     return tuple(STRATEGIES)
@@ -61,14 +66,31 @@ def _strategies():
 class ModelConfig:
     """[model] what is trained"""
 
-    name: str = opt("gpt", "which model: gpt (a byte-level GPT on text) or mlp (a digits "
-                    "classifier)", flag="model", choices=_models, estimate=True)
-    vocab_size: int = opt(256, "tokens in the vocabulary (text is read as bytes, so training "
-                          "needs at least 256)", low=1, estimate=True)
+    name: str = opt("gpt", "which model: gpt (nanoGPT's GPT-2), llama (the Llama family) "
+                    "or mlp (a digits classifier)", flag="model", choices=_models, estimate=True)
+    preset: str = opt("", "a published or small shape that fills the keys below (any given "
+                      "key still wins)", choices=_presets, estimate=True)
+    vocab_size: int = opt(0, "tokens in the vocabulary (0: from the data, 256 for text read "
+                          "as bytes, meta.json's for token ids)", low=0, estimate=True)
     block_size: int = opt(64, "context length in tokens", low=1, estimate=True)
     n_layer: int = opt(2, "transformer blocks", low=1, estimate=True)
     n_head: int = opt(4, "attention heads per block", low=1, estimate=True)
     n_embd: int = opt(64, "model width (a multiple of n_head)", low=1, estimate=True)
+    n_kv_head: int = opt(0, "llama: key/value heads, dividing n_head (0: n_head)", low=0,
+                         estimate=True)
+    intermediate_size: int = opt(0, "llama: the MLP's width (0: 8 n_embd / 3 rounded up to "
+                                 "256)", low=0, estimate=True)
+    rope_theta: float = opt(10000.0, "llama: rotary embedding base", above=0.0, estimate=True)
+    rope_scaling: str = opt("none", "llama: rotary frequency scaling", choices=("none", "llama3"),
+                            estimate=True)
+    rope_factor: float = opt(8.0, "llama3 scaling: factor", above=0.0)
+    rope_low_freq_factor: float = opt(1.0, "llama3 scaling: low-frequency factor", above=0.0)
+    rope_high_freq_factor: float = opt(4.0, "llama3 scaling: high-frequency factor", above=0.0)
+    rope_original_max_position: int = opt(8192, "llama3 scaling: the context the frequencies "
+                                          "were trained for", low=1)
+    rms_eps: float = opt(1e-5, "llama: RMS norm epsilon", above=0.0)
+    tie_embeddings: bool = opt(False, "llama: the output layer is the token table (gpt: "
+                               "always)", estimate=True)
     dropout: float = opt(0.0, "dropout probability", low=0.0, high=1.0)
     bias: bool = opt(True, "biases in linear and layer-norm layers", estimate=True)
     hidden: list = opt([128, 128], "MLP hidden widths, e.g. [128, 64]", estimate=True)
@@ -109,7 +131,7 @@ class OptimConfig:
                             "follows from it (global_batch / (batch_size x dp)), also when "
                             "a run resumes on another number of ranks (0: batch_size x "
                             "micro_steps x dp)", low=0)
-    lr: float = opt(3e-3, "peak learning rate", above=0.0)
+    lr: float = opt(3e-3, "peak learning rate (0: the parameters stay as they are)", low=0.0)
     min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay", low=0.0)
     warmup_steps: int = opt(10, "linear warm-up steps", low=0)
     weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)",
@@ -123,8 +145,11 @@ class OptimConfig:
 class DataConfig:
     """[data] what is trained on"""
 
-    path: str = opt("", "text file or folder of text (empty: the Python standard "
-                    "library's sources)", flag="data")
+    path: str = opt("", "text file or folder of text, or a folder of token ids (train.bin, "
+                    "val.bin: see mpishard prepare); empty: the Python standard library's "
+                    "sources", flag="data")
+    dtype: str = opt("", "token ids' dtype in a folder without meta.json (empty: uint16, "
+                     "nanoGPT's)", flag="data_dtype", choices=("", "uint16", "uint32"))
     max_bytes: int = opt(0, "read at most this many bytes of text (0: all of --data, or "
                          "4,000,000 bytes of the built-in corpus)", low=0)
 
@@ -141,6 +166,9 @@ class RunConfig:
     eval_interval: int = opt(50, "steps between validation losses (0: start and end only)",
                              low=0)
     eval_batches: int = opt(4, "batches per validation loss", low=1)
+    init_from: str = opt("", "start from these weights: a Hugging Face model folder "
+                         "(config.json and safetensors; the [model] shape comes from it) or "
+                         "a consolidated mpishard .safetensors file (empty: random init)")
     checkpoint_dir: str = opt("", "where step-N/ checkpoints go (empty: none)")
     checkpoint_interval: int = opt(0, "steps between checkpoints (0: only at the end)", low=0)
     keep_last: int = opt(2, "checkpoints to keep", low=1)
@@ -290,7 +318,16 @@ def flat_values(raw: dict, where: str, notes: list) -> dict:
 
 
 def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
-    """A checked :class:`TrainConfig` from flat names -> values (defaults for the rest)."""
+    """A checked :class:`TrainConfig` from flat names -> values (defaults for the rest;
+    a ``preset`` fills the model keys not given)."""
+    preset = values.get("preset") or ""
+    if preset:
+        from .presets import PRESETS  # noqa: PLC0415
+
+        if preset not in PRESETS:
+            raise ConfigError(f"preset = {preset!r} is not one of {', '.join(PRESETS)}")
+        values = {("model" if k == "name" else k): v for k, v in PRESETS[preset].items()} \
+            | dict(values)
     parts = {section: {} for section in SECTIONS}
     for flat, value in values.items():
         if flat not in KEYS:
@@ -335,52 +372,3 @@ def as_flat(cfg: TrainConfig) -> dict:
     """Flat name -> value of every key (what flags and the metrics header show)."""
     return {k.flat: getattr(getattr(cfg, k.section), k.name) for k in KEYS.values()}
 
-
-# -- flags ----------------------------------------------------------------------
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    import argparse  # noqa: PLC0415
-
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def _shown(value) -> str:
-    if isinstance(value, list):
-        return ",".join(map(str, value))
-    return repr(value) if isinstance(value, str) else str(value).lower() \
-        if isinstance(value, bool) else str(value)
-
-
-def add_config_flags(parser, command: str = "train") -> None:
-    """One ``--flag`` per config key, grouped by section, each with its meaning and
-    default; ``command="estimate"`` adds only the keys the estimate reads."""
-    converters = {"int": int, "float": float, "str": str, "bool": _bool, "list": str}
-    for section, cls in SECTIONS.items():
-        keys = [k for k in KEYS.values() if k.section == section
-                and (command != "estimate" or k.meta["estimate"])]
-        if not keys:
-            continue
-        group = parser.add_argument_group(cls.__doc__.strip())
-        for key in keys:
-            choices = key.meta["choices"]
-            choices = choices() if callable(choices) else choices
-            listed = f"; one of {', '.join(choices)}" if choices else ""
-            kwargs = dict(dest=key.flat, default=None, type=converters[key.type],
-                          metavar=key.type.upper(),
-                          help=f"{key.meta['help']}{listed} (default: {_shown(key.default)})")
-            if key.type == "bool":
-                kwargs.update(nargs="?", const=True)
-            names = [key.flag] + [f"--{old.replace('_', '-')}" for old, new in RENAMED.items()
-                                  if new == key.flat]
-            group.add_argument(*names, **kwargs)
-
-
-def config_from_args(args, notes: list | None = None) -> TrainConfig:
-    """Merge ``--config FILE`` and the flags that were given."""
-    overrides = {flat: getattr(args, flat) for flat in KEYS
-                 if getattr(args, flat, None) is not None}
-    return load_config(getattr(args, "config", None), overrides, notes)

@@ -102,10 +102,10 @@ def load_corpus(path: str | Path | None = None, max_bytes: int | None = None,
         found = sorted(p.name for p in ([path] if path.is_file() else path.iterdir())
                        if p.name in _NOT_TEXT)
         if found:
-            raise DataError(f"data path {str(path)!r} holds {', '.join(found)}: token ids "
-                            f"and a pickle as nanoGPT's prepare.py writes them, not text. "
-                            f"mpishard reads text as bytes; point --data at the text itself "
-                            f"(e.g. the input.txt prepare.py read)")
+            raise DataError(f"data path {str(path)!r} is, or holds, {', '.join(found)}: token "
+                            f"files as nanoGPT's prepare.py writes them, not text, and no "
+                            f"folder of token ids (that needs train.bin and val.bin). Point "
+                            f"--data at the folder holding both, or at the text itself")
         files, source = _files_under(path), str(path)
     available = sum(f.stat().st_size for f in files)
     max_bytes = max_bytes or available

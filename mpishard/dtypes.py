@@ -52,6 +52,8 @@ def resolve_dtype(name, xp=np) -> np.dtype:
 
 def is_low_precision(dtype) -> bool:
     """Whether ``dtype`` is a 16-bit float (``float16`` or ``bfloat16``)."""
+    if isinstance(dtype, np.dtype):         # the hot path: dtype.name builds a string
+        return dtype.itemsize == 2 and dtype.name in LOW_PRECISION
     return getattr(dtype, "name", str(dtype)) in LOW_PRECISION
 
 

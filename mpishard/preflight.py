@@ -31,7 +31,7 @@ __all__ = ["check_run_files", "SHAPING_MODEL_KEYS"]
 
 #: [model] settings that change the parameters a checkpoint holds
 SHAPING_MODEL_KEYS = ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd",
-                      "bias", "hidden")
+                      "bias", "hidden", "n_kv_head", "intermediate_size", "tie_embeddings")
 
 
 def _records(path: Path) -> int:
@@ -72,8 +72,10 @@ def _resumed_run(cfg, world_size: int) -> list:
     if not saved:
         return []
     before = config_from_dict(flat_values(saved, str(step_dir), []))
+    # vocab_size 0 is "from the data", settled only when the data are read
     differ = [(k, getattr(before.model, k), getattr(cfg.model, k)) for k in SHAPING_MODEL_KEYS
-              if getattr(before.model, k) != getattr(cfg.model, k)]
+              if getattr(before.model, k) != getattr(cfg.model, k)
+              and not (k == "vocab_size" and getattr(cfg.model, k) == 0)]
     if differ:
         was = ", ".join(f"{k}={a!r}" for k, a, _ in differ)
         now = ", ".join(f"{k}={b!r}" for k, _, b in differ)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
@@ -79,6 +80,9 @@ class Trainer:
         if cfg.model.activation_checkpointing:
             self.run.module.set_activation_checkpointing(True)
         self.strategy = self.run.strategy
+        if cfg.run.init_from and not cfg.run.resume:  # a resume has trained weights already
+            from .hf import load_pretrained  # noqa: PLC0415 (only runs that start from weights)
+            load_pretrained(self.strategy, cfg.run.init_from, world=self.world)
         self.opt = make_optimizer(cfg.optim.optimizer, self.run.parameters(), cfg,
                                   self.run.ledger)
         self.opt.allocate_state()
@@ -163,7 +167,7 @@ class Trainer:
             while self.steps_done < cfg.optim.steps:
                 record = self.run_step()
                 if metrics.active:   # a collective (gather to rank 0): only when it is written
-                    record.update(self.memory_and_comm())
+                    record.update(memory_and_comm(self.world, self.strategy.ledger, self.mesh))
                 self.log.own(own_line(record, self.strategy.ledger, self.mesh))
                 if self._due(run.eval_interval) and self.steps_done < cfg.optim.steps:
                     record["val_loss"] = self.evaluate()
@@ -189,11 +193,11 @@ class Trainer:
     def _due(self, interval: int) -> bool:
         return bool(interval) and self.steps_done % interval == 0
 
-    def memory_and_comm(self) -> dict:
-        """Every rank's ledger peaks (on rank 0) and this rank's traffic per mesh axis."""
-        return {"memory": self.world.gather_obj(self.strategy.ledger.peak_by_category()),
-                "comm": {axis: comm.stats.snapshot()
-                         for axis, comm in self.mesh.active_axes().items()}}
+
+def memory_and_comm(world, ledger, mesh) -> dict:
+    """Every rank's ledger peaks (on rank 0) and this rank's traffic per mesh axis."""
+    return {"memory": world.gather_obj(ledger.peak_by_category()),
+            "comm": {axis: comm.stats.snapshot() for axis, comm in mesh.active_axes().items()}}
 
 
 def resolve_global_batch(cfg: TrainConfig, dp: int) -> None:
@@ -250,8 +254,33 @@ def agreed(world: Communicator, local_work):
     return value
 
 
+def take_shape_from(cfg: TrainConfig) -> list:
+    """With ``--init-from`` a Hugging Face folder, its ``config.json`` sets the ``[model]``
+    shape (the same file on every rank: no agreement needed); returns a note."""
+    path = cfg.run.init_from
+    if not path or not (Path(path) / "config.json").is_file():
+        return []
+    from .hf import model_fields  # noqa: PLC0415 (only runs that start from weights)
+
+    try:
+        fields = model_fields(path)
+    except ValueError as err:           # an unknown architecture, an unsupported option
+        raise ConfigError(str(err)) from None
+    trained = cfg.model.block_size
+    longest = fields["block_size"]
+    if fields["name"] == "llama" and trained < longest:
+        fields["block_size"] = trained  # rotary positions: any shorter length trains
+    for key, value in fields.items():
+        setattr(cfg.model, key, value)
+    context = (f"; sequences of {trained} tokens (it takes up to {longest:,}: --block-size)"
+               if fields["block_size"] < longest else "")
+    return [f"--init-from {path}: the [model] shape comes from its config.json "
+            f"({fields['name']}, {fields['n_layer']} layers, width {fields['n_embd']}){context}"]
+
+
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     """Plan, build, train, report. Returns the summary dict (on every rank)."""
+    notes = [*notes, *take_shape_from(cfg)]
     trainer = Trainer(cfg, world)
     for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")

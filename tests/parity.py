@@ -36,9 +36,9 @@ def make_optimizer(params, ledger=None):
 
 
 def reference(dp_size: int, steps: int, accum: int, dtype: str, max_norm=None,
-              cfg: GPTConfig = UNEVEN, seed: int = 0):
+              cfg: GPTConfig = UNEVEN, seed: int = 0, model_cls=GPT):
     """Single-process training on the concatenated batches: (losses, params)."""
-    model = GPT(cfg, seed=seed, dtype=dtype)
+    model = model_cls(cfg, seed=seed, dtype=dtype)
     opt = make_optimizer(model.parameters())
     losses = []
     for step in range(steps):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpishard.autodiff import OPS, gradcheck
-from mpishard.autodiff import nn_ops, ops
+from mpishard.autodiff import llama_ops, nn_ops, ops
 
 TOL = 1e-6
 
@@ -93,6 +93,26 @@ CASES = {
                              [_n(r, 5, 3)])],
     "dropout": [lambda r: (lambda a: nn_ops.dropout(a, 0.4, np.random.default_rng(7)),
                            [_n(r, 4, 5)])],
+    "rms_norm": [lambda r: (llama_ops.rms_norm, [_n(r, 2, 3, 6), _n(r, 6)]),
+                 lambda r: (lambda x: llama_ops.rms_norm(x, eps=1e-6), [_n(r, 4, 5)])],
+    "rope": [lambda r: (lambda x: llama_ops.rope(x, *llama_ops.rope_tables(3, 4, 10000.0,
+                                                                          dtype="float64")),
+                        [_n(r, 2, 3, 2, 4)]),
+             lambda r: (lambda x: llama_ops.rope(x, *llama_ops.rope_tables(
+                 5, 6, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 4}, dtype="float64")),
+                        [_n(r, 1, 5, 3, 6)])],
+    "swiglu": [lambda r: (llama_ops.swiglu, [_n(r, 3, 5) * 2, _n(r, 3, 5)])],
+    "rope_qkv": [
+        lambda r: (lambda q, k, v: llama_ops.rope_qkv(
+            q, k, v, *llama_ops.rope_tables(3, 4, dtype="float64"), [0, 0, 1, 1]),
+            [_n(r, 2, 3, 4, 4), _n(r, 2, 3, 2, 4), _n(r, 2, 3, 2, 4)]),
+        lambda r: (lambda q, k, v: llama_ops.rope_qkv(
+            q, k, v, *llama_ops.rope_tables(2, 2, dtype="float64"), [1, 2, 2]),
+            [_n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2)]),
+        lambda r: (lambda q, k, v: llama_ops.rope_qkv(         # one kv head; one query head
+            q, k, v, *llama_ops.rope_tables(2, 4, dtype="float64"), [0]),
+            [_n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4)])],
     "causal_self_attention": [
         lambda r: (lambda q: nn_ops.causal_self_attention(q, 2, 2), [_n(r, 2 * 5, 3 * 2 * 3)]),
         lambda r: (lambda q: nn_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)])],

@@ -4,8 +4,8 @@ from dataclasses import asdict
 
 import pytest
 
-from mpishard.config import (KEYS, SECTIONS, ConfigError, add_config_flags, config_from_dict,
-                             flat_values, load_config)
+from mpishard.config import KEYS, SECTIONS, ConfigError, config_from_dict, flat_values, load_config
+from mpishard.flags import add_config_flags
 
 
 def write(tmp_path, text):
@@ -45,7 +45,7 @@ def test_flags_override_the_file(tmp_path):
     ("[model]\nn_layers = 3\n", "unknown config key 'n_layers' in [model]; did you mean "
                                 "'n_layer'?"),
     ("n_layers = 3\n", "unknown config key 'n_layers'; did you mean 'n_layer'?"),
-    ("[optim]\nlr = -1e-3\n", "lr must be > 0.0, got -0.001"),
+    ("[optim]\nlr = -1e-3\n", "lr must be >= 0.0, got -0.001"),
     ("[model]\ndropout = 1.0\n", "dropout = 1.0: must be below 1.0"),
     ("[optim]\nsteps = 'ten'\n", "config key 'steps' wants a int, got 'ten'"),
     ("[model]\nhidden = [1.5]\n", "config key 'hidden' wants a list"),

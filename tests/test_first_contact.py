@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,19 +163,26 @@ def test_data_cuts_are_said_and_token_folders_refused(tmp_path):
                    "--data", text, "--steps", "1", "--dry-run")
     assert out.returncode == 0 and "54,000 train / 6,000 val bytes" in out.stdout
     assert "the first" not in out.stdout
-    prepared = tmp_path / "shakespeare_char"
+    prepared = tmp_path / "shakespeare_char"          # as nanoGPT's prepare.py leaves it
     prepared.mkdir()
-    for name in ("train.bin", "val.bin", "meta.pkl"):
-        (prepared / name).write_bytes(b"\x00\x01" * 100)
-    out = mpishard("train", *FAST, "--data", prepared)
-    assert out.returncode == 2 and "meta.pkl, train.bin, val.bin" in out.stderr \
-        and "nanoGPT's prepare.py" in out.stderr
+    for name in ("train.bin", "val.bin"):
+        (prepared / name).write_bytes((np.arange(400) % 65).astype("<u2").tobytes())
+    (prepared / "meta.pkl").write_bytes(b"not unpickled")
+    no_cut = [a for a in FAST if a not in ("--max-bytes", "20000")]
+    out = mpishard("train", *no_cut, "--data", prepared)
+    assert out.returncode == 2 and "--vocab-size N" in out.stderr \
+        and "meta.pkl is not unpickled" in out.stderr
+    out = mpishard("train", *no_cut, "--data", prepared, "--vocab-size", "65", "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert "400 train / 400 val tokens (uint16, vocabulary 65)" in out.stdout
+    out = mpishard("train", *no_cut, "--data", prepared / "train.bin")
+    assert out.returncode == 2 and "folder holding both" in out.stderr
 
 
 # -- errors once, and only the error -----------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--lr=-1e-3"], "lr must be > 0.0, got -0.001"),
+    (["--lr=-1e-3"], "lr must be >= 0.0, got -0.001"),
     (["--tp", "2", "--pp", "2"], "tp=2 x pp=2 = 4 exceeds the world size 2"),
     (["--dropout", "1.5"], "dropout = 1.5: must be below 1.0"),
 ])

@@ -12,26 +12,32 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import Communicator, Mesh
-from mpishard.models import GPT, GPTConfig
+from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.optim import AdamW
 from mpishard.parallel import Layout, ParallelModel, plan_layout
 
 CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
+LLAMA = LlamaConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
+                    intermediate_size=96)
+MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA)}
 B, T = 4, 32
-LAYOUTS = [  # dp, tp, pp, strategy, precision, micro-batches, schedule, checkpointing
-    (4, 1, 1, "ddp", None, 1, "1f1b", False),
-    (2, 2, 1, "zero3", None, 2, "1f1b", False),
-    (1, 2, 2, "zero1", None, 2, "1f1b", False),
-    (2, 1, 2, "zero3", "bfloat16", 2, "gpipe", False),
-    (1, 2, 2, "ddp", "bfloat16", 4, "1f1b", True),
-    (2, 2, 1, "zero2", None, 1, "1f1b", True),
+LAYOUTS = [  # model, dp, tp, pp, strategy, precision, micro-batches, schedule, checkpointing
+    ("gpt", 4, 1, 1, "ddp", None, 1, "1f1b", False),
+    ("gpt", 2, 2, 1, "zero3", None, 2, "1f1b", False),
+    ("gpt", 1, 2, 2, "zero1", None, 2, "1f1b", False),
+    ("gpt", 2, 1, 2, "zero3", "bfloat16", 2, "gpipe", False),
+    ("gpt", 1, 2, 2, "ddp", "bfloat16", 4, "1f1b", True),
+    ("gpt", 2, 2, 1, "zero2", None, 1, "1f1b", True),
+    ("llama", 2, 2, 1, "zero3", None, 1, "1f1b", False),     # key/value heads split
+    ("llama", 1, 4, 1, "ddp", None, 2, "1f1b", False),       # key/value heads whole, summed
+    ("llama", 1, 2, 2, "zero1", "bfloat16", 2, "1f1b", True),
 ]
 
 
-def _run(layout, world):
+def _run(model, layout, world):
     dp, tp, pp = layout.dp, layout.tp, layout.pp
     mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
-    run = ParallelModel(GPT(CFG, materialize_now=False), mesh, layout.strategy,
+    run = ParallelModel(model, mesh, layout.strategy,
                         micro_batches=layout.micro_batches, schedule=layout.schedule,
                         precision=layout.precision)
     run.module.set_activation_checkpointing(layout.activation_checkpointing)
@@ -41,7 +47,7 @@ def _run(layout, world):
     comms = {**mesh.active_axes(), **({"tied": run.pipeline.tie} if run.pipeline.tie else {})}
     for comm in comms.values():
         comm.stats.reset()
-    x = np.random.default_rng(mesh.dp_rank).integers(0, CFG.vocab_size,
+    x = np.random.default_rng(mesh.dp_rank).integers(0, model.config.vocab_size,
                                                       (B * layout.micro_batches, T))
     run.pipeline.measure_activations = True
     run.train_step(x, x)
@@ -56,17 +62,19 @@ def _close(got, want, what, tol=0.05):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: "dp{}-tp{}-pp{}-{}-{}-m{}-{}-ac{}".format(*s))
+@pytest.mark.parametrize("spec", LAYOUTS,
+                         ids=lambda s: "{}-dp{}-tp{}-pp{}-{}-{}-m{}-{}-ac{}".format(*s))
 def test_layout_plan_matches_the_run(spec):
     world = Communicator(MPI.COMM_WORLD)
     if world.size != 4:
         pytest.skip("needs 4 ranks")
-    dp, tp, pp, strategy, precision, micro, schedule, checkpointing = spec
+    name, dp, tp, pp, strategy, precision, micro, schedule, checkpointing = spec
+    cls, cfg = MODELS[name]
     layout = Layout(dp, tp, pp, strategy, precision, batch_size=B, seq_len=T,
                     micro_batches=micro, schedule=schedule,
                     activation_checkpointing=checkpointing)
-    plan = plan_layout(GPT(CFG, materialize_now=False), layout)
-    mesh, run, _opt, bus = _run(layout, world)
+    plan = plan_layout(cls(cfg, materialize_now=False), layout)
+    mesh, run, _opt, bus = _run(cls(cfg, materialize_now=False), layout, world)
     stage = plan.stages[mesh.pp_rank]
     live, peak = run.ledger.bytes_by_category(), run.ledger.peak_by_category()
     for cat, want in stage.memory.steady.items():

@@ -1,16 +1,18 @@
 """A small, framework-free reverse-mode autodiff core on NumPy or CuPy arrays.
 
 ``Tensor`` and the backward engine are in :mod:`.tensor`; every op (forward
-beside backward) is in :mod:`.ops` and :mod:`.nn_ops`, listed in ``OPS``;
+beside backward) is in :mod:`.ops`, :mod:`.nn_ops` and :mod:`.llama_ops`,
+listed in ``OPS``;
 activation checkpointing (:func:`recompute`) is in :mod:`.recompute`.
 """
-from . import nn_ops, ops
+from . import llama_ops, nn_ops, ops
 from .gradcheck import gradcheck, numerical_grad
 from .nn_ops import (causal_self_attention, cross_entropy, dropout, embedding, gelu,
                      layer_norm, linear, log_softmax, softmax)
 from .ops import (OPS, add, concat, div, exp, getitem, log, masked_fill, matmul, max,
                   mean, mul, neg, permute, pow, relu, reshape, split, sqrt, sub, sum,
                   tanh, transpose, unbroadcast, where)
+from .llama_ops import rms_norm, rope, rope_qkv, rope_tables, swiglu
 from .recompute import recompute
 from .tensor import HookHandle, Tensor, enable_grad, is_grad_enabled, no_grad
 
@@ -22,4 +24,5 @@ __all__ = [
     "tanh", "sqrt", "relu", "where", "masked_fill",
     "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
     "embedding", "dropout", "causal_self_attention", "recompute",
+    "llama_ops", "rms_norm", "rope", "rope_tables", "swiglu", "rope_qkv",
 ]

@@ -1,7 +1,8 @@
-"""``mpishard checkpoint inspect|consolidate``: one process, no MPI needed.
+"""``mpishard checkpoint inspect|consolidate|export``: one process, no MPI needed.
 
     mpishard checkpoint inspect ckpt/                        # latest step; or ckpt/step-40
     mpishard checkpoint consolidate ckpt/ model.safetensors  # loads into a PyTorch nanoGPT
+    mpishard checkpoint export ckpt/ out/ --format hf        # a Hugging Face model folder
 
 The top-level ``mpishard`` command registers these with
 :func:`add_checkpoint_commands`. A damaged or missing checkpoint prints one
@@ -9,14 +10,30 @@ The top-level ``mpishard`` command registers these with
 """
 from __future__ import annotations
 
+import re
 import sys
 
-__all__ = ["add_checkpoint_commands"]
+__all__ = ["add_checkpoint_commands", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"200MiB"`` -> 200 * 2**20, ``"1024"`` -> 1024 (bytes), as
+    transformers reads ``max_shard_size``."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB, 200MB, "
+                         f"500MiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def add_checkpoint_commands(subparsers) -> None:
-    """Add ``checkpoint inspect DIR`` and ``checkpoint consolidate DIR OUT`` to an argparse
-    subparsers object; each sets ``func(args) -> exit status``."""
+    """Add ``checkpoint inspect DIR``, ``checkpoint consolidate DIR OUT`` and ``checkpoint
+    export DIR OUT [--format hf|safetensors]`` to an argparse subparsers object; each sets
+    ``func(args) -> exit status``."""
     checkpoint = subparsers.add_parser("checkpoint", help="inspect, verify and export "
                                        "sharded checkpoints")
     commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
@@ -34,6 +51,22 @@ def add_checkpoint_commands(subparsers) -> None:
     consolidate.add_argument("--no-verify", action="store_true",
                              help="skip hashing the files first")
     consolidate.set_defaults(func=_cmd_consolidate)
+    export = commands.add_parser("export", help="write the parameters as a Hugging Face "
+                                 "model folder (--format hf) or one safetensors file "
+                                 "(--format safetensors), streamed")
+    export.add_argument("dir", help="a checkpoint root or a step-N directory")
+    export.add_argument("out", help="the folder (hf) or .safetensors file (safetensors) to "
+                        "write")
+    export.add_argument("--format", choices=("hf", "safetensors"), default="hf",
+                        help="hf: config.json and model*.safetensors that transformers' "
+                        "AutoModelForCausalLM loads (GPT and Llama); safetensors: one file "
+                        "with mpishard's names, as consolidate writes (default: hf)")
+    export.add_argument("--max-shard-size", default="5GiB", metavar="SIZE",
+                        help="hf: split the weights into files of at most SIZE, with an "
+                        "index (e.g. 5GB, 200MB; default 5GiB)")
+    export.add_argument("--no-verify", action="store_true",
+                        help="skip hashing the files first")
+    export.set_defaults(func=_cmd_export)
 
 
 def _error(err) -> int:
@@ -60,6 +93,25 @@ def _cmd_consolidate(args) -> int:
     try:
         out = consolidate(args.dir, args.out, verify=not args.no_verify)
     except CheckpointError as err:
+        return _error(err)
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from .errors import CheckpointError  # noqa: PLC0415
+
+    try:
+        if args.format == "safetensors":
+            from .consolidate import consolidate  # noqa: PLC0415
+
+            out = consolidate(args.dir, args.out, verify=not args.no_verify)
+        else:
+            from ..hf import export_checkpoint  # noqa: PLC0415
+
+            out = export_checkpoint(args.dir, args.out, parse_size(args.max_shard_size),
+                                    verify=not args.no_verify)
+    except (CheckpointError, ValueError) as err:
         return _error(err)
     print(f"wrote {out}", flush=True)
     return 0

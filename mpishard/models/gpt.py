@@ -21,10 +21,11 @@ import numpy as np
 
 from ..autodiff import nn_ops
 from ..autodiff.recompute import recompute
-from ..autodiff.tensor import Tensor, is_grad_enabled, no_grad
+from ..autodiff.tensor import Tensor, is_grad_enabled
 from ..backend import Backend, xp_of
 from ..nn import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
 from ..nn.init import materialize
+from .generate import generate
 from .gpt_activations import gpt_activation_bytes
 from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
@@ -277,26 +278,7 @@ class GPT(Module):
             loss = self.loss(logits, targets.reshape(B * T))
         return logits.reshape(B, T, logits.shape[-1]), loss
 
-    @no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, rng=None):
         """Extend ``idx`` ``(B, T)`` by sampling ``max_new_tokens`` tokens (whole models only)."""
-        if not (self.first_stage and self.last_stage):
-            raise ValueError("generate() needs the whole model, not a pipeline stage")
-        rng = rng or np.random.default_rng(0)
-        was_training = self.training
-        self.eval()
-        idx = np.asarray(idx)
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
-            logits, _ = self(self.backend.asarray(context))
-            last = np.asarray(logits.numpy()[:, -1, :], dtype=np.float64) / temperature
-            if top_k is not None:
-                kth = np.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
-                last = np.where(last < kth, -np.inf, last)
-            probs = np.exp(last - last.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
-            nxt = np.array([rng.choice(len(p), p=p) for p in probs])[:, None]
-            idx = np.concatenate([idx, nxt], axis=1)
-        self.train(was_training)
-        return idx
+        return generate(self, idx, max_new_tokens, temperature, top_k, rng)

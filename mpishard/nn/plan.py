@@ -49,11 +49,17 @@ class ColumnParallel:
     attention head: ``unit = head_size``), and each tp rank takes a contiguous
     run of groups from every segment. ``groups`` names what a group is for
     error messages (``"n_head"``).
+
+    ``replicate_unless_divisible``: when tp does not divide the groups, keep the
+    layer whole on every rank instead, and sum its output's gradient over tp
+    (Megatron's ``f`` after it): each rank then uses the part of the output it
+    needs (key/value heads shared by a rank's query heads).
     """
 
     parts: int = 1
     unit: int = 1
     groups: str = "output features"
+    replicate_unless_divisible: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ split) and adds up, per rank and step:
   plan's styles, per micro-batch: the forward all-reduce after every
   row-parallel layer and vocabulary-parallel embedding (twice for layers inside
   checkpointed blocks: the recompute repeats it), the backward all-reduce in
-  front of every column-parallel layer, the loss's three all-reduces of one
+  front of every column-parallel layer (after a layer the plan keeps whole, such
+  as key/value projections tp does not divide), the loss's three all-reduces of one
   number per row; pp: the activations and gradients each stage sends and
   receives per micro-batch, and the step's loss broadcast; the tied parameter's
   gradient summed between the first and the last stage.
@@ -41,7 +42,7 @@ from ..nn.plan import ColumnParallel, RowParallel, VocabParallel, VocabParallelL
 from .compose import build_stage
 from .planner import MemoryPlan, plan_memory
 from .precision import Precision
-from .tensor_parallel import _matching
+from .tensor_parallel import ColumnParallelLinear, _matching
 
 __all__ = ["Layout", "LayoutMesh", "StagePlan", "LayoutPlan", "plan_layout"]
 
@@ -182,8 +183,10 @@ def _tp_bytes(stage, layout: Layout, plan, wire: int, act) -> int:
                 nbytes += again * rows * module.out_features * wire
             elif isinstance(style, VocabParallel):      # forward sum of the looked-up rows
                 nbytes += rows * module.embedding_dim * wire
-            elif isinstance(style, ColumnParallel):     # backward sum of the input's gradient
-                nbytes += rows * module.in_features * wire
+            elif isinstance(style, ColumnParallel) and isinstance(module, ColumnParallelLinear):
+                nbytes += rows * module.in_features * wire      # backward: the input's gradient
+            elif isinstance(style, ColumnParallel):     # kept whole: its output's gradient
+                nbytes += rows * module.out_features * wire
             elif isinstance(style, VocabParallelLoss):  # row maxima, sums, target logits
                 nbytes += 3 * rows * loss_item
     return int(round(2 * (tp - 1) / tp * nbytes * layout.micro_batches))

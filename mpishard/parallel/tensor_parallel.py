@@ -182,6 +182,10 @@ def _swap(model, path: str, module, style, tp):
                   dtype=module.weight.spec.dtype)
     if isinstance(style, ColumnParallel):
         n = module.out_features
+        if style.replicate_unless_divisible and (n // style.parts // style.unit) % tp.size:
+            # whole on every rank; the output's gradient summed over tp (Megatron's f)
+            module.register_forward_hook(lambda m, args, out: copy_to_tp(out, tp))
+            return module
         g0, g1 = _groups(n, style.unit, style.parts, style.groups, path, tp)
         seg = n // style.parts
         blocks = [(k * seg + g0 * style.unit, k * seg + g1 * style.unit)

@@ -1,19 +1,27 @@
-"""The GPT on text read as bytes (``--model gpt``)."""
+"""Language models on text (``--model gpt``, ``--model llama``): bytes, or token files.
+
+Text is read as bytes (256 symbols) unless ``--data`` names a folder of token
+files (``train.bin``/``val.bin``, see docs/data.md). The model is built from the
+``[model]`` section; a ``--preset`` fills it with a published shape.
+"""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..data import VOCAB_SIZE, BatchSampler, load_corpus
-from ..models import GPT, GPTConfig
+from ..errors import ConfigError
+from ..models import GPT, GPTConfig, Llama, LlamaConfig
+from ..tokens import Tokenizer, is_token_dir, load_tokens
 from .base import Recipe, register_recipe
 
-__all__ = ["TextGPT"]
+__all__ = ["TextLM", "TextGPT", "TextLlama"]
 
 
-@register_recipe("gpt")
-class TextGPT(Recipe):
-    """nanoGPT's GPT, trained on the bytes of a text file or folder."""
+class TextLM(Recipe):
+    """A causal language model trained on the bytes of a text file or folder, or on the
+    token ids of a token folder."""
 
     can_sample = True
 
@@ -21,21 +29,29 @@ class TextGPT(Recipe):
         super().__init__(cfg)
         self.tokens_per_sample = cfg.model.block_size
 
-    def model_config(self) -> GPTConfig:
-        m = self.cfg.model
-        try:
-            return GPTConfig(vocab_size=m.vocab_size, block_size=m.block_size,
-                             n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                             dropout=m.dropout, bias=m.bias)
-        except ValueError as err:     # n_embd not a multiple of n_head, ...
-            raise ConfigError(str(err)) from None
+    def model_config(self):
+        """The model's own config dataclass from ``[model]`` (a ConfigError if it does not fit)."""
+        raise NotImplementedError
+
+    def model_class(self):
+        raise NotImplementedError
 
     def model(self, backend):
-        return GPT(self.model_config(), seed=self.cfg.run.seed, dtype=self.cfg.model.dtype,
-                   backend=backend, materialize_now=False)
+        return self.model_class()(self.model_config(), seed=self.cfg.run.seed,
+                                  dtype=self.cfg.model.dtype, backend=backend,
+                                  materialize_now=False)
 
     def load_data(self) -> str:
         cfg = self.cfg
+        if is_token_dir(cfg.data.path):
+            return self._load_tokens()
+        if cfg.data.dtype:
+            where = cfg.data.path or "the built-in corpus"
+            raise ConfigError(f"data_dtype = {cfg.data.dtype}: {where} is text, read as bytes; "
+                              f"data_dtype is for a folder of token ids (train.bin, val.bin); "
+                              f"leave it out")
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = VOCAB_SIZE
         if cfg.model.vocab_size < VOCAB_SIZE:
             raise ConfigError(f"vocab_size = {cfg.model.vocab_size}: text is read as bytes "
                               f"({VOCAB_SIZE} symbols); use vocab_size >= {VOCAB_SIZE}")
@@ -47,6 +63,21 @@ class TextGPT(Recipe):
                f"--max-bytes to read more" if corpus.truncated else "")
         return (f"{corpus.source}: {corpus.train.size:,} train / {corpus.val.size:,} val "
                 f"bytes from {corpus.n_files} files{cut}")
+
+    def _load_tokens(self) -> str:
+        """A folder of token ids (train.bin, val.bin), memory-mapped; the vocabulary size
+        comes from its meta.json unless [model] gives one (which must hold every id)."""
+        cfg = self.cfg
+        if cfg.data.max_bytes:
+            raise ConfigError(f"max_bytes = {cfg.data.max_bytes}: {cfg.data.path} holds token "
+                              f"ids, read in place without a cut; leave --max-bytes out")
+        corpus = load_tokens(cfg.data.path, cfg.data.dtype or None,
+                             cfg.model.vocab_size or None, min_tokens=cfg.model.block_size + 1)
+        cfg.model.vocab_size = corpus.vocab_size
+        self.train, self.val, self.tokenizer = corpus.train, corpus.val, corpus.tokenizer
+        notes = "".join(f"; {note}" for note in corpus.notes)
+        return (f"{corpus.source}: {corpus.train.size:,} train / {corpus.val.size:,} val "
+                f"tokens ({corpus.dtype}, vocabulary {corpus.vocab_size:,}){notes}")
 
     def train_sampler(self, dp_rank: int, dp_size: int):
         c = self.cfg
@@ -61,7 +92,80 @@ class TextGPT(Recipe):
 
     def sample(self, module, prompt: str, n_tokens: int, seed: int, temperature: float = 0.8,
                top_k: int | None = 40) -> str:
-        idx = np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)[None, :]
-        out = module.generate(idx, n_tokens, temperature=temperature, top_k=top_k,
+        """Continue ``prompt`` by ``n_tokens`` tokens: bytes, or the ids of the data's
+        tokenizer (the ``tokenizer.json`` beside token data)."""
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            idx = np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        else:
+            idx = tokenizer.encode(prompt)
+        if idx.size == 0:
+            raise ConfigError("--prompt is empty (no tokens); give some text to continue")
+        out = module.generate(idx[None, :], n_tokens, temperature=temperature, top_k=top_k,
                               rng=np.random.default_rng(seed))
-        return bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+        if tokenizer is None:
+            return bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+        return tokenizer.decode(out[0])
+
+    def _tokenizer(self):
+        """The tokenizer of token data (None for bytes); a ConfigError when the data are
+        token ids without a tokenizer.json to decode them."""
+        path = self.cfg.data.path
+        if not is_token_dir(path):
+            return None
+        corpus_tokenizer = getattr(self, "tokenizer", None)
+        if corpus_tokenizer is None:
+            found = Path(path) / "tokenizer.json"
+            corpus_tokenizer = str(found) if found.is_file() else None
+        if corpus_tokenizer is None:
+            raise ConfigError(f"the model was trained on token ids from {path}, which has no "
+                              f"tokenizer.json to turn text into ids and back; copy the "
+                              f"tokenizer.json that made them into {path}")
+        return Tokenizer.from_file(corpus_tokenizer)
+
+
+@register_recipe("gpt")
+class TextGPT(TextLM):
+    """nanoGPT's GPT (learned positions, LayerNorm, GELU MLP, tied head)."""
+
+    def model_class(self):
+        return GPT
+
+    def model_config(self) -> GPTConfig:
+        m = self.cfg.model
+        try:
+            return GPTConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size,
+                             n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                             dropout=m.dropout, bias=m.bias)
+        except ValueError as err:     # n_embd not a multiple of n_head, ...
+            raise ConfigError(str(err)) from None
+
+
+@register_recipe("llama")
+class TextLlama(TextLM):
+    """The Llama family (RMS norm, rotary embeddings, SwiGLU, grouped-query attention)."""
+
+    def model_class(self):
+        return Llama
+
+    def model_config(self) -> LlamaConfig:
+        m = self.cfg.model
+        if m.dropout:
+            raise ConfigError(f"dropout = {m.dropout}: the Llama family trains without "
+                              f"dropout here; use dropout = 0")
+        if m.bias:
+            raise ConfigError("bias = true: Llama's layers have no biases; use bias = false "
+                              "(--bias false)")
+        scaling = None if m.rope_scaling == "none" else {
+            "rope_type": "llama3", "factor": m.rope_factor,
+            "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_position}
+        try:
+            return LlamaConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size,
+                               n_layer=m.n_layer, n_head=m.n_head, n_kv_head=m.n_kv_head,
+                               n_embd=m.n_embd, intermediate_size=m.intermediate_size,
+                               rope_theta=m.rope_theta, rope_scaling=scaling, rms_eps=m.rms_eps,
+                               tie_embeddings=m.tie_embeddings)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None

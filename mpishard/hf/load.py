@@ -1,0 +1,192 @@
+"""Starting from published weights: a whole model on one process, or any layout's pieces.
+
+    model = from_pretrained("gpt2-folder", dtype="float64")       # one process, whole
+    load_pretrained(run.strategy, "llama-folder")                 # collective, streamed
+
+[Note: loading Hugging Face weights onto any layout]
+:func:`load_pretrained` asks the strategy for the pieces this rank holds
+([Note: pieces] in mpishard/parallel/pieces.py) and fills each from the runs
+of the global flat index it covers, read straight out of the safetensors
+files (:class:`~mpishard.hf.files.HFWeights`): under ZeRO-3, tensor or
+pipeline parallelism no rank reads, or holds, more than its own share, plus
+at most one rectangle of a transposed GPT-2 tensor at a time (see
+[Note: reading a transposed tensor] in files.py). Everything that can fail
+(config.json, a missing file or tensor, a shape) is checked by every rank
+before any piece is read, and failures are agreed, so every rank raises the
+same :class:`~mpishard.checkpoint.CheckpointError` ([Note: checkpoint agreement]).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint.collective import agree
+from ..checkpoint.consolidate import load_consolidated
+from ..checkpoint.errors import CheckpointError
+from ..nn.init import seed_dropout
+from ..parallel.pieces import load_pieces
+from .config import (CONFIG, check_model_matches, config_from_fields, model_class,
+                     model_fields)
+from .files import HFWeights
+from .names import BASE_PREFIX, ignorable, tensor_plan
+
+__all__ = ["from_pretrained", "load_pretrained", "match_tensors"]
+
+
+def _fields(path: Path) -> dict:
+    try:
+        return model_fields(path)
+    except ValueError as err:
+        raise CheckpointError(path / CONFIG, "config", str(err)) from None
+
+
+def _find(entries: dict, key: str, prefix: str):
+    """``key`` as the files name it: itself, or without the base-model ``prefix``."""
+    if key in entries:
+        return key
+    bare = key[len(prefix):] if key.startswith(prefix) else None
+    return bare if bare in entries else None
+
+
+def match_tensors(weights: HFWeights, config) -> dict:
+    """mpishard name -> ``(key in the files, HFTensor)`` for every parameter of the model
+    ``config`` builds; every tensor present with its shape, none left over.
+
+    Names are also found without transformers' base-model prefix (a checkpoint
+    saved from ``GPT2Model``, as OpenAI's ``gpt2`` is: ``h.0.attn.c_attn.weight``).
+
+    Raises:
+        CheckpointError: rule ``missing-tensor``, ``shape`` or ``unexpected-tensor``.
+    """
+    cls = model_class(config).__name__
+    prefix, tied = BASE_PREFIX[cls], cls == "GPT" or config.tie_embeddings
+    found, missing, shapes = {}, [], []
+    for t in tensor_plan(config):
+        if t.name is None:
+            continue
+        key = _find(weights.entries, t.key, prefix)
+        if key is None:
+            missing.append(t.key)
+            continue
+        entry = weights.entries[key]
+        if entry.shape != t.hf_shape:
+            shapes.append(f"{key} has shape {list(entry.shape)} in {entry.file}, the model "
+                          f"needs {list(t.hf_shape)}" + (" ([in, out], as GPT-2's Conv1D)"
+                                                         if t.transposed else ""))
+        found[t.name] = (key, t)
+    used = {key for key, _ in found.values()}
+    unexpected = sorted(k for k in weights.entries if k not in used
+                        and not ignorable(cls, k, tied))
+    where = weights.folder
+    if missing:
+        raise CheckpointError(where, "missing-tensor", f"{len(missing)} tensors the model needs "
+                              f"are not in the files: {', '.join(missing[:5])}")
+    if shapes:
+        raise CheckpointError(where, "shape", "; ".join(shapes[:5]))
+    if unexpected:
+        raise CheckpointError(where, "unexpected-tensor", f"the files hold tensors this "
+                              f"{cls} has not: {', '.join(unexpected[:5])}; is config.json "
+                              f"the one these weights were saved with?")
+    return found
+
+
+def from_pretrained(path, dtype: str = "float32", backend=None, seed: int = 0):
+    """A whole, materialised :class:`~mpishard.models.GPT` or :class:`~mpishard.models.Llama`
+    from the Hugging Face folder ``path``, read tensor by tensor (one process).
+
+    Args:
+        path: a folder with ``config.json`` and ``model.safetensors`` (or shards and
+            ``model.safetensors.index.json``).
+        dtype: the parameters' dtype, ``"float32"`` or ``"float64"`` (weights are cast).
+        backend: where the arrays live (default: NumPy).
+        seed: seeds the dropout generators (the weights come from the files).
+
+    Raises:
+        ValueError: config.json names something mpishard cannot reproduce.
+        CheckpointError: a missing file or tensor, a shape that does not fit.
+    """
+    path = Path(path)
+    fields = model_fields(path)
+    config = config_from_fields(fields)
+    model = model_class(config)(config, seed=seed, dtype=dtype, backend=backend,
+                                materialize_now=False)
+    backend = model.backend
+    with HFWeights(path) as weights:
+        found = match_tensors(weights, config)
+        for name, p in model.named_parameters():
+            key, t = found[name]
+            full = weights.read_runs(key, [(0, int(np.prod(t.shape)))], t.transposed)
+            data = np.ascontiguousarray(full.reshape(t.shape), dtype=p.dtype)
+            p.data = backend.ledger.track("params", backend.asarray(data), name)
+    seed_dropout(model, seed, backend)
+    return model
+
+
+def load_pretrained(strategy, path, world=None) -> None:
+    """Fill every piece ``strategy`` holds from a Hugging Face folder (collective over ``world``).
+
+    Any layout: DDP, ZeRO-1/2/3, tensor and pipeline parallel, mixed precision
+    (the masters are filled, then ``after_load`` makes the rest). Each rank reads
+    only the byte ranges of its own runs; for GPT-2's transposed ``Conv1D``
+    tensors that is one rectangle of its rows at a time (see [Note: reading a
+    transposed tensor] in mpishard/hf/files.py), never the whole tensor unless
+    the rank holds all of it.
+
+    Args:
+        strategy: the :class:`~mpishard.parallel.Strategy` wrapping a GPT or Llama
+            (or one stage / tensor-parallel part of one).
+        path: a Hugging Face folder; or a ``.safetensors`` file, taken as a
+            consolidated mpishard export (:func:`mpishard.checkpoint.load_consolidated`).
+        world: every rank taking part (default ``strategy.mesh.world``).
+
+    Raises:
+        CheckpointError: on every rank alike: config.json does not describe this
+            model, a file or tensor is missing, a shape differs (naming the tensor
+            and both shapes), the files hold tensors the model has not.
+    """
+    world = world if world is not None else strategy.mesh.world
+    path = Path(path)
+    if path.suffix == ".safetensors" and not path.is_dir():
+        load_consolidated(path, strategy, world=world)
+        return
+    weights, found, err = None, None, None
+    try:
+        if not path.is_dir():
+            raise CheckpointError(path, "missing-file", "is neither a Hugging Face model "
+                                  "folder (config.json and safetensors files) nor a "
+                                  "consolidated .safetensors file")
+        config = strategy.module.config
+        try:
+            check_model_matches(config, _fields(path), str(path / CONFIG))
+        except ValueError as exc:
+            raise CheckpointError(path / CONFIG, "mismatch", str(exc)) from None
+        weights = HFWeights(path)
+        found = match_tensors(weights, config)
+    except Exception as exc:  # noqa: BLE001 -- agreed, see [Note: checkpoint agreement]
+        err = exc
+    failure = None
+
+    def read(name, kind, runs, dtype):
+        nonlocal failure
+        size = sum(b - a for a, b in runs)
+        if failure is None:
+            try:
+                if name not in found:
+                    raise CheckpointError(path, "missing-tensor", f"{name} has no tensor in "
+                                          f"the Hugging Face form of this model")
+                key, t = found[name]
+                return weights.read_runs(key, runs, t.transposed).astype(dtype, copy=False)
+            except Exception as exc:  # noqa: BLE001 -- agreed after load_pieces
+                failure = exc
+        return np.zeros(size, dtype=dtype)
+
+    try:
+        agree(world, err, f"reading {path}")
+        # A failed read is kept until every rank has finished load_pieces: it ends
+        # in a collective for ZeRO-1/2 (re-gathering the parameters).
+        load_pieces(strategy, None, read)
+    finally:
+        if weights is not None:
+            weights.close()
+    agree(world, failure, f"loading {path}")

@@ -1,0 +1,36 @@
+"""Sampling from a causal language model (GPT, Llama): one token at a time.
+
+    out = model.generate(idx, 100, temperature=0.8, top_k=40, rng=np.random.default_rng(0))
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autodiff.tensor import no_grad
+
+__all__ = ["generate"]
+
+
+@no_grad()
+def generate(model, idx, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, rng=None):
+    """Extend ``idx`` ``(B, T)`` by sampling ``max_new_tokens`` tokens (whole models only)."""
+    if not (model.first_stage and model.last_stage):
+        raise ValueError("generate() needs the whole model, not a pipeline stage")
+    rng = rng or np.random.default_rng(0)
+    was_training = model.training
+    model.eval()
+    idx = np.asarray(idx)
+    for _ in range(max_new_tokens):
+        context = idx[:, -model.config.block_size:]
+        logits, _ = model(model.backend.asarray(context))
+        last = np.asarray(logits.numpy()[:, -1, :], dtype=np.float64) / temperature
+        if top_k is not None:
+            kth = np.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
+            last = np.where(last < kth, -np.inf, last)
+        probs = np.exp(last - last.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        nxt = np.array([rng.choice(len(p), p=p) for p in probs])[:, None]
+        idx = np.concatenate([idx, nxt], axis=1)
+    model.train(was_training)
+    return idx

@@ -1,0 +1,75 @@
+"""What one forward pass of a Llama (or a stage of it) keeps alive for backward, in bytes.
+
+Counted as for the GPT (see [Note: activation bytes] in gpt_activations.py, where
+``c`` and ``f`` are defined), per micro-batch of ``N = B * T`` rows, with ``h``
+and ``h_kv`` this rank's query and key/value heads, ``hs`` the head size and
+``F`` this rank's share of the MLP width:
+
+==========================  =========================================================
+RMS norm                    output ``N C c``, normalised input ``N C f``, 1/rms ``N f``
+q, k, v projections         ``N hs (h + 2 h_kv) c``
+rotary q, k and packing     packed q|k|v for attention ``3 N h hs c``; the rotation tables
+                            (cos and signed sin per head) ``2 T hs (h + h_kv) c``
+attention                   weights ``B h T^2 f``, output ``N h hs c``
+o / down projections        ``N C c`` each (tp > 1: the summed copy, ``N C c`` more)
+gate, up; SwiGLU            ``2 N F c``; output ``N F c`` and sigmoid ``N F f``
+residual adds               ``2 N C c``
+==========================  =========================================================
+
+The first stage keeps the looked-up token rows (vocabulary-parallel: as the
+GPT's), the last the final norm, logits and loss as the GPT's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .gpt_activations import _row_parallel, _width
+
+__all__ = ["llama_activation_bytes"]
+
+#: the graph's Python objects (tensors, closures): measured, bytes
+_OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 14 << 10, 1536
+
+
+def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
+                           checkpointing: bool | None = None) -> int:
+    """Bytes ``model`` keeps for backward after one micro-batch ``(batch_size, seq_len)``."""
+    cfg = model.config
+    c = np.dtype(dtype).itemsize
+    f = 4 if c == 2 else c
+    B, T, C, hs = batch_size, seq_len, cfg.n_embd, cfg.head_size
+    N = B * T
+    blocks = list(model.model.layers.values())
+    if checkpointing is None:
+        checkpointing = any(b.activation_checkpointing for b in blocks)
+    total = _OBJECTS_BASE + len(blocks) * (_OBJECTS_PER_CHECKPOINTED_BLOCK if checkpointing
+                                            else _OBJECTS_PER_BLOCK)
+    norm = N * C * (c + f) + N * f
+    if model.first_stage:
+        emb = model.model.embed_tokens
+        split_vocab = int(emb.weight.shape[0]) != int(emb.num_embeddings)
+        total += 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
+    else:
+        total += N * C * c                                  # the received activations
+    for block in blocks:
+        if checkpointing:
+            total += N * C * c
+            continue
+        attn, mlp = block.self_attn, block.mlp
+        h, h_kv = _width(attn.q_proj) // hs, _width(attn.k_proj) // hs
+        F = _width(mlp.gate_proj)
+        total += 2 * norm
+        total += N * hs * (h + 2 * h_kv) * c                              # q, k, v
+        total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c         # packing, tables
+        total += B * h * T * T * f + N * h * hs * c                       # attention
+        total += N * C * c * (2 + _row_parallel(attn.o_proj) + _row_parallel(mlp.down_proj))
+        total += 2 * N * F * c + N * F * (c + f)                          # gate, up, SwiGLU
+        total += 2 * N * C * c                                            # residual adds
+    if model.last_stage:
+        vocab = _width(model.lm_head)
+        split_vocab = vocab != int(model.lm_head.out_features)
+        total += norm + N * vocab * c + N * vocab * f
+        if c == 2 and not split_vocab:
+            total += N * vocab * 4
+        total += N * (18 + f)
+    return int(total)

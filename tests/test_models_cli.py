@@ -1,0 +1,75 @@
+"""The models through the command: presets in estimate, Llama refusals, the Llama demo.
+
+examples/llama_hf.sh runs end to end (a BPE trained on the built-in corpus,
+ZeRO-3 on 4 ranks, export, generation by transformers), at a few steps.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def mpishard(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "mpishard", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_llama_8b_estimate_matches_the_hand_count():
+    out = mpishard("estimate", "--preset", "llama3.1-8b", "--dp", "8", "--strategy", "zero3",
+                   "--batch-size", "1")
+    assert out.returncode == 0, out.stderr
+    # docs/models.md: 2 x 128256 x 4096 + 32 x 218,112,000 + 4096
+    hand = 2 * 128256 * 4096 + 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
+                                     + 2 * 4096) + 4096
+    assert hand == 8_030_261_248
+    assert f"{hand:,} parameters" in out.stdout
+    state = float(re.search(r"model state ([\d.]+) MiB", out.stdout).group(1))
+    want = hand * (4 + 4 + 8) / 8 / 2**20         # f32 params, grads, AdamW m and v over dp 8
+    assert abs(state - want) <= 0.01 * want, (state, want)
+
+
+def test_gpt2_xl_estimate_over_tp_and_pp():
+    out = mpishard("estimate", "--preset", "gpt2-xl", "--tp", "4", "--pp", "2", "--dp", "1",
+                   "--strategy", "zero1", "--batch-size", "1")
+    assert out.returncode == 0, out.stderr
+    assert "1,557,611,200 parameters" in out.stdout and "dp=1 x tp=4 x pp=2" in out.stdout
+    assert re.search(r"params\s+[\d.]+ MiB", out.stdout)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bias", "true"], "Llama's layers have no biases"),
+    (["--n-embd", "60", "--n-head", "4"], "head size 15 is odd"),
+    (["--n-kv-head", "3"], "n_kv_head=3 must divide n_head=4"),
+    (["--dropout", "0.1"], "trains without dropout"),
+])
+def test_llama_refusals_name_the_fix(flags, message):
+    out = mpishard("train", "--preset", "llama-tiny", *flags, "--steps", "1", "--dry-run")
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to python")
+@pytest.mark.timeout(600)
+def test_llama_hf_example_runs(tmp_path):
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHON=sys.executable, MPIEXEC=str(MPIEXEC), STEPS="4",
+               MAX_BYTES="400000", PYTHONPATH=str(ROOT))
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    out = subprocess.run(["bash", str(ROOT / "examples" / "llama_hf.sh"), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=540, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "after 4 steps (zero3, 4 ranks)" in out.stdout
+    assert re.search(r"LlamaForCausalLM with [\d,]+ parameters", out.stdout)
+    assert "def main(" in out.stdout.split("LlamaForCausalLM with", 1)[1]
+    assert (tmp_path / "hf" / "config.json").is_file()
