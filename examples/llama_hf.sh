@@ -31,5 +31,20 @@ echo "== 3. export the checkpoint as a Hugging Face folder"
 "$py" -m mpishard checkpoint export "$out/checkpoints" "$out/hf" --format hf
 cp "$out/data/tokenizer.json" "$out/hf/tokenizer.json"
 
-echo "== 4. generate with transformers"
-"$py" "$(dirname "$0")/generate_hf.py" "$out/hf" --prompt "def main("
+echo "== 4. generate with transformers (nothing of mpishard imported)"
+"$py" - "$out/hf" "def main(" <<'PY'
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+folder, prompt = Path(sys.argv[1]), sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(folder)
+tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+ids = tokenizer(prompt, return_tensors="pt").input_ids
+torch.manual_seed(0)
+out = model.generate(ids, max_new_tokens=40, do_sample=True, top_k=40, pad_token_id=0)
+print(f"{type(model).__name__} with {model.num_parameters():,} parameters from {folder}:")
+print(tokenizer.decode(out[0]))
+PY

@@ -73,3 +73,31 @@ def test_llama_hf_example_runs(tmp_path):
     assert re.search(r"LlamaForCausalLM with [\d,]+ parameters", out.stdout)
     assert "def main(" in out.stdout.split("LlamaForCausalLM with", 1)[1]
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def _losses(path) -> dict:
+    import json
+    return {r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
+
+
+def test_token_data_resume_continues_at_the_same_token(tmp_path):
+    """Train on a token folder, stop at step 3, resume to 6: the same losses as one run
+    of 6 steps (same batches, same token positions; float64, and a constant learning
+    rate: the schedule's length is --steps)."""
+    tok = tmp_path / "tok"
+    out = mpishard("prepare", "default", tok, "--train-bpe", "300", "--max-bytes", "60000",
+                   "--progress", "false")
+    assert out.returncode == 0, out.stderr
+    common = ["train", "--preset", "llama-tiny", "--n-layer", "1", "--block-size", "32",
+              "--batch-size", "2", "--data", tok, "--dtype", "float64", "--eval-batches", "1",
+              "--progress", "false", "--warmup-steps", "0", "--lr", "1e-3", "--min-lr", "1e-3"]
+    whole = mpishard(*common, "--steps", "6", "--metrics", tmp_path / "whole.jsonl")
+    assert whole.returncode == 0, whole.stderr
+    first = mpishard(*common, "--steps", "3", "--checkpoint-dir", tmp_path / "ck",
+                     "--metrics", tmp_path / "part.jsonl")
+    assert first.returncode == 0, first.stderr
+    second = mpishard(*common, "--steps", "6", "--checkpoint-dir", tmp_path / "ck",
+                      "--resume", "true", "--metrics", tmp_path / "part.jsonl")
+    assert second.returncode == 0, second.stderr
+    want, got = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "part.jsonl")
+    assert sorted(got) == [1, 2, 3, 4, 5, 6] and got == want
