@@ -256,26 +256,15 @@ def agreed(world: Communicator, local_work):
 
 def take_shape_from(cfg: TrainConfig) -> list:
     """With ``--init-from`` a Hugging Face folder, its ``config.json`` sets the ``[model]``
-    shape (the same file on every rank: no agreement needed); returns a note."""
-    path = cfg.run.init_from
-    if not path or not (Path(path) / "config.json").is_file():
+    shape (mpishard.hf.shape_from_folder); returns a note."""
+    if not cfg.run.init_from or not (Path(cfg.run.init_from) / "config.json").is_file():
         return []
-    from .hf import model_fields  # noqa: PLC0415 (only runs that start from weights)
+    from .hf import shape_from_folder  # noqa: PLC0415 (only runs that start from weights)
 
     try:
-        fields = model_fields(path)
+        return shape_from_folder(cfg.model, cfg.run.init_from)
     except ValueError as err:           # an unknown architecture, an unsupported option
         raise ConfigError(str(err)) from None
-    trained = cfg.model.block_size
-    longest = fields["block_size"]
-    if fields["name"] == "llama" and trained < longest:
-        fields["block_size"] = trained  # rotary positions: any shorter length trains
-    for key, value in fields.items():
-        setattr(cfg.model, key, value)
-    context = (f"; sequences of {trained} tokens (it takes up to {longest:,}: --block-size)"
-               if fields["block_size"] < longest else "")
-    return [f"--init-from {path}: the [model] shape comes from its config.json "
-            f"({fields['name']}, {fields['n_layer']} layers, width {fields['n_embd']}){context}"]
 
 
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:

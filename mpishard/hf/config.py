@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..models import GPT, GPTConfig, Llama, LlamaConfig
 
-__all__ = ["model_fields", "config_from_fields", "config_from_pretrained", "read_config_json",
+__all__ = ["model_fields", "shape_from_folder", "config_from_fields", "config_from_pretrained", "read_config_json",
            "hf_config", "model_class", "check_model_matches", "CONFIG"]
 
 CONFIG = "config.json"
@@ -85,6 +85,23 @@ class _Reader:
         if value not in allowed:
             self.refuse(key, value, why)
         return value
+
+
+def shape_from_folder(model_cfg, path) -> list:
+    """Set the ``[model]`` section ``model_cfg`` (a run's, in place) to the shape of the
+    folder's ``config.json``; returns a note. A Llama keeps the run's shorter
+    ``block_size`` (rotary positions: any shorter length trains), a GPT-2 takes its
+    ``n_positions`` (its position table has that many rows)."""
+    fields = model_fields(path)
+    trained, longest = model_cfg.block_size, fields["block_size"]
+    if fields["name"] == "llama" and trained < longest:
+        fields["block_size"] = trained
+    for key, value in fields.items():
+        setattr(model_cfg, key, value)
+    context = (f"; sequences of {trained} tokens (it takes up to {longest:,}: --block-size)"
+               if fields["block_size"] < longest else "")
+    return [f"--init-from {path}: the [model] shape comes from its config.json "
+            f"({fields['name']}, {fields['n_layer']} layers, width {fields['n_embd']}){context}"]
 
 
 def model_fields(path) -> dict:
