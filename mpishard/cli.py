@@ -280,6 +280,9 @@ def main(argv=None) -> int:
     install_abort_hook()
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:          # output piped into a reader that stopped (| head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except agreed_errors as err:
         if _env_rank() == 0:
             print(f"mpishard: error: {err}", file=sys.stderr, flush=True)

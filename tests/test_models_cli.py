@@ -101,3 +101,10 @@ def test_token_data_resume_continues_at_the_same_token(tmp_path):
     assert second.returncode == 0, second.stderr
     want, got = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "part.jsonl")
     assert sorted(got) == [1, 2, 3, 4, 5, 6] and got == want
+
+
+def test_output_piped_into_head_is_no_crash():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(f"'{sys.executable}' -m mpishard estimate --preset gpt2 --dp 8 | head -1",
+                         shell=True, env=env, capture_output=True, text=True, timeout=120)
+    assert "parameters" in out.stdout and "Traceback" not in out.stderr, out.stderr
