@@ -276,7 +276,7 @@ def test_peak_rss_does_not_grow_with_the_file_size(tmp_path):
            for n, r in reports.items()}
     print(f"train.bin {size / 2**20:.0f} MiB vs {small_size / 2**20:.0f} MiB: peak RSS "
           f"MiB {mib}; np.fromfile of the small one: {whole['peak'] / 2**20:.1f} MiB")
-    assert whole["peak"] - whole["base"] > small_size                    # the meter works
+    assert whole["peak"] - whole["base"] > 0.9 * small_size   # the meter sees a whole load
     grown = {n: r["peak"] - r["base"] for n, r in reports.items()}
     assert grown["big"] < size / 8, (grown, size)                        # far below the file
     # the sampler's own epoch permutation holds 8 bytes per window (data.BatchSampler)
