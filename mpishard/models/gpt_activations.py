@@ -37,7 +37,7 @@ import numpy as np
 __all__ = ["gpt_activation_bytes"]
 
 #: the graph's Python objects (tensors, closures): measured, bytes
-_OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 12 << 10, 8 << 10, 1536
+_OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 8 << 10, 1536
 
 
 def _width(linear) -> int:
