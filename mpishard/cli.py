@@ -96,7 +96,8 @@ def _cmd_estimate(args) -> int:
 
     cfg = config_from_args(args)
     recipe = recipe_for(cfg)
-    dp = cfg.parallel.dp or 1
+    p = cfg.parallel
+    dp = p.dp or (p.dp_replicate * p.dp_shard if p.dp_shard else p.dp_replicate)
     strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
     budget = cfg.run.memory_budget

@@ -106,8 +106,21 @@ class ParallelConfig:
 
     strategy: str = opt("zero3", "data-parallel strategy over dp", choices=_strategies,
                         estimate=True)
-    dp: int = opt(0, "data-parallel size (0: world size / (tp * pp))", low=0, estimate=True)
+    dp: int = opt(0, "data-parallel size dp_replicate x dp_shard (0: world size / "
+                  "(tp * cp * pp))", low=0, estimate=True)
+    dp_replicate: int = opt(1, "replicas of the sharded state (hybrid sharding: ZeRO "
+                            "shards within dp_shard, averages across replicas)", low=1,
+                            estimate=True)
+    dp_shard: int = opt(0, "ranks sharing one copy of the sharded state (0: dp / "
+                        "dp_replicate)", low=0, estimate=True)
+    cp: int = opt(1, "context-parallel size (ranks splitting each sequence)", low=1,
+                  estimate=True)
+    cp_mode: str = opt("ring", "context-parallel attention: ring (K/V passed around) or "
+                       "all-to-all (heads split, DeepSpeed-Ulysses)",
+                       choices=("ring", "all-to-all"), estimate=True)
     tp: int = opt(1, "tensor-parallel size (ranks splitting each layer)", low=1, estimate=True)
+    sequence_parallel: bool = opt(False, "with tp: norms and residuals hold 1/tp of the "
+                                  "rows (all-gather in, reduce-scatter out)", estimate=True)
     pp: int = opt(1, "pipeline-parallel size (stages of blocks)", low=1, estimate=True)
     pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"),
                                  estimate=True)

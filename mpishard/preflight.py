@@ -85,7 +85,7 @@ def _resumed_run(cfg, world_size: int) -> list:
     o, saved_dp = before.optim, int(manifest.mesh["dp"])
     old = o.batch_size * o.micro_steps * saved_dp
     p = cfg.parallel
-    dp = p.dp or world_size // (p.tp * p.pp) or 1
+    dp = p.dp or world_size // (p.tp * p.pp * p.cp) or 1
     new = cfg.optim.global_batch or cfg.optim.batch_size * cfg.optim.micro_steps * dp
     if new == old:
         return []

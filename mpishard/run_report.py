@@ -12,21 +12,27 @@ from pathlib import Path
 
 from .comm import format_rank_reports, rank_report
 
-__all__ = ["describe_plan", "thread_warning", "progress_bar", "Progress", "MetricsFile"]
+__all__ = ["describe_plan", "mesh_text", "format_groups", "thread_warning", "progress_bar",
+           "Progress", "MetricsFile"]
 
 
 def describe_plan(trainer) -> str:
     """The run's layout, data, batch, memory plan and where each rank runs (collective)."""
     cfg, mesh, world = trainer.cfg, trainer.mesh, trainer.world
     reports = world.gather_obj(rank_report(world, trainer.backend))
+    groups = world.gather_obj({name: tuple(comm.all_gather_obj(world.rank))
+                               for name, comm in mesh.active_axes().items()})
     p, o = cfg.parallel, cfg.optim
     lines = [f"mpishard train: {cfg.model.name}, strategy {p.strategy}, world {world.size} "
-             f"= mesh dp={mesh.dp.size} x tp={mesh.tp.size} x pp={mesh.pp.size}",
+             f"= mesh {mesh_text(mesh)}",
+             *(format_groups(groups) if groups is not None else []),
              f"data: {trainer.data_desc}",
              f"batch: {o.batch_size} per dp rank x {o.micro_steps} micro-steps x "
              f"{mesh.dp.size} dp ranks, {o.steps} steps, {cfg.model.dtype}"
              + (f", computing in {p.precision}" if p.precision != "float32" else "")
-             + (", activation checkpointing" if cfg.model.activation_checkpointing else ""),
+             + (", activation checkpointing" if cfg.model.activation_checkpointing else "")
+             + (f", context parallel {p.cp_mode}" if mesh.cp.size > 1 else "")
+             + (", sequence parallel" if p.sequence_parallel and mesh.tp.size > 1 else ""),
              trainer.plan.format()]
     budget = cfg.run.memory_budget
     if budget:
@@ -36,6 +42,24 @@ def describe_plan(trainer) -> str:
         lines.append(format_rank_reports(reports))
         lines.extend(thread_warning(reports))
     return "\n".join(lines)
+
+
+def mesh_text(mesh) -> str:
+    """``pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1`` (dp = dp_replicate x dp_shard)."""
+    s = mesh.shape
+    axes = " x ".join(f"{a}={s[a]}" for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    return f"{axes} (dp={s['dp']})"
+
+
+def format_groups(per_rank: list) -> list:
+    """One line per mesh group: its name and every group's world ranks, from each rank's
+    ``{name: members}``."""
+    names: dict = {}
+    for groups in per_rank:
+        for name, members in groups.items():
+            names.setdefault(name, dict.fromkeys([]))[members] = None
+    return [f"  {name:<12} " + " ".join("[" + " ".join(map(str, m)) + "]" for m in found)
+            for name, found in names.items()]
 
 
 def thread_warning(reports: list, environ=None, cores: int | None = None) -> list:

@@ -58,9 +58,11 @@ class Trainer:
         self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
         p = cfg.parallel
         try:
-            self.mesh = Mesh(world, dp=p.dp or None, tp=p.tp, pp=p.pp)
+            self.mesh = Mesh(world, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp,
+                             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard or None)
         except ValueError as err:  # raised alike on every rank, before communicating
             raise ConfigError(str(err)) from None
+        check_sequence_split(cfg, self.recipe.tokens_per_sample, self.mesh)
         resolve_global_batch(cfg, self.mesh.dp.size)
         local_rank = node_local_rank(world)
         self.backend = agreed(world, lambda: Backend.resolve(
@@ -76,7 +78,9 @@ class Trainer:
         self.run = ParallelModel(self.recipe.model(self.backend), self.mesh,
                                  cfg.parallel.strategy, micro_batches=cfg.optim.micro_steps,
                                  schedule=cfg.parallel.pipeline_schedule,
-                                 precision=cfg.parallel.precision)
+                                 precision=cfg.parallel.precision,
+                                 cp_mode=cfg.parallel.cp_mode,
+                                 sequence_parallel=cfg.parallel.sequence_parallel)
         if cfg.model.activation_checkpointing:
             self.run.module.set_activation_checkpointing(True)
         self.strategy = self.run.strategy
@@ -128,7 +132,7 @@ class Trainer:
         """Mean validation loss over the recipe's fixed batches, averaged over dp ranks."""
         batches = self.recipe.eval_batches(self.mesh.dp_rank, self.mesh.dp.size)
         loss = np.array([sum(self.run.eval_step(x, y) for x, y in batches) / len(batches)])
-        self.mesh.dp.all_reduce(loss, op="avg")
+        self.mesh.dp_cp.all_reduce(loss, op="avg")
         return float(loss[0])
 
     def run_step(self) -> dict:
@@ -147,7 +151,7 @@ class Trainer:
                           f"busiest rank (measured on step {self.steps_done + 1}"
                           f"{', checkpointed' if cfg.model.activation_checkpointing else ''})")
         result = self.run.step(self.opt, max_norm=cfg.optim.grad_clip or None)
-        self.mesh.dp.all_reduce(loss, op="avg")
+        self.mesh.dp_cp.all_reduce(loss, op="avg")
         seconds = time.perf_counter() - t0
         samples = cfg.optim.batch_size * cfg.optim.micro_steps * self.mesh.dp.size
         return {"step": self.steps_done, "loss": float(loss[0]), "lr": self.opt.lr,
@@ -222,13 +226,36 @@ def own_line(record: dict, ledger, mesh) -> str:
             f"held, collectives {waited}")
 
 
+def check_sequence_split(cfg: TrainConfig, seq_len: int, mesh) -> None:
+    """Refuse a sequence that context or sequence parallelism cannot split (the same
+    ConfigError on every rank, before any step)."""
+    p, m = cfg.parallel, cfg.model
+    cp, tp = mesh.cp.size, mesh.tp.size
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"sequence length {seq_len} does not divide by 2 x cp = {2 * cp} "
+                          f"(context parallelism gives each rank two of 2*cp chunks); use a "
+                          f"--block-size that is a multiple of {2 * cp} or another --cp")
+    if cp > 1 and p.cp_mode == "all-to-all" and m.n_head % (tp * cp):
+        raise ConfigError(f"--cp-mode all-to-all splits the heads over tp x cp = {tp * cp} "
+                          f"ranks, but n_head = {m.n_head} does not divide by {tp * cp}; use "
+                          f"--cp-mode ring, or a cp and tp whose product divides {m.n_head}")
+    rows = cfg.optim.batch_size * (seq_len // cp)
+    if p.sequence_parallel and tp > 1 and rows % tp:
+        raise ConfigError(f"sequence parallelism splits the {rows} rows of each micro-batch "
+                          f"(batch x sequence / cp) over tp = {tp}; use a --batch-size or "
+                          f"--block-size that makes them divisible by {tp}, or "
+                          f"--sequence-parallel false")
+
+
 def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
     """The :class:`~mpishard.parallel.Layout` a config trains (``dp`` data-parallel ranks)."""
     p, o = cfg.parallel, cfg.optim
     return Layout(dp, p.tp, p.pp, p.strategy, p.precision, o.optimizer,
                   batch_size=o.batch_size, seq_len=recipe.tokens_per_sample,
                   micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
-                  activation_checkpointing=cfg.model.activation_checkpointing)
+                  activation_checkpointing=cfg.model.activation_checkpointing,
+                  cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
+                  sequence_parallel=p.sequence_parallel)
 
 
 def stop_reason(stop, stopped: bool, run) -> str:

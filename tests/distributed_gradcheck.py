@@ -100,3 +100,10 @@ DISTRIBUTED_CASES = {
                                         [np.random.default_rng(12).standard_normal((3, 2))])],
     "vocab_parallel_cross_entropy": [_vocab_case],
 }
+
+# Context- and sequence-parallel ops keep their cases beside their own tests.
+from cp_cases import CP_CASES  # noqa: E402
+from sp_cases import SP_CASES  # noqa: E402
+
+DISTRIBUTED_CASES.update(CP_CASES)
+DISTRIBUTED_CASES.update(SP_CASES)

@@ -281,7 +281,8 @@ def test_tensor_and_pipeline_layouts_load_anywhere(dp, tp, pp):
         saved = full_tensors(run.strategy, opt, world)
         save_checkpoint(root, 1, run.strategy, opt)
         manifest = read_manifest(root / "step-1")
-        assert manifest.mesh == {"pp": pp, "dp": dp, "tp": tp}
+        assert manifest.mesh == {"pp": pp, "dp": dp, "tp": tp, "cp": 1, "dp_replicate": 1,
+                                 "dp_shard": dp}
         assert manifest.aliases == {"lm_head.weight": "transformer.wte.weight"}
         assert max(len(p.runs) for t in manifest.tensors.values() for p in t.pieces) > 1
 

@@ -43,7 +43,7 @@ def test_mesh_groups(sizes):
     dp = n // (tp * pp) if dp is None else dp
     coords, members = expected_groups(n, dp, tp, pp)
     assert (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank) == coords[world.rank]
-    assert mesh.shape == {"pp": pp, "dp": dp, "tp": tp}
+    assert {a: mesh.shape[a] for a in ("pp", "dp", "tp")} == {"pp": pp, "dp": dp, "tp": tp}
     assert mesh.world is world
     for axis in ("dp", "tp", "pp"):
         group = mesh.axis(axis)
@@ -84,7 +84,7 @@ def test_mesh_2x2_and_4x1_explicit():
     (dict(tp=2.0), r"mesh tp=2.0 must be a positive int"),
     (dict(tp=3, pp=3), r"mesh tp=3 x pp=3 = 9 exceeds the world size {n}; launch at least 9 "
                        r"ranks"),
-    (dict(ep=2), r"unknown mesh axis 'ep'; the axes are dp, tp and pp"),
+    (dict(ep=2), r"unknown mesh axis 'ep'; the axes are pp, dp_replicate, dp_shard, cp and tp"),
 ])
 def test_mesh_that_does_not_fit(kwargs, match):
     world = make_test_comm("world")
@@ -100,7 +100,7 @@ def test_mesh_sizes_that_do_not_divide():
     """tp x pp below the world size but not a divisor of it (a world of 6, tp=4)."""
     world = make_test_comm("world")
     world.mpi, real, world.size = None, world.mpi, 6   # checked before any communication
-    with pytest.raises(ValueError, match=r"mesh tp=4 x pp=1 = 4 does not divide world size 6"):
+    with pytest.raises(ValueError, match=r"mesh tp=4 = 4 does not divide world size 6"):
         Mesh(world, tp=4)
     world.mpi, world.size = real, real.Get_size()
     world.free()
@@ -114,7 +114,7 @@ def test_mesh_rejects_raw_mpi_and_unknown_axis_lookup():
         mesh.axis("sp")
     with pytest.raises(ValueError, match="coordinate tp=1 is out of range"):
         mesh.world_rank(tp=1)
-    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1}
+    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1}
     mesh.free()
 
 

@@ -1,11 +1,13 @@
 """The layout plan against what a run of that layout holds and moves.
 
-Each layout trains one step of a small GPT through ParallelModel on 4 ranks
-(activations measured on the step, as mpishard train does) and compares, on
-every rank, its ledger (parameters, gradients, optimizer state, gathered
+Each layout trains one step of a small GPT or Llama through ParallelModel on 4
+ranks (activations measured on the step, as mpishard train does) and compares,
+on every rank, its ledger (parameters, gradients, optimizer state, gathered
 units, communication buffers, activations) and the bus bytes each of its mesh
-axes and the tied-parameter group moved with :func:`plan_layout`'s figures for
-its pipeline stage. Even splits: every tp rank holds the same sizes.
+communicators and the tied-parameter group moved with :func:`plan_layout`'s
+figures for its pipeline stage. Even splits: every tp rank holds the same sizes.
+The layouts cover dp x tp x pp, then context parallelism (ring, all-to-all),
+hybrid sharding (dp_replicate x dp_shard) and sequence parallelism.
 """
 import numpy as np
 import pytest
@@ -32,14 +34,30 @@ LAYOUTS = [  # model, dp, tp, pp, strategy, precision, micro-batches, schedule, 
     ("llama", 1, 4, 1, "ddp", None, 2, "1f1b", False),       # key/value heads whole, summed
     ("llama", 1, 2, 2, "zero1", "bfloat16", 2, "1f1b", True),
 ]
+AXES = [  # model, Layout fields beyond dp x tp x pp's (dp, tp, pp default to 1)
+    ("gpt", dict(cp=4, strategy="zero3", micro_batches=2)),                 # ring
+    ("llama", dict(dp=2, cp=2, cp_mode="all-to-all", strategy="ddp")),
+    ("gpt", dict(dp=4, dp_replicate=2, strategy="zero3")),                  # hybrid
+    ("llama", dict(dp=2, dp_replicate=2, cp=2, strategy="zero2", micro_batches=2)),
+    ("gpt", dict(dp=2, tp=2, sequence_parallel=True, strategy="zero1", micro_batches=2)),
+    ("llama", dict(dp=2, tp=2, sequence_parallel=True, strategy="zero3")),
+    ("gpt", dict(tp=2, pp=2, sequence_parallel=True, strategy="ddp", micro_batches=2,
+                 activation_checkpointing=True)),
+    ("llama", dict(tp=4, sequence_parallel=True, strategy="ddp")),          # k/v whole
+    ("gpt", dict(cp=2, tp=2, sequence_parallel=True, strategy="zero2", batch_size=2 * B,
+                 activation_checkpointing=True)),     # (a larger batch: measured to 5%)
+    ("llama", dict(cp=2, tp=2, cp_mode="all-to-all", sequence_parallel=True,
+                   strategy="zero3", micro_batches=2)),
+]
 
 
 def _run(model, layout, world):
-    dp, tp, pp = layout.dp, layout.tp, layout.pp
-    mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
+    mesh = Mesh(world, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                dp_replicate=layout.dp_replicate)
     run = ParallelModel(model, mesh, layout.strategy,
                         micro_batches=layout.micro_batches, schedule=layout.schedule,
-                        precision=layout.precision)
+                        precision=layout.precision, cp_mode=layout.cp_mode,
+                        sequence_parallel=layout.sequence_parallel)
     run.module.set_activation_checkpointing(layout.activation_checkpointing)
     opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
     opt.allocate_state()
@@ -47,8 +65,8 @@ def _run(model, layout, world):
     comms = {**mesh.active_axes(), **({"tied": run.pipeline.tie} if run.pipeline.tie else {})}
     for comm in comms.values():
         comm.stats.reset()
-    x = np.random.default_rng(mesh.dp_rank).integers(0, model.config.vocab_size,
-                                                      (B * layout.micro_batches, T))
+    x = np.random.default_rng(mesh.dp_rank).integers(
+        0, model.config.vocab_size, (layout.batch_size * layout.micro_batches, layout.seq_len))
     run.pipeline.measure_activations = True
     run.train_step(x, x)
     run.pipeline.measure_activations = False
@@ -60,19 +78,8 @@ def _close(got, want, what, tol=0.05):
     assert abs(got - want) <= tol * max(want, 1), f"{what}: measured {got}, planned {want}"
 
 
-@pytest.mark.mpi(min_size=4)
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("spec", LAYOUTS,
-                         ids=lambda s: "{}-dp{}-tp{}-pp{}-{}-{}-m{}-{}-ac{}".format(*s))
-def test_layout_plan_matches_the_run(spec):
-    world = Communicator(MPI.COMM_WORLD)
-    if world.size != 4:
-        pytest.skip("needs 4 ranks")
-    name, dp, tp, pp, strategy, precision, micro, schedule, checkpointing = spec
+def _check(name, layout, world):
     cls, cfg = MODELS[name]
-    layout = Layout(dp, tp, pp, strategy, precision, batch_size=B, seq_len=T,
-                    micro_batches=micro, schedule=schedule,
-                    activation_checkpointing=checkpointing)
     plan = plan_layout(cls(cfg, materialize_now=False), layout)
     mesh, run, _opt, bus = _run(cls(cfg, materialize_now=False), layout, world)
     stage = plan.stages[mesh.pp_rank]
@@ -85,3 +92,32 @@ def test_layout_plan_matches_the_run(spec):
     for axis, want in stage.bus_bytes.items():
         _close(bus.get(axis, 0), want, f"rank {world.rank} {axis} bus bytes")
     assert set(bus) <= set(stage.bus_bytes), (bus, stage.bus_bytes)
+
+
+def _world():
+    world = Communicator(MPI.COMM_WORLD)
+    if world.size != 4:
+        pytest.skip("needs 4 ranks")
+    return world
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", LAYOUTS,
+                         ids=lambda s: "{}-dp{}-tp{}-pp{}-{}-{}-m{}-{}-ac{}".format(*s))
+def test_layout_plan_matches_the_run(spec):
+    world = _world()
+    name, dp, tp, pp, strategy, precision, micro, schedule, checkpointing = spec
+    _check(name, Layout(dp, tp, pp, strategy, precision, batch_size=B, seq_len=T,
+                        micro_batches=micro, schedule=schedule,
+                        activation_checkpointing=checkpointing), world)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", AXES, ids=lambda s: s[0] + "-" + "-".join(
+    f"{k}{'' if v is True else v}" for k, v in s[1].items()))
+def test_layout_plan_of_the_new_axes_matches_the_run(spec):
+    world = _world()
+    name, fields = spec
+    _check(name, Layout(**{"batch_size": B, "seq_len": T, **fields}), world)

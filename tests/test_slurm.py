@@ -305,7 +305,8 @@ TWO_RANKS = {
 
 def _trained_on_two_ranks(result, run_dir):
     out = result.stdout
-    assert "world 2 = mesh dp=2" in out and "OMP_NUM_THREADS=1" in out
+    assert "world 2 = mesh pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 (dp=2)" in out \
+        and "OMP_NUM_THREADS=1" in out
     assert "OMP_NUM_THREADS=1, resume=" in out                  # the job's own line says it
     assert f"after {STEPS} steps (zero2, 2 ranks)" in out
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -599,3 +600,14 @@ def test_missing_venv_is_one_clear_line(shims, tmp_path):
     assert result.stderr.strip() == f"no python at {tmp_path}/nowhere/bin/python: set VENV to " \
                                     f"the venv with mpishard"
     assert not calls(lines, "srun")
+
+
+def test_multinode_hybrid_sharding_replicates_across_nodes(shims, tmp_path):
+    """DP_REPLICATE=nodes: one replica of the sharded state per node (2 nodes x 1 rank)."""
+    result, lines = submit("multinode.sbatch", shims, tmp_path, DP_REPLICATE="nodes",
+                           **TWO_RANKS["multinode.sbatch"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    (srun,) = calls(lines, "srun")
+    train = srun[srun.index("train") + 1:]
+    assert train[train.index("--dp-replicate") + 1] == "2"
+    assert "mesh pp=1 x dp_replicate=2 x dp_shard=1 x cp=1 x tp=1 (dp=2)" in result.stdout

@@ -119,13 +119,18 @@ class Communicator(Runner, Messages):
         return cls(mpi_comm, name, **settings)
 
     # -- derived communicators -------------------------------------------
-    def _child(self, mpi_comm, name: str) -> "Communicator":
+    def _child(self, mpi_comm, name: str, owned: bool = True) -> "Communicator":
         return Communicator(mpi_comm, name, debug=self.debug, timeout=self.timeout,
                             comm_backend=self.comm_backend,
                             cuda_aware=self._cuda_aware_override,
                             history_size=self.history.maxlen,
-                            _family=self._family, _owned=True,
+                            _family=self._family, _owned=owned,
                             _cuda_aware_source=self._cuda_aware_source)
+
+    def single(self, name: str) -> "Communicator":
+        """A one-rank communicator named ``name`` over ``MPI.COMM_SELF`` (local: no MPI
+        call, no new MPI communicator; ``free`` leaves ``COMM_SELF`` alone)."""
+        return self._child(MPI.COMM_SELF, name, owned=False)
 
     def split(self, color, key: int | None = None, name: str | None = None):
         """Split into sub-communicators (collective over this communicator).

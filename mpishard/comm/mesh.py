@@ -1,31 +1,52 @@
 """The device mesh: named parallel axes as sub-communicators.
 
     world = Communicator.from_env(MPI.COMM_WORLD)
-    mesh = Mesh(world, tp=2)          # dp inferred: world.size // 2
-    mesh.tp.all_reduce(partial)       # within a tensor-parallel group
-    mesh.dp.reduce_scatter(grads)     # across data-parallel replicas
+    mesh = Mesh(world, tp=2)               # dp inferred: world.size // 2
+    mesh.tp.all_reduce(partial)            # within a tensor-parallel group
+    mesh.dp_cp.all_reduce(grads)           # over every replica of the parameters
+    mesh = Mesh(world, dp_replicate=2, cp=2)   # hybrid sharding x context parallel
 
 [Note: mesh layout]
-World ranks are laid out with ``tp`` innermost, then ``dp``, then ``pp``
-outermost (Megatron-LM's order)::
+Five axes, outermost first: ``pp x dp_replicate x dp_shard x cp x tp``::
 
-    world_rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    world_rank = (((pp * R + dp_replicate) * S + dp_shard) * CP + cp) * TP + tp
 
-so the ranks of one tensor-parallel group are consecutive and, with the usual
-block placement of ranks on nodes, share a node (tensor parallelism
-communicates every layer; it needs the fastest links). Pipeline stages are the
-outermost, slowest-varying axis. Checkpoints, pipeline schedules and reports
-that need "which world rank holds (pp, dp, tp)" call :meth:`Mesh.world_rank`
-rather than re-deriving this formula.
+(``R``, ``S``, ``CP``, ``TP`` the axis sizes). ``tp`` is innermost, then
+``cp``, then ``dp_shard``: with the usual block placement of ranks on nodes a
+tensor-parallel group shares a node first (it communicates every layer), then
+a context-parallel ring, then a ZeRO shard group; ``dp_replicate`` crosses
+nodes (one gradient all-reduce per step) and pipeline stages are outermost
+(point-to-point only). ``dp = dp_replicate x dp_shard`` is the data axis: each
+of its ranks reads different batches, and ``--dp`` is its size.
+
+Derived groups (the same ranks as an axis reuse that axis's communicator):
+
+- ``dp``: ``dp_replicate x dp_shard``, the ranks that read different data.
+- ``dp_cp``: ``dp x cp``, every rank holding the same parameters (the same
+  ``pp`` stage and ``tp`` slice): DDP averages gradients over it, and the loss
+  is normalised over it.
+- ``dp_shard_cp``: ``dp_shard x cp``, the group ZeRO shards over (context
+  ranks hold the same parameters, so they share the shards as torchtitan does);
+  ``dp_replicate`` then averages the shards across replicas (hybrid sharding).
+
+Checkpoints, pipeline schedules and reports that need "which world rank holds
+these coordinates" call :meth:`Mesh.world_rank` rather than re-deriving this.
+Nodes are detected with ``COMM_TYPE_SHARED`` (:func:`ranks_per_node`);
+``MPISHARD_RANKS_PER_NODE`` overrides it, to emulate several nodes on one.
 """
 from __future__ import annotations
 
+import os
+
+from mpi4py import MPI
+
 from .communicator import Communicator
 
-__all__ = ["Mesh", "MESH_AXES"]
+__all__ = ["Mesh", "MESH_AXES", "ranks_per_node", "node_of"]
 
 #: Axis names, outermost first.
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_GIVEN = ("dp", "dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 
 def _describe(sizes: dict) -> str:
@@ -36,18 +57,45 @@ def _describe(sizes: dict) -> str:
     return f"{' x '.join(shown)} = {product}"
 
 
-class Mesh:
-    """Named axes ``pp x dp x tp`` over a world communicator.
+def ranks_per_node(world: Communicator, environ=None) -> int:
+    """Ranks per node: ``MPISHARD_RANKS_PER_NODE`` if set, else the size of this
+    rank's shared-memory group (collective over ``world`` unless the variable is set)."""
+    env = os.environ if environ is None else environ
+    value = env.get("MPISHARD_RANKS_PER_NODE", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1 or world.size % int(value):
+            raise ValueError(f"MPISHARD_RANKS_PER_NODE={value!r} must be a positive integer "
+                             f"that divides the world size {world.size}")
+        return int(value)
+    if world.size == 1:
+        return 1
+    local = world.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    try:
+        sizes = set(world.mpi.allgather(local.Get_size()))
+    finally:
+        local.Free()
+    return min(sizes)
 
-    Construction is collective over ``world`` (three ``Split`` calls). Sizes are
-    checked before any communication, so a mesh that does not fit raises the
-    same ValueError on every rank instead of hanging.
+
+def node_of(world_rank: int, per_node: int) -> int:
+    """The node a world rank is on with block placement of ``per_node`` ranks a node."""
+    return world_rank // per_node
+
+
+class Mesh:
+    """Named axes ``pp x dp_replicate x dp_shard x cp x tp`` over a world communicator.
+
+    Construction is collective over ``world`` (one ``Split`` per distinct
+    group). Sizes are checked before any communication, so a mesh that does not
+    fit raises the same ValueError on every rank instead of hanging.
 
     Args:
         world: the :class:`Communicator` to divide.
-        dp: data-parallel size; ``None`` infers ``world.size // (tp * pp)``.
-        tp: tensor-parallel size (innermost, see [Note: mesh layout]).
-        pp: pipeline-parallel size (outermost).
+        dp: data-parallel size ``dp_replicate x dp_shard``; ``None`` infers it
+            from the world size.
+        tp, cp, pp: tensor-, context- and pipeline-parallel sizes.
+        dp_replicate: replicas of the sharded state (hybrid sharding; default 1).
+        dp_shard: ranks sharing one copy of it (default ``dp // dp_replicate``).
 
     Raises:
         TypeError: ``world`` is not a Communicator.
@@ -56,42 +104,62 @@ class Mesh:
     """
 
     def __init__(self, world: Communicator, dp: int | None = None, tp: int = 1,
-                 pp: int = 1, **unknown):
+                 pp: int = 1, cp: int = 1, dp_replicate: int | None = None,
+                 dp_shard: int | None = None, **unknown):
         if not isinstance(world, Communicator):
             raise TypeError(f"Mesh needs a mpishard Communicator, got {type(world).__name__}; "
                             f"wrap it: Mesh(Communicator(MPI.COMM_WORLD), ...)")
         if unknown:
             raise ValueError(f"unknown mesh axis {sorted(unknown)[0]!r}; the axes are "
-                             f"dp, tp and pp (outermost to innermost: pp, dp, tp)")
-        for axis, n in (("dp", dp), ("tp", tp), ("pp", pp)):
-            if n is None and axis == "dp":
+                             f"pp, dp_replicate, dp_shard, cp and tp (dp = dp_replicate "
+                             f"x dp_shard)")
+        given = dict(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        for axis, n in given.items():
+            if n is None and axis in ("dp", "dp_replicate", "dp_shard"):
                 continue
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"mesh {axis}={n!r} must be a positive int")
-        if dp is None:
-            if tp * pp > world.size:
-                raise ValueError(
-                    f"mesh tp={tp} x pp={pp} = {tp * pp} exceeds the world size "
-                    f"{world.size}; launch at least {tp * pp} ranks (mpiexec -n {tp * pp}) "
-                    f"or lower tp and pp")
-            if world.size % (tp * pp):
-                raise ValueError(
-                    f"mesh tp={tp} x pp={pp} = {tp * pp} does not divide world size "
-                    f"{world.size}; pass tp and pp whose product divides {world.size} "
-                    f"(dp is inferred as world size / (tp * pp))")
-            dp = world.size // (tp * pp)
-        sizes = {"dp": dp, "tp": tp, "pp": pp}
-        if dp * tp * pp != world.size:
-            raise ValueError(f"mesh {_describe(sizes)} does not match world size "
-                             f"{world.size}; pass sizes whose product is {world.size}")
+        R, S = _data_sizes(world.size, dp, dp_replicate, dp_shard, tp, cp, pp)
         self.world = world
-        self.shape = {"pp": pp, "dp": dp, "tp": tp}
+        self.shape = {"pp": pp, "dp": R * S, "tp": tp, "dp_replicate": R, "dp_shard": S,
+                      "cp": cp}
         r = world.rank
-        self.coords = {"pp": r // (tp * dp), "dp": (r // tp) % dp, "tp": r % tp}
-        c = self.coords
-        self.tp = world.split(c["pp"] * dp + c["dp"], key=c["tp"], name="tp")
-        self.dp = world.split(c["pp"] * tp + c["tp"], key=c["dp"], name="dp")
-        self.pp = world.split(c["dp"] * tp + c["tp"], key=c["pp"], name="pp")
+        c = {"tp": r % tp, "cp": (r // tp) % cp, "dp_shard": (r // (tp * cp)) % S,
+             "dp_replicate": (r // (tp * cp * S)) % R, "pp": r // (tp * cp * S * R)}
+        c["dp"] = c["dp_replicate"] * S + c["dp_shard"]
+        self.coords = c
+        sizes = {"pp": pp, "dp_replicate": R, "dp_shard": S, "cp": cp, "tp": tp}
+        made: dict = {}
+
+        def group(name, axes):
+            """The communicator over ``axes`` (others fixed), reusing one with the same ranks."""
+            members = tuple(a for a in axes if sizes[a] > 1)
+            if not members:      # one rank: its own, and no MPI communicator is needed
+                made[("one", name)] = world.single(name)
+                return made[("one", name)]
+            if members in made:
+                return made[members]
+            rest = [a for a in MESH_AXES if a not in axes]
+            color = 0
+            for a in rest:
+                color = color * sizes[a] + c[a]
+            key = 0
+            for a in axes:
+                key = key * sizes[a] + c[a]
+            made[members] = world.split(color, key=key, name=name)
+            return made[members]
+
+        # Creation order fixes which name a shared group carries: the data axis is
+        # "dp" unless both of its parts are real (then they keep their own names).
+        self.tp = group("tp", ("tp",))
+        self.cp = group("cp", ("cp",))
+        self.pp = group("pp", ("pp",))
+        self.dp = group("dp", ("dp_replicate", "dp_shard"))
+        self.dp_replicate = group("dp_replicate", ("dp_replicate",))
+        self.dp_shard = group("dp_shard", ("dp_shard",))
+        self.dp_cp = group("dp_cp", ("dp_replicate", "dp_shard", "cp"))
+        self.dp_shard_cp = group("dp_shard_cp", ("dp_shard", "cp"))
+        self._groups = list({id(g): g for g in made.values()}.values())
 
     @property
     def dp_rank(self) -> int:
@@ -105,30 +173,90 @@ class Mesh:
     def pp_rank(self) -> int:
         return self.coords["pp"]
 
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
+
     def axis(self, name: str) -> Communicator:
-        """The communicator of axis ``name`` (``"dp"``, ``"tp"`` or ``"pp"``)."""
-        if name not in MESH_AXES:
-            raise ValueError(f"mesh has no axis {name!r}; the axes are dp, tp and pp")
+        """The communicator of axis or group ``name`` (``"dp"``, ``"tp"``, ``"cp"``, ...)."""
+        if name not in (*MESH_AXES, "dp", "dp_cp", "dp_shard_cp"):
+            raise ValueError(f"mesh has no axis {name!r}; the axes are pp, dp_replicate, "
+                             f"dp_shard, cp and tp, with the groups dp, dp_cp and dp_shard_cp")
         return getattr(self, name)
 
     def active_axes(self) -> dict:
-        """``{name: communicator}`` of the axes with more than one rank, outermost first."""
-        return {name: getattr(self, name) for name in MESH_AXES
-                if getattr(self, name).size > 1}
+        """``{name: communicator}`` of the distinct groups with more than one rank,
+        outermost first (each communicator once, under its own name)."""
+        out = {}
+        for attr in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "dp_shard_cp", "dp_cp",
+                     "tp"):
+            comm = getattr(self, attr)
+            if comm.size > 1 and comm.name not in out:
+                out[comm.name] = comm
+        return out
 
-    def world_rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        """The world rank at coordinates ``(pp, dp, tp)`` ([Note: mesh layout])."""
-        for axis, i in (("pp", pp), ("dp", dp), ("tp", tp)):
+    def world_rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        """The world rank at coordinates ``(pp, dp, cp, tp)`` ([Note: mesh layout]);
+        ``dp`` is ``dp_replicate * dp_shard_size + dp_shard``."""
+        for axis, i in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
             if not 0 <= i < self.shape[axis]:
                 raise ValueError(f"mesh coordinate {axis}={i} is out of range; "
                                  f"use 0 <= {axis} < {self.shape[axis]}")
-        return (pp * self.shape["dp"] + dp) * self.shape["tp"] + tp
+        s = self.shape
+        return ((pp * s["dp"] + dp) * s["cp"] + cp) * s["tp"] + tp
+
+    def describe_groups(self) -> list[str]:
+        """One line per active group: its name, size and this rank's members (collective)."""
+        lines = []
+        for name, comm in self.active_axes().items():
+            members = comm.all_gather_obj(self.world.rank)
+            lines.append(f"{name} (size {comm.size}): world ranks {members}")
+        return lines
 
     def free(self) -> None:
         """Free the axis communicators (collective)."""
-        for axis in MESH_AXES:
-            getattr(self, axis).free()
+        for comm in self._groups:
+            comm.free()
 
     def __repr__(self) -> str:
-        return (f"Mesh(pp={self.shape['pp']}, dp={self.shape['dp']}, tp={self.shape['tp']}; "
+        s = self.shape
+        return (f"Mesh(pp={s['pp']}, dp_replicate={s['dp_replicate']}, "
+                f"dp_shard={s['dp_shard']}, cp={s['cp']}, tp={s['tp']}; "
                 f"rank {self.world.rank} at {self.coords})")
+
+
+def _data_sizes(world_size: int, dp, dp_replicate, dp_shard, tp: int, cp: int,
+                pp: int) -> tuple:
+    """``(dp_replicate, dp_shard)`` from the sizes given; ValueError naming the fix."""
+    model = {"tp": tp, "cp": cp, "pp": pp}
+    model_ranks = tp * cp * pp
+    shown = " x ".join(f"{a}={n}" for a, n in model.items() if n > 1) or "tp=1"
+    if dp is not None and dp * model_ranks != world_size:
+        sizes = {"dp": dp, **{a: n for a, n in model.items() if n > 1}}
+        raise ValueError(f"mesh {_describe(sizes)} does not match world size {world_size}; "
+                         f"pass sizes whose product is {world_size} (or leave dp out to "
+                         f"infer it)")
+    if model_ranks > world_size:
+        raise ValueError(f"mesh {shown} = {model_ranks} exceeds the world size "
+                         f"{world_size}; launch at least {model_ranks} ranks "
+                         f"(mpiexec -n {model_ranks}) or lower tp, cp and pp")
+    if world_size % model_ranks:
+        raise ValueError(f"mesh {shown} = {model_ranks} does not divide world size "
+                         f"{world_size}; pass tp, cp and pp whose product divides "
+                         f"{world_size} (dp is inferred as world size / (tp * cp * pp))")
+    if dp is None:
+        dp = (dp_replicate or 1) * dp_shard if dp_shard is not None else \
+            world_size // model_ranks
+    if dp * model_ranks != world_size:
+        sizes = {"dp": dp, **{a: n for a, n in model.items() if n > 1}}
+        raise ValueError(f"mesh {_describe(sizes)} does not match world size {world_size}; "
+                         f"pass sizes whose product is {world_size} (or leave dp out to "
+                         f"infer it)")
+    R = dp_replicate if dp_replicate is not None else (
+        dp // dp_shard if dp_shard is not None and dp % dp_shard == 0 else 1)
+    S = dp_shard if dp_shard is not None else (dp // R if dp % R == 0 else None)
+    if S is None or R * S != dp:
+        raise ValueError(f"mesh dp_replicate={R} x dp_shard={dp_shard if S is None else S} "
+                         f"is not dp={dp}; pass a dp_replicate that divides {dp} "
+                         f"(dp_shard = dp / dp_replicate)")
+    return R, S

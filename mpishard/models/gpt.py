@@ -71,13 +71,15 @@ class CausalSelfAttention(Module):
         self.resid_dropout = Dropout(config.dropout)
         self.attn_dropout = Dropout(config.dropout)
         self.head_size = C // config.n_head
+        self.sequence = None   # set under context parallelism (the plan's ``attention``)
 
     def forward(self, x, batch_size: int):
         qkv = self.c_attn(x)                                       # (B*T, 3 * nh * hs)
         n_head = qkv.shape[-1] // (3 * self.head_size)             # this rank's heads under tp
-        y = nn_ops.causal_self_attention(qkv, n_head, batch_size,
-                                         self.attn_dropout.p, self.attn_dropout.rng,
-                                         self.training)            # (B*T, nh * hs)
+        attend = nn_ops.causal_self_attention if self.sequence is None else \
+            self.sequence.attention
+        y = attend(qkv, n_head, batch_size, self.attn_dropout.p, self.attn_dropout.rng,
+                   self.training)                                  # (B*T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -178,6 +180,7 @@ class GPT(Module):
             # (logits (N, V), targets (N,)) -> mean loss; the tensor-parallel plan
             # swaps in the vocabulary-parallel cross-entropy.
             self.loss = CrossEntropyLoss()
+        self.sequence = None   # this rank's share of each sequence (context parallel)
         if materialize_now:
             materialize(self, seed, self.backend)
 
@@ -216,7 +219,8 @@ class GPT(Module):
             units=tuple(f"transformer.h.{i}" for i in self.block_ids),
             pipeline=PipelinePlan("transformer.h", first=("transformer.wte", "transformer.wpe"),
                                   last=("transformer.ln_f", "lm_head")),
-            tied=(("lm_head.weight", "transformer.wte.weight"),))
+            tied=(("lm_head.weight", "transformer.wte.weight"),),
+            attention=("transformer.h.*.attn",), sequence_entry="transformer.drop")
 
     def pipeline_stage(self, blocks, first_stage: bool, last_stage: bool) -> "GPT":
         """A new, unmaterialised GPT holding ``blocks`` (and, first or last, what those
@@ -253,19 +257,20 @@ class GPT(Module):
             idx = inputs.data if isinstance(inputs, Tensor) else inputs
             idx = self.backend.asarray(idx)                        # token ids onto the device
             B, T = idx.shape
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds block_size "
-                                 f"{self.config.block_size}")
+            seq = self.sequence
+            if (seq.global_length(T) if seq else T) > self.config.block_size:
+                raise ValueError(f"sequence length {seq.global_length(T) if seq else T} "
+                                 f"exceeds block_size {self.config.block_size}")
             xp = xp_of(self.transformer.wte.weight.data)
             tok = self.transformer.wte(idx)                        # (B, T, C)
-            pos = self.transformer.wpe(xp.arange(T))               # (T, C)
+            pos = self.transformer.wpe(seq.positions(T, xp) if seq else xp.arange(T))
             x = (tok + pos).reshape(B * T, self.config.n_embd)     # (B*T, C)
             x = self.transformer.drop(x)
         else:
             if batch_size is None:
                 raise ValueError("a stage that is not first needs batch_size")
             x, B = inputs, batch_size
-            T = x.shape[0] // B
+            T = x.shape[0] * getattr(self, "sequence_parallel_size", 1) // B  # sp: 1/tp rows
         for block in self.transformer.h.values():
             x = block(x, B)
         if not self.last_stage:

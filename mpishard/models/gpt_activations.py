@@ -23,9 +23,24 @@ loss                 logits ``N V c``; exp-shifted logits ``N V f`` (+ their flo
 a later stage        the received activations, ``N C c``
 ===================  ===============================================================
 
+Under context parallelism ``T`` is this rank's rows of each sequence (``T_global
+/ cp``) and attention keeps, instead of its ``T x T`` weights: ring attention its
+output and per-row log-sum-exp, ``N A f + B h T f`` (backward recomputes the
+scores block by block); all-to-all (Ulysses) the head-split copy of q, k and v,
+``3 N A c``, the weights of its ``h / cp`` heads over the whole sequence, ``B h
+cp T^2 f``, and the output back in the sequence split, ``N A c`` more. Under
+sequence parallelism (``sp`` = tp ranks) the rows outside the tensor-parallel
+layers are ``N / sp``: norms, residual adds, dropouts, the received activations,
+the reduce-scattered (and biased) output of a row-parallel layer (its partial
+output stays ``N C c``), the embeddings' cut rows (``N C c / sp`` more). A
+column-parallel layer keeps only its own rows of the input it all-gathers
+(backward gathers them again); a layer the plan keeps whole keeps the gathered
+input, ``N C c``.
+
 With activation checkpointing a block keeps only its output, ``N C c`` (its
 input is the previous block's output). The graph's own Python objects (tensors,
-closures) add a few KiB per block, counted as measured on CPython 3.11. The ledger measures the same quantity
+closures) add a few KiB per block (more under sequence and context parallelism),
+counted as measured on CPython 3.11. The ledger measures the same quantity
 (``MemoryLedger.measure_activations``); tests/test_layout_plan.py holds the two
 together. Backward needs one block's worth more for a moment (its recompute,
 under checkpointing) and the gradients, which this does not count.
@@ -34,10 +49,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gpt_activation_bytes"]
+__all__ = ["gpt_activation_bytes", "split_of", "attention_bytes"]
 
 #: the graph's Python objects (tensors, closures): measured, bytes
 _OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 8 << 10, 1536
+#: sequence parallelism's extra objects (gathers, scatters, per-use parameter sums), and
+#: context-parallel attention's per block
+_OBJECTS_SP_BASE, _OBJECTS_SP_PER_BLOCK = 3584, 3840
+_OBJECTS_CP_PER_BLOCK = {"ring": 3072, "all-to-all": 4096}
 
 
 def _width(linear) -> int:
@@ -49,25 +68,67 @@ def _row_parallel(linear) -> bool:
     return int(linear.weight.shape[1]) != int(linear.in_features)
 
 
+def _objects(n_blocks: int, checkpointing: bool, sp: int, cp: int, cp_mode: str,
+             per_block: int = _OBJECTS_PER_BLOCK) -> int:
+    """Bytes of the graph's Python objects (measured constants)."""
+    if checkpointing:
+        per_block = _OBJECTS_PER_CHECKPOINTED_BLOCK
+    else:
+        per_block += (_OBJECTS_SP_PER_BLOCK if sp > 1 else 0) + (
+            _OBJECTS_CP_PER_BLOCK.get(cp_mode, 0) if cp > 1 else 0)
+    return _OBJECTS_BASE + n_blocks * per_block + (_OBJECTS_SP_BASE if sp > 1 else 0)
+
+
+def split_of(model, cp=None, cp_mode=None, sp=None) -> tuple:
+    """``(cp, cp_mode, sp)``: the context-parallel size and mode and the sequence-parallel
+    split; each ``None`` is read from ``model`` (its ``sequence`` shard, its
+    ``sequence_parallel_size``), else no split."""
+    seq = getattr(model, "sequence", None)
+    if cp is None:
+        cp = int(seq.cp.size) if seq is not None else 1
+    if cp_mode is None:
+        cp_mode = seq.mode if seq is not None else "ring"
+    if sp is None:
+        sp = int(getattr(model, "sequence_parallel_size", 1))
+    return int(cp), cp_mode, int(sp)
+
+
+def attention_bytes(B: int, h: int, T: int, hs: int, c: int, f: int, cp: int = 1,
+                    cp_mode: str = "ring") -> int:
+    """What one attention of ``h`` heads of ``hs`` over ``T`` local rows of ``B``
+    sequences keeps (weights or their context-parallel stand-ins, and its output)."""
+    N, A = B * T, h * hs
+    if cp == 1:
+        return B * h * T * T * f + N * A * c
+    if cp_mode == "ring":                                   # output, log-sum-exp
+        return N * A * f + B * h * T * f + N * A * c
+    return 3 * N * A * c + B * h * cp * T * T * f + 2 * N * A * c   # all-to-all
+
+
 def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
-                         checkpointing: bool | None = None) -> int:
+                         checkpointing: bool | None = None, *, cp: int | None = None,
+                         cp_mode: str | None = None, sp: int | None = None) -> int:
     """Bytes ``model`` (a GPT or one pipeline stage, tensor-parallel or not) keeps for
     backward after the forward of one micro-batch ``(batch_size, seq_len)`` with
     activations in ``dtype``; see [Note: activation bytes].
 
-    ``checkpointing``: whether blocks recompute in backward (default: as the
-    model is set).
+    ``seq_len`` is this rank's rows of each sequence (under context parallelism
+    ``1 / cp`` of it). ``checkpointing``: whether blocks recompute in backward
+    (default: as the model is set). ``cp``, ``cp_mode`` (``"ring"`` or
+    ``"all-to-all"``) and ``sp`` (the tp ranks sequence parallelism splits rows
+    over, 1 without it): default as the model is set (:func:`split_of`).
     """
     cfg = model.config
+    cp, cp_mode, sp = split_of(model, cp, cp_mode, sp)
     c = np.dtype(dtype).itemsize
     f = 4 if c == 2 else c
     B, T, C = batch_size, seq_len, cfg.n_embd
     N = B * T
+    Ns = N // sp                                            # rows outside the tp layers
     blocks = list(model.transformer.h.values())
     if checkpointing is None:
         checkpointing = any(b.activation_checkpointing for b in blocks)
-    total = _OBJECTS_BASE + len(blocks) * (_OBJECTS_PER_CHECKPOINTED_BLOCK if checkpointing
-                                            else _OBJECTS_PER_BLOCK)
+    total = _objects(len(blocks), checkpointing, sp, cp, cp_mode)
     if model.first_stage:
         wte = model.transformer.wte
         split_vocab = int(wte.weight.shape[0]) != int(wte.num_embeddings)
@@ -75,28 +136,30 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         total += tokens + T * C * c + 8 * T + N * C * c
         if cfg.dropout > 0:
             total += 2 * N * C * c
+        if sp > 1:
+            total += Ns * C * c                             # this rank's rows, cut
     else:
-        total += N * C * c                                  # the received activations
+        total += Ns * C * c                                 # the received activations
     for block in blocks:
         if checkpointing:
-            total += N * C * c
+            total += Ns * C * c
             continue
         attn, mlp = block.attn, block.mlp
         qkv = _width(attn.c_attn)
         heads = qkv // (3 * attn.head_size)
-        norms = 2 * (N * C * (c + f) + N * f)
+        norms = 2 * (Ns * C * (c + f) + Ns * f)
         linears = N * qkv * c + N * C * c + N * _width(mlp.c_fc) * c + N * C * c
-        reduced = N * C * c * sum((1 + (lin.bias is not None)) * _row_parallel(lin)
-                                  for lin in (attn.c_proj, mlp.c_proj))
-        attention = B * heads * T * T * f + N * (qkv // 3) * c
+        reduced = Ns * C * c * sum((1 + (lin.bias is not None)) * _row_parallel(lin)
+                                   for lin in (attn.c_proj, mlp.c_proj))
+        attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode)
         gelu = N * _width(mlp.c_fc) * (c + f)
-        adds = 2 * N * C * c
-        dropouts = (4 * N * C * c + B * heads * T * T * f) if cfg.dropout > 0 else 0
+        adds = 2 * Ns * C * c
+        dropouts = (4 * Ns * C * c + B * heads * T * T * f) if cfg.dropout > 0 else 0
         total += norms + linears + reduced + attention + gelu + adds + dropouts
     if model.last_stage:
         vocab = _width(model.lm_head)
         split_vocab = vocab != int(model.lm_head.out_features)
-        total += N * C * (c + f) + N * f                    # ln_f
+        total += Ns * C * (c + f) + Ns * f                  # ln_f
         total += N * vocab * c + N * vocab * f              # logits, exp-shifted logits
         if c == 2 and not split_vocab:
             total += N * vocab * 4                          # their float32 copy, kept

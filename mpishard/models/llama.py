@@ -113,6 +113,7 @@ class LlamaAttention(Module):
         self.v_proj = Linear(C, config.n_kv_head * hs, False, std, dtype)
         self.o_proj = Linear(config.n_head * hs, C, False, std, dtype)
         self.head_size, self.group = hs, config.n_head // config.n_kv_head
+        self.sequence = None   # set under context parallelism (the plan's ``attention``)
 
     def _first_head(self, proj) -> int:
         """The global index of this rank's first head of ``proj`` (0 unless tp split it)."""
@@ -121,9 +122,8 @@ class LlamaAttention(Module):
 
     def forward(self, x, batch_size: int, cos, sin):
         hs, B = self.head_size, batch_size
-        N = x.shape[0]
-        T = N // B
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)        # (N, h hs), (N, h_kv hs)
+        T = q.shape[0] // B       # all rows of the micro-batch (x may hold 1/tp of them)
         hq, hkv = q.shape[-1] // hs, k.shape[-1] // hs
         # query head j (global) reads key/value head j // group; k and v hold heads from
         # this rank's first one on (all of them when tp keeps them whole)
@@ -131,7 +131,9 @@ class LlamaAttention(Module):
         heads = [(first_q + j) // self.group - first_kv for j in range(hq)]
         packed = rope_qkv(reshape(q, (B, T, hq, hs)), reshape(k, (B, T, hkv, hs)),
                           reshape(v, (B, T, hkv, hs)), cos, sin, heads)   # (N, 3 hq hs)
-        y = nn_ops.causal_self_attention(packed, hq, B)
+        attend = nn_ops.causal_self_attention if self.sequence is None else \
+            self.sequence.attention
+        y = attend(packed, hq, B)
         return self.o_proj(y)                                           # (N, C)
 
 
@@ -203,6 +205,7 @@ class Llama(Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
             self.loss = CrossEntropyLoss()
         self._tables: dict = {}
+        self.sequence = None   # this rank's share of each sequence (context parallel)
         if materialize_now:
             materialize(self, seed, self.backend)
 
@@ -229,7 +232,8 @@ class Llama(Module):
             pipeline=PipelinePlan("model.layers", first=("model.embed_tokens",),
                                   last=("model.norm", "lm_head")),
             tied=(("lm_head.weight", "model.embed_tokens.weight"),)
-            if self.config.tie_embeddings else ())
+            if self.config.tie_embeddings else (),
+            attention=("model.layers.*.self_attn",), sequence_entry="model.embed_tokens")
 
     def pipeline_stage(self, blocks, first_stage: bool, last_stage: bool) -> "Llama":
         return Llama(self.config, seed=self.seed, dtype=self.dtype, backend=self.backend,
@@ -256,12 +260,19 @@ class Llama(Module):
 
     # -- forward ------------------------------------------------------------------------
     def rope_tables(self, seq_len: int, dtype):
-        """``(cos, sin)`` for ``seq_len`` positions in ``dtype`` (cached per length)."""
+        """``(cos, sin)`` for the ``seq_len`` local rows of a sequence in ``dtype`` (cached
+        per length): positions ``0..seq_len-1``, or under context parallelism this
+        rank's global positions."""
         key = (seq_len, np.dtype(dtype).name)
         if key not in self._tables:
-            cfg = self.config
-            self._tables[key] = rope_tables(seq_len, cfg.head_size, cfg.rope_theta,
-                                            cfg.rope_scaling, key[1], self.backend.xp)
+            cfg, seq = self.config, self.sequence
+            full = seq.global_length(seq_len) if seq else seq_len
+            cos, sin = rope_tables(full, cfg.head_size, cfg.rope_theta, cfg.rope_scaling,
+                                   key[1], self.backend.xp)
+            if seq is not None:
+                rows = seq.positions(seq_len, self.backend.xp)
+                cos, sin = cos[rows], sin[rows]
+            self._tables[key] = (cos, sin)
         return self._tables[key]
 
     def forward(self, inputs, targets=None, batch_size: int | None = None):
@@ -270,15 +281,17 @@ class Llama(Module):
         if self.first_stage:
             idx = self.backend.asarray(inputs.data if isinstance(inputs, Tensor) else inputs)
             B, T = idx.shape
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds block_size "
+            full = self.sequence.global_length(T) if self.sequence else T
+            if full > self.config.block_size:
+                raise ValueError(f"sequence length {full} exceeds block_size "
                                  f"{self.config.block_size}")
-            x = reshape(self.model.embed_tokens(idx), (B * T, self.config.n_embd))
+            # (-1, C): under sequence parallelism the embeddings return this rank's rows
+            x = reshape(self.model.embed_tokens(idx), (-1, self.config.n_embd))
         else:
             if batch_size is None:
                 raise ValueError("a stage that is not first needs batch_size")
             x, B = inputs, batch_size
-            T = x.shape[0] // B
+            T = x.shape[0] * getattr(self, "sequence_parallel_size", 1) // B  # sp: 1/tp rows
         cos, sin = self.rope_tables(T, "float64" if x.data.dtype == np.float64 else "float32")
         for block in self.model.layers.values():
             x = block(x, B, cos, sin)

@@ -17,54 +17,71 @@ residual adds               ``2 N C c``
 ==========================  =========================================================
 
 The first stage keeps the looked-up token rows (vocabulary-parallel: as the
-GPT's), the last the final norm, logits and loss as the GPT's.
+GPT's), the last the final norm, logits and loss as the GPT's. Context and
+sequence parallelism change what they change in the GPT (see its note): the
+attention term, and ``N / sp`` rows for norms, adds and reduce-scattered outputs;
+a key/value projection kept whole (tp does not divide ``n_kv_head``) keeps the
+input it all-gathered, ``N C c`` each.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .gpt_activations import _row_parallel, _width
+from .gpt_activations import _objects, _row_parallel, _width, attention_bytes, split_of
 
 __all__ = ["llama_activation_bytes"]
 
-#: the graph's Python objects (tensors, closures): measured, bytes
-_OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 14 << 10, 1536
+
+def _row_split(linear) -> bool:
+    """Whether tp splits the output features (a column-parallel layer)."""
+    return _width(linear) != int(linear.out_features)
+
+#: the graph's Python objects per block (tensors, closures): measured, bytes
+_OBJECTS_PER_BLOCK = 14 << 10
 
 
 def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
-                           checkpointing: bool | None = None) -> int:
-    """Bytes ``model`` keeps for backward after one micro-batch ``(batch_size, seq_len)``."""
+                           checkpointing: bool | None = None, *, cp: int | None = None,
+                           cp_mode: str | None = None, sp: int | None = None) -> int:
+    """Bytes ``model`` keeps for backward after one micro-batch ``(batch_size, seq_len)``;
+    the arguments are :func:`~mpishard.models.gpt_activations.gpt_activation_bytes`'s."""
     cfg = model.config
+    cp, cp_mode, sp = split_of(model, cp, cp_mode, sp)
     c = np.dtype(dtype).itemsize
     f = 4 if c == 2 else c
     B, T, C, hs = batch_size, seq_len, cfg.n_embd, cfg.head_size
     N = B * T
+    Ns = N // sp                                            # rows outside the tp layers
     blocks = list(model.model.layers.values())
     if checkpointing is None:
         checkpointing = any(b.activation_checkpointing for b in blocks)
-    total = _OBJECTS_BASE + len(blocks) * (_OBJECTS_PER_CHECKPOINTED_BLOCK if checkpointing
-                                            else _OBJECTS_PER_BLOCK)
-    norm = N * C * (c + f) + N * f
+    total = _objects(len(blocks), checkpointing, sp, cp, cp_mode, _OBJECTS_PER_BLOCK)
+    norm = Ns * C * (c + f) + Ns * f
     if model.first_stage:
         emb = model.model.embed_tokens
         split_vocab = int(emb.weight.shape[0]) != int(emb.num_embeddings)
         total += 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
+        if sp > 1:
+            total += Ns * C * c                             # this rank's rows, cut
     else:
-        total += N * C * c                                  # the received activations
+        total += Ns * C * c                                 # the received activations
     for block in blocks:
         if checkpointing:
-            total += N * C * c
+            total += Ns * C * c
             continue
         attn, mlp = block.self_attn, block.mlp
         h, h_kv = _width(attn.q_proj) // hs, _width(attn.k_proj) // hs
         F = _width(mlp.gate_proj)
         total += 2 * norm
+        if sp > 1:   # the whole key/value projections' gathered inputs
+            total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
         total += N * hs * (h + 2 * h_kv) * c                              # q, k, v
         total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c         # packing, tables
-        total += B * h * T * T * f + N * h * hs * c                       # attention
-        total += N * C * c * (2 + _row_parallel(attn.o_proj) + _row_parallel(mlp.down_proj))
+        total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode)          # attention
+        total += 2 * N * C * c + Ns * C * c * (_row_parallel(attn.o_proj)
+                                               + _row_parallel(mlp.down_proj))
         total += 2 * N * F * c + N * F * (c + f)                          # gate, up, SwiGLU
-        total += 2 * N * C * c                                            # residual adds
+        total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:
         vocab = _width(model.lm_head)
         split_vocab = vocab != int(model.lm_head.out_features)

@@ -115,12 +115,21 @@ class ParallelPlan:
         units: module paths ZeRO communicates as units, in order.
         pipeline: a :class:`PipelinePlan`, or ``None`` (the model is one stage).
         tied: ``(alias, source)`` parameter names that are one tensor.
+        sequence_entry: the module whose output rows enter the sequence-parallel
+            region (the embeddings' last module), or ``None`` (no sequence
+            parallelism); see [Note: sequence parallel] in
+            mpishard/parallel/tensor_parallel.py.
+        attention: module path patterns of the attention modules; under context
+            parallelism each gets a ``sequence`` attribute its forward consults
+            (see mpishard/parallel/context_parallel.py).
     """
 
     tensor: tuple = ()
     units: tuple = ()
     pipeline: PipelinePlan | None = None
     tied: tuple = ()
+    attention: tuple = ()
+    sequence_entry: str | None = None
 
     def __post_init__(self):
         for pattern, style in self.tensor:

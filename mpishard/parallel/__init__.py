@@ -4,12 +4,18 @@ Every strategy answers one contract (:class:`Strategy`, see [Note: strategy
 contract] in strategy.py) and is listed once in :data:`STRATEGIES`:
 ``DataParallel`` (``ddp``: replicate, average gradients in buckets) and
 ``ZeRO`` (``zero1``/``zero2``/``zero3``: shard optimizer state, gradients,
-parameters) over ``mesh.dp``. Tensor parallelism over ``mesh.tp`` and
-pipeline stages over ``mesh.pp`` apply a model's own parallel plan;
-``ParallelModel`` composes them all on one mesh.
+parameters) over the ranks holding the same parameters (``mesh.dp_cp``; ZeRO
+shards over ``dp_shard x cp`` and averages across ``dp_replicate``). Tensor
+parallelism over ``mesh.tp`` (with sequence parallelism), context parallelism
+over ``mesh.cp`` and pipeline stages over ``mesh.pp`` apply a model's own
+parallel plan; ``ParallelModel`` composes them all on one mesh.
 """
 from . import data_parallel, zero_stage12, zero_stage3  # noqa: F401 (register the strategies)
 from .compose import ParallelModel, build_stage, wrap_model
+from .context_parallel import CP_MODES, SequenceShard, apply_context_plan
+from .cp_ops import (heads_to_seq, ring_attention, ring_kv_bytes, seq_to_heads,
+                     ulysses_attention, zigzag_positions, zigzag_slice)
+from .sp_ops import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp, sp_rows
 from .data_parallel import DataParallel, check_replicas_equal
 from .flat import FlatLayout, FlatShard, padded_size
 from .layout import Layout, LayoutMesh, LayoutPlan, StagePlan, plan_layout
@@ -33,5 +39,8 @@ __all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_st
            "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "apply_tensor_plan",
            "tie_parameters", "split_range", "copy_to_tp", "reduce_from_tp",
-           "vocab_parallel_cross_entropy",
+           "vocab_parallel_cross_entropy", "SequenceShard", "apply_context_plan", "CP_MODES",
+           "ring_attention", "ulysses_attention", "seq_to_heads", "heads_to_seq",
+           "ring_kv_bytes", "zigzag_positions", "zigzag_slice", "gather_from_sp",
+           "reduce_scatter_to_sp", "scatter_to_sp", "sp_rows",
            "Precision", "LossScaler", "MasterCopies", "PRECISIONS"]

@@ -1,5 +1,6 @@
-"""Any model with a parallel plan on a dp x tp x pp mesh: pipeline stage, tensor-parallel
-layers, then a registered strategy (DDP or ZeRO) over dp.
+"""Any model with a parallel plan on a pp x dp x cp x tp mesh: pipeline stage,
+tensor-parallel layers, context parallelism, then a registered strategy (DDP or ZeRO)
+over dp x cp.
 
     mesh = Mesh(world, dp=2, tp=2, pp=1)
     run = ParallelModel(GPT(GPTConfig(...), materialize_now=False), mesh, strategy="zero3",
@@ -13,7 +14,9 @@ Built in this order, each reading the model's own :class:`~mpishard.nn.ParallelP
 (see [Note: parallel plans] in mpishard/nn/plan.py): this rank's pipeline
 stage (:func:`build_stage`: the model's ``pipeline_stage`` for the blocks
 :func:`partition_blocks` gives it), its tensor-parallel layers over ``mesh.tp``
-(:func:`apply_tensor_plan`), then the strategy over ``mesh.dp``, driven
+(:func:`apply_tensor_plan`), the sequence split over ``mesh.cp``
+(:func:`apply_context_plan`), then the strategy over ``mesh.dp_cp`` (ZeRO shards over
+``dp_shard x cp`` and averages across ``dp_replicate``), driven
 micro-batch by micro-batch by a :class:`Pipeline` (also when ``pp == 1``).
 Parameters are materialised from (seed, name) straight into their tp slices
 and, under ZeRO, into dp shards: no rank ever holds the whole model.
@@ -26,6 +29,7 @@ from ..autodiff.tensor import no_grad
 from ..nn.plan import plan_of
 from .pipeline import Pipeline, partition_blocks
 from .strategy import strategy_entry
+from .context_parallel import apply_context_plan
 from .tensor_parallel import apply_tensor_plan
 
 __all__ = ["ParallelModel", "build_stage", "wrap_model"]
@@ -47,7 +51,8 @@ def _params_in(model, paths, exclude=()) -> int:
     return total
 
 
-def build_stage(model, mesh, stage_plan=None):
+def build_stage(model, mesh, stage_plan=None, cp_mode: str = "ring",
+                sequence_parallel: bool = False):
     """This rank's pipeline stage of ``model`` (whole and unmaterialised), with its
     tensor-parallel layers applied over ``mesh.tp``; unmaterialised.
 
@@ -77,7 +82,10 @@ def build_stage(model, mesh, stage_plan=None):
                                                         exclude={id(p) for _, p in first}),
                                   plan=stage_plan)
         model = model.pipeline_stage(ranges[s], first_stage=s == 0, last_stage=s == pp - 1)
-    apply_tensor_plan(model, mesh.tp, plan_of(model))
+    apply_tensor_plan(model, mesh.tp, plan_of(model), sequence_parallel=sequence_parallel)
+    cp = getattr(mesh, "cp", None)
+    if cp is not None:
+        apply_context_plan(model, cp, cp_mode, plan_of(model))
     for name, p in model.named_parameters():
         replica = s > 0 and name in first_names   # held for a tie; owned by stage 0
         p.spec = dataclasses.replace(p.spec, pp_stage=s, replica=p.spec.replica or replica)
@@ -109,21 +117,30 @@ class ParallelModel:
         stage_plan: blocks per pipeline stage (default: balanced by parameters).
         precision: mixed precision, e.g. ``"bfloat16"`` (see :class:`~mpishard.parallel.Precision`).
         seed: initialisation seed (default: the model's).
+        cp_mode: context parallelism's attention, ``"ring"`` or ``"all-to-all"``
+            (when ``mesh.cp`` has more than one rank).
+        sequence_parallel: Megatron's sequence parallelism with tp: norms and
+            residuals hold 1/tp of the rows (see mpishard/parallel/tensor_parallel.py).
     """
 
     def __init__(self, model, mesh, strategy: str = "zero3", micro_batches: int = 1,
                  schedule: str = "1f1b", stage_plan=None, precision=None,
-                 seed: int | None = None):
+                 seed: int | None = None, cp_mode: str = "ring",
+                 sequence_parallel: bool = False):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         plan = plan_of(model)
         self.mesh = mesh
-        self.strategy = wrap_model(build_stage(model, mesh, stage_plan), mesh, strategy,
-                                   seed, precision)
+        stage = build_stage(model, mesh, stage_plan, cp_mode, sequence_parallel)
+        self.sequence = getattr(stage, "sequence", None)   # a SequenceShard under cp
+        self.strategy = wrap_model(stage, mesh, strategy, seed, precision)
         tie, tied = None, []
         if mesh.pp.size > 1 and plan.tied:  # first and last stage of each (dp, tp) pipeline
             ends = mesh.pp.rank in (0, mesh.pp.size - 1)
-            color = mesh.dp.rank * mesh.tp.size + mesh.tp.rank if ends else None
+            cp = getattr(mesh, "cp", None)
+            column = (mesh.dp.rank * (cp.size if cp else 1) + (cp.rank if cp else 0)) \
+                * mesh.tp.size + mesh.tp.rank
+            color = column if ends else None
             tie = mesh.world.split(color, name="tied")
             names = dict(self.strategy.module.named_parameters(remove_duplicate=False))
             tied = [names[source] for _, source in plan.tied if source in names] if ends else []
@@ -143,16 +160,25 @@ class ParallelModel:
         """The optimizer's targets on this rank."""
         return self.strategy.parameters()
 
+    def _local(self, x, y):
+        """This rank's columns of a ``(B, T)`` batch under context parallelism."""
+        if self.sequence is None:
+            return x, y
+        return self.sequence.split(x), self.sequence.split(y)
+
     def train_step(self, x, y) -> float:
-        """Forward and backward of this dp rank's batch; the mean loss (same on every rank)."""
-        return self.pipeline.train_step(x, y)
+        """Forward and backward of this dp rank's batch (the same on its cp, tp and pp
+        peers); returns this rank's share of the mean loss: averaged over ``mesh.dp_cp``
+        it is the mean over every valid target of the step (see [Note: global token
+        count] in pipeline.py)."""
+        return self.pipeline.train_step(*self._local(x, y))
 
     def eval_step(self, x, y) -> float:
         """Mean loss without gradients."""
         self.strategy.eval()
         try:
             with no_grad():
-                return self.pipeline.eval_step(x, y)
+                return self.pipeline.eval_step(*self._local(x, y))
         finally:
             self.strategy.train()
 

@@ -224,7 +224,7 @@ class DataParallel(Strategy):
     @classmethod
     def plan_memory(cls, model, sizes, **_) -> MemoryPlan:
         """Whole parameters, gradient buckets (the gradients themselves, also at dp 1)
-        and optimizer state on every rank."""
+        and optimizer state on every rank; the buckets all-reduced over ``dp_cp``."""
         s, n = sizes, sizes.n_params
         plan = s.new_plan()
         plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
@@ -232,4 +232,5 @@ class DataParallel(Strategy):
                        "optim": s.n_states * n * s.itemsize}
         plan.peak = {"gathered": 0, "comm": 0}
         plan.bus_bytes_per_step = int(round(2 * s.factor * n * s.reduce_itemsize))
+        plan.bus_bytes_by_group = {"dp_cp": plan.bus_bytes_per_step}
         return plan

@@ -2,30 +2,48 @@
 
     plan = plan_layout(GPT(GPTConfig(...), materialize_now=False),
                        Layout(dp=8, tp=8, strategy="zero3", batch_size=4, seq_len=1024))
+    plan = plan_layout(Llama(cfg, materialize_now=False),
+                       Layout(dp=4, tp=2, cp=2, dp_replicate=2, strategy="zero2",
+                              batch_size=1, seq_len=8192, sequence_parallel=True))
     print(plan.format())
 
 [Note: layout plan]
 For every pipeline stage, this builds the stage a rank of that stage builds
-(``build_stage`` over a :class:`LayoutMesh`: sizes and coordinates, no
-communicator; tensor-parallel rank 0, which holds the larger share of an uneven
-split) and adds up, per rank and step:
+(``build_stage`` over a :class:`LayoutMesh`: sizes, coordinates and the names
+the mesh gives its communicators; tensor-parallel rank 0, which holds the larger
+share of an uneven split; cp ranks all hold as many rows) and adds up, per rank
+and step:
 
 * model state and transient buffers: the strategy's :func:`plan_memory` of
-  that stage over ``dp`` (ZeRO's units, DDP's buckets, 16-bit copies);
-* activations: ``model.activation_bytes`` of one micro-batch (the model counts
-  what its ops keep, see [Note: activation bytes] for the GPT) times the
-  micro-batches the schedule keeps alive at once on that stage: 1 without a
-  pipeline (micro-batches run forward and backward one at a time), ``m`` under
-  GPipe, ``min(p - s, m)`` under 1F1B;
-* bus bytes ([Note: bus bytes]) per axis: dp from the strategy; tp from the
-  plan's styles, per micro-batch: the forward all-reduce after every
-  row-parallel layer and vocabulary-parallel embedding (twice for layers inside
-  checkpointed blocks: the recompute repeats it), the backward all-reduce in
-  front of every column-parallel layer (after a layer the plan keeps whole, such
-  as key/value projections tp does not divide), the loss's three all-reduces of one
-  number per row; pp: the activations and gradients each stage sends and
-  receives per micro-batch, and the step's loss broadcast; the tied parameter's
-  gradient summed between the first and the last stage.
+  that stage over ``dp x cp`` (DDP: whole parameters; ZeRO: shards over
+  ``dp_shard x cp``, replicated over ``dp_replicate``);
+* activations: ``model.activation_bytes`` of one micro-batch of ``seq_len / cp``
+  rows per sequence (the model counts what its ops keep, context and sequence
+  parallelism included, see [Note: activation bytes] for the GPT; under ZeRO-3
+  with sequence parallelism also each block's gathered unit, which the graph's
+  tp-summed uses of its replicated parameters keep alive until backward) times
+  the micro-batches the schedule keeps alive at once on that stage: 1 without a
+  pipeline, ``m`` under GPipe, ``min(p - s, m)`` under 1F1B;
+* bus bytes ([Note: bus bytes]) per communicator, under the name the mesh gives
+  it (groups of the same ranks share one, see :meth:`Mesh.active_axes`): the
+  strategy's per mesh group (DDP's all-reduce over ``dp_cp``, ZeRO's over
+  ``dp_shard_cp`` and ``dp_replicate``), the loss's count of targets (one number
+  all-reduced over ``dp_cp``); tp from the plan's styles, per micro-batch:
+  without sequence parallelism the forward all-reduce after every row-parallel
+  layer and vocabulary-parallel embedding (twice inside checkpointed blocks: the
+  recompute repeats it), the backward all-reduce in front of every
+  column-parallel layer (after a layer the plan keeps whole); with it, in front
+  of every column-parallel layer an all-gather forward (recomputed too) and
+  again backward, and a reduce-scatter backward (a whole layer: no second
+  gather), the reverse after every row-parallel one, the all-gather of the
+  gradient of the embeddings' cut rows and the gradient sums of the
+  tp-replicated parameters the split rows reach; the loss's three all-reduces of
+  one number per row; cp per attention and micro-batch: the ring's K/V blocks
+  and their gradients sent and received (:func:`ring_kv_bytes`; the forward's
+  again under checkpointing) or Ulysses' all-to-alls of q, k, v and the output,
+  each way; pp: the activations and gradients each stage sends and receives per
+  micro-batch, and the step's loss broadcast; the tied parameter's gradient
+  summed between the first and the last stage.
 
 The busiest stage (the most bytes) is what ``mpishard estimate`` and the plan
 of ``mpishard train`` print. The model given is consumed: its layers may be
@@ -37,12 +55,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..dtypes import resolve_dtype
-from ..nn.plan import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
+from ..nn.plan import plan_of
 from .compose import build_stage
-from .planner import MemoryPlan, plan_memory
-from .precision import Precision
-from .tensor_parallel import ColumnParallelLinear, _matching
+from .context_parallel import CP_MODES
+from .planner import MemoryPlan, layout_itemsizes, plan_memory, stage_traffic
+from .tensor_parallel import split_range
 
 __all__ = ["Layout", "LayoutMesh", "StagePlan", "LayoutPlan", "plan_layout"]
 
@@ -52,7 +69,15 @@ class Layout:
     """A layout to plan: mesh sizes, strategy, precision and the batch of one rank.
 
     ``batch_size`` is sequences per dp rank per micro-batch, ``micro_batches``
-    per step (the pipeline's ``m``), ``seq_len`` tokens per sequence.
+    per step (the pipeline's ``m``), ``seq_len`` tokens per sequence (each of
+    the ``cp`` context-parallel ranks holds ``seq_len / cp`` of them). ``dp`` is
+    the whole data-parallel size, ``dp_replicate x dp_shard`` (hybrid sharding:
+    ``dp_replicate`` copies of the ZeRO shards). ``cp_mode`` is ``"ring"`` or
+    ``"all-to-all"``; ``sequence_parallel`` splits the rows between tensor-parallel
+    layers over tp.
+
+    Raises:
+        ValueError: sizes that do not fit together, naming the fix.
     """
 
     dp: int = 1
@@ -66,21 +91,96 @@ class Layout:
     micro_batches: int = 1
     schedule: str = "1f1b"
     activation_checkpointing: bool = False
+    cp: int = 1
+    dp_replicate: int = 1
+    cp_mode: str = "ring"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "cp", "dp_replicate", "batch_size", "seq_len",
+                     "micro_batches"):
+            n = getattr(self, name)
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"Layout.{name}={n!r} must be a positive integer")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"Layout dp_replicate={self.dp_replicate} does not divide "
+                             f"dp={self.dp}; pass a dp_replicate that divides {self.dp} "
+                             f"(dp_shard = dp / dp_replicate)")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"unknown context-parallel mode {self.cp_mode!r}; use 'ring' or "
+                             f"'all-to-all'")
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ValueError(f"sequence length {self.seq_len} does not divide by 2 x cp = "
+                             f"{2 * self.cp} (context parallelism gives each rank two of "
+                             f"2*cp chunks); use a seq_len that is a multiple of "
+                             f"{2 * self.cp} or another cp")
+        rows = self.batch_size * self.local_seq_len
+        if self.sequence_parallel and self.tp > 1 and rows % self.tp:
+            raise ValueError(f"sequence parallelism splits the {rows} rows of each "
+                             f"micro-batch (batch_size x seq_len / cp) over tp = {self.tp}; "
+                             f"use a batch_size or seq_len that makes them divisible by "
+                             f"{self.tp}, or sequence_parallel=False")
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one copy of the ZeRO shards is spread over (with cp: ``x cp`` more)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def local_seq_len(self) -> int:
+        """Rows of each sequence on one rank, ``seq_len / cp``."""
+        return self.seq_len // self.cp
 
 
 class _Axis:
-    """A mesh axis as far as building a stage needs it: a size and this rank's index."""
+    """A mesh axis as far as building a stage needs it: a size, this rank's index, and
+    the name its communicator carries."""
 
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
+    def __init__(self, size: int, rank: int, name: str = ""):
+        self.size, self.rank, self.name = size, rank, name
+
+
+#: the mesh's groups in the order it creates them (which fixes the name a group of
+#: the same ranks as an earlier one carries) and the axes each spans
+_GROUPS = (("tp", ("tp",)), ("cp", ("cp",)), ("pp", ("pp",)),
+           ("dp", ("dp_replicate", "dp_shard")), ("dp_replicate", ("dp_replicate",)),
+           ("dp_shard", ("dp_shard",)), ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+           ("dp_shard_cp", ("dp_shard", "cp")))
 
 
 class LayoutMesh:
-    """The sizes and coordinates of a mesh, without communicators (for planning)."""
+    """The sizes and coordinates of a mesh, without communicators (for planning).
 
-    def __init__(self, dp: int, tp: int, pp: int, pp_rank: int = 0, tp_rank: int = 0):
-        self.dp, self.tp, self.pp = _Axis(dp, 0), _Axis(tp, tp_rank), _Axis(pp, pp_rank)
-        self.shape = {"pp": pp, "dp": dp, "tp": tp}
+    Has the axes and groups a :class:`~mpishard.comm.Mesh` has (``dp``, ``tp``,
+    ``pp``, ``cp``, ``dp_replicate``, ``dp_shard``, ``dp_cp``, ``dp_shard_cp``),
+    each named as the mesh names its communicator.
+    """
+
+    def __init__(self, dp: int, tp: int, pp: int, pp_rank: int = 0, tp_rank: int = 0,
+                 cp: int = 1, dp_replicate: int = 1):
+        if dp % dp_replicate:
+            raise ValueError(f"dp_replicate={dp_replicate} does not divide dp={dp}")
+        sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp // dp_replicate,
+                 "cp": cp, "tp": tp}
+        ranks = {"tp": tp_rank, "pp": pp_rank}
+        names: dict = {}
+        for attr, axes in _GROUPS:
+            members = tuple(a for a in axes if sizes[a] > 1) or (attr,)
+            size = int(np.prod([sizes[a] for a in axes]))
+            setattr(self, attr, _Axis(size, ranks.get(attr, 0), names.setdefault(members, attr)))
+        self.shape = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp_replicate,
+                      "dp_shard": dp // dp_replicate, "cp": cp}
+
+    def active_names(self) -> list:
+        """The communicator names of the groups with more than one rank, as
+        :meth:`Mesh.active_axes` orders them."""
+        out = []
+        for attr in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "dp_shard_cp", "dp_cp",
+                     "tp"):
+            axis = getattr(self, attr)
+            if axis.size > 1 and axis.name not in out:
+                out.append(axis.name)
+        return out
 
 
 @dataclass
@@ -115,6 +215,14 @@ class LayoutPlan:
     def total_peak_bytes(self) -> int:
         return self.busiest.total_peak_bytes
 
+    def _mesh_text(self) -> str:
+        lay = self.layout
+        dp = f"dp={lay.dp}" + (f" (dp_replicate={lay.dp_replicate} x dp_shard="
+                               f"{lay.dp_shard})" if lay.dp_replicate > 1 else "")
+        cp = f" x cp={lay.cp} ({lay.cp_mode})" if lay.cp > 1 else ""
+        sp = " (sequence parallel)" if lay.sequence_parallel and lay.tp > 1 else ""
+        return f"{dp}{cp} x tp={lay.tp}{sp} x pp={lay.pp}"
+
     def format(self) -> str:
         lay, stage = self.layout, self.busiest
         m = stage.memory
@@ -122,7 +230,7 @@ class LayoutPlan:
         def mib(n):
             return f"{n / 2**20:10.2f} MiB"
         mixed = f", {m.precision}" if m.precision else ""
-        rows = [f"{lay.strategy} on dp={lay.dp} x tp={lay.tp} x pp={lay.pp}: "
+        rows = [f"{lay.strategy} on {self._mesh_text()}: "
                 f"{self.n_params:,} parameters, {m.itemsize}-byte masters{mixed}; per rank:"]
         if lay.pp > 1:
             rows.append(f"  (the busiest ranks: pipeline stage {stage.stage} of {lay.pp}, "
@@ -131,9 +239,10 @@ class LayoutPlan:
         labels = {"gathered": "gathered", "comm": "comm buffers"}
         rows += [f"  {labels.get(k, k):<12}{mib(v)}  (peak, transient)" for k, v in m.peak.items()]
         if self.activations_known:
+            seq = f"{lay.seq_len}" if lay.cp == 1 else f"{lay.local_seq_len} (of {lay.seq_len})"
             rows.append(f"  {'activations':<12}{mib(stage.activation_bytes)}  (peak: "
                         f"{stage.micro_batches_alive} micro-batch(es) of {lay.batch_size} x "
-                        f"{lay.seq_len} kept for backward"
+                        f"{seq} kept for backward"
                         + (", checkpointed" if lay.activation_checkpointing else "") + ")")
         else:
             rows.append(f"  {'activations':<12}{'(not estimated for this model)':>14}")
@@ -152,60 +261,28 @@ def _alive(layout: Layout, stage: int) -> int:
     return m if layout.schedule == "gpipe" else min(p - stage, m)
 
 
-def _itemsizes(model, layout: Layout) -> tuple:
-    """(activation itemsize, all-reduce itemsize, gradient itemsize) of the layout."""
-    params = model.parameters()
-    master = np.dtype(params[0].spec.dtype) if params else np.dtype("float32")
-    policy = Precision.of(layout.precision)
-    act = resolve_dtype(policy.param_dtype) if policy.mixed else master
-    wire = 4 if act.name == "bfloat16" else act.itemsize    # bfloat16 is summed in float32
-    grad = resolve_dtype(policy.reduce_dtype).itemsize if policy.mixed else master.itemsize
-    return act, wire, grad
+def _check_heads(model, layout: Layout) -> None:
+    """All-to-all needs every tp rank's heads to split over cp (ValueError naming the fix)."""
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    if layout.cp == 1 or layout.cp_mode != "all-to-all" or heads is None:
+        return
+    local = {b - a for a, b in (split_range(heads, layout.tp, r) for r in range(layout.tp))}
+    if any(h % layout.cp for h in local):
+        raise ValueError(f"cp_mode 'all-to-all' splits each tensor-parallel rank's heads "
+                         f"({' or '.join(map(str, sorted(local)))} of n_head={heads}) over "
+                         f"cp={layout.cp}; use cp_mode 'ring', or a cp and tp whose product "
+                         f"divides {heads}")
 
 
-def _tp_bytes(stage, layout: Layout, plan, wire: int, act) -> int:
-    """Bus bytes of one step's tensor-parallel all-reduces on this stage (see the note)."""
-    tp = layout.tp
-    if tp == 1:
-        return 0
-    rows = layout.batch_size * layout.seq_len
-    blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
-    loss_item = 4 if act.itemsize == 2 else act.itemsize   # 16-bit logits: float32 rows
-    held_only = set(plan.pipeline.first) if plan.pipeline and not stage.first_stage else set()
-    nbytes = 0
-    for pattern, style in plan.tensor:
-        for path, module in _matching(stage, pattern):
-            if path in held_only:    # e.g. the token table on the last stage: only tied
-                continue
-            again = 2 if (layout.activation_checkpointing and blocks
-                          and path.startswith(blocks)) else 1
-            if isinstance(style, RowParallel):          # forward sum of the outputs
-                nbytes += again * rows * module.out_features * wire
-            elif isinstance(style, VocabParallel):      # forward sum of the looked-up rows
-                nbytes += rows * module.embedding_dim * wire
-            elif isinstance(style, ColumnParallel) and isinstance(module, ColumnParallelLinear):
-                nbytes += rows * module.in_features * wire      # backward: the input's gradient
-            elif isinstance(style, ColumnParallel):     # kept whole: its output's gradient
-                nbytes += rows * module.out_features * wire
-            elif isinstance(style, VocabParallelLoss):  # row maxima, sums, target logits
-                nbytes += 3 * rows * loss_item
-    return int(round(2 * (tp - 1) / tp * nbytes * layout.micro_batches))
-
-
-def _pp_bytes(stage, layout: Layout, act) -> int:
-    if layout.pp == 1:
-        return 0
-    shape = stage.activation_shape(layout.batch_size, layout.seq_len)
-    one = int(np.prod(shape)) * act.itemsize
-    sides = int(not stage.first_stage) + int(not stage.last_stage)
-    return 2 * sides * one * layout.micro_batches + 8      # sends + receives, loss broadcast
-
-
-def _tie_bytes(stage, layout: Layout, plan, grad: int) -> int:
-    if layout.pp == 1 or not (stage.first_stage or stage.last_stage):
-        return 0
-    names = dict(stage.named_parameters(remove_duplicate=False))
-    return sum(names[source].size * grad for _, source in plan.tied if source in names)
+def _bus(mesh: LayoutMesh, by_group: dict) -> dict:
+    """Bytes per mesh group -> bytes per communicator name (``dp``, ``tp``, ``pp`` always)."""
+    out = {"dp": 0, "tp": 0, "pp": 0}
+    out.update({name: 0 for name in mesh.active_names()})
+    for attr, n in by_group.items():
+        axis = getattr(mesh, attr)
+        if axis.size > 1 or attr in ("dp", "tp", "pp"):
+            out[axis.name] = out.get(axis.name, 0) + n
+    return out
 
 
 def plan_layout(model, layout: Layout, stage_plan=None) -> LayoutPlan:
@@ -213,22 +290,31 @@ def plan_layout(model, layout: Layout, stage_plan=None) -> LayoutPlan:
 
     ``model`` is whole and unmaterialised; see [Note: layout plan].
     """
+    _check_heads(model, layout)
     plan = plan_of(model)
-    act, wire, grad = _itemsizes(model, layout)
+    act, wire, grad = layout_itemsizes(model, layout)
     n_params = model.num_parameters()
     stages = []
     for s in range(layout.pp):
-        stage = build_stage(model, LayoutMesh(layout.dp, layout.tp, layout.pp, s), stage_plan)
+        mesh = LayoutMesh(layout.dp, layout.tp, layout.pp, s, cp=layout.cp,
+                          dp_replicate=layout.dp_replicate)
+        stage = build_stage(model, mesh, stage_plan, layout.cp_mode, layout.sequence_parallel)
         if layout.activation_checkpointing and hasattr(stage, "set_activation_checkpointing"):
             stage.set_activation_checkpointing(True)
-        memory = plan_memory(stage, layout.strategy, layout.dp, layout.optimizer,
-                             precision=layout.precision, micro_batches=layout.micro_batches)
+        memory = plan_memory(stage, layout.strategy, mesh.dp_cp.size, layout.optimizer,
+                             precision=layout.precision, micro_batches=layout.micro_batches,
+                             dp_replicate=layout.dp_replicate)
         activation = getattr(stage, "activation_bytes", None)
         alive = _alive(layout, s)
-        per_micro = activation(layout.batch_size, layout.seq_len, act) if activation else 0
-        bus = {"dp": memory.bus_bytes_per_step, "tp": _tp_bytes(stage, layout, plan, wire, act),
-               "pp": _pp_bytes(stage, layout, act)}
-        tie = _tie_bytes(stage, layout, plan, grad)
+        per_micro = activation(layout.batch_size, layout.local_seq_len, act) \
+            if activation else 0
+        groups = dict(memory.bus_bytes_by_group or {"dp_cp": memory.bus_bytes_per_step})
+        if getattr(stage, "last_stage", True) and mesh.dp_cp.size > 1:   # count of targets
+            n = mesh.dp_cp.size      # an all-reduce's bus bytes: 2 (n - 1) / n of 8
+            groups["dp_cp"] = groups.get("dp_cp", 0) + int(round(2 * (n - 1) / n * 8))
+        traffic = stage_traffic(stage, layout, plan, act, wire, grad)
+        tie = traffic.pop("tied")
+        bus = _bus(mesh, {**groups, **traffic})
         if tie:
             bus["tied"] = tie
         stages.append(StagePlan(s, memory, per_micro * alive, alive, bus))

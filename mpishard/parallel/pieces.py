@@ -85,6 +85,8 @@ def unit_pieces(strategy, units, optimizer=None) -> list[Piece]:
     parameter in it (``unit.target``, a :class:`FlatShard`) and of its state."""
     index = _target_index(optimizer)
     pieces: list[Piece] = []
+    replicate = getattr(strategy, "replicate", None)   # hybrid sharding: replica 0 owns
+    first_replica = replicate is None or replicate.rank == 0
     for unit in units:
         target, layout = unit.target, unit.layout
         for i, (name, p) in enumerate(zip(layout.names, layout.params)):
@@ -94,7 +96,7 @@ def unit_pieces(strategy, units, optimizer=None) -> list[Piece]:
             views = {"param": target.data[lo:hi]}
             if id(target) in index:
                 views.update(_state_views(optimizer, index[id(target)], lo, hi))
-            owner = strategy.counts_once(p.spec)
+            owner = first_replica and strategy.counts_once(p.spec)
             runs = p.spec.global_runs(p.spec.flat.owned)
             pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr, owner)
                           for kind, arr in views.items())

@@ -104,6 +104,7 @@ class _Step:
     saved: dict = field(default_factory=dict)     # i -> (input, output) kept for backward
     sends: list = field(default_factory=list)     # handles of sends in flight
     losses: list = field(default_factory=list)
+    weights: list = field(default_factory=list)   # each micro-batch's loss weight
     alive: dict = field(default_factory=dict)     # i -> measured activation bytes
 
 
@@ -165,14 +166,15 @@ class Pipeline:
         if self.first:
             inp, extra = x, {}
         else:
-            buf = self._xp.empty(self.model.activation_shape(step.batch, step.seq_len),
-                                 dtype=self._dtype)
+            rows, width = self.model.activation_shape(step.batch, step.seq_len)
+            split = getattr(self.model, "sequence_parallel_size", 1)  # split rows under sp
+            buf = self._xp.empty((rows // split, width), dtype=self._dtype)
             self._recv(buf, self.stage - 1, 2 * i)
             inp, extra = Tensor(buf, requires_grad=True), {"batch_size": step.batch}
         if self.last:
             _, loss = self.strategy(inp, y, **extra)
             step.losses.append(loss.item())
-            step.saved[i] = (inp, self.strategy.scale_loss(loss) * (1.0 / self.micro_batches))
+            step.saved[i] = (inp, self.strategy.scale_loss(loss) * step.weights[i])
         else:
             out = self.strategy(inp, **extra)
             send = self._xp.ascontiguousarray(out.data)
@@ -263,12 +265,39 @@ class Pipeline:
                              f"batch size that is a multiple of micro_batches")
         b = B // m
         self.idle_seconds = 0.0
-        return _Step([x[k * b:(k + 1) * b] for k in range(m)],
+        step = _Step([x[k * b:(k + 1) * b] for k in range(m)],
                      [y[k * b:(k + 1) * b] for k in range(m)], b,
                      int(np.shape(x)[1]) if np.ndim(x) > 1 else 1)
+        step.weights = self._loss_weights(step.y) if self.last else [1.0 / m] * m
+        return step
+
+    # [Note: global token count]
+    # A micro-batch's loss is the mean over its valid targets (those not equal to
+    # the loss's ignore_index), and gradients are averaged over the G ranks of
+    # dp x cp. Weighting micro-batch i's loss by w_i = n_i * G / N, with n_i its
+    # valid targets and N the count over every micro-batch of every rank of the
+    # group (one all-reduce of a number), makes the averaged gradient that of the
+    # mean over all N targets, however unevenly they fall (padding, a context
+    # chunk of ignored targets); plain 1/m weights would average means instead.
+    # With every target valid w_i is exactly 1/m.
+    def _loss_weights(self, ys) -> list:
+        m = len(ys)
+        group = getattr(self.mesh, "dp_cp", None) or self.mesh.dp
+        ignore = getattr(getattr(self.model, "loss", None), "ignore_index", -100)
+        counts = [int((self._xp.asarray(y) != ignore).sum()) for y in ys]
+        total = np.array([float(sum(counts))])
+        if group.size > 1:
+            group.all_reduce(total, op="sum")
+        if total[0] == 0 or all(c * group.size * m == total[0] for c in counts):
+            return [1.0 / m] * m
+        return [c * group.size / total[0] for c in counts]
 
     def _mean_loss(self, step: _Step) -> float:
-        loss = np.array([np.mean(step.losses) if step.losses else 0.0])
+        mean = 0.0
+        if step.losses:
+            uniform = all(w == 1.0 / len(step.weights) for w in step.weights)
+            mean = np.mean(step.losses) if uniform else float(np.dot(step.losses, step.weights))
+        loss = np.array([mean])
         self.pp.broadcast(loss, root=self.stages - 1)
         return float(loss[0])
 

@@ -148,7 +148,8 @@ class Strategy:
                  seed: int | None = None):
         self.module = module
         self.mesh = mesh
-        self.dp = mesh.dp
+        # every rank holding these parameters: dp x cp (see [Note: mesh layout])
+        self.dp = getattr(mesh, "dp_cp", mesh.dp)
         backend = getattr(module, "backend", None)
         self.seed = getattr(module, "seed", 0) if seed is None else seed
         if not self.materializes_shards and any(p.data is None for p in module.parameters()):

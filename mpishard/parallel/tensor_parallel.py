@@ -14,7 +14,26 @@ A linear layer's weight is split across the ranks of ``mesh.tp``:
   logits with three all-reduces of one number per row; full logits never exist.
 
 ``f``/``g`` are :func:`~mpishard.parallel.tp_ops.copy_to_tp` /
-:func:`~mpishard.parallel.tp_ops.reduce_from_tp`. :func:`apply_tensor_plan`
+:func:`~mpishard.parallel.tp_ops.reduce_from_tp`.
+
+[Note: sequence parallel]
+With ``sequence_parallel`` (Korthikanti et al., 2022, arXiv:2205.05198) the
+rows between the tensor-parallel layers -- norms, residual adds, dropout --
+are split over tp (rank r holds rows ``sp_rows``): the plan's
+``sequence_entry`` module's output is cut to this rank's rows
+(:func:`~mpishard.parallel.sp_ops.scatter_to_sp`), a column-parallel layer
+all-gathers its input (:func:`~mpishard.parallel.sp_ops.gather_from_sp`, a
+reduce-scatter in backward; :func:`~mpishard.parallel.sp_ops.gathered_linear`
+gathers again in backward rather than keep the gathered rows) instead of
+``f``, and a row-parallel layer
+reduce-scatters its output (:func:`~mpishard.parallel.sp_ops.reduce_scatter_to_sp`)
+instead of ``g``. The parameters replicated over tp that such rows reach (norm
+weights, row-parallel biases, a replicated key/value projection) then get only
+this rank's rows' share of their gradient, so each use of them goes through
+``f`` (identity forward, gradient summed over tp in backward): the sum is part
+of every backward, so it composes with accumulation, ZeRO and pipelining.
+Pipeline stages pass the split rows. Each column-parallel layer gathers for
+itself (Llama's q, k and v gather the same rows three times). :func:`apply_tensor_plan`
 swaps the layers a model's plan names for these (see [Note: parallel plans] in
 mpishard/nn/plan.py): a style says how a layer's features fall into groups
 (an attention head is one group of ``head_size`` features), and each tp rank
@@ -30,11 +49,13 @@ import dataclasses
 
 from ..autodiff import nn_ops
 from ..autodiff.ops import mul
-from ..autodiff.tensor import Tensor
+from ..autodiff.tensor import Tensor, is_grad_enabled
 from ..backend import xp_of
 from ..nn import Constant, Embedding, Linear, Module, Normal, Parameter
 from ..nn.plan import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
-from .tp_ops import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from ..autodiff.shape_ops import reshape
+from .sp_ops import gather_from_sp, gathered_linear, reduce_scatter_to_sp, scatter_to_sp
+from .tp_ops import _summed, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters", "split_range"]
@@ -68,9 +89,10 @@ class ColumnParallelLinear(Module):
     """
 
     def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
-                 init_std: float = 0.02, dtype: str = "float32", blocks=None):
+                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.blocks = tuple(blocks or [split_range(out_features, tp.size, tp.rank)])
         self.weight = _split_param((out_features, in_features), self.blocks, 0, Normal(init_std),
@@ -79,6 +101,8 @@ class ColumnParallelLinear(Module):
             if bias else None
 
     def forward(self, x):
+        if self.sequence_parallel:   # x holds this rank's rows: gathered (twice, see the op)
+            return gathered_linear(x, self.weight, self.bias, self.tp)
         return nn_ops.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
 
 
@@ -90,9 +114,10 @@ class RowParallelLinear(Module):
     """
 
     def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
-                 init_std: float = 0.02, dtype: str = "float32", blocks=None):
+                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.blocks = tuple(blocks or [split_range(in_features, tp.size, tp.rank)])
         self.weight = _split_param((out_features, in_features), self.blocks, 1, Normal(init_std),
@@ -100,7 +125,9 @@ class RowParallelLinear(Module):
         self.bias = Parameter((out_features,), Constant(0.0), False, dtype) if bias else None
 
     def forward(self, x_local):
-        y = reduce_from_tp(nn_ops.linear(x_local, self.weight), self.tp)
+        partial = nn_ops.linear(x_local, self.weight)
+        y = reduce_scatter_to_sp(partial, self.tp) if self.sequence_parallel else \
+            reduce_from_tp(partial, self.tp)
         return y + self.bias if self.bias is not None else y
 
 
@@ -163,7 +190,7 @@ def _groups(n: int, unit: int, parts: int, what: str, path: str, tp) -> tuple:
     return split_range(groups, tp.size, tp.rank)
 
 
-def _swap(model, path: str, module, style, tp):
+def _swap(model, path: str, module, style, tp, sp: bool = False):
     """The tensor-parallel replacement of ``module`` for ``style``."""
     if isinstance(style, VocabParallelLoss):
         head = model.get_submodule(style.logits)
@@ -183,9 +210,14 @@ def _swap(model, path: str, module, style, tp):
     if isinstance(style, ColumnParallel):
         n = module.out_features
         if style.replicate_unless_divisible and (n // style.parts // style.unit) % tp.size:
+            if sp:  # whole on every rank, from the gathered rows; see [Note: sequence parallel]
+                module.register_forward_pre_hook(
+                    lambda m, args: (gather_from_sp(args[0], tp), *args[1:]))
+                return module
             # whole on every rank; the output's gradient summed over tp (Megatron's f)
             module.register_forward_hook(lambda m, args, out: copy_to_tp(out, tp))
             return module
+        kwargs["sequence_parallel"] = sp
         g0, g1 = _groups(n, style.unit, style.parts, style.groups, path, tp)
         seg = n // style.parts
         blocks = [(k * seg + g0 * style.unit, k * seg + g1 * style.unit)
@@ -194,11 +226,12 @@ def _swap(model, path: str, module, style, tp):
     if isinstance(style, RowParallel):
         g0, g1 = _groups(module.in_features, style.unit, 1, style.groups, path, tp)
         return RowParallelLinear(module.in_features, module.out_features, tp,
-                                 blocks=[(g0 * style.unit, g1 * style.unit)], **kwargs)
+                                 blocks=[(g0 * style.unit, g1 * style.unit)],
+                                 sequence_parallel=sp, **kwargs)
     raise TypeError(f"{path}: unknown tensor-parallel style {style!r}")
 
 
-def apply_tensor_plan(model, tp, plan=None) -> Module:
+def apply_tensor_plan(model, tp, plan=None, sequence_parallel: bool = False) -> Module:
     """Swap the layers ``plan`` (default: the model's own) names for tensor-parallel ones.
 
     The model must not be materialised yet (its split parameters are drawn in
@@ -218,11 +251,67 @@ def apply_tensor_plan(model, tp, plan=None) -> Module:
                          f"parallel_plan() lists no tensor styles); use tp=1")
     if any(p.data is not None for p in model.parameters()):
         raise ValueError("apply_tensor_plan needs a model built with materialize_now=False")
+    if sequence_parallel and not plan.sequence_entry:
+        raise ValueError(f"{type(model).__name__} has no sequence-parallel plan (its "
+                         f"parallel_plan() has no sequence_entry); turn off sequence "
+                         f"parallelism")
     for pattern, style in plan.tensor:
         for path, module in _matching(model, pattern):
-            model.set_submodule(path, _swap(model, path, module, style, tp))
+            model.set_submodule(path, _swap(model, path, module, style, tp, sequence_parallel))
     tie_parameters(model, plan.tied)
+    if sequence_parallel:
+        _split_rows(model, tp, plan)
     return model
+
+
+def _split_rows(model, tp, plan) -> None:
+    """The rest of [Note: sequence parallel]: cut the rows after the plan's entry module
+    and sum the gradients of the tp-replicated parameters those rows reach."""
+    entry = plan.sequence_entry
+    try:
+        module = model.get_submodule(entry)
+    except KeyError:
+        module = None          # a pipeline stage without the embeddings
+    if module is not None:
+        module.register_forward_hook(
+            lambda m, args, out: scatter_to_sp(reshape(out, (-1, out.shape[-1])), tp))
+    model.sequence_parallel_size = tp.size   # the rows a pipeline stage passes on
+    first = tuple(plan.pipeline.first) if plan.pipeline is not None else ()
+    for path, owner in model.named_modules():
+        if any(path == f or path.startswith(f + ".") for f in first):
+            continue           # embeddings see every row
+        names = [n for n, p in owner._parameters.items()
+                 if p is not None and p.spec.tp_dim is None]
+        if names:
+            owner.register_forward_pre_hook(lambda m, args, names=names: _use_summed(m, names, tp))
+            owner.register_forward_hook(lambda m, args, out, names=names: _drop_uses(m, names))
+
+
+class _SummedUse(Tensor):
+    """``f(parameter)`` (identity forward, gradient summed over tp in backward) whose data
+    is always the parameter's current array: ZeRO-3 can release a block's gathered unit
+    after its forward without this use holding on to it until backward."""
+
+    __slots__ = ("_param",)
+    data = property(lambda self: self._param.data, lambda self, value: None)
+
+    def __init__(self, param, tp):
+        self._param = param
+        super().__init__(param.data)
+        if is_grad_enabled() and param.requires_grad:
+            self.requires_grad, self._parents, self._op = True, (param,), "copy_to_tp"
+            self._backward = lambda g: (_summed(g, tp),)
+
+
+def _use_summed(module, names, tp) -> None:
+    """For this forward, ``module.<name>`` is ``f(parameter)`` (gradient summed over tp)."""
+    for name in names:
+        module.__dict__[name] = _SummedUse(module._parameters[name], tp)
+
+
+def _drop_uses(module, names) -> None:
+    for name in names:
+        module.__dict__.pop(name, None)
 
 
 def tie_parameters(model, tied) -> None:

@@ -58,6 +58,8 @@ class Reduction:
         if self.handle is not None:  # None: nothing to send (see ZeroUnit.aliased)
             self.handle.wait()
         unit = self.unit
+        if unit.replicate is not None:  # hybrid sharding: then average across replicas
+            unit.replicate.all_reduce(self.recv, op="avg")
         if self.recv is not unit.grad_shard:
             if self.first:  # reduced in another dtype: cast into the shard
                 unit.grad_shard[...] = self.recv
@@ -88,8 +90,11 @@ class ZeroUnit:
         reductions: reduce-scatters launched this step.
     """
 
-    def __init__(self, layout: FlatUnit, dp, ledger, xp, reduce_dtype, keep_full_grads: bool):
+    def __init__(self, layout: FlatUnit, dp, ledger, xp, reduce_dtype, keep_full_grads: bool,
+                 replicate=None):
         self.layout, self.dp, self.ledger, self.xp = layout, dp, ledger, xp
+        #: the replicas of this shard (hybrid sharding), or None
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.reduce_dtype = reduce_dtype
         self.keep_full_grads = keep_full_grads
         self.target = None
@@ -108,7 +113,8 @@ class ZeroUnit:
         if self.keep_full_grads:
             self.grad_full = self.ledger.zeros("grads", (layout.padded,), self.reduce_dtype,
                                                f"grads {layout.label}", xp=self.xp)
-            if self.dp.size == 1 and self.reduce_dtype == layout.dtype:
+            if self.dp.size == 1 and self.replicate is None and \
+                    self.reduce_dtype == layout.dtype:
                 self.grad_shard, self.aliased = self.grad_full, True
                 return
         self.grad_shard = self.ledger.zeros("grads", (layout.shard_size,), layout.dtype,
@@ -206,6 +212,10 @@ class ZeRO(Strategy):
             raise ValueError(f"{type(self).__name__} implements ZeRO stages {type(self).stages}, "
                              f"not {stage!r}; build it as ZeRO(module, mesh, stage={stage!r})")
         super().__init__(module, mesh, ledger, precision, seed)
+        # shards live on dp_shard x cp and are replicated over dp_replicate (hybrid
+        # sharding, see [Note: mesh layout]); without those axes both are plain dp
+        self.dp = getattr(mesh, "dp_shard_cp", self.dp)
+        self.replicate = getattr(mesh, "dp_replicate", None)
         self.stage = stage
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         names = list(units) if units is not None else list(plan_of(module).units)
@@ -302,6 +312,8 @@ class ZeRO(Strategy):
 
     def local_grad_sq(self) -> float:
         """Sum of squares of this rank's gradient shards, each element counted once overall."""
+        if self.replicate is not None and self.replicate.rank != 0:
+            return 0.0   # the replicas hold the same shards: counted on replica 0
         pieces = []
         for unit in self.units:
             g, layout = unit.target.grad, unit.layout
@@ -319,9 +331,11 @@ class ZeRO(Strategy):
     @classmethod
     def plan_memory(cls, model, sizes, stage: int = 3, **_) -> MemoryPlan:
         """Per-rank bytes of stage ``stage`` (see [Note: flat unit layout]); the same
-        units the strategy builds, read from the model's shapes."""
-        s = sizes
-        units = plan_units(model, list(plan_of(model).units), s.dp_size, 0)
+        units the strategy builds, read from the model's shapes, sharded over
+        ``sizes.shard_size`` ranks (``dp_shard x cp``) and, under hybrid sharding,
+        each reduced shard averaged over ``dp_replicate``."""
+        s, shard = sizes, sizes.shard_size
+        units = plan_units(model, list(plan_of(model).units), shard, 0)
         padded_n = sum(u.padded for u in units)
         shards_n = sum(u.shard_size for u in units)
         blocks = [u.padded * s.compute_itemsize for u in units if u.module is not None]
@@ -336,7 +350,7 @@ class ZeRO(Strategy):
                      for u in order]
         plan = s.new_plan()
         copy = padded_n * cb if stage < 3 else (shards_n * cb if s.mixed else 0)
-        aliased = stage == 1 and s.dp_size == 1 and rb == b   # see ZeroUnit.aliased
+        aliased = stage == 1 and shard == 1 and s.dp_replicate == 1 and rb == b  # ZeroUnit
         plan.steady = {"params": (shards_n * b if stage == 3 or s.mixed else 0) + copy,
                        "grads": (0 if aliased else shards_n * b)
                        + (padded_n * rb if stage == 1 else 0),
@@ -348,10 +362,15 @@ class ZeRO(Strategy):
             gathered = root + pair
         plan.peak = {"gathered": gathered,
                      "comm": window_peak(in_flight, cls.max_inflight_reductions + 1)}
+        factor = (shard - 1) / shard
         if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
-            plan.bus_bytes_per_step = int(round(s.factor * padded_n * (rb + cb)))
+            sharded = int(round(factor * padded_n * (rb + cb)))
         else:  # gather every block twice (forward, backward) per micro-batch, the root
             # once, reduce-scatter all once
-            plan.bus_bytes_per_step = int(round(s.factor * (2 * s.micro_batches * sum(blocks)
-                                                            + root + padded_n * rb)))
+            sharded = int(round(factor * (2 * s.micro_batches * sum(blocks) + root
+                                          + padded_n * rb)))
+        R = s.dp_replicate   # each unit's reduced shard, averaged over the replicas
+        replicas = sum(int(round(2 * (R - 1) / R * u.shard_size * rb)) for u in units)
+        plan.bus_bytes_by_group = {"dp_shard_cp": sharded, "dp_replicate": replicas}
+        plan.bus_bytes_per_step = sharded + replicas
         return plan

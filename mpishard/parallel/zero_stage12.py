@@ -27,7 +27,7 @@ class ShardedStateZeRO(ZeRO):
     def _make_unit(self, layout) -> ZeroUnit:
         ledger, xp, cd = self.ledger, self.xp, self.compute_dtype
         unit = ZeroUnit(layout, self.dp, ledger, xp, self.reduce_dtype,
-                        keep_full_grads=self.stage == 1)
+                        keep_full_grads=self.stage == 1, replicate=self.replicate)
         unit.full = ledger.zeros("params", (layout.padded,), cd, f"params {layout.label}", xp=xp)
         block = unit.full[layout.shard_start:layout.shard_stop]  # this rank's, in compute dtype
         master = block if not self.mixed else ledger.zeros(

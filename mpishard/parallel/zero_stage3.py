@@ -44,8 +44,9 @@ class ShardedUnit(ZeroUnit):
         full: the gathered flat buffer while unsharded, else ``None``.
     """
 
-    def __init__(self, layout, dp, ledger, xp, reduce_dtype, compute_dtype):
-        super().__init__(layout, dp, ledger, xp, reduce_dtype, keep_full_grads=False)
+    def __init__(self, layout, dp, ledger, xp, reduce_dtype, compute_dtype, replicate=None):
+        super().__init__(layout, dp, ledger, xp, reduce_dtype, keep_full_grads=False,
+                         replicate=replicate)
         self.compute_dtype = compute_dtype
         self.state = UnitState.SHARDED
         self.compute_shard = None
@@ -123,7 +124,7 @@ class FullyShardedZeRO(ZeRO):
 
     def _make_unit(self, layout) -> ShardedUnit:
         ledger, xp, cd = self.ledger, self.xp, self.compute_dtype
-        unit = ShardedUnit(layout, self.dp, ledger, xp, self.reduce_dtype, cd)
+        unit = ShardedUnit(layout, self.dp, ledger, xp, self.reduce_dtype, cd, self.replicate)
         shard = ledger.zeros("params", (layout.shard_size,), layout.dtype,
                              f"param shard {layout.label}", xp=xp)
         for i, p, value in self._initial_values(layout):
