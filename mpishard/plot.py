@@ -10,7 +10,10 @@ Three panels, read from the JSON lines ``mpishard train --metrics`` writes:
 2. throughput: tokens (samples, for the MLP) per second per step, with a
    moving median, since single steps on a shared machine are noisy;
 3. memory: each rank's peak bytes by ledger category (``params``, ``grads``,
-   ``optim``, ``gathered``, ``comm``, ...) at the last step, stacked.
+   ``optim``, ``gathered``, ``comm``, ...) at the last step, stacked;
+4. for a mixture of experts only: expert load per step (the fewest and most
+   tokens an expert computed, summed over blocks and ranks) and the dropped
+   fraction.
 
 matplotlib is an optional extra (``pip install 'mpishard[plot]'``) and is
 imported only when a plot is drawn. Drawing uses ``matplotlib.figure.Figure``
@@ -198,6 +201,23 @@ def _draw_memory(ax, memory: list | None, step) -> None:
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
+def _draw_experts(ax, moe: list) -> None:
+    _style(ax, "Expert load", "step", "tokens per expert")
+    steps = [s for s, _ in moe]
+    ax.fill_between(steps, [m["tokens_per_expert_min"] for _, m in moe],
+                    [m["tokens_per_expert_max"] for _, m in moe], color="#4C72B0", alpha=0.3,
+                    label="fewest .. most")
+    ax.plot(steps, [m["tokens_per_expert_max"] for _, m in moe], color="#4C72B0", linewidth=1.0)
+    dropped = ax.twinx()
+    dropped.plot(steps, [m["dropped_fraction"] for _, m in moe], color="#C44E52",
+                 linewidth=1.2, label="dropped fraction")
+    dropped.set_ylim(0, 1)
+    dropped.set_ylabel("dropped fraction", fontsize=9)
+    lines = ax.get_legend_handles_labels()
+    more = dropped.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], frameon=False, fontsize=8)
+
+
 def metrics_figure(records: list[dict], title: str = ""):
     """A matplotlib ``Figure`` with the three panels for ``records`` (see :func:`load_metrics`).
 
@@ -214,10 +234,15 @@ def metrics_figure(records: list[dict], title: str = ""):
     last_memory = with_memory[-1] if with_memory else None
     if not train and not val:
         raise PlotError("the metrics have no 'loss' or 'val_loss' values to plot")
-    fig = Figure(figsize=(16, 4.8), dpi=110, layout="constrained")
+    moe = [(r["step"], r["moe"]) for r in records if isinstance(r.get("moe"), dict)]
+    fig = Figure(figsize=(21 if moe else 16, 4.8), dpi=110, layout="constrained")
     if title:
         fig.suptitle(title, fontsize=12)
-    loss_ax, tput_ax, mem_ax = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    axes = fig.subplots(1, 4 if moe else 3,
+                        gridspec_kw={"width_ratios": [1.25, 1, 1] + ([1] if moe else [])})
+    loss_ax, tput_ax, mem_ax = axes[:3]
+    if moe:
+        _draw_experts(axes[3], moe)
     _draw_loss(loss_ax, train, val)
     _draw_throughput(tput_ax, throughput)
     _draw_memory(mem_ax, last_memory["memory"] if last_memory else None,

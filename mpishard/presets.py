@@ -9,7 +9,8 @@ OpenAI's (vocabulary 50257, context 1024); the Llama 3 shapes are Meta's
 ``config.json`` values (vocabulary 128256, grouped-query attention with 8
 key/value heads, rope theta 500000 with Llama 3's frequency scaling), with
 ``block_size`` the 8192-token context they were pretrained at (their scaled
-rotary embeddings reach 131072). Parameter counts are in docs/models.md.
+rotary embeddings reach 131072); Mixtral 8x7B's is Mistral AI's (32 blocks of 8
+experts, 2 per token, 32768 positions). Parameter counts are in docs/models.md.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ PRESETS = {
                         intermediate_size=14336, rope_factor=8.0, tie_embeddings=False),
     "llama3.1-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
                          intermediate_size=28672, rope_factor=8.0, tie_embeddings=False),
+    # Mistral AI's Mixtral 8x7B config.json: 8 SwiGLU experts per block, 2 per token
+    "mixtral-8x7b": dict(name="llama", vocab_size=32000, block_size=32768, n_layer=32,
+                         n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                         rope_theta=1000000.0, rope_scaling="none", rms_eps=1e-5,
+                         tie_embeddings=False, bias=False, moe_experts=8, moe_top_k=2,
+                         moe_every=1),
     # small shapes that train in seconds on a CPU; the vocabulary comes from the data
     "gpt-tiny": dict(name="gpt", block_size=64, n_layer=2, n_head=4, n_embd=64,
                      bias=True),

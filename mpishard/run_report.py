@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .comm import format_rank_reports, rank_report
 
-__all__ = ["describe_plan", "mesh_text", "format_groups", "thread_warning", "progress_bar",
+__all__ = ["describe_plan", "expert_load", "mesh_text", "format_groups", "thread_warning", "progress_bar",
            "Progress", "MetricsFile"]
 
 
@@ -42,6 +42,35 @@ def describe_plan(trainer) -> str:
         lines.append(format_rank_reports(reports))
         lines.extend(thread_warning(reports))
     return "\n".join(lines)
+
+
+def expert_load(module, group) -> dict:
+    """``{"moe": ...}`` for a model with mixture-of-experts blocks, else ``{}``: the last
+    micro-batch's routed tokens per expert (summed over blocks and over ``group``, the
+    ranks holding the same parameters): min, max and coefficient of variation, the
+    dropped fraction, and the load-balancing loss (mean over ``group``). Collective."""
+    routes = [m.route for _, m in module.named_modules()
+              if getattr(m, "route", None) is not None and hasattr(m, "experts")]
+    if not routes:
+        return {}
+    import numpy as np                          # noqa: PLC0415
+
+    from .backend import to_numpy               # noqa: PLC0415
+
+    counts = sum(r.counts.astype(np.float64) for r in routes)
+    kept = sum(r.kept.astype(np.float64) for r in routes)
+    rows = sum(r.rows for r in routes)
+    prob = sum(to_numpy(r.prob_sum.data).astype(np.float64) for r in routes)
+    aux = len(counts) * float(np.sum(counts / rows * prob / rows))
+    buf = np.concatenate([counts, kept, [aux]])
+    group.all_reduce(buf, op="sum")
+    counts, kept, aux = buf[:len(counts)], buf[len(counts):-1], buf[-1] / group.size
+    mean = float(kept.mean())
+    return {"moe": {"tokens_per_expert_min": int(kept.min()),
+                    "tokens_per_expert_max": int(kept.max()),
+                    "tokens_per_expert_cv": float(kept.std() / mean) if mean else 0.0,
+                    "dropped_fraction": float(1.0 - kept.sum() / counts.sum()),
+                    "aux_loss": aux}}
 
 
 def mesh_text(mesh) -> str:

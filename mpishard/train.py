@@ -30,7 +30,7 @@ from .optim import SGD, Adam, AdamW, CosineSchedule
 from .parallel import Layout, ParallelModel, plan_layout
 from .preflight import check_run_files
 from .recipes import recipe_for
-from .run_report import MetricsFile, describe_plan, progress_bar
+from .run_report import MetricsFile, describe_plan, expert_load, progress_bar
 
 __all__ = ["Trainer", "run", "make_optimizer"]
 
@@ -172,6 +172,7 @@ class Trainer:
                 record = self.run_step()
                 if metrics.active:   # a collective (gather to rank 0): only when it is written
                     record.update(memory_and_comm(self.world, self.strategy.ledger, self.mesh))
+                    record.update(expert_load(self.strategy.module, self.mesh.dp_cp))
                 self.log.own(own_line(record, self.strategy.ledger, self.mesh))
                 if self._due(run.eval_interval) and self.steps_done < cfg.optim.steps:
                     record["val_loss"] = self.evaluate()

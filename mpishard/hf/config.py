@@ -17,6 +17,7 @@ Keys that change nothing mpishard computes (dropout rates, token ids,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -30,7 +31,8 @@ CONFIG = "config.json"
 #: the GELU implementations that are GPT-2's tanh approximation, to the formula
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 _ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"),
-                  "llama": ("LlamaForCausalLM", "LlamaModel")}
+                  "llama": ("LlamaForCausalLM", "LlamaModel"),
+                  "mixtral": ("MixtralForCausalLM", "MixtralModel")}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
 
@@ -124,7 +126,8 @@ def model_fields(path) -> dict:
     kind = raw.get("model_type")
     if kind not in _ARCHITECTURES:
         r.refuse("model_type", kind, "is not an architecture mpishard reproduces; it "
-                 "converts 'gpt2' (GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
+                 "converts 'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM) and "
+                 "'mixtral' (MixtralForCausalLM)")
     archs = raw.get("architectures") or []
     if not isinstance(archs, list) or any(a not in _ARCHITECTURES[kind] for a in archs):
         r.refuse("architectures", archs, f"is not supported; for model_type {kind!r} "
@@ -132,7 +135,9 @@ def model_fields(path) -> dict:
     if raw.get("quantization_config") is not None:
         r.refuse("quantization_config", raw["quantization_config"], "is set: mpishard reads "
                  "unquantised float16, bfloat16, float32 or float64 weights")
-    return _gpt2_fields(r) if kind == "gpt2" else _llama_fields(r)
+    if kind == "gpt2":
+        return _gpt2_fields(r)
+    return _mixtral_fields(r) if kind == "mixtral" else _llama_fields(r)
 
 
 def _gpt2_fields(r: _Reader) -> dict:
@@ -171,7 +176,8 @@ def _llama_fields(r: _Reader) -> dict:
                   n_kv_head=n_head if kv is None else r.integer("num_key_value_heads"),
                   n_embd=n_embd, intermediate_size=r.integer("intermediate_size", 11008),
                   rms_eps=r.number("rms_norm_eps", 1e-6),
-                  tie_embeddings=r.flag("tie_word_embeddings", False), bias=False)
+                  tie_embeddings=r.flag("tie_word_embeddings", False), bias=False,
+                  moe_experts=0)
     for key in ("attention_bias", "mlp_bias"):
         r.must(key, False, (False, None), "is not supported: mpishard's Llama has no biases "
                "(use false)")
@@ -182,6 +188,26 @@ def _llama_fields(r: _Reader) -> dict:
         r.refuse("head_dim", head_dim, f"is not supported: mpishard's heads are hidden_size / "
                  f"num_attention_heads = {n_embd / n_head:g} wide")
     fields.update(_rope_fields(r))
+    return fields
+
+
+def _mixtral_fields(r: _Reader) -> dict:
+    """A Llama with a mixture of experts in every block (Mixtral's SwiGLU experts)."""
+    fields = _llama_fields(r)
+    r.must("sliding_window", None, (None,), "is not supported: mpishard's attention is full "
+           "causal attention (use null)")
+    if r.raw.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
+        r.refuse("router_jitter_noise", r.raw["router_jitter_noise"], "is not supported "
+                 "(use 0.0)")
+    experts = r.integer("num_local_experts", 8)
+    top_k = r.integer("num_experts_per_tok", 2)
+    if top_k > experts:
+        r.refuse("num_experts_per_tok", top_k, f"exceeds num_local_experts = {experts}")
+    coef = r.raw.get("router_aux_loss_coef", 0.001)
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
+        r.refuse("router_aux_loss_coef", coef, "must be a number >= 0")
+    fields.update(moe_experts=experts, moe_top_k=top_k, moe_every=1, moe_capacity=0.0,
+                  moe_aux_coef=float(coef))
     return fields
 
 
@@ -231,10 +257,13 @@ def config_from_fields(fields: dict):
         "low_freq_factor": fields["rope_low_freq_factor"],
         "high_freq_factor": fields["rope_high_freq_factor"],
         "original_max_position_embeddings": fields["rope_original_max_position"]}
+    moe = {k: fields[k] for k in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
+                                  "moe_aux_coef") if k in fields}
     return LlamaConfig(**common, n_kv_head=fields["n_kv_head"],
                        intermediate_size=fields["intermediate_size"],
                        rope_theta=fields["rope_theta"], rope_scaling=scaling,
-                       rms_eps=fields["rms_eps"], tie_embeddings=fields["tie_embeddings"])
+                       rms_eps=fields["rms_eps"], tie_embeddings=fields["tie_embeddings"],
+                       **moe)
 
 
 def config_from_pretrained(path):
@@ -300,6 +329,20 @@ def hf_config(config, dtype: str) -> dict:
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
                 "bos_token_id": token, "eos_token_id": token}
+    if isinstance(config, LlamaConfig) and config.moe_experts:
+        if config.moe_every != 1 or config.moe_capacity:
+            raise ValueError(f"a mixture of experts in every {config.moe_every} blocks with "
+                             f"capacity {config.moe_capacity} has no transformers "
+                             f"architecture; Mixtral has experts in every block, dropless "
+                             f"(moe_every = 1, moe_capacity = 0)")
+        dense = hf_config(dataclasses.replace(config, moe_experts=0), dtype)
+        for key in ("pretraining_tp", "attention_bias", "mlp_bias", "head_dim"):
+            dense.pop(key)
+        return {**dense, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": config.moe_experts,
+                "num_experts_per_tok": config.moe_top_k,
+                "router_aux_loss_coef": config.moe_aux_coef, "output_router_logits": False,
+                "router_jitter_noise": 0.0, "sliding_window": None}
     if isinstance(config, LlamaConfig):
         scaling = _scaling(config.rope_scaling)
         scaling = scaling if scaling is None else {"rope_type": "llama3", **scaling}

@@ -65,17 +65,21 @@ def match_tensors(weights: HFWeights, config) -> dict:
     for t in tensor_plan(config):
         if t.name is None:
             continue
-        key = _find(weights.entries, t.key, prefix)
-        if key is None:
-            missing.append(t.key)
-            continue
-        entry = weights.entries[key]
-        if entry.shape != t.hf_shape:
-            shapes.append(f"{key} has shape {list(entry.shape)} in {entry.file}, the model "
-                          f"needs {list(t.hf_shape)}" + (" ([in, out], as GPT-2's Conv1D)"
-                                                         if t.transposed else ""))
-        found[t.name] = (key, t)
-    used = {key for key, _ in found.values()}
+        keys = []
+        for want, shape in t.files():
+            key = _find(weights.entries, want, prefix)
+            if key is None:
+                missing.append(want)
+                continue
+            entry = weights.entries[key]
+            if entry.shape != shape:
+                shapes.append(f"{key} has shape {list(entry.shape)} in {entry.file}, the model "
+                              f"needs {list(shape)}" + (" ([in, out], as GPT-2's Conv1D)"
+                                                        if t.transposed else ""))
+            keys.append(key)
+        found[t.name] = (tuple(keys) if t.parts else (keys[0] if keys else None), t)
+    used = {k for key, _ in found.values()
+            for k in (key if isinstance(key, tuple) else (key,))}
     unexpected = sorted(k for k in weights.entries if k not in used
                         and not ignorable(cls, k, tied))
     where = weights.folder
@@ -89,6 +93,22 @@ def match_tensors(weights: HFWeights, config) -> dict:
                               f"{cls} has not: {', '.join(unexpected[:5])}; is config.json "
                               f"the one these weights were saved with?")
     return found
+
+
+def read_tensor(weights: HFWeights, key, t, runs) -> np.ndarray:
+    """``runs`` of the flat index of mpishard tensor ``t``, from its file tensor ``key``, or
+    from its ``parts`` (``key`` then their keys): each run cut at the parts' bounds."""
+    if not t.parts:
+        return weights.read_runs(key, runs, t.transposed)
+    block = int(np.prod(t.part_shape))
+    pieces = []
+    for a, b in runs:
+        while a < b:
+            j, offset = divmod(a, block)
+            n = min(b - a, block - offset)
+            pieces.append(weights.read(key[j], offset, n))
+            a += n
+    return np.concatenate(pieces) if pieces else np.empty(0, np.float32)
 
 
 def from_pretrained(path, dtype: str = "float32", backend=None, seed: int = 0):
@@ -116,7 +136,7 @@ def from_pretrained(path, dtype: str = "float32", backend=None, seed: int = 0):
         found = match_tensors(weights, config)
         for name, p in model.named_parameters():
             key, t = found[name]
-            full = weights.read_runs(key, [(0, int(np.prod(t.shape)))], t.transposed)
+            full = read_tensor(weights, key, t, [(0, int(np.prod(t.shape)))])
             data = np.ascontiguousarray(full.reshape(t.shape), dtype=p.dtype)
             p.data = backend.ledger.track("params", backend.asarray(data), name)
     seed_dropout(model, seed, backend)
@@ -176,7 +196,7 @@ def load_pretrained(strategy, path, world=None) -> None:
                     raise CheckpointError(path, "missing-tensor", f"{name} has no tensor in "
                                           f"the Hugging Face form of this model")
                 key, t = found[name]
-                return weights.read_runs(key, runs, t.transposed).astype(dtype, copy=False)
+                return read_tensor(weights, key, t, runs).astype(dtype, copy=False)
             except Exception as exc:  # noqa: BLE001 -- agreed after load_pieces
                 failure = exc
         return np.zeros(size, dtype=dtype)

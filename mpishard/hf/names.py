@@ -8,7 +8,11 @@ transposed (``c_attn`` is the fused q|k|v projection on both sides, in the same
 head order). A tied output layer is not a tensor of its own in a transformers
 checkpoint (``lm_head.weight`` is left out on save and re-tied on load), so
 it is neither read nor written. An mpishard GPT built without biases is
-written with zero biases, which computes the same thing.
+written with zero biases, which computes the same thing. A Mixtral's experts are
+one ``(E, 2F, C)`` gate|up and one ``(E, C, F)`` down tensor per block in mpishard
+(as in transformers' model), and per-expert ``w1`` (gate), ``w3`` (up) and ``w2``
+(down) tensors under ``block_sparse_moe`` in the published files: such a tensor
+is the concatenation of its ``parts``, read and written part by part.
 """
 from __future__ import annotations
 
@@ -45,10 +49,18 @@ class HFTensor:
     name: str | None
     shape: tuple
     transposed: bool = False
+    parts: tuple = ()          # keys whose concatenation (row-major) is this tensor
+    part_shape: tuple = ()
 
     @property
     def hf_shape(self) -> tuple:
         return tuple(reversed(self.shape)) if self.transposed else tuple(self.shape)
+
+    def files(self) -> list:
+        """``(key, shape)`` of every tensor of the files this one is."""
+        if self.parts:
+            return [(k, tuple(self.part_shape)) for k in self.parts]
+        return [(self.key, self.hf_shape)]
 
 
 def tensor_plan(config) -> list:
@@ -57,11 +69,29 @@ def tensor_plan(config) -> list:
     whole = cls(config, materialize_now=False)   # shapes and names only, no data
     plan = []
     for name, p in whole.named_parameters():     # a tied head is the token table's name
-        plan.append(HFTensor(name, name, tuple(p.spec.global_shape),
+        shape = tuple(p.spec.global_shape)
+        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+            plan.append(_mixtral_tensor(name, shape))
+            continue
+        plan.append(HFTensor(name, name, shape,
                              cls.__name__ == "GPT" and name.endswith(_CONV1D)))
     if cls.__name__ == "GPT" and not config.bias:
         plan = _with_zero_biases(plan, config)
     return plan
+
+
+def _mixtral_tensor(name: str, shape: tuple) -> HFTensor:
+    """A Mixtral block's router or experts as the published files name them."""
+    base = name.split(".mlp.")[0] + ".block_sparse_moe."
+    if name.endswith(".mlp.gate.weight"):
+        return HFTensor(base + "gate.weight", name, shape)
+    E = shape[0]
+    if name.endswith(".experts.gate_up_proj"):          # (E, 2F, C): w1 (gate), w3 (up)
+        parts = tuple(f"{base}experts.{e}.{w}.weight" for e in range(E) for w in ("w1", "w3"))
+        return HFTensor(parts[0], name, shape, parts=parts,
+                        part_shape=(shape[1] // 2, shape[2]))
+    parts = tuple(f"{base}experts.{e}.w2.weight" for e in range(E))   # (E, C, F)
+    return HFTensor(parts[0], name, shape, parts=parts, part_shape=tuple(shape[1:]))
 
 
 def _with_zero_biases(plan: list, config) -> list:

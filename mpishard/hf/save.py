@@ -77,6 +77,23 @@ def save_pretrained(model_or_strategy, path, world=None, max_shard_bytes: int = 
     return _save_module(target, Path(path), max_shard_bytes)
 
 
+def _layout(plan, dtype: str) -> list:
+    """``(key, dtype, shape)`` of every tensor the files will hold, in order."""
+    return [(key, dtype, shape) for t in plan for key, shape in t.files()]
+
+
+def _write(writer, t, full: np.ndarray) -> None:
+    """Write tensor ``t`` (its whole mpishard value ``full``): itself, or part by part."""
+    if not t.parts:
+        writer.write(t.key, _as_array(t, full))
+        return
+    block = int(np.prod(t.part_shape))
+    flat = full.reshape(-1)
+    for j, key in enumerate(t.parts):
+        writer.write(key, np.ascontiguousarray(flat[j * block:(j + 1) * block])
+                     .reshape(t.part_shape))
+
+
 def _save_module(model, path: Path, max_shard_bytes: int) -> Path:
     config = getattr(model, "config", None)
     model_class(config)
@@ -90,12 +107,12 @@ def _save_module(model, path: Path, max_shard_bytes: int) -> Path:
                          f"{': ' + partial[0] if partial else ''}); pass its strategy")
     dtype = next(iter(params.values())).spec.dtype
     plan = tensor_plan(config)
-    writer = FolderWriter(path, [(t.key, dtype, t.hf_shape) for t in plan], max_shard_bytes)
+    writer = FolderWriter(path, _layout(plan, dtype), max_shard_bytes)
     try:
         for t in plan:
             full = (np.zeros(t.shape, dtype) if t.name is None
                     else np.asarray(to_numpy(params[t.name].data), dtype=dtype))
-            writer.write(t.key, _as_array(t, full))
+            _write(writer, t, full)
         return writer.finish(hf_config(config, dtype))
     except BaseException:
         writer.abort()
@@ -126,8 +143,7 @@ def _save_strategy(strategy, path: Path, world, max_shard_bytes: int) -> Path:
                 if t.name is not None and have != int(np.prod(t.shape)):
                     raise CheckpointError(path, "coverage", f"the ranks own {have} elements of "
                                           f"{t.name}, it has {int(np.prod(t.shape))}")
-            writer = FolderWriter(path, [(t.key, dtype, t.hf_shape) for t in plan],
-                                  max_shard_bytes)
+            writer = FolderWriter(path, _layout(plan, dtype), max_shard_bytes)
         except Exception as exc:  # noqa: BLE001
             err = exc
     agree(world, err, f"exporting to {path}")
@@ -137,7 +153,7 @@ def _save_strategy(strategy, path: Path, world, max_shard_bytes: int) -> Path:
             full = _gather_tensor(t, owned, counts, world, dtype)
             if failure is None:
                 try:
-                    writer.write(t.key, _as_array(t, full))
+                    _write(writer, t, full)
                 except Exception as exc:  # noqa: BLE001 -- keep receiving, agree below
                     failure = exc
                     writer.abort()

@@ -31,6 +31,7 @@ from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, 
                        VocabParallelLoss)
 from .generate import generate
 from .llama_activations import llama_activation_bytes
+from .moe import MoE, load_balancing_loss, router_z_loss
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "LlamaAttention", "LlamaMLP", "RMSNorm"]
 
@@ -54,6 +55,17 @@ class LlamaConfig:
     rms_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False   # tie_word_embeddings
     init_std: float = 0.02         # initializer_range
+    # mixture of experts (Mixtral's names): 0 experts is a dense model
+    moe_experts: int = 0           # num_local_experts
+    moe_top_k: int = 2             # num_experts_per_tok
+    moe_every: int = 1             # every moe_every-th block is a mixture (1: all)
+    moe_capacity: float = 0.0      # capacity factor (0: dropless)
+    moe_aux_coef: float = 0.001    # router_aux_loss_coef (the load-balancing loss)
+    moe_z_coef: float = 0.0        # router z-loss coefficient
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` has a mixture of experts for its MLP."""
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -72,6 +84,12 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: n_kv_head={self.n_kv_head} must divide n_head="
                              f"{self.n_head} (grouped-query attention: each key/value head "
                              f"serves n_head / n_kv_head query heads)")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"LlamaConfig: moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"moe_experts={self.moe_experts}")
+        if self.moe_every < 1 or self.moe_capacity < 0:
+            raise ValueError(f"LlamaConfig: moe_every={self.moe_every} must be >= 1 and "
+                             f"moe_capacity={self.moe_capacity} >= 0 (0: dropless)")
         if self.intermediate_size == 0:
             self.intermediate_size = 256 * -(-(8 * self.n_embd // 3) // 256)
         scaling = self.rope_scaling
@@ -154,12 +172,15 @@ class LlamaMLP(Module):
 class LlamaBlock(Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (checkpointable)."""
 
-    def __init__(self, config: LlamaConfig, dtype: str = "float32"):
+    def __init__(self, config: LlamaConfig, dtype: str = "float32", index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.n_embd, config.rms_eps, dtype)
         self.self_attn = LlamaAttention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        c = config
+        self.mlp = MoE(c.n_embd, c.intermediate_size, c.moe_experts, c.moe_top_k,
+                       c.moe_capacity or None, c.init_std, dtype) if c.is_moe_block(index) \
+            else LlamaMLP(config, dtype)
         self.activation_checkpointing = False
 
     def forward(self, x, batch_size: int, cos, sin):
@@ -194,7 +215,12 @@ class Llama(Module):
         parts = {}
         if first_stage or (last_stage and config.tie_embeddings):
             parts["embed_tokens"] = Embedding(config.vocab_size, C, config.init_std, dtype)
-        parts["layers"] = ModuleDict(**{str(i): LlamaBlock(config, dtype)
+        if config.moe_experts and (config.moe_aux_coef or config.moe_z_coef) and \
+                not (first_stage and last_stage):
+            raise ValueError("the mixture-of-experts auxiliary losses span every block; "
+                             "pipeline stages cannot compute them yet: use pp=1, or set "
+                             "moe_aux_coef and moe_z_coef to 0")
+        parts["layers"] = ModuleDict(**{str(i): LlamaBlock(config, dtype, i)
                                         for i in self.block_ids})
         if last_stage:
             parts["norm"] = RMSNorm(C, config.rms_eps, dtype)
@@ -254,6 +280,11 @@ class Llama(Module):
 
     def set_activation_checkpointing(self, enabled: bool = True) -> "Llama":
         """Recompute each block in backward instead of keeping its activations."""
+        c = self.config
+        if enabled and c.moe_experts and (c.moe_aux_coef or c.moe_z_coef):
+            raise ValueError("activation checkpointing would recompute the routers outside "
+                             "the graph of the mixture-of-experts auxiliary losses; set "
+                             "moe_aux_coef and moe_z_coef to 0 to checkpoint")
         for block in self.model.layers.values():
             block.activation_checkpointing = bool(enabled)
         return self
@@ -302,4 +333,18 @@ class Llama(Module):
         if targets is not None:
             targets = self.backend.asarray(targets.data if isinstance(targets, Tensor) else targets)
             loss = self.loss(logits, targets.reshape(B * T))
+            loss = self._router_losses(loss)
         return logits.reshape(B, T, logits.shape[-1]), loss
+
+    def _router_losses(self, loss):
+        """``loss`` plus the mixture-of-experts auxiliary losses of this forward's routers
+        (see [Note: load-balancing loss] in mpishard/models/moe.py)."""
+        c = self.config
+        routes = [b.mlp.route for b in self.model.layers.values() if isinstance(b.mlp, MoE)]
+        if not routes or not (c.moe_aux_coef or c.moe_z_coef):
+            return loss
+        if c.moe_aux_coef:
+            loss = loss + load_balancing_loss(routes, c.moe_experts) * c.moe_aux_coef
+        if c.moe_z_coef:
+            loss = loss + router_z_loss(routes) * c.moe_z_coef
+        return loss

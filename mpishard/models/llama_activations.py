@@ -36,6 +36,23 @@ def _row_split(linear) -> bool:
     """Whether tp splits the output features (a column-parallel layer)."""
     return _width(linear) != int(linear.out_features)
 
+def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
+    """The MLP's share: SwiGLU's, or a mixture of experts' (router logits and
+    probabilities ``2 N E c``, top-k and weights ``2 N k c``, and for the ``M = N k``
+    routed rows (dropless; fewer with a capacity) their gathered input ``M C c``, the
+    experts' gate|up ``2 M F c``, outputs and weighted outputs ``2 M C c``, weights
+    ``M c``; the combined rows ``N C c``)."""
+    if hasattr(mlp, "experts"):
+        E, k = mlp.n_experts, mlp.top_k
+        F = int(mlp.experts.down_proj.shape[2])
+        M = N * k
+        return 2 * N * E * c + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
+            + M * c + N * C * c
+    F = _width(mlp.gate_proj)
+    return N * C * c + Ns * C * c * _row_parallel(mlp.down_proj) \
+        + 2 * N * F * c + N * F * (c + f)                                 # down; gate, up, SwiGLU
+
+
 #: the graph's Python objects per block (tensors, closures): measured, bytes
 _OBJECTS_PER_BLOCK = 14 << 10
 
@@ -71,16 +88,14 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
             continue
         attn, mlp = block.self_attn, block.mlp
         h, h_kv = _width(attn.q_proj) // hs, _width(attn.k_proj) // hs
-        F = _width(mlp.gate_proj)
         total += 2 * norm
         if sp > 1:   # the whole key/value projections' gathered inputs
             total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
         total += N * hs * (h + 2 * h_kv) * c                              # q, k, v
         total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c         # packing, tables
         total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode)          # attention
-        total += 2 * N * C * c + Ns * C * c * (_row_parallel(attn.o_proj)
-                                               + _row_parallel(mlp.down_proj))
-        total += 2 * N * F * c + N * F * (c + f)                          # gate, up, SwiGLU
+        total += N * C * c + Ns * C * c * _row_parallel(attn.o_proj)     # o
+        total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:
         vocab = _width(model.lm_head)

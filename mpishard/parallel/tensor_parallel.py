@@ -31,7 +31,9 @@ instead of ``g``. The parameters replicated over tp that such rows reach (norm
 weights, row-parallel biases, a replicated key/value projection) then get only
 this rank's rows' share of their gradient, so each use of them goes through
 ``f`` (identity forward, gradient summed over tp in backward): the sum is part
-of every backward, so it composes with accumulation, ZeRO and pipelining.
+of every backward, so it composes with accumulation, ZeRO and pipelining. The
+swap happens in the owning module's forward hooks, so a module must be called
+(``module(...)``) for its parameters to be used this way, never read from outside.
 Pipeline stages pass the split rows. Each column-parallel layer gathers for
 itself (Llama's q, k and v gather the same rows three times). :func:`apply_tensor_plan`
 swaps the layers a model's plan names for these (see [Note: parallel plans] in

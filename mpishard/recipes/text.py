@@ -166,6 +166,9 @@ class TextLlama(TextLM):
                                n_layer=m.n_layer, n_head=m.n_head, n_kv_head=m.n_kv_head,
                                n_embd=m.n_embd, intermediate_size=m.intermediate_size,
                                rope_theta=m.rope_theta, rope_scaling=scaling, rms_eps=m.rms_eps,
-                               tie_embeddings=m.tie_embeddings)
+                               tie_embeddings=m.tie_embeddings, moe_experts=m.moe_experts,
+                               moe_top_k=m.moe_top_k, moe_every=m.moe_every,
+                               moe_capacity=m.moe_capacity, moe_aux_coef=m.moe_aux_coef,
+                               moe_z_coef=m.moe_z_coef)
         except ValueError as err:
             raise ConfigError(str(err)) from None

@@ -1,0 +1,174 @@
+"""A mixture-of-experts MLP: a top-k router over E SwiGLU experts, Mixtral's layout.
+
+    moe = MoE(n_embd=64, intermediate_size=96, n_experts=8, top_k=2)
+    y = moe(x)                 # (N, C) -> (N, C); moe.route: what the router did
+    aux = load_balancing_loss([moe.route, ...], n_experts=8)
+
+The router is a bias-free linear layer (``gate``) to E logits, a softmax, the
+``top_k`` largest probabilities renormalised to sum to one (Mixtral, Jiang et
+al., 2024, arXiv:2401.04088). Each (token, expert) pair is one row; the rows are
+sorted by expert and every expert computes its run in one product
+(:func:`~mpishard.autodiff.moe_ops.expert_swiglu`), then the weighted rows are
+added back into their tokens. Parameter names and shapes are ``transformers``'
+Mixtral ones (``gate.weight`` ``(E, C)``, ``experts.gate_up_proj`` ``(E, 2F, C)``,
+``experts.down_proj`` ``(E, C, F)``).
+
+A capacity factor ``c`` keeps at most ``ceil(c * N * k / E)`` rows per expert,
+the earliest tokens first; the dropped pairs add nothing (the residual carries
+the token on). ``capacity=None`` drops nothing (dropless).
+
+[Note: load-balancing loss]
+``transformers``' ``load_balancing_loss_func`` (Switch Transformer, Fedus et al.,
+2021, eqs. 4-6, over all MoE layers at once): with ``R`` rows per layer over
+``L`` layers, ``f_e`` the top-k picks of expert ``e`` summed over the layers
+divided by ``L R``, and ``P_e`` its router probability summed over rows and
+layers divided by ``L R``, the loss is ``E * sum_e f_e P_e`` (``f`` counts, so
+it carries no gradient; ``P`` does). The router z-loss (ST-MoE, Zoph et al.,
+2022) is the mean over rows of ``logsumexp(logits)^2``.
+"""
+from __future__ import annotations
+
+import math
+
+from ..autodiff.moe_ops import expert_swiglu, scatter_rows
+from ..autodiff.nn_ops import embedding
+from ..autodiff.ops import getitem, mul, reshape, sum  # noqa: A004 (the op)
+from ..autodiff.softmax_ops import log_softmax, softmax
+from ..backend import to_numpy, xp_of
+from ..nn import Linear, Module, Normal, Parameter
+
+__all__ = ["MoE", "MoEExperts", "Route", "load_balancing_loss", "router_z_loss"]
+
+
+class Route:
+    """What one MoE layer's router did in its last forward (for the losses and metrics).
+
+    Attributes:
+        counts: top-k picks per expert (host int array, before capacity).
+        kept: rows each expert computed (after capacity).
+        prob_sum: ``(E,)`` router probabilities summed over rows (a graph Tensor).
+        logits: ``(N, E)`` router logits (a graph Tensor, for the z-loss).
+        rows: ``N``.
+    """
+
+    __slots__ = ("counts", "kept", "prob_sum", "logits", "rows")
+
+    def __init__(self, counts, kept, prob_sum, logits, rows: int):
+        self.counts, self.kept, self.prob_sum = counts, kept, prob_sum
+        self.logits, self.rows = logits, rows
+
+    @property
+    def dropped_fraction(self) -> float:
+        total = int(self.counts.sum())
+        return 1.0 - int(self.kept.sum()) / total if total else 0.0
+
+
+class MoEExperts(Module):
+    """E SwiGLU experts' weights, stored as ``transformers``' Mixtral stores them."""
+
+    def __init__(self, n_experts: int, n_embd: int, intermediate_size: int,
+                 init_std: float = 0.02, dtype: str = "float32"):
+        super().__init__()
+        E, C, F = n_experts, n_embd, intermediate_size
+        self.gate_up_proj = Parameter((E, 2 * F, C), Normal(init_std), True, dtype)
+        self.down_proj = Parameter((E, C, F), Normal(init_std), True, dtype)
+
+    def forward(self, x_sorted, offsets):
+        """Every expert on its run of the expert-sorted rows (see ``expert_swiglu``)."""
+        return expert_swiglu(x_sorted, offsets, self.gate_up_proj, self.down_proj)
+
+
+class MoE(Module):
+    """Top-``top_k`` routing over ``n_experts`` SwiGLU experts; see the module docstring.
+
+    Args:
+        capacity: capacity factor (rows per expert at most ``ceil(capacity * N *
+            top_k / E)``), or ``None``: dropless.
+    """
+
+    def __init__(self, n_embd: int, intermediate_size: int, n_experts: int, top_k: int = 2,
+                 capacity: float | None = None, init_std: float = 0.02,
+                 dtype: str = "float32"):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"MoE top_k={top_k} must be between 1 and n_experts={n_experts}")
+        if capacity is not None and not capacity > 0:
+            raise ValueError(f"MoE capacity factor {capacity!r} must be > 0 (or None: dropless)")
+        self.n_experts, self.top_k, self.capacity = n_experts, top_k, capacity
+        self.gate = Linear(n_embd, n_experts, False, init_std, dtype)
+        self.experts = MoEExperts(n_experts, n_embd, intermediate_size, init_std, dtype)
+        self.route: Route | None = None
+
+    def forward(self, x):
+        N, E, k = x.shape[0], self.n_experts, self.top_k
+        logits = self.gate(x)                                         # (N, E)
+        probs = softmax(logits, axis=-1)
+        xp = xp_of(probs.data)
+        picks = xp.argsort(-probs.data, axis=1, kind="stable")[:, :k]  # (N, k), largest first
+        rows = xp.arange(N)
+        top = getitem(probs, (rows[:, None], picks))
+        weights = top / sum(top, axis=1, keepdims=True)               # renormalised
+        expert = picks.reshape(-1)                                    # token-major pairs
+        order = xp.argsort(expert, kind="stable")                     # by expert, then token
+        counts = to_numpy(xp.bincount(expert, minlength=E))
+        kept = counts
+        if self.capacity is not None:
+            cap = math.ceil(self.capacity * N * k / E)
+            starts = xp.asarray(_starts(counts))
+            place = xp.arange(order.size) - xp.repeat(starts, xp.asarray(counts))
+            order = order[place < cap]                                # earliest tokens first
+            kept = counts.clip(max=cap)
+        offsets = [0, *_cumsum(kept)]
+        token, slot = order // k, order % k
+        y = self.experts(embedding(token, x), offsets)
+        y = mul(y, reshape(getitem(weights, (token, slot)), (-1, 1)))
+        self.route = Route(counts, kept, sum(probs, axis=0), logits, N)
+        return scatter_rows(y, token, N)
+
+
+def _cumsum(counts) -> list:
+    out, total = [], 0
+    for c in counts:
+        total += int(c)
+        out.append(total)
+    return out
+
+
+def _starts(counts) -> list:
+    return [0, *_cumsum(counts)[:-1]]
+
+
+def load_balancing_loss(routes, n_experts: int):
+    """``transformers``' Mixtral auxiliary loss over ``routes`` (see [Note: load-balancing
+    loss]); ``None`` without routes."""
+    if not routes:
+        return None
+    total_rows = float(_rows(routes))
+    counts = routes[0].counts.astype("float64").copy()
+    prob = routes[0].prob_sum
+    for r in routes[1:]:
+        counts += r.counts
+        prob = prob + r.prob_sum
+    xp = xp_of(prob.data)
+    f = xp.asarray(counts / total_rows, dtype=prob.data.dtype)
+    return sum(mul(prob, f)) * (n_experts / total_rows)
+
+
+def _rows(routes) -> int:
+    total = 0
+    for r in routes:
+        total += r.rows
+    return total
+
+
+def router_z_loss(routes):
+    """Mean over every routed row of ``logsumexp(logits)^2`` (ST-MoE); ``None`` without routes."""
+    if not routes:
+        return None
+    terms, rows = None, 0
+    for r in routes:
+        lse = getitem(r.logits - log_softmax(r.logits, axis=-1), (slice(None), 0))
+        part = sum(lse * lse)
+        terms = part if terms is None else terms + part
+        rows += r.rows
+    return terms * (1.0 / rows)
