@@ -186,7 +186,7 @@ def test_model_fields_and_config(tmp_path):
                           n_kv_head=2, n_embd=32, intermediate_size=48, rope_theta=5000.0,
                           rope_scaling="llama3", rope_factor=4.0, rope_low_freq_factor=1.0,
                           rope_high_freq_factor=4.0, rope_original_max_position=64,
-                          rms_eps=1e-6, tie_embeddings=False, bias=False)
+                          rms_eps=1e-6, tie_embeddings=False, bias=False, moe_experts=0)
     cfg = hf.config_from_pretrained(tmp_path / "l")
     assert type(cfg).__name__ == "LlamaConfig" and cfg.rope_scaling["factor"] == 4.0
     make_hf("gpt2", tmp_path / "g")

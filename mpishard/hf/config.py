@@ -113,8 +113,9 @@ def model_fields(path) -> dict:
     ``n_layer``, ``n_head``, ``n_embd``, ``bias``, and for Llama ``n_kv_head``,
     ``intermediate_size``, ``rope_theta``, ``rope_scaling`` (``"none"`` or
     ``"llama3"``) with ``rope_factor``, ``rope_low_freq_factor``,
-    ``rope_high_freq_factor``, ``rope_original_max_position``, ``rms_eps`` and
-    ``tie_embeddings``.
+    ``rope_high_freq_factor``, ``rope_original_max_position``, ``rms_eps``,
+    ``tie_embeddings`` and ``moe_experts`` (0; a Mixtral's count, with
+    ``moe_top_k``, ``moe_every``, ``moe_capacity`` and ``moe_aux_coef``).
 
     Raises:
         ValueError: naming the key, its value and the fix, for anything mpishard
