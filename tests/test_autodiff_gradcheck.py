@@ -106,6 +106,10 @@ CASES = {
     # 3 experts over 6 sorted rows, the middle one empty
     "expert_swiglu": [lambda r: (lambda x, gu, dn: moe_ops.expert_swiglu(x, [0, 2, 2, 6], gu, dn),
                                  [_n(r, 6, 4), _n(r, 3, 10, 4), _n(r, 3, 4, 5)])],
+    "expert_gelu": [lambda r: (lambda x, fc, fb, pj, pb: moe_ops.expert_gelu(x, [0, 3, 3, 5], fc,
+                                                                            fb, pj, pb),
+                               [_n(r, 5, 4), _n(r, 3, 6, 4), _n(r, 3, 6), _n(r, 3, 4, 6),
+                                _n(r, 3, 4)])],
     "scatter_rows": [lambda r: (lambda v: moe_ops.scatter_rows(v, np.array([2, 0, 2, 3]), 5),
                                 [_n(r, 4, 3)])],
     "rope_qkv": [

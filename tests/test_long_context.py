@@ -21,7 +21,9 @@ MODELS = {
     "gpt": (GPT, GPTConfig(vocab_size=37, block_size=SEQ, n_layer=2, n_head=4, n_embd=12)),
     "llama": (Llama, LlamaConfig(vocab_size=37, block_size=SEQ, n_layer=2, n_head=4,
                                  n_kv_head=2, n_embd=16, intermediate_size=20)),
-    # a mixture of experts, dropless, without its auxiliary losses (those are per batch)
+    # mixtures of experts, dropless, without their auxiliary losses (those are per batch)
+    "gpt-moe": (GPT, GPTConfig(vocab_size=37, block_size=SEQ, n_layer=2, n_head=4, n_embd=12,
+                               moe_experts=3, moe_top_k=2, moe_every=2, moe_aux_coef=0.0)),
     "llama-moe": (Llama, LlamaConfig(vocab_size=37, block_size=SEQ, n_layer=2, n_head=4,
                                      n_kv_head=2, n_embd=16, intermediate_size=12,
                                      moe_experts=4, moe_top_k=2, moe_aux_coef=0.0)),

@@ -149,7 +149,8 @@ def test_refusals_name_the_fix():
                                                ("zero2", dict(cp=2), False),
                                                ],
                          ids=["hsdp2x2-zero3", "tp2-cp2-sp", "cp2-zero2"])
-def test_experts_train_like_one_process_on_other_layouts(strategy, sizes, sp):
+@pytest.mark.parametrize("model", ["llama-moe", "gpt-moe"])
+def test_experts_train_like_one_process_on_other_layouts(strategy, sizes, sp, model):
     """Experts replicated over the mesh (no expert parallelism): every layout matches one
     process in float64 over several AdamW steps with clipping and accumulation."""
     from mpi4py import MPI
@@ -163,8 +164,8 @@ def test_experts_train_like_one_process_on_other_layouts(strategy, sizes, sp):
     with sub_world(size) as comm:
         if comm is None:
             return
-        ref_losses, ref_params = reference("llama-moe")
-        losses, params = train(comm, "llama-moe", strategy, sizes, sp=sp)
+        ref_losses, ref_params = reference(model)
+        losses, params = train(comm, model, strategy, sizes, sp=sp)
         assert float(np.max(np.abs(losses - ref_losses) / ref_losses)) <= TOL
         assert max_rel_err(params, ref_params) <= TOL
 
@@ -186,6 +187,10 @@ def test_moe_trains_through_the_cli_and_plots_expert_load(tmp_path):
         assert 0.0 <= m["dropped_fraction"] < 1.0 and m["aux_loss"] > 0
     plot = mpishard("plot", str(metrics), "-o", str(tmp_path / "m.png"))
     assert plot.returncode == 0, plot.stderr
+    gpt = mpishard("train", "--model", "gpt", "--preset", "gpt-tiny", "--moe-experts", "4",
+                   "--moe-every", "2", "--moe-z-coef", "0.001", "--steps", "2", "--max-bytes",
+                   "20000", "--eval-batches", "1", "--progress", "false", n=2, timeout=200)
+    assert gpt.returncode == 0, gpt.stdout + gpt.stderr
     est = mpishard("estimate", "--preset", "mixtral-8x7b", "--dp", "64", "--strategy", "zero3",
                    "--block-size", "4096", "--batch-size", "1")
     assert est.returncode == 0, est.stderr

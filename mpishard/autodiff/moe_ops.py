@@ -1,4 +1,4 @@
-"""Mixture-of-experts ops: every expert's SwiGLU MLP in one op, and the combine.
+"""Mixture-of-experts ops: every expert's MLP in one op (SwiGLU, or GPT's GELU), and the combine.
 
 A mixture-of-experts layer (Shazeer et al., 2017; Mixtral, Jiang et al., 2024,
 arXiv:2401.04088) sends each token to the ``k`` experts its router picks. The
@@ -14,11 +14,11 @@ from __future__ import annotations
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from .graph import as_tensor, make_result, register_op
-from .nn_ops import _scatter_add_rows
+from .nn_ops import _GELU_C, _GELU_K, _scatter_add_rows
 from .rows import cast, up
 from .tensor import Tensor
 
-__all__ = ["expert_swiglu", "scatter_rows"]
+__all__ = ["expert_swiglu", "expert_gelu", "scatter_rows"]
 
 
 def _sigmoid(x):
@@ -110,3 +110,52 @@ def scatter_rows(values, index, n_rows: int) -> Tensor:
         xp.zeros((int(n_rows), values.shape[1]), dtype=values.dtype)
     return make_result(out, (values,), lambda g: (g[idx],), "scatter_rows")
 
+
+
+def _gelu_parts(a, xp):
+    """``(gelu(a), d gelu / da)``, GELU's tanh form as :func:`~mpishard.autodiff.nn_ops.gelu`."""
+    t = xp.tanh(_GELU_C * (a + _GELU_K * a * a * a))
+    y = 0.5 * a * (1.0 + t)
+    dy = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_K * a * a)
+    return y, dy
+
+
+@register_op
+def expert_gelu(x, offsets, fc, fc_bias, proj, proj_bias) -> Tensor:
+    """``proj_e(gelu(fc_e(x)))`` with biases for each expert ``e`` on its run of rows (GPT's
+    MLP as experts): ``fc`` ``(E, H, C)``, ``fc_bias`` ``(E, H)``, ``proj`` ``(E, C, H)``,
+    ``proj_bias`` ``(E, C)``; rows and offsets as :func:`expert_swiglu`'s."""
+    x, fc, fc_bias = as_tensor(x), as_tensor(fc), as_tensor(fc_bias)
+    proj, proj_bias = as_tensor(proj), as_tensor(proj_bias)
+    E, H, C = fc.shape
+    offsets = [int(o) for o in offsets]
+    if len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != x.shape[0] or \
+            any(b < a for a, b in zip(offsets, offsets[1:])) or \
+            tuple(proj.shape) != (E, C, H) or x.shape[-1] != C:
+        raise ValueError(f"expert_gelu: x {tuple(x.shape)}, fc {tuple(fc.shape)}, proj "
+                         f"{tuple(proj.shape)} and {len(offsets)} offsets do not fit")
+    xp = xp_of(x.data)
+    dtype, cd = x.dtype, matmul_dtype(x.data)
+    h = xp.empty((x.shape[0], H), dtype=cd)             # pre-activations, kept
+    y = xp.empty((x.shape[0], C), dtype=cd)
+    runs = [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offsets, offsets[1:])) if b > a]
+    for e, rows in runs:
+        h[rows] = cast(x.data[rows], cd) @ cast(fc.data[e], cd).T + fc_bias.data[e]
+        act, _ = _gelu_parts(up(h[rows]), xp)
+        y[rows] = cast(act, cd) @ cast(proj.data[e], cd).T + proj_bias.data[e]
+
+    def backward(grad):
+        gx = xp.zeros(x.shape, dtype=dtype)
+        grads = [xp.zeros(t.shape, dtype=cd) for t in (fc, fc_bias, proj, proj_bias)]
+        for e, rows in runs:
+            dy = cast(grad[rows], cd)
+            act, dact = _gelu_parts(up(h[rows]), xp)
+            grads[2][e] = dy.T @ cast(act, cd)
+            grads[3][e] = dy.sum(axis=0)
+            dh = cast(up(dy @ cast(proj.data[e], cd)) * dact, cd)
+            grads[0][e] = dh.T @ cast(x.data[rows], cd)
+            grads[1][e] = dh.sum(axis=0)
+            gx[rows] = cast(dh @ cast(fc.data[e], cd), dtype)
+        return (gx, *grads)
+    return make_result(cast(y, dtype), (x, fc, fc_bias, proj, proj_bias), backward,
+                       "expert_gelu")

@@ -27,6 +27,7 @@ from ..nn import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module
 from ..nn.init import materialize
 from .generate import generate
 from .gpt_activations import gpt_activation_bytes
+from .moe import GELUExperts, MoE, check_moe_checkpointing, check_moe_layout, with_router_losses
 from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
 
@@ -44,6 +45,17 @@ class GPTConfig:
     n_embd: int = 768         # model width C; each head gets C // n_head
     dropout: float = 0.0      # dropout probability (0 for pretraining)
     bias: bool = True         # biases in Linear and LayerNorm layers
+    # mixture of experts: GELU MLPs as experts (see LlamaConfig for the fields)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_capacity: float = 0.0
+    moe_aux_coef: float = 0.001
+    moe_z_coef: float = 0.0
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` has a mixture of experts for its MLP."""
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -57,6 +69,12 @@ class GPTConfig:
                 f"{(self.n_embd // self.n_head + 1) * self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"moe_experts={self.moe_experts}")
+        if self.moe_every < 1 or self.moe_capacity < 0:
+            raise ValueError(f"GPTConfig: moe_every={self.moe_every} must be >= 1 and "
+                             f"moe_capacity={self.moe_capacity} >= 0 (0: dropless)")
 
 
 class CausalSelfAttention(Module):
@@ -108,12 +126,19 @@ class Block(Module):
     releases a unit in them) run once per forward, never during the recompute.
     """
 
-    def __init__(self, config: GPTConfig, dtype: str = "float32"):
+    def __init__(self, config: GPTConfig, dtype: str = "float32", index: int = 0):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, config.bias, dtype=dtype)
         self.attn = CausalSelfAttention(config, dtype)
         self.ln_2 = LayerNorm(config.n_embd, config.bias, dtype=dtype)
-        self.mlp = MLP(config, dtype)
+        c, C = config, config.n_embd
+        if c.is_moe_block(index):   # GELU experts of width 4C, no dropout inside
+            experts = GELUExperts(c.moe_experts, C, 4 * C, c.bias, 0.02,
+                                  0.02 / math.sqrt(2 * c.n_layer), dtype)
+            self.mlp = MoE(C, 4 * C, c.moe_experts, c.moe_top_k, c.moe_capacity or None,
+                           0.02, dtype, experts=experts)
+        else:
+            self.mlp = MLP(config, dtype)
         self.activation_checkpointing = False
 
     def forward(self, x, batch_size: int):
@@ -169,7 +194,8 @@ class GPT(Module):
         if first_stage:
             parts["wpe"] = Embedding(config.block_size, C, dtype=dtype)
             parts["drop"] = Dropout(config.dropout)
-        parts["h"] = ModuleDict(**{str(i): Block(config, dtype) for i in self.block_ids})
+        check_moe_layout(config, first_stage and last_stage)
+        parts["h"] = ModuleDict(**{str(i): Block(config, dtype, i) for i in self.block_ids})
         if last_stage:
             parts["ln_f"] = LayerNorm(C, config.bias, dtype=dtype)
         self.transformer = ModuleDict(**parts)
@@ -193,6 +219,7 @@ class GPT(Module):
         stages and ZeRO (see [Note: recompute] in mpishard/autodiff/recompute.py).
         Returns the model.
         """
+        check_moe_checkpointing(self.config, enabled)
         for block in self.transformer.h.values():
             block.activation_checkpointing = bool(enabled)
         return self
@@ -281,6 +308,8 @@ class GPT(Module):
         if targets is not None:
             targets = self.backend.asarray(targets.data if isinstance(targets, Tensor) else targets)
             loss = self.loss(logits, targets.reshape(B * T))
+            loss = with_router_losses(loss, [b.mlp for b in self.transformer.h.values()],
+                                      self.config)   # see [Note: load-balancing loss]
         return logits.reshape(B, T, logits.shape[-1]), loss
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,

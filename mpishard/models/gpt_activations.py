@@ -148,11 +148,20 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         qkv = _width(attn.c_attn)
         heads = qkv // (3 * attn.head_size)
         norms = 2 * (Ns * C * (c + f) + Ns * f)
-        linears = N * qkv * c + N * C * c + N * _width(mlp.c_fc) * c + N * C * c
-        reduced = Ns * C * c * sum((1 + (lin.bias is not None)) * _row_parallel(lin)
-                                   for lin in (attn.c_proj, mlp.c_proj))
+        if hasattr(mlp, "experts"):   # a mixture of GELU experts (as Llama's, with 4C)
+            E, k, H = mlp.n_experts, mlp.top_k, int(mlp.experts.shape[2])
+            M = N * k
+            linears = N * qkv * c + N * C * c + 2 * N * E * c + 2 * N * k * c + M * C * c \
+                + 2 * M * C * c + M * c + N * C * c
+            reduced = Ns * C * c * (1 + (attn.c_proj.bias is not None)) \
+                * _row_parallel(attn.c_proj)
+            gelu = M * H * c
+        else:
+            linears = N * qkv * c + N * C * c + N * _width(mlp.c_fc) * c + N * C * c
+            reduced = Ns * C * c * sum((1 + (lin.bias is not None)) * _row_parallel(lin)
+                                       for lin in (attn.c_proj, mlp.c_proj))
+            gelu = N * _width(mlp.c_fc) * (c + f)
         attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode)
-        gelu = N * _width(mlp.c_fc) * (c + f)
         adds = 2 * Ns * C * c
         dropouts = (4 * Ns * C * c + B * heads * T * T * f) if cfg.dropout > 0 else 0
         total += norms + linears + reduced + attention + gelu + adds + dropouts

@@ -31,7 +31,7 @@ from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, 
                        VocabParallelLoss)
 from .generate import generate
 from .llama_activations import llama_activation_bytes
-from .moe import MoE, load_balancing_loss, router_z_loss
+from .moe import MoE, check_moe_checkpointing, check_moe_layout, with_router_losses
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "LlamaAttention", "LlamaMLP", "RMSNorm"]
 
@@ -215,11 +215,7 @@ class Llama(Module):
         parts = {}
         if first_stage or (last_stage and config.tie_embeddings):
             parts["embed_tokens"] = Embedding(config.vocab_size, C, config.init_std, dtype)
-        if config.moe_experts and (config.moe_aux_coef or config.moe_z_coef) and \
-                not (first_stage and last_stage):
-            raise ValueError("the mixture-of-experts auxiliary losses span every block; "
-                             "pipeline stages cannot compute them yet: use pp=1, or set "
-                             "moe_aux_coef and moe_z_coef to 0")
+        check_moe_layout(config, first_stage and last_stage)
         parts["layers"] = ModuleDict(**{str(i): LlamaBlock(config, dtype, i)
                                         for i in self.block_ids})
         if last_stage:
@@ -280,11 +276,7 @@ class Llama(Module):
 
     def set_activation_checkpointing(self, enabled: bool = True) -> "Llama":
         """Recompute each block in backward instead of keeping its activations."""
-        c = self.config
-        if enabled and c.moe_experts and (c.moe_aux_coef or c.moe_z_coef):
-            raise ValueError("activation checkpointing would recompute the routers outside "
-                             "the graph of the mixture-of-experts auxiliary losses; set "
-                             "moe_aux_coef and moe_z_coef to 0 to checkpoint")
+        check_moe_checkpointing(self.config, enabled)
         for block in self.model.layers.values():
             block.activation_checkpointing = bool(enabled)
         return self
@@ -333,18 +325,6 @@ class Llama(Module):
         if targets is not None:
             targets = self.backend.asarray(targets.data if isinstance(targets, Tensor) else targets)
             loss = self.loss(logits, targets.reshape(B * T))
-            loss = self._router_losses(loss)
+            loss = with_router_losses(loss, [b.mlp for b in self.model.layers.values()],
+                                      self.config)   # see [Note: load-balancing loss]
         return logits.reshape(B, T, logits.shape[-1]), loss
-
-    def _router_losses(self, loss):
-        """``loss`` plus the mixture-of-experts auxiliary losses of this forward's routers
-        (see [Note: load-balancing loss] in mpishard/models/moe.py)."""
-        c = self.config
-        routes = [b.mlp.route for b in self.model.layers.values() if isinstance(b.mlp, MoE)]
-        if not routes or not (c.moe_aux_coef or c.moe_z_coef):
-            return loss
-        if c.moe_aux_coef:
-            loss = loss + load_balancing_loss(routes, c.moe_experts) * c.moe_aux_coef
-        if c.moe_z_coef:
-            loss = loss + router_z_loss(routes) * c.moe_z_coef
-        return loss

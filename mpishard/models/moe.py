@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import math
 
-from ..autodiff.moe_ops import expert_swiglu, scatter_rows
+from ..autodiff.moe_ops import expert_gelu, expert_swiglu, scatter_rows
 from ..autodiff.nn_ops import embedding
 from ..autodiff.ops import getitem, mul, reshape, sum  # noqa: A004 (the op)
 from ..autodiff.softmax_ops import log_softmax, softmax
 from ..backend import to_numpy, xp_of
-from ..nn import Linear, Module, Normal, Parameter
+from ..nn import Constant, Linear, Module, Normal, Parameter
 
-__all__ = ["MoE", "MoEExperts", "Route", "load_balancing_loss", "router_z_loss"]
+__all__ = ["MoE", "MoEExperts", "GELUExperts", "Route", "load_balancing_loss",
+           "router_z_loss", "with_router_losses"]
 
 
 class Route:
@@ -78,17 +79,43 @@ class MoEExperts(Module):
         return expert_swiglu(x_sorted, offsets, self.gate_up_proj, self.down_proj)
 
 
+class GELUExperts(Module):
+    """E GPT MLPs (``c_fc``, GELU, ``c_proj``, with biases unless ``bias=False``)."""
+
+    def __init__(self, n_experts: int, n_embd: int, hidden: int, bias: bool = True,
+                 init_std: float = 0.02, proj_std: float = 0.02, dtype: str = "float32"):
+        super().__init__()
+        E, C, H = n_experts, n_embd, hidden
+        self.c_fc_weight = Parameter((E, H, C), Normal(init_std), True, dtype)
+        self.c_fc_bias = Parameter((E, H), Constant(0.0), False, dtype) if bias else None
+        self.c_proj_weight = Parameter((E, C, H), Normal(proj_std), True, dtype)
+        self.c_proj_bias = Parameter((E, C), Constant(0.0), False, dtype) if bias else None
+        self.shape, self.dtype = (E, C, H), dtype
+
+    def forward(self, x_sorted, offsets):
+        xp = xp_of(self.c_fc_weight.data)
+        E, C, H = self.shape
+        zeros = {n: xp.zeros(shape, dtype=self.c_fc_weight.data.dtype)
+                 for n, shape in (("fc", (E, H)), ("proj", (E, C)))}
+        return expert_gelu(x_sorted, offsets, self.c_fc_weight,
+                           self.c_fc_bias if self.c_fc_bias is not None else zeros["fc"],
+                           self.c_proj_weight,
+                           self.c_proj_bias if self.c_proj_bias is not None else zeros["proj"])
+
+
 class MoE(Module):
     """Top-``top_k`` routing over ``n_experts`` SwiGLU experts; see the module docstring.
 
     Args:
         capacity: capacity factor (rows per expert at most ``ceil(capacity * N *
             top_k / E)``), or ``None``: dropless.
+        experts: the experts module (default :class:`MoEExperts`, SwiGLU of width
+            ``intermediate_size``); GPT passes :class:`GELUExperts`.
     """
 
     def __init__(self, n_embd: int, intermediate_size: int, n_experts: int, top_k: int = 2,
                  capacity: float | None = None, init_std: float = 0.02,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", experts: Module | None = None):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE top_k={top_k} must be between 1 and n_experts={n_experts}")
@@ -96,7 +123,8 @@ class MoE(Module):
             raise ValueError(f"MoE capacity factor {capacity!r} must be > 0 (or None: dropless)")
         self.n_experts, self.top_k, self.capacity = n_experts, top_k, capacity
         self.gate = Linear(n_embd, n_experts, False, init_std, dtype)
-        self.experts = MoEExperts(n_experts, n_embd, intermediate_size, init_std, dtype)
+        self.experts = experts if experts is not None else \
+            MoEExperts(n_experts, n_embd, intermediate_size, init_std, dtype)
         self.route: Route | None = None
 
     def forward(self, x):
@@ -159,6 +187,35 @@ def _rows(routes) -> int:
     for r in routes:
         total += r.rows
     return total
+
+
+def with_router_losses(loss, mlps, config):
+    """``loss`` plus ``config.moe_aux_coef`` times :func:`load_balancing_loss` and
+    ``config.moe_z_coef`` times :func:`router_z_loss` of the :class:`MoE` modules among
+    ``mlps`` (their last forward)."""
+    routes = [m.route for m in mlps if isinstance(m, MoE) and m.route is not None]
+    if not routes:
+        return loss
+    if config.moe_aux_coef:
+        loss = loss + load_balancing_loss(routes, routes[0].counts.size) * config.moe_aux_coef
+    if config.moe_z_coef:
+        loss = loss + router_z_loss(routes) * config.moe_z_coef
+    return loss
+
+
+def check_moe_layout(config, whole: bool) -> None:
+    """Refuse the auxiliary losses on a model that is one pipeline stage of several."""
+    if config.moe_experts and (config.moe_aux_coef or config.moe_z_coef) and not whole:
+        raise ValueError("the mixture-of-experts auxiliary losses span every block; "
+                         "pipeline stages cannot compute them yet: use pp=1, or set "
+                         "moe_aux_coef and moe_z_coef to 0")
+
+
+def check_moe_checkpointing(config, enabled: bool) -> None:
+    if enabled and config.moe_experts and (config.moe_aux_coef or config.moe_z_coef):
+        raise ValueError("activation checkpointing would recompute the routers outside "
+                         "the graph of the mixture-of-experts auxiliary losses; set "
+                         "moe_aux_coef and moe_z_coef to 0 to checkpoint")
 
 
 def router_z_loss(routes):

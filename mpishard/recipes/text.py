@@ -136,7 +136,10 @@ class TextGPT(TextLM):
         try:
             return GPTConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size,
                              n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                             dropout=m.dropout, bias=m.bias)
+                             dropout=m.dropout, bias=m.bias, moe_experts=m.moe_experts,
+                             moe_top_k=m.moe_top_k, moe_every=m.moe_every,
+                             moe_capacity=m.moe_capacity, moe_aux_coef=m.moe_aux_coef,
+                             moe_z_coef=m.moe_z_coef)
         except ValueError as err:     # n_embd not a multiple of n_head, ...
             raise ConfigError(str(err)) from None
 
