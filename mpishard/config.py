@@ -100,6 +100,10 @@ class ModelConfig:
                               "ceil(factor * tokens * top_k / experts) tokens an expert)",
                               low=0.0, estimate=True)
     moe_aux_coef: float = opt(0.001, "weight of the load-balancing loss", low=0.0)
+    moe_router: str = opt("softmax", "router scores: softmax (Mixtral) or sigmoid "
+                          "(DeepSeek-V3)", choices=("softmax", "sigmoid"), estimate=True)
+    moe_shared_expert: bool = opt(False, "one more expert-shaped MLP every token goes "
+                                  "through (DeepSeekMoE, Qwen-MoE)", estimate=True)
     moe_z_coef: float = opt(0.0, "weight of the router z-loss", low=0.0)
     dropout: float = opt(0.0, "dropout probability", low=0.0, high=1.0)
     bias: bool = opt(True, "biases in linear and layer-norm layers", estimate=True)

@@ -32,7 +32,7 @@ __all__ = ["check_run_files", "SHAPING_MODEL_KEYS"]
 #: [model] settings that change the parameters a checkpoint holds
 SHAPING_MODEL_KEYS = ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd",
                       "bias", "hidden", "n_kv_head", "intermediate_size", "tie_embeddings",
-                      "moe_experts", "moe_every")
+                      "moe_experts", "moe_every", "moe_shared_expert")
 
 
 def _records(path: Path) -> int:

@@ -23,7 +23,8 @@ MODELS = {
                                  n_kv_head=2, n_embd=16, intermediate_size=20)),
     # mixtures of experts, dropless, without their auxiliary losses (those are per batch)
     "gpt-moe": (GPT, GPTConfig(vocab_size=37, block_size=SEQ, n_layer=2, n_head=4, n_embd=12,
-                               moe_experts=3, moe_top_k=2, moe_every=2, moe_aux_coef=0.0)),
+                               moe_experts=3, moe_top_k=2, moe_every=2, moe_aux_coef=0.0,
+                               moe_router="sigmoid", moe_shared_expert=True)),
     "llama-moe": (Llama, LlamaConfig(vocab_size=37, block_size=SEQ, n_layer=2, n_head=4,
                                      n_kv_head=2, n_embd=16, intermediate_size=12,
                                      moe_experts=4, moe_top_k=2, moe_aux_coef=0.0)),

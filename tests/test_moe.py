@@ -72,9 +72,9 @@ def test_mixtral_shaped_llama_matches_transformers(aux, z, float64_routers):
         assert err <= 1e-10, (name, err)
 
 
-def _per_token(moe, x, capacity):
-    """The rule written out token by token: top-k of the softmax, renormalised; an expert
-    takes tokens in order until it has ceil(capacity * N * k / E)."""
+def _per_token(moe, x, capacity, router="softmax"):
+    """The rule written out token by token: top-k of the softmax (or sigmoid) scores,
+    renormalised; an expert takes tokens in order until it has ceil(capacity * N * k / E)."""
     W = moe.gate.weight.data
     gu, dn = moe.experts.gate_up_proj.data, moe.experts.down_proj.data
     F = dn.shape[2]
@@ -83,8 +83,11 @@ def _per_token(moe, x, capacity):
     taken, out, dropped = [0] * E, np.zeros_like(x), []
     for t in range(N):
         logits = W @ x[t]
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
+        if router == "softmax":
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+        else:
+            p = 1.0 / (1.0 + np.exp(-logits))
         top = np.argsort(-p, kind="stable")[:k]
         w = p[top] / p[top].sum()
         for e, we in zip(top, w):
@@ -98,14 +101,15 @@ def _per_token(moe, x, capacity):
     return out, dropped
 
 
-@pytest.mark.parametrize("capacity", [None, 1.0, 0.5])
-def test_capacity_drops_exactly_the_rule_s_tokens(capacity):
-    moe = MoE(8, 6, n_experts=4, top_k=2, capacity=capacity, dtype="float64")
+@pytest.mark.parametrize("capacity,router", [(None, "softmax"), (1.0, "softmax"),
+                                             (0.5, "softmax"), (0.5, "sigmoid")])
+def test_capacity_drops_exactly_the_rule_s_tokens(capacity, router):
+    moe = MoE(8, 6, n_experts=4, top_k=2, capacity=capacity, dtype="float64", router=router)
     from mpishard.nn import materialize
     materialize(moe, seed=1)
     x = np.random.default_rng(2).standard_normal((24, 8)) * 3
     y = moe(Tensor(x))
-    want, dropped = _per_token(moe, x, capacity)
+    want, dropped = _per_token(moe, x, capacity, router)
     assert np.max(np.abs(y.data - want)) <= 1e-12
     route = moe.route
     assert int(route.counts.sum()) == 48
@@ -114,6 +118,22 @@ def test_capacity_drops_exactly_the_rule_s_tokens(capacity):
         assert dropped and route.dropped_fraction == pytest.approx(len(dropped) / 48)
     if capacity is None:
         assert not dropped and route.dropped_fraction == 0.0
+
+
+def test_a_shared_expert_adds_its_mlp_to_every_token():
+    from mpishard.models.llama import LlamaMLP
+    from mpishard.nn import materialize
+    cfg = LlamaConfig(**CFG, moe_shared_expert=True)
+    moe = Llama(cfg, seed=0, dtype="float64").model.layers["0"].mlp
+    assert isinstance(moe.shared_expert, LlamaMLP)
+    x = np.random.default_rng(3).standard_normal((10, 16))
+    plain = MoE(16, 12, 4, 2, dtype="float64")
+    materialize(plain, seed=0)
+    for name, p in plain.named_parameters():
+        p.data = dict(moe.named_parameters())[name].data
+    both = moe(Tensor(x)).data
+    assert np.allclose(both, plain(Tensor(x)).data + moe.shared_expert(Tensor(x)).data,
+                       rtol=0, atol=1e-13)
 
 
 def test_every_token_to_one_expert_and_empty_experts():

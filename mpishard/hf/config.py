@@ -331,11 +331,13 @@ def hf_config(config, dtype: str) -> dict:
                 "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
                 "bos_token_id": token, "eos_token_id": token}
     if isinstance(config, LlamaConfig) and config.moe_experts:
-        if config.moe_every != 1 or config.moe_capacity:
-            raise ValueError(f"a mixture of experts in every {config.moe_every} blocks with "
-                             f"capacity {config.moe_capacity} has no transformers "
-                             f"architecture; Mixtral has experts in every block, dropless "
-                             f"(moe_every = 1, moe_capacity = 0)")
+        if config.moe_every != 1 or config.moe_capacity or config.moe_router != "softmax" \
+                or config.moe_shared_expert:
+            raise ValueError(f"this mixture of experts (every {config.moe_every} blocks, "
+                             f"capacity {config.moe_capacity}, {config.moe_router} router, "
+                             f"shared expert {config.moe_shared_expert}) has no transformers "
+                             f"architecture; Mixtral's has experts in every block, dropless, "
+                             f"a softmax router and no shared expert")
         dense = hf_config(dataclasses.replace(config, moe_experts=0), dtype)
         for key in ("pretraining_tp", "attention_bias", "mlp_bias", "head_dim"):
             dense.pop(key)

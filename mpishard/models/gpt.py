@@ -52,6 +52,8 @@ class GPTConfig:
     moe_capacity: float = 0.0
     moe_aux_coef: float = 0.001
     moe_z_coef: float = 0.0
+    moe_router: str = "softmax"
+    moe_shared_expert: bool = False
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has a mixture of experts for its MLP."""
@@ -136,7 +138,8 @@ class Block(Module):
             experts = GELUExperts(c.moe_experts, C, 4 * C, c.bias, 0.02,
                                   0.02 / math.sqrt(2 * c.n_layer), dtype)
             self.mlp = MoE(C, 4 * C, c.moe_experts, c.moe_top_k, c.moe_capacity or None,
-                           0.02, dtype, experts=experts)
+                           0.02, dtype, experts=experts, router=c.moe_router,
+                           shared=MLP(config, dtype) if c.moe_shared_expert else None)
         else:
             self.mlp = MLP(config, dtype)
         self.activation_checkpointing = False

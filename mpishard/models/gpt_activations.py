@@ -153,6 +153,10 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
             M = N * k
             linears = N * qkv * c + N * C * c + 2 * N * E * c + 2 * N * k * c + M * C * c \
                 + 2 * M * C * c + M * c + N * C * c
+            if mlp.router != "softmax":
+                linears += 3 * N * E * c                    # sigmoid's steps
+            if "shared_expert" in mlp._modules:             # a GPT MLP every row goes through
+                linears += 2 * N * C * c + N * H * c + N * H * (c + f)
             reduced = Ns * C * c * (1 + (attn.c_proj.bias is not None)) \
                 * _row_parallel(attn.c_proj)
             gelu = M * H * c

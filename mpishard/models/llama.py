@@ -62,6 +62,8 @@ class LlamaConfig:
     moe_capacity: float = 0.0      # capacity factor (0: dropless)
     moe_aux_coef: float = 0.001    # router_aux_loss_coef (the load-balancing loss)
     moe_z_coef: float = 0.0        # router z-loss coefficient
+    moe_router: str = "softmax"    # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3) scores
+    moe_shared_expert: bool = False    # one more SwiGLU MLP every token goes through
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has a mixture of experts for its MLP."""
@@ -179,8 +181,9 @@ class LlamaBlock(Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_eps, dtype)
         c = config
         self.mlp = MoE(c.n_embd, c.intermediate_size, c.moe_experts, c.moe_top_k,
-                       c.moe_capacity or None, c.init_std, dtype) if c.is_moe_block(index) \
-            else LlamaMLP(config, dtype)
+                       c.moe_capacity or None, c.init_std, dtype, router=c.moe_router,
+                       shared=LlamaMLP(config, dtype) if c.moe_shared_expert else None) \
+            if c.is_moe_block(index) else LlamaMLP(config, dtype)
         self.activation_checkpointing = False
 
     def forward(self, x, batch_size: int, cos, sin):

@@ -46,8 +46,11 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
         E, k = mlp.n_experts, mlp.top_k
         F = int(mlp.experts.down_proj.shape[2])
         M = N * k
-        return 2 * N * E * c + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
-            + M * c + N * C * c
+        shared = mlp._modules.get("shared_expert")
+        router = 2 * N * E * c if mlp.router == "softmax" else 5 * N * E * c   # sigmoid's steps
+        return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
+            + M * c + N * C * c + (_mlp_bytes(shared, N, Ns, C, c, f) + N * C * c
+                                   if shared is not None else 0)
     F = _width(mlp.gate_proj)
     return N * C * c + Ns * C * c * _row_parallel(mlp.down_proj) \
         + 2 * N * F * c + N * F * (c + f)                                 # down; gate, up, SwiGLU

@@ -32,7 +32,7 @@ import math
 
 from ..autodiff.moe_ops import expert_gelu, expert_swiglu, scatter_rows
 from ..autodiff.nn_ops import embedding
-from ..autodiff.ops import getitem, mul, reshape, sum  # noqa: A004 (the op)
+from ..autodiff.ops import getitem, mul, reshape, sum, tanh  # noqa: A004 (the op)
 from ..autodiff.softmax_ops import log_softmax, softmax
 from ..backend import to_numpy, xp_of
 from ..nn import Constant, Linear, Module, Normal, Parameter
@@ -111,26 +111,41 @@ class MoE(Module):
             top_k / E)``), or ``None``: dropless.
         experts: the experts module (default :class:`MoEExperts`, SwiGLU of width
             ``intermediate_size``); GPT passes :class:`GELUExperts`.
+        router: ``"softmax"`` scores (Mixtral) or ``"sigmoid"`` scores
+            (DeepSeek-V3: each expert's own gate; the top-k renormalised the same
+            way, and the load-balancing loss reads each row's scores normalised to
+            sum to one).
+        shared: a module every token also goes through, added to the experts'
+            output (a shared expert, as in DeepSeekMoE and Qwen-MoE), or ``None``.
     """
 
     def __init__(self, n_embd: int, intermediate_size: int, n_experts: int, top_k: int = 2,
                  capacity: float | None = None, init_std: float = 0.02,
-                 dtype: str = "float32", experts: Module | None = None):
+                 dtype: str = "float32", experts: Module | None = None,
+                 router: str = "softmax", shared: Module | None = None):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity is not None and not capacity > 0:
             raise ValueError(f"MoE capacity factor {capacity!r} must be > 0 (or None: dropless)")
-        self.n_experts, self.top_k, self.capacity = n_experts, top_k, capacity
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE router {router!r} is not 'softmax' or 'sigmoid'")
+        self.n_experts, self.top_k, self.capacity, self.router = n_experts, top_k, capacity, router
         self.gate = Linear(n_embd, n_experts, False, init_std, dtype)
         self.experts = experts if experts is not None else \
             MoEExperts(n_experts, n_embd, intermediate_size, init_std, dtype)
+        if shared is not None:
+            self.shared_expert = shared
         self.route: Route | None = None
 
     def forward(self, x):
         N, E, k = x.shape[0], self.n_experts, self.top_k
         logits = self.gate(x)                                         # (N, E)
-        probs = softmax(logits, axis=-1)
+        if self.router == "softmax":
+            probs = balance = softmax(logits, axis=-1)
+        else:                                # sigmoid(z) = (1 + tanh(z / 2)) / 2
+            probs = (tanh(logits * 0.5) + 1.0) * 0.5
+            balance = probs / sum(probs, axis=1, keepdims=True)
         xp = xp_of(probs.data)
         picks = xp.argsort(-probs.data, axis=1, kind="stable")[:, :k]  # (N, k), largest first
         rows = xp.arange(N)
@@ -150,8 +165,10 @@ class MoE(Module):
         token, slot = order // k, order % k
         y = self.experts(embedding(token, x), offsets)
         y = mul(y, reshape(getitem(weights, (token, slot)), (-1, 1)))
-        self.route = Route(counts, kept, sum(probs, axis=0), logits, N)
-        return scatter_rows(y, token, N)
+        self.route = Route(counts, kept, sum(balance, axis=0), logits, N)
+        out = scatter_rows(y, token, N)
+        shared = self._modules.get("shared_expert")
+        return out + shared(x) if shared is not None else out
 
 
 def _cumsum(counts) -> list:

@@ -139,7 +139,8 @@ class TextGPT(TextLM):
                              dropout=m.dropout, bias=m.bias, moe_experts=m.moe_experts,
                              moe_top_k=m.moe_top_k, moe_every=m.moe_every,
                              moe_capacity=m.moe_capacity, moe_aux_coef=m.moe_aux_coef,
-                             moe_z_coef=m.moe_z_coef)
+                             moe_z_coef=m.moe_z_coef, moe_router=m.moe_router,
+                             moe_shared_expert=m.moe_shared_expert)
         except ValueError as err:     # n_embd not a multiple of n_head, ...
             raise ConfigError(str(err)) from None
 
@@ -172,6 +173,7 @@ class TextLlama(TextLM):
                                tie_embeddings=m.tie_embeddings, moe_experts=m.moe_experts,
                                moe_top_k=m.moe_top_k, moe_every=m.moe_every,
                                moe_capacity=m.moe_capacity, moe_aux_coef=m.moe_aux_coef,
-                               moe_z_coef=m.moe_z_coef)
+                               moe_z_coef=m.moe_z_coef, moe_router=m.moe_router,
+                               moe_shared_expert=m.moe_shared_expert)
         except ValueError as err:
             raise ConfigError(str(err)) from None
