@@ -28,13 +28,22 @@ inputs), scatter-add (the embedding's backward). A failure is recorded, not
 raised: this part reports what the installed CuPy supports.
 
 Prints readable lines and, with ``--json``, writes everything to one file
-(rank 0). scripts/gpu_check.sh runs all four launches above.
+(rank 0). scripts/gpu_check.py runs ``single`` and ``zero3`` at 2 ranks.
+
+``single`` and ``zero3`` also check what they measure, and exit 1 naming each
+failure (``failures`` in the JSON): every loss finite and the last below the
+first, at most one float16 step skipped by the loss scale, and under ZeRO-3 each
+rank's model state -- the CuPy pool's bytes in use on a GPU, the ledger's on
+NumPy -- within 10% of ``plan_memory``. With ``--backend cupy`` where CuPy does
+not import or sees no GPU, the benchmark says so, writes ``{"status":
+"skipped", "reason": ...}`` and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -46,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpi4py import MPI  # noqa: E402
 
-from mpishard.backend import Backend  # noqa: E402
+from mpishard.backend import Backend, cupy_or_none  # noqa: E402
 from mpishard.comm import Communicator, Mesh, node_local_rank  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
@@ -135,8 +144,42 @@ def train_steps(strategy, opt, backend, x, y, warmup: int, steps: int) -> dict:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     return {"step_s_median": statistics.median(times), "step_s_mean": statistics.fmean(times),
-            "step_s": times, "loss_first": losses[0], "loss_last": losses[-1],
+            "step_s": times, "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
             "skipped_steps": strategy.skipped_steps, "loss_scale": strategy.scaler.scale}
+
+
+#: What the runs must show (see the module docstring).
+MAX_FLOAT16_SKIPS = 1
+POOL_OVER_PLAN_TOLERANCE = 0.10
+
+
+def training_failures(label: str, run: dict) -> list:
+    """Why a run's losses or skipped steps are wrong (empty when right)."""
+    failures = []
+    if not all(math.isfinite(x) for x in run["losses"]):
+        failures.append(f"{label}: a loss is not finite: {run['losses']}")
+    elif not run["loss_last"] < run["loss_first"]:
+        failures.append(f"{label}: the loss did not fall ({run['loss_first']:.4f} -> "
+                        f"{run['loss_last']:.4f})")
+    if run["precision"] == "float16" and run["skipped_steps"] > MAX_FLOAT16_SKIPS:
+        failures.append(f"{label}: {run['skipped_steps']} float16 steps skipped (at most "
+                        f"{MAX_FLOAT16_SKIPS} allowed)")
+    return failures
+
+
+def memory_failures(label: str, rank: dict, plan_bytes: int) -> list:
+    """Why a rank's model state is not within 10% of the planner's (empty when it is):
+    the CuPy pool's bytes in use where there is a pool, else the ledger's."""
+    measured, what = ((rank["pool_used_bytes"], "CuPy pool bytes in use")
+                      if rank["pool_used_bytes"] is not None
+                      else (rank["model_state_bytes"], "ledger model state"))
+    ratio = measured / plan_bytes
+    rank["measured_over_plan"] = ratio
+    if abs(ratio - 1) > POOL_OVER_PLAN_TOLERANCE:
+        return [f"{label} rank {rank['rank']}: {what} {_mib(measured)} is {ratio:.3f} x the "
+                f"planner's {_mib(plan_bytes)} (allowed: within "
+                f"{POOL_OVER_PLAN_TOLERANCE:.0%})"]
+    return []
 
 
 def activation_bytes(strategy, backend, x, y) -> int:
@@ -160,7 +203,8 @@ def run_single(args, cfg: GPTConfig) -> dict:
               "config": vars(cfg), "n_params_non_embedding": n_params,
               "strategy": args.strategy,
               "batch_size": args.batch_size, "seq_len": seq_len, "tokens_per_step": tokens,
-              "flops_per_token": fpt, "warmup": args.warmup, "steps": args.steps, "runs": []}
+              "flops_per_token": fpt, "warmup": args.warmup, "steps": args.steps, "runs": [],
+              "failures": []}
     print(f"single: GPT of {n_params:,} parameters (no position embedding), batch "
           f"{args.batch_size} x {seq_len} tokens, {fpt:,} FLOPs per token, on {device['name']} "
           f"({backend.describe()}; 16-bit peak {device['peak_flops_16bit']} FLOP/s from "
@@ -183,6 +227,7 @@ def run_single(args, cfg: GPTConfig) -> dict:
             run["mfu_vs_float32_peak"] = achieved / peak32 if peak32 else None
         run.update(pool_bytes(backend), ledger_peak_bytes=backend.ledger.peak_total)
         report["runs"].append(run)
+        report["failures"] += training_failures(f"single {precision}", run)
         mfu = (f"{100 * run['mfu']:.1f}% MFU (of the 16-bit peak)" if run["mfu"] is not None
                else "MFU n/a (no peak)")
         print(f"  {precision:<8} {run['step_s_median'] * 1e3:9.1f} ms/step  "
@@ -210,7 +255,7 @@ def run_zero3(args, cfg: GPTConfig) -> dict:
     seq_len = args.seq_len or cfg.block_size
     report = {"part": "zero3", "backend": args.backend, "world_size": world.size,
               "batch_size_per_rank": args.batch_size, "seq_len": seq_len,
-              "warmup": args.warmup, "steps": args.steps, "runs": []}
+              "warmup": args.warmup, "steps": args.steps, "runs": [], "failures": []}
     for precision in args.precisions:
         backend = fresh_backend(args.backend, local_rank)
         if backend.name == "cupy":
@@ -229,10 +274,12 @@ def run_zero3(args, cfg: GPTConfig) -> dict:
                 "ledger_peak": backend.ledger.peak_by_category(),
                 "ledger_peak_total": backend.ledger.peak_total,
                 "model_state_bytes": live["params"] + live["grads"] + live["optim"],
-                "step_s_median": timing["step_s_median"], **pool_bytes(backend)}
+                "step_s_median": timing["step_s_median"], **pool_bytes(backend),
+                "comm_stats": world.stats.snapshot()}
         ranks = world.all_gather_obj(mine)
         slowest = max(r["step_s_median"] for r in ranks)
-        run = {"precision": precision, "loss_first": timing["loss_first"],
+        run = {"precision": precision, "losses": timing["losses"],
+               "loss_first": timing["loss_first"],
                "loss_last": timing["loss_last"], "skipped_steps": timing["skipped_steps"],
                "tokens_per_s_all_ranks": world.size * args.batch_size * seq_len / slowest,
                "plan": {"steady": plan.steady, "peak": plan.peak,
@@ -244,6 +291,9 @@ def run_zero3(args, cfg: GPTConfig) -> dict:
             if r["pool_used_bytes"] is not None:
                 r["pool_used_over_plan"] = r["pool_used_bytes"] / plan.model_state_bytes
                 r["pool_total_over_plan_peak"] = r["pool_total_bytes"] / plan.total_peak_bytes
+            report["failures"] += memory_failures(f"zero3 {precision}", r,
+                                                  plan.model_state_bytes)
+        report["failures"] += training_failures(f"zero3 {precision} rank {world.rank}", run)
         report["runs"].append(run)
         if world.rank == 0:
             print(f"zero3 {precision} on {world.size} ranks: plan per rank: model state "
@@ -362,14 +412,45 @@ def main(argv=None) -> int:
     if args.part != "zero3" and MPI.COMM_WORLD.size > 1:
         parser.error(f"--part {args.part} runs on one rank, not {MPI.COMM_WORLD.size}; "
                      f"launch it without mpiexec, or use --part zero3")
+    unavailable = cupy_unavailable() if args.backend == "cupy" else None
+    if unavailable:
+        report = {"part": args.part, "backend": "cupy", "status": "skipped",
+                  "reason": unavailable}
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"benchmarks/gpu.py: SKIPPED: {unavailable}; this benchmark needs a GPU "
+                  f"(--backend numpy --tiny runs it on the CPU, the numbers meaning nothing)",
+                  flush=True)
+        _write(args.json, report)
+        return 0
     parts = {"single": lambda: run_single(args, cfg), "zero3": lambda: run_zero3(args, cfg),
              "dtypes": lambda: run_dtypes(args)}
     report = parts[args.part]()
     report["tiny"] = args.tiny
-    if args.json is not None and MPI.COMM_WORLD.rank == 0:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    failures = report.get("failures", [])
+    report["status"] = "failed" if failures else "passed"
+    _write(args.json, report)
+    for failure in failures:
+        print(f"FAIL {failure}", flush=True)
+    return 1 if failures else 0
+
+
+def cupy_unavailable() -> str | None:
+    """Why ``--backend cupy`` cannot run here, or ``None``."""
+    cupy = cupy_or_none()
+    if cupy is None:
+        return "CuPy is not importable"
+    try:
+        if int(cupy.cuda.runtime.getDeviceCount()) == 0:
+            return "CuPy sees no GPU"
+    except Exception as exc:  # noqa: BLE001 (no driver)
+        return f"CuPy sees no GPU ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _write(path, report: dict) -> None:
+    if path is not None and MPI.COMM_WORLD.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

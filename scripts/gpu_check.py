@@ -1,22 +1,32 @@
-"""The GPU check: run every GPU path of mpishard, each part under a time limit, into one JSON.
+"""The GPU check: mpishard's GPU paths, most valuable first, each under a hard limit, one JSON.
 
-    scripts/gpu_check.sh                      # the entry point: wheels, then this runner
-    python scripts/gpu_check.py --json runs/gpu_check.json [--budget 440] [--only a,b]
-    python scripts/gpu_check.py --dry-run     # no GPU: the runner itself, on NumPy
+    python scripts/gpu_check.py --dry-run     # print the plan: parts, limits, total; runs nothing
+    python scripts/gpu_check.py               # on the GPU machine (scripts/gpu_check.sh: wheels first)
+    python scripts/gpu_check.py --rehearse    # the same runner with every part on NumPy (CPU)
+    python scripts/gpu_check.py --only env,gpt --json runs/gpu_check.json
 
-The runner never imports MPI; each part is a subprocess (``mpiexec -n N`` for
-several ranks, which share the visible GPUs), killed with its process group at
-its limit. A part that fails or times out is recorded and the next one runs;
+The runner never imports MPI or CuPy; each part is a subprocess (``mpiexec -n
+N python -m mpi4py`` for several ranks, which share the visible GPUs) in its
+own process group, killed at its limit (SIGINT, so pytest still writes what it
+finished; then SIGTERM, SIGKILL). The limits add up to at most
+:data:`TOTAL_LIMIT_S` seconds with the kill grace inside each, so no part can
+eat another's time and the whole check fits one fresh machine. Each part's
+limit counts its own start-up: CuPy's import, the CUDA context, and the NVRTC
+compilation of every kernel it meets first (CuPy caches them under
+``~/.cupy/kernel_cache``, so later parts and ranks load what earlier ones
+compiled). A part that fails or times out is recorded and the next one runs;
 the exit status is 0 only when every part passed or was skipped for a stated
-reason (2 when CuPy or a GPU is missing: nothing ran). The parts, in order:
-environment, the CuPy test suite at 1 rank, pinned staging and the CUDA-aware
-branches, NCCL as a group of size 1 (NCCL refuses two ranks on one GPU), the
-benchmark (benchmarks/gpu.py), its 16-bit dtype probe, the test suite at 2 and
-4 ranks, ZeRO-3 memory at 2 and 4 ranks, MPI collectives on device arrays
-through host staging at 2 ranks, training end to end (scripts/gpu_train_check.py
-and ``mpishard train``).
+reason, 1 when one failed, 2 when nothing could run (no CuPy, no GPU).
 
-The checks themselves are in scripts/gpu_parts.py (``--part``), one process each.
+The parts, in order of what they tell (checks in scripts/gpu_parts.py): the
+environment (versions, whether MPI has a float16 datatype); every collective at
+one rank on every path (the size-1 shortcut, MPI staged through pinned memory,
+MPI CUDA-aware if it is, NCCL, ``auto``) with stream-race checks (a slow
+producing kernel, then the collective at once, and a control that must see the
+race); a GPT step at a real size (2 layers, T=1024, C=768) on CuPy against
+NumPy; float16 against float32 (cosines > 0.999); a subset of the test suite on
+CuPy; collectives over two ranks through host staging; training end to end;
+the benchmark (GPT-2 small; ZeRO-3 memory at two ranks against the planner).
 """
 from __future__ import annotations
 
@@ -34,22 +44,22 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = str(ROOT / "scripts" / "gpu_parts.py")
+TOTAL_LIMIT_S = 420      # the whole check, on a fresh machine
+RUNNER_SLACK_S = 10      # the runner's own start, JSON writes, mpiexec start-up
+KILL_GRACE_S = 8         # SIGINT 4 s, SIGTERM 2 s, SIGKILL 2 s: inside each part's limit
 
-TEST_FILES = ["tests/test_array_modules.py", "tests/test_comm_gpu.py",
-              "tests/test_comm_staging.py", "tests/test_backend.py",
-              "tests/test_mixed_precision.py",
-              "tests/test_activation_checkpointing.py::"
-              "test_every_array_module_bit_identical_and_halved"]
-PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=150",
+TEST_FILES = ["tests/test_array_modules.py", "tests/test_comm_staging.py",
+              "tests/test_comm_float16.py", "tests/test_mixed_precision.py"]
+PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",
                 "--timeout-method=thread"]
-sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_parts import ONE_GPU_NCCL  # noqa: E402  (the parts file imports no MPI at the top)
+ONE_GPU = ("one GPU: NCCL refuses two ranks on one GPU and the MPI wheel is not CUDA-aware, "
+           "so NCCL and CUDA-aware MPI ran as groups of one rank only; beyond one rank they "
+           "need two GPUs or a site MPI built with CUDA")
 
 
-# == the runner =================================================================
+# == the plan ===================================================================
 
 @dataclass
 class Part:
@@ -64,56 +74,57 @@ class Part:
     skip: str | None = None      # why it does not run here
     pytest: bool = False         # counts come from its JUnit files
     result: bool = True          # writes JSON to TMP/NAME.json (--result or --json)
+    gpu_only: bool = False       # needs CuPy (skipped in a rehearsal)
 
 
-def plan_parts(facts: dict, dry_run: bool) -> list:
+def plan_parts(backend: str = "cupy") -> list:
     """The parts in the order they run (see the module docstring)."""
-    me = PARTS
-    backend = "numpy" if dry_run else "cupy"
+    me, tiny = PARTS, (["--tiny"] if backend == "numpy" else [])
     tests = {"MPISHARD_TEST_BACKENDS": backend}
-    no_gpu = "dry run: needs CuPy and a GPU" if dry_run else None
-    gpus = facts.get("gpus", 0)
-    nccl_ok, nccl_why = facts.get("nccl", (False, "unknown"))
-    aware, aware_how = facts.get("cuda_aware", (False, "unknown"))
     bench = [str(ROOT / "benchmarks/gpu.py"), "--backend", backend]
-    bench += ["--tiny"] if dry_run else []
-    train = [str(ROOT / "scripts/gpu_train_check.py"), "--backend", backend]
-    cli = ["-m", "mpishard", "train", "--backend", backend, "--strategy", "zero3", "--steps", "5",
-           "--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--block-size", "64",
-           "--batch-size", "4", "--max-bytes", "200000", "--eval-batches", "1",
-           "--progress", "false", "--precision", "float16", "--activation-checkpointing", "true"]
+    bench += ["--tiny"] if backend == "numpy" else ["--warmup", "1", "--steps", "3",
+                                                    "--batch-size", "4"]
     return [
-        Part("tests_1rank", f"the test suite on {backend}, 1 rank", TEST_FILES, 150, env=tests,
-             pytest=True, result=False),
-        Part("comm_1rank", "pinned staging, DevicePath branches, size-1 collectives",
-             [me, "--part", "single"], 60, skip=no_gpu),
-        Part("nccl_1rank", "NCCL group of size 1", [me, "--part", "nccl1"], 60,
-             skip=no_gpu or (None if nccl_ok else f"NCCL unavailable: {nccl_why}")),
-        Part("bench_single", "GPT-2 small, 1 rank: tokens/s, MFU, activations", bench, 150),
-        Part("dtypes", "float16/bfloat16: what runs, matmul TFLOP/s", bench + ["--part", "dtypes"],
-             60),
-        Part("tests_2ranks", f"the test suite on {backend}, 2 ranks", TEST_FILES, 120, 2,
-             tests, pytest=True, result=False),
-        Part("tests_4ranks", f"the test suite on {backend}, 4 ranks", TEST_FILES, 150, 4,
-             tests, pytest=True, result=False),
-        Part("bench_zero3_2ranks", "ZeRO-3 memory per rank vs the planner, 2 ranks",
-             bench + ["--part", "zero3"], 100, 2),
-        Part("bench_zero3_4ranks", "ZeRO-3 memory per rank vs the planner, 4 ranks",
-             bench + ["--part", "zero3"], 120, 4),
-        Part("comm_mpi_staged_2ranks", "collectives on CuPy arrays through pinned host staging",
-             [me, "--part", "mpi"], 60, 2, {"MPISHARD_CUDA_AWARE": "0"}, skip=no_gpu),
-        Part("comm_mpi_aware_2ranks", "collectives on CuPy arrays handed to CUDA-aware MPI",
-             [me, "--part", "mpi"], 60, 2, skip=no_gpu or (
-                 None if aware else f"MPI is not CUDA-aware ({aware_how}): same as staged")),
-        Part("nccl_2ranks", "collectives over NCCL, 2 ranks on 2 GPUs", [me, "--part", "nccl"],
-             60, 2, skip=no_gpu or (None if gpus >= 2 and nccl_ok else ONE_GPU_NCCL)),
+        Part("env", "versions, MPI library and its float16 datatype, CuPy, CUDA, GPUs, NCCL",
+             [me, "--part", "env"], 20),
+        Part("collectives_1rank", "every collective at 1 rank on every path (shortcut, MPI "
+             "staged, MPI CUDA-aware, NCCL, auto), float16 x4096, stream races",
+             [me, "--part", "collectives", "--backend", backend], 55),
+        Part("gpt_vs_numpy", "a GPT step (2 layers, T=1024, C=768) on CuPy against NumPy",
+             [me, "--part", "gpt", "--backend", backend, *tiny], 60,
+             env={"OMP_NUM_THREADS": "8", "OPENBLAS_NUM_THREADS": "8"}),
+        Part("float16_vs_float32", "float16 mixed precision against float32: cosines > 0.999",
+             [me, "--part", "float16", "--backend", backend, *tiny], 35),
+        Part("tests_1rank", f"a subset of the test suite on {backend}, 1 rank", TEST_FILES, 55,
+             env=tests, pytest=True, result=False),
+        Part("staging_2ranks", "collectives on CuPy arrays over 2 ranks through pinned staging, "
+             "a producer race, what comm_backend='auto' picks", [me, "--part", "mpi"], 40, 2,
+             {"MPISHARD_CUDA_AWARE": "0"}, gpu_only=True),
         Part("train_check", "training end to end: float32, float16, activation checkpointing",
-             train, 90),
-        Part("train_cli_zero3_2ranks", "mpishard train: ZeRO-3, float16, activation "
-             "checkpointing, 2 ranks", cli, 90, 2,
-             result=False),
+             [str(ROOT / "scripts/gpu_train_check.py"), "--backend", backend], 45),
+        Part("bench_single", "GPT-2 small, 1 rank: tokens/s, MFU; loss falls, <= 1 float16 skip",
+             bench, 55),
+        Part("bench_zero3_2ranks", "ZeRO-3 at 2 ranks: CuPy pool bytes within 10% of the planner",
+             bench + ["--part", "zero3"], 45, 2),
     ]
 
+
+def plan_total(parts: list) -> int:
+    """Seconds the plan may take: its parts' limits and the runner's slack."""
+    return sum(p.limit_s for p in parts) + RUNNER_SLACK_S
+
+
+def format_plan(parts: list) -> str:
+    width = max(len(p.name) for p in parts)
+    lines = [f"{'part':<{width}}  ranks  limit  what"]
+    lines += [f"{p.name:<{width}}  {p.ranks:>5}  {p.limit_s:>4}s  {p.what}" for p in parts]
+    lines.append(f"{'runner':<{width}}  {'':>5}  {RUNNER_SLACK_S:>4}s  start, JSON, mpiexec")
+    lines.append(f"{'total':<{width}}  {'':>5}  {plan_total(parts):>4}s  (at most "
+                 f"{TOTAL_LIMIT_S} s; each limit includes a {KILL_GRACE_S} s kill grace)")
+    return "\n".join(lines)
+
+
+# == running one part ============================================================
 
 def junit_counts(files: list) -> dict:
     """Per-rank and total test counts from pytest's JUnit files; failed test ids."""
@@ -138,12 +149,28 @@ def junit_counts(files: list) -> dict:
     return {"ranks": per_rank, "totals": totals, "failed": failed}
 
 
+def _stop(proc) -> None:
+    """End the part's process group: SIGINT, SIGTERM, SIGKILL (within KILL_GRACE_S)."""
+    for sig, grace in ((signal.SIGINT, 4), (signal.SIGTERM, 2), (signal.SIGKILL, 2)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_part(part: Part, ctx: dict, remaining: float, log) -> dict:
-    """Run one part under ``min(limit, remaining)`` seconds; the record for the JSON."""
-    record = {"name": part.name, "what": part.what, "ranks": part.ranks}
+    """Run one part within ``min(limit, remaining)`` seconds; the record for the JSON."""
+    record = {"name": part.name, "what": part.what, "ranks": part.ranks,
+              "limit_s": part.limit_s}
     if part.skip:
         return {**record, "status": "skipped", "reason": part.skip}
-    if remaining < 30:
+    limit = int(min(part.limit_s, remaining))
+    if limit < KILL_GRACE_S + 5:
         return {**record, "status": "not_run", "reason": "the time budget is spent"}
     if part.ranks > 1 and not ctx["mpiexec"]:
         return {**record, "status": "failed", "reason": "no mpiexec: bring the mpich wheel "
@@ -152,15 +179,14 @@ def run_part(part: Part, ctx: dict, remaining: float, log) -> dict:
     result_file = tmp / f"{part.name}.json"
     argv = list(part.argv)
     if part.pytest:
-        argv = [PARTS, "--part", "pytest", "--junit",
-                str(tmp / part.name), "--", *PYTEST_FLAGS, *argv]
+        argv = [PARTS, "--part", "pytest", "--junit", str(tmp / part.name), "--",
+                *PYTEST_FLAGS, *argv]
     elif part.result:
         argv += ["--json" if "benchmarks" in argv[0] else "--result", str(result_file)]
     command = [sys.executable, *argv]
     if part.ranks > 1:
         command = [ctx["mpiexec"], "-n", str(part.ranks), *ctx["mpi_flags"], sys.executable,
                    "-m", "mpi4py", *argv]
-    limit = int(min(part.limit_s, remaining - 20))  # a timeout takes up to 15 s more to end
     record.update(command=command, timeout_s=limit)
     print(f"gpu_check: {part.name} ({part.what}), up to {limit} s ...", flush=True)
     log.write(f"\n===== {part.name}: {' '.join(command)}\n")
@@ -171,20 +197,10 @@ def run_part(part: Part, ctx: dict, remaining: float, log) -> dict:
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **part.env},
                                 start_new_session=True)
         try:
-            returncode = proc.wait(timeout=limit)
+            returncode = proc.wait(timeout=max(limit - KILL_GRACE_S, 1))
             status = "passed" if returncode == 0 else "failed"
         except subprocess.TimeoutExpired:
-            # SIGINT first: pytest then still writes its JUnit file (the tests so far)
-            for sig, grace in ((signal.SIGINT, 10), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(proc.pid, sig)  # the process group this part started
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _stop(proc)
             returncode, status = None, "timeout"
         with contextlib.suppress(ProcessLookupError):  # ranks mpiexec left behind
             os.killpg(proc.pid, signal.SIGKILL)
@@ -203,6 +219,8 @@ def run_part(part: Part, ctx: dict, remaining: float, log) -> dict:
             record["reason"] = "pytest exited 0 but no test passed"
     if result_file.exists():
         record["result"] = json.loads(result_file.read_text())
+        if record["result"].get("status") == "skipped" and status == "passed":
+            record.update(status="skipped", reason=record["result"].get("reason"))
     print(f"gpu_check: {part.name}: {record['status']} in {record['seconds']} s", flush=True)
     return record
 
@@ -215,26 +233,35 @@ def find_mpiexec(explicit: str | None) -> str | None:
     return None
 
 
+# == the report ==================================================================
+
 def highlights(parts: list) -> dict:
     """The figures a reader looks for first, pulled out of the parts' results."""
     found = {}
     for part in parts:
         result = part.get("result") or {}
-        if part["name"] == "bench_single":
+        name = part["name"]
+        if name == "env":
+            found["mpi_float16_datatype"] = result.get("mpi_float16_datatype")
+        elif name == "collectives_1rank":
+            found["paths"] = {k: v.get("how") for k, v in result.get("paths", {}).items()}
+            found["paths_skipped"] = result.get("skipped")
+        elif name == "gpt_vs_numpy" or name == "float16_vs_float32":
+            found[name] = {k: v for k, v in result.items() if k != "config"}
+        elif name == "staging_2ranks":
+            found["auto_on_2ranks"] = result.get("auto")
+        elif name == "bench_single":
             found["single"] = [{k: run.get(k) for k in ("precision", "tokens_per_s", "mfu",
                                                         "step_s_median", "skipped_steps")}
                                for run in result.get("runs", [])]
-            found["activations"] = result.get("activations")
-        elif part["name"].startswith("bench_zero3"):
-            found[part["name"]] = [{"precision": run["precision"],
-                                    "plan_model_state_bytes": run["plan"]["model_state_bytes"],
-                                    "ranks": [{k: r.get(k) for k in (
-                                        "rank", "model_state_bytes", "model_state_over_plan",
-                                        "pool_used_bytes", "pool_total_bytes")}
-                                        for r in run["ranks"]]}
-                                   for run in result.get("runs", [])]
+        elif name == "bench_zero3_2ranks":
+            found[name] = [{"precision": run["precision"],
+                            "plan_model_state_bytes": run["plan"]["model_state_bytes"],
+                            "measured_over_plan": [r.get("measured_over_plan")
+                                                   for r in run["ranks"]]}
+                           for run in result.get("runs", [])]
         elif part.get("tests"):
-            found[part["name"]] = part["tests"]["totals"]
+            found[name] = part["tests"]["totals"]
     return found
 
 
@@ -245,48 +272,55 @@ def write_report(path: Path, report: dict) -> None:
     tmp.replace(path)
 
 
+def _stop_reason(env: dict, rehearse: bool) -> str | None:
+    facts = env.get("result", {})
+    if env["status"] != "passed":
+        return "the environment probe failed (see parts[0].log_tail)"
+    if rehearse:
+        return None
+    if not facts.get("cupy"):
+        return (f"CuPy does not import ({facts.get('cupy_error')}); this check needs a GPU "
+                f"machine with CuPy (pip install 'mpishard[cuda13]'), or --rehearse")
+    if not facts.get("gpus"):
+        return f"CuPy sees no GPU ({facts.get('gpu_error', 'getDeviceCount() == 0')})"
+    return None
+
+
 def run_all(args) -> int:
     started = time.monotonic()
-    report = {"mode": "dry-run (NumPy, no GPU): checks the runner, not the GPU paths"
-              if args.dry_run else "gpu", "status": "running",
+    parts = plan_parts("numpy" if args.rehearse else "cupy")
+    report = {"mode": "rehearsal (NumPy, no GPU): checks the runner and the parts' code, not "
+              "the GPU" if args.rehearse else "gpu", "status": "running",
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget_s": args.budget,
+              "plan": [{"name": p.name, "limit_s": p.limit_s, "ranks": p.ranks} for p in parts],
               "wheels_installed": os.environ.get("GPU_CHECK_INSTALLED", "none"),
               "notes": [], "parts": []}
     log_path = args.json.with_suffix(".log")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp, open(log_path, "w") as log:
         ctx = {"tmp": Path(tmp), "mpiexec": find_mpiexec(args.mpiexec), "mpi_flags": []}
-        env = run_part(Part("env", "what this machine has", [PARTS, "--part", "env"], 60),
-                       ctx, args.budget, log)
+        env = run_part(parts[0], ctx, args.budget, log)
         facts = env.get("result", {})
         report.update(environment=facts, mpiexec=ctx["mpiexec"])
         report["parts"].append(env)
         if "Open MPI" in str(facts.get("mpi_vendor")):
             ctx["mpi_flags"] = ["--oversubscribe", "--allow-run-as-root"]
-        reason = None
-        if env["status"] != "passed":
-            reason = "the environment probe failed (see parts[0].log_tail)"
-        elif not args.dry_run and not facts.get("cupy"):
-            reason = (f"CuPy does not import ({facts.get('cupy_error')}); this check needs a "
-                      f"GPU machine with CuPy (pip install 'mpishard[cuda13]'), or --dry-run")
-        elif not args.dry_run and not facts.get("gpus"):
-            reason = f"CuPy sees no GPU ({facts.get('gpu_error', 'getDeviceCount() == 0')})"
+        reason = _stop_reason(env, args.rehearse)
         if reason:
             report.update(status="failed", reason=reason,
                           seconds=round(time.monotonic() - started, 1))
             write_report(args.json, report)
             print(f"gpu_check: FAILED: {reason}\ngpu_check: report in {args.json}", flush=True)
             return 2
-        if args.dry_run:
-            report["notes"].append("Dry run: every part ran on NumPy; no GPU path was checked.")
-        else:
-            if facts["gpus"] < 2:
-                report["notes"].append(f"NCCL: {ONE_GPU_NCCL}.")
-            report["notes"].append(f"Ranks of the multi-rank parts share {facts['gpus']} "
-                                   f"GPU(s). CUDA-aware MPI: {facts.get('cuda_aware')}.")
-        for part in plan_parts(facts, args.dry_run):
+        if args.rehearse:
+            report["notes"].append("Rehearsal: every part ran on NumPy; no GPU path was checked.")
+        elif facts["gpus"] < 2:
+            report["notes"].append(f"{ONE_GPU}.")
+        for part in parts[1:]:
             if args.only and part.name not in args.only:
                 continue
+            if args.rehearse and part.gpu_only:
+                part.skip = "rehearsal: needs CuPy and a GPU"
             remaining = args.budget - (time.monotonic() - started)
             report["parts"].append(run_part(part, ctx, remaining, log))
             report["highlights"] = highlights(report["parts"])
@@ -301,23 +335,29 @@ def run_all(args) -> int:
         extra = p.get("reason") or (f"tests {counts}" if counts else "")
         print(f"  {p['name']:<{width}}  {p['status']:<8} {p.get('seconds', ''):>6}  {extra}")
     print(f"gpu_check: {report['status'].upper()}"
-          f"{' (DRY RUN: the GPU check itself is still owed)' if args.dry_run else ''} in "
+          f"{' (REHEARSAL: the GPU check itself is still owed)' if args.rehearse else ''} in "
           f"{report['seconds']} s; report {args.json}, log {log_path}", flush=True)
     return 1 if bad else 0
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan (parts, limits, total) and exit; runs nothing")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="no GPU: run the runner and the parts on NumPy (tiny models)")
     parser.add_argument("--json", type=Path, default=None,
                         help="report path (default $OUT/gpu_check.json, else runs/gpu_check.json)")
-    parser.add_argument("--budget", type=float, default=440.0,
-                        help="seconds for all parts together (default 440)")
+    parser.add_argument("--budget", type=float, default=float(TOTAL_LIMIT_S),
+                        help=f"seconds for all parts together (default {TOTAL_LIMIT_S})")
     parser.add_argument("--only", type=lambda s: s.split(","), default=None,
                         help="comma-separated part names (the environment probe always runs)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="no GPU: run the runner on NumPy (tiny benchmark, NumPy tests)")
     parser.add_argument("--mpiexec", default=None, help="default: $MPIEXEC, beside python, PATH")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        parts = plan_parts("numpy" if args.rehearse else "cupy")
+        print(format_plan(parts), flush=True)
+        return 0 if plan_total(parts) <= TOTAL_LIMIT_S else 1
     if args.json is None:
         out = os.environ.get("OUT")
         args.json = Path(out) / "gpu_check.json" if out else ROOT / "runs" / "gpu_check.json"

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# The GPU check: every GPU path of mpishard, one JSON report. See docs/gpu.md.
+# The GPU check: mpishard's GPU paths, most valuable first, one JSON report. See docs/gpu.md.
 #
-#   scripts/fetch_gpu_wheels.sh          # once, on a machine with the internet:
-#                                        # mpich, mpi4py, pytest-mpi into .whl/
+#   scripts/fetch_gpu_wheels.sh          # once, on a machine with the internet
+#                                        # (make gpu-wheels): mpich, mpi4py, pytest-mpi into .whl/
 #   scripts/gpu_check.sh                 # on the GPU machine (no internet needed)
-#   scripts/gpu_check.sh --dry-run       # without a GPU: the runner on NumPy
-#   scripts/gpu_check.sh --only bench_single,dtypes --budget 200
+#   scripts/gpu_check.sh --dry-run       # anywhere: the plan, each part's limit, the total
+#   scripts/gpu_check.sh --rehearse      # without a GPU: the runner and parts on NumPy
+#   scripts/gpu_check.sh --only env,collectives_1rank
 #
 # Installs from $WHEELS (default .whl/) what the python lacks, under
 # /tmp/mpishard-gpu and without touching the network: pytest-mpi and mpi4py
 # into site/ (first on PYTHONPATH), the MPICH wheel under mpich/ (its mpiexec,
 # and the libmpi that mpi4py is pointed at with MPI4PY_LIBMPI, so launcher and
-# library agree). Then scripts/gpu_check.py runs each part under a time limit
-# (440 s for all together) and writes $OUT/gpu_check.json when OUT is set, else
-# runs/gpu_check.json (GPU_CHECK_JSON overrides), with the full log beside it.
-# Exit status: 0 all passed, 1 a part failed or timed out, 2 nothing could run
-# (no CuPy, no GPU, a wheel that does not install); the JSON says why.
+# library agree). Then scripts/gpu_check.py runs each part under its own hard
+# limit (420 s for all together) and writes $OUT/gpu_check.json when OUT is
+# set, else runs/gpu_check.json (GPU_CHECK_JSON overrides), with the full log
+# beside it. Exit status: 0 all passed, 1 a part failed or timed out, 2 nothing
+# could run (no CuPy, no GPU, a wheel that does not install); the JSON says why.
+# --dry-run installs nothing and writes nothing.
 #
 # PYTHON picks the interpreter (default .venv/bin/python, else python3);
 # WHEELS the wheel folder; INSTALL_WHEELS=yes|no overrides what is installed.
@@ -40,6 +42,9 @@ fail() {  # fail REASON: a report saying why (the Python runner never started), 
 }
 
 if [ -z "$PY" ] || [ ! -x "$PY" ]; then fail "no python: set PYTHON or install python3"; fi
+for arg in "$@"; do
+    if [ "$arg" = --dry-run ]; then exec "$PY" scripts/gpu_check.py "$@"; fi
+done
 
 # Bring what this python lacks: pytest-mpi if it does not import; MPICH and a
 # matching mpi4py if no mpiexec is at hand. INSTALL_WHEELS=yes|no overrides.

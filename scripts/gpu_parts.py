@@ -1,13 +1,20 @@
 """The GPU check's parts: each runs in its own process, started by scripts/gpu_check.py.
 
-    python scripts/gpu_parts.py --part single    # staging, DevicePath branches, size-1 collectives
-    python scripts/gpu_parts.py --part nccl1     # an NCCL group of size 1
-    mpiexec -n 2 python -m mpi4py scripts/gpu_parts.py --part mpi    # collectives on CuPy arrays
-    mpiexec -n 2 python -m mpi4py scripts/gpu_parts.py --part nccl   # needs 2 GPUs
+    python scripts/gpu_parts.py --part env           # versions, MPI float16, CUDA-awareness
+    python scripts/gpu_parts.py --part collectives   # one rank, every path, stream races
+    python scripts/gpu_parts.py --part gpt           # a GPT step on CuPy against NumPy
+    python scripts/gpu_parts.py --part float16       # float16 against float32 (cosines)
+    mpiexec -n 2 python -m mpi4py scripts/gpu_parts.py --part mpi    # collectives over ranks
+    (--backend numpy --tiny: the same code on the CPU, to rehearse the check)
 
 Each writes its findings to ``--result`` and raises AssertionError on a wrong
 value (under ``python -m mpi4py`` that aborts the whole job with a non-zero
 status). ``--part pytest`` runs pytest with one JUnit file per rank.
+
+Collectives compare with :func:`assert_reduced`: each rank's input is small
+integers (:func:`rank_values`), exact in float16 and so are their sums, and a
+float16 result may be off by one unit in the last place (a sum rounded in
+another order); float32 and float64 results are exact.
 """
 from __future__ import annotations
 
@@ -16,68 +23,378 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-ONE_GPU_NCCL = ("one GPU is visible and NCCL refuses two ranks on one GPU ('Duplicate GPU "
-                "detected'), so the NCCL path ran only as a group of size 1 (part nccl_1rank)")
+ONE_GPU = ("one GPU: NCCL refuses two ranks on one GPU and the MPI wheel is not CUDA-aware, "
+           "so NCCL and CUDA-aware MPI ran as groups of one rank only; beyond one rank they "
+           "need two GPUs or a site MPI built with CUDA")
+DTYPES = ("float32", "float64", "float16")
+SPIN_CYCLES = 100_000_000      # about 50 ms of a GPU clock: long enough to lose a race
+
 
 def say(message, rank=0):
     print(f"[rank {rank}] ok {message}", flush=True)
 
 
-def expected_sum(n, count, dtype):
-    return (n * np.arange(count) + n * (n - 1) // 2).astype(dtype)
+# == comparisons (NumPy only: the unit tests call these) ========================
+
+def rank_values(rank: int, count: int, dtype) -> np.ndarray:
+    """Rank ``rank``'s input: ``k % 61 + rank``, exact in float16, as are sums of a few ranks."""
+    return (np.arange(count) % 61 + rank).astype(dtype)
 
 
-def check_collectives(comm, cp, label):
-    """Every collective on CuPy arrays, blocking and not, three dtypes, two counts."""
+def assert_reduced(got, inputs: list, op: str, what: str = "") -> None:
+    """``got`` is ``op`` over the ranks' ``inputs`` (each already in its dtype).
+
+    The reference is the reduction in float64, rounded once to the dtype.
+    float16 may differ by one unit in the last place (NCCL and MPI add in their
+    own order); float32 and float64 must match exactly.
+    """
+    dtype = np.asarray(inputs[0]).dtype
+    stacked = np.stack([np.asarray(a, np.float64) for a in inputs])
+    exact = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.max(0)}[op]
+    want = exact.astype(dtype)
+    got = np.asarray(got)
+    assert got.dtype == dtype and got.shape == want.shape, (what, got.dtype, got.shape)
+    if dtype == np.float16:
+        ulp = np.spacing(np.abs(want)).astype(np.float64)
+        err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        bad = np.flatnonzero(err > ulp)
+    else:
+        bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (f"{what}: {op} wrong at {bad.size} of {want.size} elements, first "
+                           f"{bad[0]}: got {got.flat[bad[0]]}, want {want.flat[bad[0]]}")
+
+
+# == collectives =================================================================
+
+def check_collectives(comm, xp, label, counts=(7, 4096)) -> list:
+    """Every collective, blocking and not, on ``xp`` arrays; the checks that ran."""
     n, r = comm.size, comm.rank
-    for dtype in ("float32", "float64", "float16"):
-        for count in (7, 4096):
+    ran = []
+    for dtype in DTYPES:
+        for count in counts:
             for blocking in (True, False):
                 def done(x):
                     return x if blocking else x.wait()
-                buf = cp.asarray((np.arange(count) + r).astype(dtype))
-                assert done((comm.all_reduce if blocking else comm.iall_reduce)(buf)) is buf
-                np.testing.assert_array_equal(cp.asnumpy(buf), expected_sum(n, count, dtype))
-                buf = cp.asarray((np.arange(count) + r).astype(dtype))
-                done((comm.all_reduce if blocking else comm.iall_reduce)(buf, op="avg"))
-                np.testing.assert_allclose(cp.asnumpy(buf),
-                                           expected_sum(n, count, "float64") / n, rtol=1e-3)
-                send = cp.asarray((np.arange(count * n) + r).astype(dtype))
+                mine = rank_values(r, count, dtype)
+                everyone = [rank_values(q, count, dtype) for q in range(n)]
+                for op in ("sum", "avg", "max"):
+                    buf = xp.asarray(mine)
+                    assert done((comm.all_reduce if blocking else comm.iall_reduce)(
+                        buf, op=op)) is buf
+                    assert_reduced(_host(buf), everyone, op, f"{label} all_reduce {dtype}")
+                send = xp.asarray(np.concatenate([rank_values(r + j, count, dtype)
+                                                  for j in range(n)]))
                 recv = done((comm.reduce_scatter if blocking else comm.ireduce_scatter)(send))
-                full = expected_sum(n, count * n, dtype)
-                np.testing.assert_array_equal(cp.asnumpy(recv), full[r * count:(r + 1) * count])
-                mine = cp.full(count, r + 1, dtype=dtype)
-                gathered = done((comm.all_gather if blocking else comm.iall_gather)(mine))
-                want = np.repeat(np.arange(1, n + 1), count).astype(dtype)
-                np.testing.assert_array_equal(cp.asnumpy(gathered), want)
-                whole = cp.zeros(count * n, dtype=dtype)  # in place: send is this rank's block
-                whole[r * count:(r + 1) * count] = r + 1
+                assert_reduced(_host(recv), [rank_values(q + r, count, dtype) for q in range(n)],
+                               "sum", f"{label} reduce_scatter {dtype}")
+                gathered = done((comm.all_gather if blocking else comm.iall_gather)(
+                    xp.asarray(mine)))
+                np.testing.assert_array_equal(_host(gathered), np.concatenate(everyone))
+                whole = xp.zeros(count * n, dtype=dtype)  # in place: send is this rank's block
+                whole[r * count:(r + 1) * count] = xp.asarray(mine)
                 done((comm.all_gather if blocking else comm.iall_gather)(
                     whole[r * count:(r + 1) * count], whole))
-                np.testing.assert_array_equal(cp.asnumpy(whole), want)
-                buf = cp.full(count, r, dtype=dtype)
+                np.testing.assert_array_equal(_host(whole), np.concatenate(everyone))
+                buf = xp.asarray(mine)
                 done((comm.broadcast if blocking else comm.ibroadcast)(buf, root=n - 1))
-                np.testing.assert_array_equal(cp.asnumpy(buf), np.full(count, n - 1, dtype))
-            say(f"{label}: collectives {dtype} x{count}", r)
+                np.testing.assert_array_equal(_host(buf), everyone[-1])
+                send = xp.asarray(np.concatenate([rank_values(10 * r + j, count, dtype)
+                                                  for j in range(n)]))
+                got = done((comm.all_to_all if blocking else comm.iall_to_all)(send))
+                np.testing.assert_array_equal(_host(got), np.concatenate(
+                    [rank_values(10 * q + r, count, dtype) for q in range(n)]))
+            ran.append(f"{dtype} x{count}")
+            say(f"{label}: every collective, {dtype} x{count}", r)
     if n > 1:
         right, left = (r + 1) % n, (r - 1) % n
-        got = cp.zeros(5, dtype=cp.float32)
+        got = xp.zeros(5, dtype=np.float16)
         handles = [comm.irecv(got, left, tag=1),
-                   comm.isend(cp.full(5, r, cp.float32), right, tag=1)]
+                   comm.isend(xp.asarray(rank_values(r, 5, np.float16)), right, tag=1)]
         for h in handles:
             h.wait()
-        np.testing.assert_array_equal(cp.asnumpy(got), np.full(5, left, np.float32))
-        say(f"{label}: send/recv ring", r)
+        np.testing.assert_array_equal(_host(got), rank_values(left, 5, np.float16))
+        ran.append("send/recv ring float16")
+    return ran
 
+
+def _host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def _slow_fill(cp):
+    """A kernel that spins ``cycles`` GPU clocks, then fills ``out`` with ``value``."""
+    kernel = cp.RawKernel(r'''
+    extern "C" __global__ void slow_fill(float* out, float value, long long n,
+                                         long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+        long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) out[i] = value;
+    }''', "slow_fill")
+
+    def fill(out, value, cycles=SPIN_CYCLES):
+        threads = 256
+        kernel(((out.size + threads - 1) // threads,), (threads,),
+               (out, np.float32(value), np.int64(out.size), np.int64(cycles)))
+    return fill
+
+
+def race_checks(comm, cp, label: str) -> dict:
+    """A slow kernel produces the input on a non-blocking stream, then the collective
+    runs at once: a missing synchronisation shows as stale values. A control does
+    the same without the synchronisation and must see them, or the check proves nothing."""
+    fill, n, found = _slow_fill(cp), 1 << 12, {}
+    started = time.perf_counter()
+    fill(cp.zeros(1, cp.float32), 0.0, cycles=0)  # compiles the kernel (NVRTC)
+    cp.cuda.Device().synchronize()
+    found["kernel_compile_s"] = round(time.perf_counter() - started, 2)
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        x = cp.zeros(n, cp.float32)
+        stream.synchronize()
+        fill(x, 7.0)
+        host = cp.asnumpy(x, stream=cp.cuda.Stream.null)  # control: ignores the producer
+        stream.synchronize()
+        found["control_stale_copy"] = bool((host != 7.0).any())
+        for blocking in (True, False):
+            x = cp.zeros(n, cp.float32)
+            stream.synchronize()
+            fill(x, 7.0 + comm.rank)
+            call = comm.all_gather(x) if blocking else comm.iall_gather(x).wait()
+            want = np.repeat(7.0 + np.arange(comm.size), n).astype(np.float32)
+            np.testing.assert_array_equal(cp.asnumpy(call), want, f"{label}: producer race")
+    group = getattr(comm, "_nccl", None)
+    if group is not None:
+        found.update(_nccl_consumer_race(comm, group, cp, fill, n))
+    assert found["control_stale_copy"], (
+        f"{label}: the control copy saw the slow kernel's values, so this check could not "
+        f"have caught a missing synchronisation (raise SPIN_CYCLES)")
+    say(f"{label}: producer race (slow kernel, then the collective at once); "
+        f"control saw stale data: {found['control_stale_copy']}", comm.rank)
+    return found
+
+
+def _nccl_consumer_race(comm, group, cp, fill, n) -> dict:
+    """NCCL is delayed on its own stream; the caller's next kernel must still see its result."""
+    from mpishard.comm.nccl import nccl_dtype
+
+    found = {}
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        for mode in ("control", "blocking", "handle"):
+            x = cp.full(n, 3.0 + comm.rank, cp.float32)
+            recv = cp.full(n * comm.size, -1.0, cp.float32)
+            stream.synchronize()
+            with group.stream:
+                fill(cp.zeros(1, cp.float32), 0.0)  # holds the NCCL stream up
+            if mode == "control":  # NCCL without the caller's stream waiting for it
+                group.comm.allGather(x.data.ptr, recv.data.ptr, n, nccl_dtype(x.dtype),
+                                     group.stream.ptr)
+            elif mode == "blocking":
+                comm.all_gather(x, recv)
+            else:
+                comm.iall_gather(x, recv).wait()
+            seen = cp.asnumpy(recv + 0)  # a consumer kernel on the caller's stream
+            group.stream.synchronize()
+            ok = bool((seen == np.repeat(3.0 + np.arange(comm.size), n)).all())
+            if mode == "control":
+                found["nccl_control_stale"] = not ok
+            else:
+                assert ok, f"NCCL consumer race ({mode}): the caller read before NCCL wrote"
+    assert found["nccl_control_stale"], "NCCL control did not race: the check proves nothing"
+    say("NCCL consumer race: the caller's stream waits for NCCL's event", comm.rank)
+    return found
+
+
+def part_collectives(backend: str) -> dict:
+    """One rank, every path: the size-1 shortcut, MPI staged, MPI CUDA-aware, NCCL, auto."""
+    from mpi4py import MPI
+
+    from mpishard.comm import Communicator, detect_cuda_aware, nccl_available
+
+    xp = np if backend == "numpy" else __import__("cupy")
+    aware, aware_how = detect_cuda_aware()
+    nccl_ok, nccl_why = nccl_available()
+    paths = {"shortcut": dict(cuda_aware=False), "mpi_staged": dict(cuda_aware=False)}
+    skipped = {}
+    if backend == "cupy":
+        if aware:
+            paths["mpi_cuda_aware"] = dict(cuda_aware=True)
+        else:
+            skipped["mpi_cuda_aware"] = f"MPI is not CUDA-aware ({aware_how})"
+        if nccl_ok:
+            paths["nccl"] = dict(comm_backend="nccl")
+            paths["auto"] = dict(comm_backend="auto")
+        else:
+            skipped["nccl"] = skipped["auto"] = f"NCCL unavailable: {nccl_why}"
+    result = {"paths": {}, "skipped": skipped}
+    for label, settings in paths.items():
+        started = time.perf_counter()
+        comm = Communicator(MPI.COMM_SELF.Dup(), label, _owned=True, **settings)
+        comm._local_at_size_one = label == "shortcut"   # else MPI or NCCL at size 1
+        found = {"ran": check_collectives(comm, xp, f"1 rank, {label}")}
+        if backend == "cupy" and label != "shortcut":
+            found["races"] = race_checks(comm, xp, f"1 rank, {label}")
+        if label == "nccl":
+            comm.stats.reset()
+            comm.all_reduce(xp.ones(1 << 24, xp.float32))
+            found["nccl_all_reduce_64MiB_device_s"] = comm.stats["all_reduce"].seconds
+            assert found["nccl_all_reduce_64MiB_device_s"] > 0, "NCCL stats read 0 s"
+        found.update(comm_backend=comm.comm_backend, how=comm.comm_backend_how,
+                     seconds=round(time.perf_counter() - started, 2))
+        result["paths"][label] = found
+        comm.free()
+    return result
+
+
+def part_mpi() -> dict:
+    """Every collective on device arrays over the world (staged unless MPI is CUDA-aware),
+    a producer race, and what comm_backend="auto" decides for ranks sharing the GPUs."""
+    import cupy as cp
+    from mpi4py import MPI
+
+    from mpishard.comm import Communicator, format_rank_reports, node_local_rank, rank_report
+
+    world = Communicator.from_env(MPI.COMM_WORLD.Dup(), timeout=120)
+    cp.cuda.Device(node_local_rank(world) % cp.cuda.runtime.getDeviceCount()).use()
+    reports = world.all_gather_obj(rank_report(world))
+    if world.rank == 0:
+        print(format_rank_reports(reports), flush=True)
+    label = f"{world.size} ranks, CUDA-aware={world.cuda_aware[0]}"
+    ran = check_collectives(world, cp, label)
+    races = race_checks(world, cp, label)
+    auto = Communicator(MPI.COMM_WORLD.Dup(), "auto", comm_backend="auto", _owned=True)
+    buf = cp.full(4, 1.0 + world.rank, cp.float32)
+    auto.all_reduce(buf)
+    np.testing.assert_array_equal(cp.asnumpy(buf), np.full(4, world.size * (world.size + 1) / 2))
+    decided = {"comm_backend": auto.comm_backend, "how": auto.comm_backend_how}
+    auto.free()
+    if world.rank == 0:
+        print(world.stats.format(), f"\nauto: {decided}", flush=True)
+    return {"ranks": reports, "ran": ran, "races": races, "auto": decided}
+
+
+# == the model on the device =====================================================
+
+def _gpt_config(tiny: bool):
+    from mpishard.models import GPTConfig
+
+    if tiny:
+        return GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return GPTConfig(vocab_size=50304, block_size=1024, n_layer=2, n_head=12, n_embd=768)
+
+
+def _rel2(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _cosine(a, b) -> float:
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+
+
+def part_gpt(backend: str, tiny: bool) -> dict:
+    """A GPT step (forward, backward, AdamW, forward) on ``backend`` against NumPy, float32."""
+    from mpishard.backend import Backend, to_numpy
+    from mpishard.models import GPT
+    from mpishard.optim import AdamW
+
+    cfg = _gpt_config(tiny)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, cfg.block_size + 1))
+    tol = 1e-3 if os.environ.get("CUPY_TF32") == "1" else 1e-4
+    runs = []
+    for name in ("numpy", backend):
+        be = Backend.resolve(name)
+        model = GPT(cfg, seed=0, backend=be)
+        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        x, y = be.asarray(tokens[:, :-1]), be.asarray(tokens[:, 1:])
+        run = {"step_s": []}
+        for step in range(2):   # the first pays for kernel compilation; AdamW in between
+            started = time.perf_counter()
+            logits, loss = model(x, y)
+            loss.backward()
+            value = loss.item()   # waits for the device
+            run["step_s"].append(round(time.perf_counter() - started, 3))
+            if step == 0:
+                run.update(loss=value, logits=to_numpy(logits.data),
+                           grads={n: to_numpy(p.grad) for n, p in model.named_parameters()})
+                opt.step()
+            else:
+                run["loss_after_step"] = value
+            model.zero_grad()
+        runs.append(run)
+        print(f"gpt {name}: loss {run['loss']:.5f} -> {run['loss_after_step']:.5f} after one "
+              f"AdamW step; forward+backward {run['step_s'][0]} s (first, with kernel "
+              f"compilation), {run['step_s'][1]} s (warm)", flush=True)
+    ref, dev = runs
+    found = {"config": vars(cfg), "tolerance": tol, "numpy_step_s": ref["step_s"],
+             "device_step_s": dev["step_s"], "warmup_s": dev["step_s"][0] - dev["step_s"][1],
+             "loss_rel": abs(dev["loss"] - ref["loss"]) / abs(ref["loss"]),
+             "logits_rel": _rel2(dev["logits"], ref["logits"]),
+             "grads_rel_max": max(_rel2(dev["grads"][n], g) for n, g in ref["grads"].items()),
+             "loss_after_step_rel": abs(dev["loss_after_step"] - ref["loss_after_step"])
+             / abs(ref["loss_after_step"])}
+    print(json.dumps({k: v for k, v in found.items() if k != "config"}), flush=True)
+    assert found["loss_rel"] <= tol and found["logits_rel"] <= tol, found
+    assert found["grads_rel_max"] <= 10 * tol, found
+    assert found["loss_after_step_rel"] <= 10 * tol, found
+    assert ref["loss_after_step"] < ref["loss"], "one AdamW step did not lower the loss"
+    return found
+
+
+def part_float16(backend: str, tiny: bool) -> dict:
+    """float16 mixed precision against float32 on ``backend``: logits and gradients."""
+    from mpi4py import MPI
+
+    from mpishard.backend import Backend, to_numpy
+    from mpishard.comm import Communicator, Mesh
+    from mpishard.models import GPT
+    from mpishard.parallel import DataParallel
+
+    cfg = _gpt_config(tiny)
+    be = Backend.resolve(backend)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, cfg.block_size + 1))
+    x, y = be.asarray(tokens[:, :-1]), be.asarray(tokens[:, 1:])
+    comm = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
+    got = {}
+    for precision in ("float32", "float16"):
+        strategy = DataParallel(GPT(cfg, seed=0, backend=be), Mesh(comm, dp=1),
+                                precision=precision)
+        # a loss scale as training would find it: halved while the gradients overflow
+        for scale in ((2.0 ** 16, 2.0 ** 12, 2.0 ** 8) if precision == "float16" else (1.0,)):
+            logits, loss = strategy(x, y)
+            (loss * scale).backward()
+            strategy.reduce_grads()
+            grads = np.concatenate([to_numpy(p.grad).astype(np.float64).ravel() / scale
+                                    for p in strategy.module.parameters()])
+            strategy.zero_grad()
+            if np.isfinite(grads).all():
+                break
+        got[precision] = {"loss": loss.item(), "scale": scale, "grads": grads,
+                          "logits": to_numpy(logits.data).astype(np.float64).ravel()}
+        strategy = None
+    comm.free()
+    f32, f16 = got["float32"], got["float16"]
+    found = {"loss_float32": f32["loss"], "loss_float16": f16["loss"],
+             "float16_loss_scale": f16["scale"],
+             "logits_cosine": _cosine(f16["logits"], f32["logits"]),
+             "grads_cosine": _cosine(f16["grads"], f32["grads"]),
+             "grads_finite": bool(np.isfinite(f16["grads"]).all())}
+    print(json.dumps(found), flush=True)
+    assert found["grads_finite"], "float16 gradients are not finite"
+    assert found["logits_cosine"] > 0.999 and found["grads_cosine"] > 0.999, found
+    return found
+
+
+# == environment =================================================================
 
 def part_env() -> dict:
-    """What this machine has: Python, NumPy, MPI, CuPy, GPUs, NCCL, CUDA-awareness."""
+    """Versions, the MPI library and its float16 datatype, CuPy, CUDA, GPUs, NCCL."""
     facts = {"python": sys.executable, "python_version": platform.python_version(),
              "numpy": np.__version__, "host": platform.node(),
              "CUPY_TF32": os.environ.get("CUPY_TF32"),
@@ -92,10 +409,17 @@ def part_env() -> dict:
 
     from mpishard.comm.gpu import detect_cuda_aware, loaded_libmpi, nccl_available
 
+    try:
+        facts["mpi_float16_datatype"] = MPI.Datatype.fromcode("e").Get_name()
+    except Exception as exc:  # noqa: BLE001 (many builds: KeyError)
+        facts["mpi_float16_datatype"] = f"none ({type(exc).__name__}: {exc})"
     vendor, version = MPI.get_vendor()
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
     facts.update(mpi4py=mpi4py.__version__, mpi_vendor=f"{vendor} {'.'.join(map(str, version))}",
                  mpi_library=loaded_libmpi(), cuda_aware=detect_cuda_aware(),
-                 nccl=nccl_available(), cupy=None, gpus=0, devices=[])
+                 mpi_library_version=MPI.Get_library_version().strip().splitlines()[0],
+                 nccl=nccl_available(), cupy=None, gpus=0, devices=[],
+                 cupy_kernel_cache_files=len(list(cache.glob("*"))) if cache.is_dir() else 0)
     try:
         import cupy
     except Exception as exc:  # ImportError, or a CUDA library that does not load
@@ -118,89 +442,6 @@ def part_env() -> dict:
     return facts
 
 
-def part_single() -> dict:
-    """Pinned staging after the stream sync, the DevicePath branches, size-1 collectives."""
-    import cupy as cp
-    import cupyx
-    from mpi4py import MPI
-
-    from mpishard.comm import Communicator, detect_cuda_aware
-    from mpishard.comm.gpu import DevicePath
-
-    n = 1 << 16
-    # Values reach the pinned buffer only after the producing kernel, queued on
-    # a non-blocking stream, has finished (the one sync in DevicePath.for_mpi).
-    path = DevicePath(False, "forced for the check")
-    with cp.cuda.Stream(non_blocking=True):
-        x = cp.arange(n, dtype=cp.float32) * 2
-        host, copy_back = path.for_mpi(x, copy_in=True, copy_out=True)
-        assert isinstance(host, np.ndarray)
-        np.testing.assert_array_equal(host, np.arange(n, dtype=np.float32) * 2)
-        host *= 3
-        copy_back()
-        np.testing.assert_array_equal(cp.asnumpy(x), np.arange(n, dtype=np.float32) * 6)
-    out_only, back = path.for_mpi(x, copy_in=False, copy_out=True)
-    assert isinstance(out_only, np.ndarray) and back is not None
-    in_only, back = path.for_mpi(x, copy_in=True, copy_out=False)
-    assert back is None and np.array_equal(in_only, cp.asnumpy(x))
-    assert isinstance(cupyx.empty_pinned((4,), np.float32), np.ndarray)
-    say("pinned staging: copy in after the stream sync, copy back")
-    aware = DevicePath(True, "forced", stage_nonblocking_reductions=True)
-    assert aware.for_mpi(x, copy_in=True, copy_out=True)[0] is x
-    staged, back = aware.for_mpi(x, copy_in=True, copy_out=True, nonblocking_reduction=True)
-    assert isinstance(staged, np.ndarray) and back is not None
-    say("CUDA-aware path passes device arrays; Open MPI non-blocking reductions stage")
-    check_collectives(Communicator(MPI.COMM_SELF, "self"), cp, "size 1 (early returns)")
-    return {"cuda_aware": detect_cuda_aware()}
-
-
-def part_nccl1() -> dict:
-    """An NCCL communicator of one rank: every collective, float32 and float16."""
-    import cupy as cp
-    from mpi4py import MPI
-
-    from mpishard.comm.nccl import NcclGroup
-
-    group = NcclGroup(MPI.COMM_SELF)
-    for dtype in (cp.float32, cp.float16):
-        a = cp.arange(10, dtype=dtype)
-        group.all_reduce(a, "avg").Wait()
-        np.testing.assert_array_equal(cp.asnumpy(a), np.arange(10, dtype=dtype))
-        event = group.all_reduce(a, "max", host_sync=True)
-        event.Wait()
-        assert event.Test()
-        recv = cp.zeros(10, dtype=dtype)
-        group.reduce_scatter(a, recv, "sum").Wait()
-        group.all_gather(recv, a).Wait()
-        group.broadcast(a, 0).Wait()
-        np.testing.assert_array_equal(cp.asnumpy(a), np.arange(10, dtype=dtype))
-        say(f"NCCL group of size 1: all_reduce, reduce_scatter, all_gather, broadcast "
-            f"{dtype.__name__}")
-    group.close()
-    return {"group_size": 1, "why_not_more": ONE_GPU_NCCL}
-
-
-def part_mpi(comm_backend: str) -> dict:
-    """Every collective on CuPy arrays over the world (staged unless MPI is CUDA-aware)."""
-    import cupy as cp
-    from mpi4py import MPI
-
-    from mpishard.comm import Communicator, node_local_rank
-    from mpishard.comm import format_rank_reports, rank_report
-
-    world = Communicator.from_env(MPI.COMM_WORLD.Dup(), comm_backend=comm_backend, timeout=120)
-    cp.cuda.Device(node_local_rank(world) % cp.cuda.runtime.getDeviceCount()).use()
-    reports = world.all_gather_obj(rank_report(world))
-    if world.rank == 0:
-        print(format_rank_reports(reports), flush=True)
-    label = f"{comm_backend}, CUDA-aware={world.cuda_aware[0]} ({world.cuda_aware[1]})"
-    check_collectives(world, cp, label)
-    world.barrier()
-    if world.rank == 0:
-        print(world.stats.format(), flush=True)
-    return {"ranks": reports}
-
-
 def part_pytest(junit_prefix: str, pytest_args: list) -> int:
     """pytest with a JUnit file per rank (``PREFIX.rankN.xml``)."""
     import pytest
@@ -213,12 +454,15 @@ def part_pytest(junit_prefix: str, pytest_args: list) -> int:
 def run_check(args) -> int:
     if args.part == "pytest":
         return part_pytest(args.junit, args.pytest_args)
-    checks = {"env": part_env, "single": part_single, "nccl1": part_nccl1,
-              "mpi": lambda: part_mpi("mpi"), "nccl": lambda: part_mpi("nccl")}
+    checks = {"env": part_env, "collectives": lambda: part_collectives(args.backend),
+              "gpt": lambda: part_gpt(args.backend, args.tiny),
+              "float16": lambda: part_float16(args.backend, args.tiny), "mpi": part_mpi}
+    started = time.perf_counter()
     result = checks[args.part]()
     from mpi4py import MPI
 
     if args.result is not None and MPI.COMM_WORLD.rank == 0:
+        result["part_seconds"] = round(time.perf_counter() - started, 2)
         args.result.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return 0
 
@@ -226,7 +470,9 @@ def run_check(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", required=True,
-                        choices=("env", "single", "nccl1", "mpi", "nccl", "pytest"))
+                        choices=("env", "collectives", "gpt", "float16", "mpi", "pytest"))
+    parser.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
+    parser.add_argument("--tiny", action="store_true", help="gpt, float16: a tiny GPT")
     parser.add_argument("--result", type=Path, help="write the check's findings here")
     parser.add_argument("--junit", help="(--part pytest) JUnit file prefix")
     parser.add_argument("pytest_args", nargs="*", help="(--part pytest) after --")

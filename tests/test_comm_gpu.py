@@ -50,6 +50,24 @@ def test_vendor_hints_when_the_symbol_is_missing(monkeypatch):
     assert aware is False and "set MPISHARD_CUDA_AWARE=1 if it is" in how
 
 
+def test_open_mpi_cuda_support_variable_is_not_proof(monkeypatch):
+    """OMPI_MCA_opal_cuda_support=true asks for CUDA support; an Open MPI built
+    without it ignores the variable, so only MPIX_Query_cuda_support decides."""
+    monkeypatch.setattr(gpu, "loaded_libmpi", lambda: "/opt/openmpi/lib/libmpi.so.40")
+    monkeypatch.setattr(gpu, "query_cuda_support", lambda path: None)
+    hint = {"OMPI_MCA_opal_cuda_support": "true"}
+    aware, how = detect_cuda_aware(environ=hint)
+    assert aware is False
+    assert "OMPI_MCA_opal_cuda_support=true is set, but Open MPI builds without CUDA " \
+           "ignore it" in how and "staged" in how
+    monkeypatch.setattr(gpu, "query_cuda_support", lambda path: 1)
+    aware, how = detect_cuda_aware(environ=hint)
+    assert aware is True and how == ("MPIX_Query_cuda_support() = 1 in "
+                                     "/opt/openmpi/lib/libmpi.so.40")
+    monkeypatch.setattr(gpu, "query_cuda_support", lambda path: 0)
+    assert detect_cuda_aware(environ=hint)[0] is False
+
+
 def test_communicator_override_skips_detection(monkeypatch):
     monkeypatch.setattr(gpu, "loaded_libmpi", lambda: pytest.fail("detection ran"))
     comm = Communicator(MPI.COMM_SELF, cuda_aware=True)

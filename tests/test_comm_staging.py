@@ -6,85 +6,21 @@ stream counts synchronisations, so the "sync once before MPI" rule
 ([Note: device buffers]) is visible. The real CuPy paths run in
 scripts/gpu_check.sh.
 """
-import sys
-import types
-
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpishard.comm import gpu
 from mpishard.comm.gpu import DevicePath
-from mpishard.comm.testing import COMM_KINDS, make_test_comm, required_size
+from mpishard.comm.testing import (COMM_KINDS, FakeDeviceArray, install_fake_cupy,
+                                   make_test_comm, required_size)
 
 pytestmark = [pytest.mark.timeout(60)]
 
 
-class FakeStream:
-    def __init__(self):
-        self.syncs = 0
-
-    def synchronize(self):
-        self.syncs += 1
-
-
-class FakeDeviceArray:
-    """Device memory stand-in (``type(a).__module__`` starts with "cupy")."""
-
-    __module__ = "cupy"
-
-    def __init__(self, host):
-        self._a = host
-
-    shape = property(lambda self: self._a.shape)
-    dtype = property(lambda self: self._a.dtype)
-    size = property(lambda self: self._a.size)
-    nbytes = property(lambda self: self._a.nbytes)
-    ndim = property(lambda self: self._a.ndim)
-    strides = property(lambda self: self._a.strides)
-    flags = property(lambda self: self._a.flags)
-    data = property(lambda self: types.SimpleNamespace(ptr=self._a.ctypes.data))
-
-    def get(self, stream=None, out=None):
-        out[...] = self._a
-        return out
-
-    def set(self, host, stream=None):
-        self._a[...] = host
-
-    def reshape(self, *shape):
-        return FakeDeviceArray(self._a.reshape(*shape))
-
-    def __getitem__(self, key):
-        return FakeDeviceArray(self._a[key])
-
-    def __setitem__(self, key, value):
-        self._a[key] = value._a if isinstance(value, FakeDeviceArray) else value
-
-    def __itruediv__(self, x):
-        self._a /= x
-        return self
-
-    def host(self):
-        return self._a.copy()
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    stream = FakeStream()
-    pinned = []
-
-    def empty_pinned(shape, dtype):
-        pinned.append(shape)
-        return np.empty(shape, dtype)
-
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: stream)
-    cupy.empty = lambda shape, dtype: FakeDeviceArray(np.empty(shape, dtype))
-    cupyx = types.ModuleType("cupyx")
-    cupyx.empty_pinned = empty_pinned
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
-    return types.SimpleNamespace(stream=stream, pinned=pinned)
+    return install_fake_cupy(monkeypatch)
 
 
 def device(a):
@@ -141,10 +77,10 @@ def test_staged_collectives(comm, fake_cupy, blocking):
 
 def test_device_path_branches(fake_cupy):
     a = device(np.arange(4.0))
-    direct = DevicePath(True, "test", stage_nonblocking_reductions=True)
+    direct = DevicePath(True, "test", stage_nonblocking=True)
     assert direct.for_mpi(a, copy_in=True, copy_out=True) == (a, None)
     assert fake_cupy.stream.syncs == 1  # synchronised even when passed straight through
-    host, back = direct.for_mpi(a, copy_in=True, copy_out=True, nonblocking_reduction=True)
+    host, back = direct.for_mpi(a, copy_in=True, copy_out=True, nonblocking=True)
     assert isinstance(host, np.ndarray) and (host == np.arange(4.0)).all()
     host += 1
     back()
@@ -152,3 +88,46 @@ def test_device_path_branches(fake_cupy):
     staged = DevicePath(False, "test")
     host, back = staged.for_mpi(a, copy_in=False, copy_out=False)
     assert isinstance(host, np.ndarray) and back is None and fake_cupy.pinned == [(4,), (4,)]
+
+
+@pytest.fixture(params=[k for k in COMM_KINDS if k != "self"])
+def aware_open_mpi(request, monkeypatch):
+    """A CUDA-aware communicator of size > 1 on what claims to be Open MPI."""
+    kind = request.param
+    if MPI.COMM_WORLD.Get_size() < max(2, required_size(kind)):
+        pytest.skip(f"{kind} needs more than one rank")
+    monkeypatch.setattr(gpu, "mpi_vendor", lambda: "Open MPI")
+    c = make_test_comm(kind, cuda_aware=True)
+    if c is None:
+        pytest.skip("sits out")
+    yield c
+    c.free()
+
+
+@pytest.mark.mpi
+def test_open_mpi_stages_every_nonblocking_collective(aware_open_mpi, fake_cupy):
+    """libnbc treats buffers as host memory: a device buffer handed to it unstaged
+    would reach mpi4py here, which has no buffer to read in the fake, and raise."""
+    comm = aware_open_mpi
+    n, r = comm.size, comm.rank
+    got = comm.iall_gather(device(np.full(2, r, np.float32))).wait()
+    np.testing.assert_array_equal(got.host(), np.repeat(np.arange(n), 2).astype(np.float32))
+    buf = device(np.full(3, r, np.float64))
+    comm.ibroadcast(buf, root=n - 1).wait()
+    np.testing.assert_array_equal(buf.host(), np.full(3, n - 1.0))
+    exchanged = comm.iall_to_all(device(100.0 * r + np.arange(n))).wait()
+    np.testing.assert_array_equal(exchanged.host(), 100.0 * np.arange(n) + r)
+    buf = device(np.full(2, r, np.float32))
+    comm.iall_reduce(buf).wait()
+    np.testing.assert_array_equal(buf.host(), np.full(2, n * (n - 1) / 2, np.float32))
+    assert len(fake_cupy.pinned) == 6  # each of the six buffers went through a pinned copy
+
+
+def test_device_path_stages_nonblocking_only_where_asked(fake_cupy):
+    a = device(np.arange(3.0))
+    open_mpi = DevicePath(True, "test", stage_nonblocking=True)
+    for_nbc, back = open_mpi.for_mpi(a, copy_in=True, copy_out=False, nonblocking=True)
+    assert isinstance(for_nbc, np.ndarray) and back is None
+    assert open_mpi.for_mpi(a, copy_in=True, copy_out=False) == (a, None)  # blocking, p2p
+    other = DevicePath(True, "test")
+    assert other.for_mpi(a, copy_in=True, copy_out=True, nonblocking=True) == (a, None)

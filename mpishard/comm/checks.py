@@ -13,6 +13,17 @@ caller's back: a hidden copy of an output buffer would have to be copied back
 (surprising, and two extra passes over memory), and a hidden copy of an input
 is the kind of cost that disappears from profiles. ``xp.ascontiguousarray(a)``
 is the fix the error names.
+
+[Note: 16-bit floats on MPI]
+Many MPI builds have no float16 datatype (mpi4py's ``'e'`` typecode maps to
+``MPIX_C_FLOAT16`` only where the library defines it; Open MPI does not), and
+none has bfloat16. So on the MPI path gathers, broadcasts, all-to-all and
+point-to-point move both as uint16 (the same bytes, :func:`wire_view`), and
+float16 reductions run in float32 (:func:`widened`: a float32 copy goes to MPI
+and the result is rounded back once, so sums are the correctly rounded float16
+of the float32 sum). Whether MPI has a datatype is asked only on the MPI path
+(:func:`check_wire_dtype`), so NCCL, which has float16, never depends on it.
+bfloat16 reductions are refused (reduce in float32).
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ __all__ = [
     "OBJ_OPS",
     "mpi_reduce_op",
     "check_array",
+    "check_wire_dtype",
     "check_reduction",
     "check_pair",
     "check_root",
@@ -36,6 +48,9 @@ __all__ = [
     "all_gather_recv",
     "all_to_all_recv",
     "data_pointer",
+    "is_float16",
+    "wire_view",
+    "widened",
 ]
 
 #: Array reductions: op name -> the MPI op that runs on the wire. ``avg`` is a
@@ -58,6 +73,7 @@ def mpi_reduce_op(op: str, where: str):
 
 @functools.lru_cache(maxsize=None)
 def _mpi_has_datatype(char: str) -> bool:
+    """Whether this MPI library has a datatype for the NumPy typecode ``char``."""
     try:
         return MPI.Datatype.fromcode(char) != MPI.DATATYPE_NULL
     except (KeyError, ValueError, MPI.Exception):
@@ -75,8 +91,9 @@ def check_array(a, where: str, role: str, *, output: bool = False) -> None:
 
     Raises:
         TypeError: ``a`` is not a NumPy or CuPy array.
-        ValueError: not C-contiguous (see [Note: contiguous buffers]), read-only
-            output, or a dtype this MPI library has no datatype for.
+        ValueError: not C-contiguous (see [Note: contiguous buffers]) or a
+            read-only output. (Whether MPI has a datatype for the dtype is asked
+            on the MPI path only: :func:`check_wire_dtype`.)
     """
     flags = getattr(a, "flags", None)
     if flags is None or not hasattr(a, "dtype"):
@@ -93,7 +110,18 @@ def check_array(a, where: str, role: str, *, output: bool = False) -> None:
         raise ValueError(
             f"{where}: {role} is read-only but receives data; pass a writeable "
             f"array (e.g. {role}.copy())")
-    if a.dtype.name != "bfloat16" and not _mpi_has_datatype(a.dtype.char):  # see is_bfloat16
+
+
+def check_wire_dtype(a, where: str, role: str = "buf") -> None:
+    """Check that MPI can describe ``a`` as it goes on the wire (:func:`wire_view`).
+
+    Run on the MPI path only (see [Note: 16-bit floats on MPI]).
+
+    Raises:
+        ValueError: this MPI library has no datatype for the dtype.
+    """
+    char = wire_view(a).dtype.char
+    if not _mpi_has_datatype(char):
         raise ValueError(
             f"{where}: {role} has dtype {a.dtype}, for which this MPI library "
             f"({MPI.get_vendor()[0]}) has no datatype; use float32 or float64")
@@ -130,9 +158,44 @@ def is_bfloat16(a) -> bool:
     return a.dtype.name == "bfloat16"
 
 
+def is_float16(a) -> bool:
+    """Whether ``a`` holds float16 (see [Note: 16-bit floats on MPI])."""
+    return a.dtype.name == "float16"
+
+
 def wire_view(a):
-    """``a`` as MPI can describe it: bfloat16 viewed as uint16 (same bytes), else ``a``."""
-    return a.view(np.uint16) if is_bfloat16(a) else a
+    """``a`` as MPI can describe it: bfloat16 and float16 viewed as uint16 (the
+    same bytes), anything else as is. For data movement only, never reductions."""
+    return a.view(np.uint16) if a.dtype.name in ("bfloat16", "float16") else a
+
+
+def widened(buffers, divide=None):
+    """float32 stand-ins for the float16 buffers of an MPI reduction.
+
+    Args:
+        buffers: ``(array, mpi_reads, mpi_writes)`` per buffer (see ``Call``).
+        divide: the buffer an ``avg`` divides afterwards, or ``None``.
+
+    Returns:
+        ``(wide_buffers, wide_divide, narrow)``: the buffers with each array
+        replaced by a float32 one (a copy where MPI reads it), the stand-in of
+        ``divide``, and a step that rounds the results back into the float16
+        arrays MPI would have written (run it after the division).
+    """
+    wide, back, wide_divide = [], [], None
+    for array, reads, writes in buffers:
+        stand_in = (array.astype(np.float32) if reads
+                    else xp_of(array).empty(array.shape, dtype=np.float32))
+        wide.append((stand_in, reads, writes))
+        if writes:
+            back.append((array, stand_in))
+        if array is divide:
+            wide_divide = stand_in
+
+    def narrow():
+        for array, stand_in in back:
+            array[...] = stand_in  # one rounding, float32 -> float16
+    return tuple(wide), wide_divide, narrow
 
 
 def data_pointer(a) -> int:

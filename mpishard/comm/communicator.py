@@ -38,7 +38,7 @@ from . import checks
 from .debug import CallHistory, CallLog, Family
 from .env import settings_from_env
 from .handles import Handle
-from .nccl import COMM_BACKENDS, resolve_comm_backend
+from .nccl import COMM_BACKENDS, choose_comm_backend
 from .messages import Messages
 from .runner import Call, Runner
 from .stats import CommStats
@@ -59,7 +59,9 @@ class Communicator(Runner, Messages):
         timeout: seconds after which a stuck collective aborts the job
             (``None``: no watchdog).
         comm_backend: ``"mpi"``, ``"nccl"`` (CuPy arrays via NCCL) or ``"auto"``
-            (NCCL when it loads, else MPI).
+            (NCCL when it loads and no two ranks of a node share a GPU, else
+            MPI; ``comm_backend_how`` says which and why, see [Note: one GPU
+            per rank]).
         cuda_aware: ``True``/``False`` to skip CUDA-aware detection.
         history_size: how many calls the call history keeps.
 
@@ -85,7 +87,7 @@ class Communicator(Runner, Messages):
         self.size = mpi_comm.Get_size()
         self.debug = bool(debug)
         self.timeout = None if timeout is None else float(timeout)
-        self.comm_backend = resolve_comm_backend(comm_backend)
+        self.comm_backend, self.comm_backend_how = choose_comm_backend(comm_backend)
         self.stats = CommStats()
         self.history = CallHistory(history_size)
         self._cuda_aware_override = cuda_aware
@@ -94,8 +96,15 @@ class Communicator(Runner, Messages):
         self._device_path_cache = None          # a gpu.DevicePath once a device array is seen
         self._nccl = None
         self._owned = _owned
-        self._family = _family if _family is not None else Family(self.timeout)
+        if _family is None:
+            _family = Family(self.timeout)
+            _family.auto_backend = comm_backend == "auto"
+        self._family = _family
         self._family.add(self)
+        # split/dup children of an "auto" communicator inherit its choice so far
+        # ("nccl"), and still check for shared GPUs in their own group
+        self._auto_backend = self.comm_backend == "nccl" and (
+            comm_backend == "auto" or _family.auto_backend)
         self._calls = CallLog(mpi_comm, name, debug=self.debug, watchdog=self._family.watchdog,
                               history=self.history, stats=self.stats)
 

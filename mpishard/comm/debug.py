@@ -240,13 +240,23 @@ class CallLog:
             self.watchdog.disarm()
         return entry
 
-    def end(self, entry: CallRecord, kind: str | None, nbytes: int) -> None:
-        """Finish a call: elapsed time, watchdog off, statistics under ``kind``."""
+    def end(self, entry: CallRecord, kind: str | None, nbytes: int,
+            device_seconds=None) -> None:
+        """Finish a call: elapsed time, watchdog off, statistics under ``kind``.
+
+        ``device_seconds`` (a callable) replaces the host's elapsed time in the
+        statistics for a call the host did not wait for (NCCL): it is called
+        when the statistics are read.
+        """
         entry.elapsed = time.perf_counter() - entry.started
         if self.watchdog is not None:
             self.watchdog.disarm()
-        if kind is not None:
+        if kind is None:
+            return
+        if device_seconds is None:
             self.stats.record(kind, nbytes, self.size, entry.elapsed)
+        else:
+            self.stats.record_deferred(kind, nbytes, self.size, device_seconds)
 
 
 class Family:
@@ -254,6 +264,7 @@ class Family:
 
     def __init__(self, timeout: float | None, on_timeout=None):
         self.timeout = timeout
+        self.auto_backend = False   # comm_backend="auto" was asked for (nccl.py)
         self._members: list[weakref.ref] = []
         self.watchdog = (Watchdog(timeout, self.report, on_timeout)
                          if timeout else None)

@@ -17,10 +17,16 @@ current CuPy stream. Then one of two things:
   that, and outputs are copied back to the device before the call returns (or,
   for non-blocking calls, in ``Handle.wait``).
 
-Open MPI crashes on non-blocking reductions of device buffers even when built
-with CUDA, so on Open MPI ``iall_reduce`` and ``ireduce_scatter`` stage anyway.
-The NCCL backend (:mod:`mpishard.comm.nccl`) bypasses all of this for its
-collectives.
+Open MPI runs every non-blocking collective (``iall_reduce``,
+``ireduce_scatter``, ``iall_gather``, ``ibroadcast``, ``iall_to_all``) in
+libnbc, which reads and writes the buffers as host memory even in a CUDA build
+(it crashes on device pointers), so on Open MPI those stage anyway; its
+point-to-point calls take device buffers. And Open MPI's
+``OMPI_MCA_opal_cuda_support=true`` is a request that a build without CUDA
+ignores, so it is not taken as a hint: on Open MPI only
+``MPIX_Query_cuda_support() == 1`` (or ``MPISHARD_CUDA_AWARE=1``) makes MPI
+CUDA-aware. The NCCL backend (:mod:`mpishard.comm.nccl`) bypasses all of this
+for its collectives.
 """
 from __future__ import annotations
 
@@ -30,11 +36,12 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import cupy_or_none
+from ..backend import cupy_or_none, xp_of
 
 __all__ = [
     "DevicePath",
     "is_device_array",
+    "mpi_vendor",
     "loaded_libmpi",
     "query_cuda_support",
     "detect_cuda_aware",
@@ -47,8 +54,14 @@ _VENDOR_HINTS = (
     ("MPICH_GPU_SUPPORT_ENABLED", "1", "Cray MPICH"),
     ("MV2_USE_CUDA", "1", "MVAPICH2-GDR"),
     ("I_MPI_OFFLOAD", "1", "Intel MPI"),
-    ("OMPI_MCA_opal_cuda_support", "true", "Open MPI"),
 )
+#: Set to ask for CUDA support, but a build without it ignores the setting: not a hint.
+_UNTRUSTED_HINTS = (("OMPI_MCA_opal_cuda_support", "true", "Open MPI"),)
+
+
+def mpi_vendor() -> str:
+    """The MPI library's vendor name (``MPI.get_vendor()[0]``: ``"Open MPI"``, ``"MPICH"``)."""
+    return MPI.get_vendor()[0]
 
 
 def is_device_array(a) -> bool:
@@ -62,33 +75,34 @@ class DevicePath:
     Args:
         cuda_aware: whether the MPI library reads device memory.
         how: how ``cuda_aware`` was decided, for reports.
-        stage_nonblocking_reductions: stage ``iall_reduce``/``ireduce_scatter``
-            even when CUDA-aware (true on Open MPI).
+        stage_nonblocking: stage non-blocking collectives even when CUDA-aware
+            (true on Open MPI, whose libnbc treats buffers as host memory).
     """
 
-    def __init__(self, cuda_aware: bool, how: str,
-                 stage_nonblocking_reductions: bool = False):
+    def __init__(self, cuda_aware: bool, how: str, stage_nonblocking: bool = False):
         self.cuda_aware = cuda_aware
         self.how = how
-        self.stage_nonblocking_reductions = stage_nonblocking_reductions
+        self.stage_nonblocking = stage_nonblocking
 
-    def for_mpi(self, a, *, copy_in: bool, copy_out: bool,
-                nonblocking_reduction: bool = False):
+    def for_mpi(self, a, *, copy_in: bool, copy_out: bool, nonblocking: bool = False):
         """Return ``(buffer for mpi4py, copy_back or None)`` for device array ``a``.
 
         Args:
             a: a C-contiguous CuPy array.
             copy_in: MPI reads ``a`` (its values must reach the staging buffer).
             copy_out: MPI writes ``a`` (``copy_back()`` moves them to ``a``).
-            nonblocking_reduction: the call is ``iall_reduce`` or
-                ``ireduce_scatter``.
+            nonblocking: the call is a non-blocking collective (``iall_reduce``,
+                ``ireduce_scatter``, ``iall_gather``, ``ibroadcast``,
+                ``iall_to_all``; not ``isend``/``irecv``).
         """
+        stage = getattr(xp_of(a), "stage_for_mpi", None)
+        if stage is not None:   # mpishard.strict (tests): host memory under CuPy's rules
+            return stage(a, copy_in=copy_in, copy_out=copy_out)
         import cupy  # noqa: PLC0415 (a device array exists, so CuPy imports)
 
         stream = cupy.cuda.get_current_stream()
         stream.synchronize()
-        direct = self.cuda_aware and not (
-            nonblocking_reduction and self.stage_nonblocking_reductions)
+        direct = self.cuda_aware and not (nonblocking and self.stage_nonblocking)
         if direct:
             return a, None
         import cupyx  # noqa: PLC0415
@@ -154,7 +168,8 @@ def detect_cuda_aware(override: bool | None = None,
 
     Order: an explicit ``override``; ``MPIX_Query_cuda_support()`` in the
     loaded libmpi; a vendor's GPU-support environment variable (Cray MPICH,
-    MVAPICH2-GDR, Intel MPI, Open MPI); otherwise not CUDA-aware.
+    MVAPICH2-GDR, Intel MPI; not Open MPI's ``OMPI_MCA_opal_cuda_support``,
+    which a build without CUDA ignores); otherwise not CUDA-aware.
 
     Args:
         override: ``True``/``False`` to skip detection.
@@ -172,9 +187,13 @@ def detect_cuda_aware(override: bool | None = None,
         if environ.get(var, "").lower() == value:
             return True, (f"{var}={environ[var]} ({vendor} GPU support); no "
                           f"MPIX_Query_cuda_support in {libmpi}")
+    ignored = "".join(
+        f"; {var}={environ[var]} is set, but {vendor} builds without CUDA ignore it, "
+        f"so it proves nothing" for var, value, vendor in _UNTRUSTED_HINTS
+        if environ.get(var, "").lower() == value)
     return False, (f"no MPIX_Query_cuda_support in {libmpi or 'the loaded MPI library'} "
-                   f"and no vendor hint; assuming not CUDA-aware (set "
-                   f"MPISHARD_CUDA_AWARE=1 if it is)")
+                   f"and no vendor hint{ignored}; assuming not CUDA-aware, device "
+                   f"buffers are staged (set MPISHARD_CUDA_AWARE=1 if it is)")
 
 
 def nccl_available() -> tuple[bool, str]:

@@ -2,7 +2,8 @@
 that do not go through the array runner (see [Note: one collective runner]).
 
 Point-to-point calls are not fingerprinted (the two sides legitimately
-differ) and always use MPI, also with ``comm_backend="nccl"``. The ``*_obj``
+differ) and always use MPI, also with ``comm_backend="nccl"`` (float16 and
+bfloat16 as uint16, see [Note: 16-bit floats on MPI]). The ``*_obj``
 forms pickle small Python values (metadata, never arrays on a hot path).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Messages:
     def isend(self, buf, dest: int, tag: int = 0) -> Handle:
         """Non-blocking :meth:`send`; ``handle.wait()`` returns ``buf``."""
         checks.check_array(buf, "send", "buf")
+        checks.check_wire_dtype(buf, "send")
         dest = checks.check_peer(dest, self.size, self.rank, "send")
         entry = self._calls.begin(f"send->{dest}", buf.shape, buf.dtype, f"tag={tag}",
                                   p2p=True, nonblocking=True)
@@ -40,6 +42,7 @@ class Messages:
     def irecv(self, buf, source: int, tag: int = 0) -> Handle:
         """Non-blocking :meth:`recv`; ``handle.wait()`` returns ``buf``."""
         checks.check_array(buf, "recv", "buf", output=True)
+        checks.check_wire_dtype(buf, "recv")
         source = checks.check_peer(source, self.size, self.rank, "recv", any_ok=True)
         entry = self._calls.begin(f"recv<-{source}", buf.shape, buf.dtype, f"tag={tag}",
                                   p2p=True, nonblocking=True)

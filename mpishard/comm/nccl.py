@@ -19,19 +19,37 @@ returns without blocking the host; a handle's ``wait()`` does the same. So the
 result is ready *in stream order*, which is all CuPy code needs. With a
 watchdog timeout the host also waits for the event, so a hang becomes visible.
 Point-to-point ``send``/``recv`` and the ``*_obj`` forms always use MPI.
+
+Because the host does not wait, the wall time from issue to return says
+nothing about an NCCL collective. Its statistics use the device time between
+two CUDA events recorded on the NCCL stream around it, read when the
+statistics are read (see [Note: bus bytes] in :mod:`.stats`).
+
+[Note: one GPU per rank]
+NCCL refuses a group in which two ranks use the same GPU ("Duplicate GPU
+detected", ``ncclInvalidUsage``). So ``comm_backend="auto"`` decides at the
+first device collective, when every rank has bound its GPU: the ranks
+all-gather (host, PCI bus id of the current device) and, when two ranks of one
+node share a device, the communicator falls back to MPI, says why in a warning
+(rank 0 of the group) and in ``comm_backend_how``, and never builds the NCCL
+group. An explicit ``"nccl"`` is left to fail in NCCL with its own message.
 """
 from __future__ import annotations
+
+import socket
 
 from .gpu import nccl_available
 from .handles import EventRequest
 
-__all__ = ["NcclGroup", "nccl_dtype", "resolve_comm_backend", "COMM_BACKENDS"]
+__all__ = ["NcclGroup", "nccl_dtype", "resolve_comm_backend", "choose_comm_backend",
+           "device_identity", "shared_gpu", "COMM_BACKENDS"]
 
 COMM_BACKENDS = ("mpi", "nccl", "auto")
 
 
-def resolve_comm_backend(comm_backend: str) -> str:
-    """``"mpi"`` or ``"nccl"`` for a requested backend (``"auto"``: NCCL if it loads).
+def choose_comm_backend(comm_backend: str) -> tuple[str, str]:
+    """``("mpi" or "nccl", why)`` for a requested backend (``"auto"``: NCCL if it
+    loads; see [Note: one GPU per rank] for what ``auto`` checks later).
 
     Raises:
         ValueError: an unknown name, or ``"nccl"`` where NCCL does not load.
@@ -39,13 +57,57 @@ def resolve_comm_backend(comm_backend: str) -> str:
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"unknown comm_backend {comm_backend!r}; use one of {COMM_BACKENDS}")
     if comm_backend == "mpi":
-        return "mpi"
+        return "mpi", "comm_backend='mpi'"
     ok, why = nccl_available()
     if comm_backend == "nccl" and not ok:
         raise ValueError(f"comm_backend='nccl' but NCCL is unavailable ({why}); install "
                          f"CuPy with NCCL (pip install 'mpishard[cuda12]' nvidia-nccl-cu12) "
                          f"or use comm_backend='mpi'")
-    return "nccl" if ok else "mpi"
+    if comm_backend == "nccl":
+        return "nccl", f"comm_backend='nccl' ({why})"
+    if not ok:
+        return "mpi", f"auto: NCCL unavailable ({why})"
+    return "nccl", (f"auto: {why}, unless ranks of one node share a GPU (checked at the "
+                    f"first device collective)")
+
+
+def resolve_comm_backend(comm_backend: str) -> str:
+    """``"mpi"`` or ``"nccl"`` for a requested backend (:func:`choose_comm_backend`)."""
+    return choose_comm_backend(comm_backend)[0]
+
+
+def device_identity(device: int | None = None) -> str:
+    """What tells GPUs apart across processes: the PCI bus id of ``device`` (default:
+    the current CuPy device), which stays the same whatever each process's
+    ``CUDA_VISIBLE_DEVICES`` numbers it."""
+    import cupy  # noqa: PLC0415
+
+    index = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    try:
+        return str(cupy.cuda.Device(index).pci_bus_id)
+    except Exception:  # noqa: BLE001 (an old CuPy: fall back to the index)
+        return f"cuda:{index}"
+
+
+def shared_gpu(entries: list) -> str | None:
+    """The first two ranks on one host with one GPU, described; ``None`` if none.
+
+    Args:
+        entries: ``(host, device identity)`` per rank, indexed by rank.
+    """
+    seen: dict = {}
+    for rank, key in enumerate(entries):
+        key = tuple(key)
+        if key in seen:
+            host, device = key
+            return f"ranks {seen[key]} and {rank} on host {host} share GPU {device}"
+        seen[key] = rank
+    return None
+
+
+def gather_devices(mpi_comm) -> list:
+    """``(host, device identity)`` of every rank (collective over ``mpi_comm``)."""
+    return mpi_comm.allgather((socket.gethostname(), device_identity()))
 
 
 def nccl_dtype(dtype):
@@ -63,11 +125,25 @@ def nccl_dtype(dtype):
 
 
 class _StreamEvent(EventRequest):
-    """Completion of an NCCL operation, waited for in stream order."""
+    """Completion of an NCCL operation, waited for in stream order.
 
-    def __init__(self, event, host_sync: bool):
+    ``start`` is the event recorded on the NCCL stream just before the
+    operation: :meth:`device_seconds` is the device time between the two.
+    """
+
+    def __init__(self, event, host_sync: bool, start=None):
         super().__init__(event)
         self.host_sync = host_sync
+        self.start = start
+
+    def device_seconds(self) -> float:
+        """Seconds the operation took on the device (waits for it to finish)."""
+        import cupy  # noqa: PLC0415
+
+        self.event.synchronize()
+        if self.start is None:
+            return 0.0
+        return float(cupy.cuda.get_elapsed_time(self.start, self.event)) / 1e3
 
     def Wait(self) -> None:  # noqa: N802 (MPI naming)
         import cupy  # noqa: PLC0415
@@ -103,47 +179,49 @@ class NcclGroup:
         return nccl_dtype(a.dtype) is not None
 
     def _enter(self):
-        # Order the NCCL stream after everything already queued by the caller.
+        """Order the NCCL stream after everything already queued by the caller;
+        return the event that starts the operation's timing."""
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
+        return self.stream.record()
 
-    def _leave(self, host_sync: bool) -> _StreamEvent:
-        return _StreamEvent(self.stream.record(), host_sync)
+    def _leave(self, host_sync: bool, start=None) -> _StreamEvent:
+        return _StreamEvent(self.stream.record(), host_sync, start)
 
     def all_reduce(self, buf, op: str, host_sync: bool = False) -> _StreamEvent:
         """Reduce ``buf`` in place over the group (``avg`` divides after)."""
-        self._enter()
+        start = self._enter()
         ptr = buf.data.ptr
         self.comm.allReduce(ptr, ptr, buf.size, nccl_dtype(buf.dtype),
                             self._ops[op], self.stream.ptr)
         if op == "avg":
             with self.stream:
                 buf /= self.size
-        return self._leave(host_sync)
+        return self._leave(host_sync, start)
 
     def reduce_scatter(self, send, recv, op: str, host_sync: bool = False) -> _StreamEvent:
         """Reduce ``send``'s blocks; this rank's block lands in ``recv``."""
-        self._enter()
+        start = self._enter()
         self.comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size,
                                 nccl_dtype(send.dtype), self._ops[op], self.stream.ptr)
         if op == "avg":
             with self.stream:
                 recv /= self.size
-        return self._leave(host_sync)
+        return self._leave(host_sync, start)
 
     def all_gather(self, send, recv, host_sync: bool = False) -> _StreamEvent:
         """Gather every rank's ``send`` into ``recv`` (rank-major; in place allowed)."""
-        self._enter()
+        start = self._enter()
         self.comm.allGather(send.data.ptr, recv.data.ptr, send.size,
                             nccl_dtype(send.dtype), self.stream.ptr)
-        return self._leave(host_sync)
+        return self._leave(host_sync, start)
 
     def broadcast(self, buf, root: int, host_sync: bool = False) -> _StreamEvent:
         """Copy root's ``buf`` into every rank's ``buf``."""
-        self._enter()
+        start = self._enter()
         ptr = buf.data.ptr
         self.comm.broadcast(ptr, ptr, buf.size, nccl_dtype(buf.dtype), root,
                             self.stream.ptr)
-        return self._leave(host_sync)
+        return self._leave(host_sync, start)
 
     def close(self) -> None:
         """Release the NCCL communicator (collective)."""

@@ -25,10 +25,14 @@ barrier, *_obj     0 (calls and time only)      0
 At ``n == 1`` every collective has zero bus bytes (nothing leaves the rank).
 Seconds are wall time on this rank from issue to completion; for a
 non-blocking collective that includes whatever the caller overlapped with it.
+NCCL collectives return before they run (see [Note: NCCL streams]), so theirs
+are the device time between CUDA events recorded around them, read -- waiting
+for those events -- when the statistics are read, not on the hot path.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 __all__ = ["CommStats", "KindStats", "bus_bytes"]
 
@@ -84,6 +88,7 @@ class CommStats:
     def __init__(self):
         self._kinds: dict[str, KindStats] = {}
         self._factors: dict[tuple[str, int], float] = {}  # (kind, size) -> bus factor
+        self._pending: list[tuple[KindStats, Callable[[], float]]] = []
 
     def record(self, kind: str, nbytes: int, size: int, seconds: float) -> None:
         """Add one call of ``kind`` moving a message of ``nbytes`` bytes."""
@@ -99,11 +104,25 @@ class CommStats:
             entry.bytes += nbytes
             entry.bus_bytes += int(round(factor * nbytes))
 
+    def record_deferred(self, kind: str, nbytes: int, size: int,
+                        seconds: Callable[[], float]) -> None:
+        """Like :meth:`record`, with ``seconds()`` called when the statistics are
+        next read (device time of a call the host did not wait for)."""
+        self.record(kind, nbytes, size, 0.0)
+        self._pending.append((self._kinds[kind], seconds))
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, []
+        for entry, seconds in pending:
+            entry.seconds += seconds()
+
     def reset(self) -> None:
         """Forget everything (call at the start of each step)."""
         self._kinds.clear()
+        self._pending.clear()
 
     def __getitem__(self, kind: str) -> KindStats:
+        self._settle()
         return self._kinds.get(kind, KindStats())
 
     def kinds(self) -> list[str]:
@@ -112,6 +131,7 @@ class CommStats:
 
     def snapshot(self) -> dict[str, dict]:
         """A plain copy: ``{kind: {calls, bytes, bus_bytes, seconds}}``."""
+        self._settle()
         return {kind: asdict(entry) for kind, entry in self._kinds.items()}
 
     @property
@@ -127,6 +147,7 @@ class CommStats:
     @property
     def total_seconds(self) -> float:
         """Seconds over all kinds."""
+        self._settle()
         return sum(e.seconds for e in self._kinds.values())
 
     @classmethod
@@ -134,6 +155,7 @@ class CommStats:
         """Sum several communicators' stats (e.g. the axes of a mesh)."""
         out = cls()
         for one in stats:
+            one._settle()
             for kind, entry in one._kinds.items():
                 mine = out._kinds.setdefault(kind, KindStats())
                 mine.calls += entry.calls
@@ -144,6 +166,7 @@ class CommStats:
 
     def format(self) -> str:
         """A small table, one line per kind."""
+        self._settle()
         lines = [f"{'collective':<16}{'calls':>7}{'MiB':>11}{'bus MiB':>11}"
                  f"{'seconds':>10}{'bus GB/s':>10}"]
         for kind, e in self._kinds.items():
