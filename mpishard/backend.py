@@ -1,8 +1,10 @@
 """Array backends (NumPy or CuPy), device binding and the memory ledger.
 
-Every array in mpishard belongs to one array module, ``numpy`` or ``cupy``.
-Code that works on arrays takes the module from the data (:func:`xp_of`),
-never from a global, so the same function runs on both.
+Every array in mpishard belongs to one array module, ``numpy`` or ``cupy`` (or,
+in tests, :mod:`mpishard.strict`, which computes with NumPy but refuses what
+CuPy refuses and counts host syncs). Code that works on arrays takes the
+module from the data (:func:`xp_of`), never from a global, so the same
+function runs on all of them.
 
 A :class:`Backend` is the small explicit object a model is built with: which
 array module, which device, and the :class:`MemoryLedger` that counts every
@@ -65,7 +67,7 @@ def cupy_or_none():
 
 
 def xp_of(array) -> Any:
-    """Return the array module (``numpy`` or ``cupy``) that owns ``array``."""
+    """Return the array module (``numpy``, ``cupy`` or ``mpishard.strict``) that owns ``array``."""
     if isinstance(array, np.ndarray) or np.isscalar(array):
         return np
     module = type(array).__module__
@@ -73,6 +75,10 @@ def xp_of(array) -> Any:
         import cupy  # noqa: PLC0415
 
         return cupy
+    if module.startswith("mpishard.strict"):
+        from . import strict  # noqa: PLC0415
+
+        return strict
     return np
 
 
@@ -97,8 +103,9 @@ def _visible_gpu_count(cupy) -> int:
 class Backend:
     """Which array module and device a model lives on, plus its memory ledger.
 
-    Build one with :meth:`resolve`. ``name`` is ``"numpy"`` or ``"cupy"``;
-    ``device`` is the CUDA device index (``None`` on NumPy).
+    Build one with :meth:`resolve`. ``name`` is ``"numpy"``, ``"cupy"`` or
+    ``"strict"`` (:mod:`mpishard.strict`, CuPy's rules on the CPU, for tests);
+    ``device`` is the CUDA device index (``None`` on NumPy and strict).
     """
 
     name: str = "numpy"
@@ -107,9 +114,13 @@ class Backend:
 
     @property
     def xp(self):
-        """The array module: ``numpy`` or ``cupy``."""
+        """The array module: ``numpy``, ``cupy`` or ``mpishard.strict``."""
         if self.name == "numpy":
             return np
+        if self.name == "strict":
+            from . import strict  # noqa: PLC0415
+
+            return strict
         import cupy  # noqa: PLC0415
 
         return cupy
@@ -120,8 +131,9 @@ class Backend:
         """Pick the array backend and bind a device.
 
         Args:
-            name: ``"numpy"``, ``"cupy"`` or ``"auto"`` (CuPy when it imports
-                and a GPU is visible, else NumPy).
+            name: ``"numpy"``, ``"cupy"``, ``"auto"`` (CuPy when it imports
+                and a GPU is visible, else NumPy) or ``"strict"`` (NumPy memory
+                behind CuPy's rules, see :mod:`mpishard.strict`).
             local_rank: this rank's index among the ranks on its node; the
                 device is ``local_rank % visible_gpus`` (see
                 :func:`mpishard.comm.node_local_rank`).
@@ -132,12 +144,12 @@ class Backend:
                 without a visible GPU; the message says how to install.
             ValueError: an unknown backend name.
         """
-        if name not in ("numpy", "cupy", "auto"):
+        if name not in ("numpy", "cupy", "auto", "strict"):
             raise ValueError(
-                f"unknown backend {name!r}; use 'numpy', 'cupy' or 'auto'")
+                f"unknown backend {name!r}; use 'numpy', 'cupy', 'auto' or 'strict'")
         ledger = MemoryLedger(budget=memory_budget)
-        if name == "numpy":
-            return cls("numpy", None, ledger)
+        if name in ("numpy", "strict"):
+            return cls(name, None, ledger)
         cupy = cupy_or_none()
         gpus = _visible_gpu_count(cupy) if cupy is not None else 0
         if cupy is None or gpus == 0:
@@ -167,7 +179,9 @@ class Backend:
 
     def describe(self) -> str:
         """Short human description, e.g. ``numpy/cpu`` or ``cupy/cuda:1``."""
-        return "numpy/cpu" if self.name == "numpy" else f"cupy/cuda:{self.device}"
+        if self.name in ("numpy", "strict"):
+            return f"{self.name}/cpu"
+        return f"cupy/cuda:{self.device}"
 
 
 @dataclass

@@ -91,20 +91,18 @@ class ModelConfig:
     rms_eps: float = opt(1e-5, "llama: RMS norm epsilon", above=0.0)
     tie_embeddings: bool = opt(False, "llama: the output layer is the token table (gpt: "
                                "always)", estimate=True)
-    moe_experts: int = opt(0, "experts per mixture-of-experts MLP (0: dense; llama: SwiGLU "
-                           "experts, gpt: GELU)", low=0, estimate=True)
+    moe_experts: int = opt(0, "experts per mixture-of-experts MLP (0: dense)", low=0,
+                           estimate=True)
     moe_top_k: int = opt(2, "experts each token is routed to", low=1, estimate=True)
-    moe_every: int = opt(1, "every n-th block has a mixture of experts (1: all)",
-                         low=1, estimate=True)
-    moe_capacity: float = opt(0.0, "expert capacity factor (0: dropless; else at most "
-                              "ceil(factor * tokens * top_k / experts) tokens an expert)",
-                              low=0.0, estimate=True)
+    moe_every: int = opt(1, "every n-th block has experts (1: all)", low=1, estimate=True)
+    moe_capacity: float = opt(0.0, "expert capacity factor (0: dropless)", low=0.0,
+                              estimate=True)
     moe_aux_coef: float = opt(0.001, "weight of the load-balancing loss", low=0.0)
-    moe_router: str = opt("softmax", "router scores: softmax (Mixtral) or sigmoid "
-                          "(DeepSeek-V3)", choices=("softmax", "sigmoid"), estimate=True)
-    moe_shared_expert: bool = opt(False, "one more expert-shaped MLP every token goes "
-                                  "through (DeepSeekMoE, Qwen-MoE)", estimate=True)
     moe_z_coef: float = opt(0.0, "weight of the router z-loss", low=0.0)
+    moe_router: str = opt("softmax", "router scores (sigmoid: DeepSeek-V3's)",
+                          choices=("softmax", "sigmoid"), estimate=True)
+    moe_shared_expert: bool = opt(False, "one more MLP every token goes through",
+                                  estimate=True)
     dropout: float = opt(0.0, "dropout probability", low=0.0, high=1.0)
     bias: bool = opt(True, "biases in linear and layer-norm layers", estimate=True)
     hidden: list = opt([128, 128], "MLP hidden widths, e.g. [128, 64]", estimate=True)

@@ -6,7 +6,9 @@ multi-rank run only tests marked ``@pytest.mark.mpi`` run; the others already
 ran serially and would only repeat on every rank.
 
 Tests that take the ``array_backend`` fixture run once per array module:
-NumPy always, CuPy too when it imports and sees a GPU. ``MPISHARD_TEST_BACKENDS``
+NumPy and the CuPy-strict module (:mod:`mpishard.strict`: NumPy memory behind
+CuPy's rules, so NumPy assumptions on the device path fail on a CPU) always,
+CuPy too when it imports and sees a GPU. ``MPISHARD_TEST_BACKENDS``
 (comma-separated, e.g. ``cupy``) picks the modules instead; asking for CuPy
 where it cannot run is an error in every such test, never a skip, so a GPU
 check cannot pass without the GPU (scripts/gpu_check.sh sets it).
@@ -22,6 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _world_size() -> int:
@@ -39,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-ARRAY_BACKENDS = ("numpy", "cupy")
+ARRAY_BACKENDS = ("numpy", "strict", "cupy")
 
 
 def _array_backend_names() -> list:
@@ -59,7 +63,7 @@ def _array_backend_names() -> list:
         gpus = cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
     except Exception:  # CuPy imports but finds no driver
         gpus = 0
-    return ["numpy", "cupy"] if gpus else ["numpy"]
+    return ["numpy", "strict", "cupy"] if gpus else ["numpy", "strict"]
 
 
 def _node_local_rank() -> int:
@@ -76,11 +80,16 @@ def array_backend(request):
     """A fresh :class:`mpishard.backend.Backend` for each array module under test.
 
     On CuPy each rank binds GPU ``local rank % GPUs`` (ranks share one GPU).
+    On the strict module, host syncs are counted from zero for each test.
     Raises ``BackendUnavailable`` (an error, not a skip) when CuPy was asked
     for and cannot run.
     """
     from mpishard.backend import Backend
 
+    if request.param == "strict":
+        from mpishard.strict import syncs
+
+        syncs.reset()
     return Backend.resolve(request.param, local_rank=_node_local_rank())
 
 

@@ -1,8 +1,14 @@
-"""The core paths on every array module: NumPy always, CuPy where a GPU is visible.
+"""The core paths on every array module: NumPy and the CuPy-strict module always, CuPy
+where a GPU is visible.
 
-    pytest tests/test_array_modules.py                        # NumPy (+ CuPy with a GPU)
+    pytest tests/test_array_modules.py                        # NumPy, strict (+ CuPy with a GPU)
     MPISHARD_TEST_BACKENDS=cupy pytest tests/test_array_modules.py
     mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/test_array_modules.py
+
+The strict module (mpishard.strict) computes with NumPy but refuses what CuPy
+refuses (``np.asarray`` of a device array, NumPy arrays as operands) and draws
+its own random stream, so these tests find NumPy assumptions on the device path
+without a GPU.
 
 Every test takes the ``array_backend`` fixture (tests/conftest.py), builds its
 arrays there and checks two things: the results stay on that module (no
@@ -24,7 +30,7 @@ import pytest
 from mpi4py import MPI
 
 from ckpt_scripts.common import full_tensors, shared_tmp
-from mpishard.autodiff import Tensor, nn_ops, ops
+from mpishard.autodiff import Tensor, llama_ops, nn_ops, ops
 from mpishard.backend import to_numpy, xp_of
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.comm import Mesh
@@ -50,9 +56,35 @@ _WITH_ARRAYS = {
         x, xp.asarray([1, -100, 0, 2])),
     ("embedding", 0): lambda xp: lambda w: nn_ops.embedding(
         xp.asarray([[0, 3, 3], [1, 0, 4]]), w),
-    # a fresh generator per call: the same mask in every evaluation
-    ("dropout", 0): lambda xp: lambda a: nn_ops.dropout(a, 0.4, xp.random.default_rng(7)),
+    # the mask drawn once, on the host, and used on every module: CuPy's generators
+    # draw another stream than NumPy's (so do the strict module's)
+    ("dropout", 0): lambda xp: lambda a: nn_ops.dropout(a, 0.4, _Drawn(xp.asarray(_UNIFORMS))),
+    # rotary tables on the module, as the Llama model builds them
+    ("rope", 0): lambda xp: lambda x: llama_ops.rope(x, *llama_ops.rope_tables(
+        3, 4, 10000.0, dtype="float64", xp=xp)),
+    ("rope", 1): lambda xp: lambda x: llama_ops.rope(x, *llama_ops.rope_tables(
+        5, 6, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 4}, dtype="float64", xp=xp)),
+    ("rope_qkv", 0): lambda xp: lambda q, k, v: llama_ops.rope_qkv(
+        q, k, v, *llama_ops.rope_tables(3, 4, dtype="float64", xp=xp), [0, 0, 1, 1]),
+    ("rope_qkv", 1): lambda xp: lambda q, k, v: llama_ops.rope_qkv(
+        q, k, v, *llama_ops.rope_tables(2, 2, dtype="float64", xp=xp), [1, 2, 2]),
+    ("rope_qkv", 2): lambda xp: lambda q, k, v: llama_ops.rope_qkv(
+        q, k, v, *llama_ops.rope_tables(2, 4, dtype="float64", xp=xp), [0]),
 }
+_UNIFORMS = np.random.default_rng(7).random((4, 5), dtype=np.float32)
+
+
+class _Drawn:
+    """A generator that draws the same uniforms at every call (the same mask in every
+    evaluation of the finite differences)."""
+
+    def __init__(self, uniforms):
+        self.uniforms = uniforms
+
+    def random(self, shape, dtype=np.float32):
+        assert tuple(shape) == self.uniforms.shape and np.dtype(dtype) == np.float32
+        return self.uniforms
 OP_CASES = [(n, i) for n, cases in CASES.items() for i in range(len(cases))]
 
 

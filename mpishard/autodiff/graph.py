@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
+from ..backend import xp_of
 from .tensor import Tensor, _grad_mode
 
-__all__ = ["OPS", "register_op", "as_tensor", "make_result", "unbroadcast"]
+__all__ = ["OPS", "register_op", "as_tensor", "as_tensors", "make_result", "unbroadcast"]
 
 #: name -> op function, for every differentiable op (the gradcheck test reads it).
 OPS: dict[str, Callable] = {}
@@ -24,11 +27,31 @@ def register_op(fn: Callable) -> Callable:
 
 # -- helpers ---------------------------------------------------------------
 
-def as_tensor(value) -> Tensor:
-    """Wrap arrays and scalars as constant Tensors; Tensors pass through."""
+def as_tensor(value, like=None) -> Tensor:
+    """Wrap arrays and scalars as constant Tensors; Tensors pass through.
+
+    A Python constant (a number, a list) that meets the Tensor ``like`` is made
+    on ``like``'s array module, with the dtype NumPy gives it: a device op
+    cannot take a NumPy array (CuPy refuses it), and a constant must not turn
+    into one just because it was written as a Python number.
+    """
     if isinstance(value, Tensor):
         return value
+    if isinstance(like, Tensor) and _is_constant(value):
+        xp = xp_of(like.data)
+        if xp is not np:
+            return Tensor(xp.asarray(np.asarray(value)))
     return Tensor(value)
+
+
+def as_tensors(a, b) -> tuple:
+    """Both operands of a binary op as Tensors, a constant on the other's array module."""
+    a = as_tensor(a, b)
+    return a, as_tensor(b, a)
+
+
+def _is_constant(value) -> bool:
+    return not (hasattr(value, "__array_interface__") or hasattr(value, "__cuda_array_interface__"))
 
 
 def make_result(data, parents: tuple, backward: Callable, op: str) -> Tensor:

@@ -30,7 +30,7 @@ import numpy as np
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, col_sum, row_blocks, row_dot, row_sum, up
+from .rows import cast, check_last_dim, col_sum, row_blocks, row_dot, row_sum, scatter_add, up
 from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
 from .tensor import Tensor
 
@@ -194,29 +194,45 @@ def _scatter_add_rows(n_rows, index, g2):
         starts = np.flatnonzero(np.r_[True, sorted_index[1:] != sorted_index[:-1]])
         out[sorted_index[starts]] = np.add.reduceat(g2[order], starts, axis=0)
     else:
-        import cupyx  # noqa: PLC0415
-
-        cupyx.scatter_add(out, index, g2)
+        scatter_add(out, index, g2)
     return out
 
 
 @register_op
 def embedding(indices, weight) -> Tensor:
-    """Rows of ``weight`` picked by integer ``indices``: output ``indices.shape + (C,)``."""
+    """Rows of ``weight`` picked by integer ``indices``: output ``indices.shape + (C,)``.
+
+    Indices out of ``[0, rows)`` raise ValueError on NumPy. On a device, reading
+    them back to check would be a host sync per call, so the check stays there:
+    such rows come out NaN (and get no gradient), the loss turns NaN, and the
+    step's one norm read skips the update (see [Note: collective step decisions]
+    in mpishard/parallel/strategy.py).
+    """
     weight = as_tensor(weight)
     idx = indices.data if isinstance(indices, Tensor) else indices
     n_rows, width = weight.shape
     if idx.dtype.kind not in "iu":
         raise ValueError(f"embedding: indices must be integers, got dtype {idx.dtype}")
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
-        raise ValueError(f"embedding: index out of range [0, {n_rows}) for weight of "
-                         f"shape {tuple(weight.shape)} (got min {int(idx.min())}, "
-                         f"max {int(idx.max())})")
-    flat = idx.reshape(-1)
-    out = weight.data[flat].reshape(idx.shape + (width,))
+    flat, bad = idx.reshape(-1), None
+    if isinstance(idx, np.ndarray):
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
+            raise ValueError(f"embedding: index out of range [0, {n_rows}) for weight of "
+                             f"shape {tuple(weight.shape)} (got min {int(idx.min())}, "
+                             f"max {int(idx.max())})")
+        out = weight.data[flat]
+    else:
+        xp = xp_of(idx)
+        bad = ((flat < 0) | (flat >= n_rows))[:, None]
+        flat = xp.clip(flat, 0, n_rows - 1)
+        out = weight.data[flat]
+        out = xp.where(bad, xp.asarray(float("nan"), dtype=out.dtype), out)
+    out = out.reshape(idx.shape + (width,))
 
     def backward(g):
-        return (_scatter_add_rows(n_rows, flat, up(g.reshape(-1, width))),)
+        g2 = up(g.reshape(-1, width))
+        if bad is not None:
+            g2 = xp_of(g2).where(bad, 0.0, g2)
+        return (_scatter_add_rows(n_rows, flat, g2),)
     return make_result(out, (weight,), backward, "embedding")
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import xp_of
-from .graph import OPS, as_tensor, make_result, register_op, unbroadcast  # noqa: F401
+from .graph import (OPS, as_tensor, as_tensors, make_result, register_op,  # noqa: F401
+                    unbroadcast)
 from .tensor import Tensor
 
 __all__ = [
@@ -67,7 +68,7 @@ def add(a, b) -> Tensor:
     """``a + b`` with broadcasting."""
     if _is_scalar(b):
         return _scalar_op("add", as_tensor(a), b, lambda x, s: x + s, lambda g, a, s: g)
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = as_tensors(a, b)
     _check_binary("add", a, b)
 
     def backward(g):
@@ -80,7 +81,7 @@ def sub(a, b) -> Tensor:
     """``a - b`` with broadcasting."""
     if _is_scalar(b):
         return _scalar_op("sub", as_tensor(a), b, lambda x, s: x - s, lambda g, a, s: g)
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = as_tensors(a, b)
     _check_binary("sub", a, b)
 
     def backward(g):
@@ -93,7 +94,7 @@ def mul(a, b) -> Tensor:
     """``a * b`` with broadcasting."""
     if _is_scalar(b):
         return _scalar_op("mul", as_tensor(a), b, lambda x, s: x * s, lambda g, a, s: g * s)
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = as_tensors(a, b)
     _check_binary("mul", a, b)
 
     def backward(g):
@@ -108,7 +109,7 @@ def div(a, b) -> Tensor:
     """``a / b`` with broadcasting."""
     if _is_scalar(b):
         return _scalar_op("div", as_tensor(a), b, lambda x, s: x / s, lambda g, a, s: g / s)
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = as_tensors(a, b)
     _check_binary("div", a, b)
 
     def backward(g):
@@ -147,7 +148,7 @@ def pow(a, p) -> Tensor:
                 return (g * 0,)
             return (g * (p * _power(a.data, p - 1)),)
         return make_result(_power(a.data, p), (a,), backward, "pow")
-    p = as_tensor(p)
+    p = as_tensor(p, a)
     _check_binary("pow", a, p)
     xp = xp_of(a.data)
     out = a.data ** p.data
@@ -165,7 +166,7 @@ def pow(a, p) -> Tensor:
 @register_op
 def matmul(a, b) -> Tensor:
     """``a @ b`` (NumPy semantics: 1-D promotion, broadcast batch dimensions)."""
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = as_tensors(a, b)
     if a.dtype != b.dtype and a.dtype.kind == "f" and b.dtype.kind == "f":
         raise ValueError(f"matmul: dtype mismatch {a.dtype} vs {b.dtype} (shapes "
                          f"{tuple(a.shape)} and {tuple(b.shape)})")
@@ -317,8 +318,8 @@ def relu(a) -> Tensor:
 @register_op
 def where(cond, a, b) -> Tensor:
     """Elementwise ``a`` where ``cond`` is true, else ``b`` (constants allowed)."""
-    cond = cond.data if isinstance(cond, Tensor) else cond
-    a, b = as_tensor(a), as_tensor(b)
+    a, b = as_tensors(a, b)
+    cond = as_tensor(cond, a).data
     xp = xp_of(a.data)
     out = xp.where(cond, a.data, b.data)
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from .tensor import Tensor, enable_grad, is_grad_enabled, no_grad
 
-__all__ = ["recompute"]
+__all__ = ["recompute", "device_state_array"]
 
 
 def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = ()) -> Tensor:
@@ -104,7 +104,7 @@ def _get_state(rng):
         return rng.bit_generator.state          # a fresh dict each call
     if isinstance(rng, np.random.RandomState):
         return rng.get_state()
-    device_state = _cupy_state_array(rng)
+    device_state = device_state_array(rng)
     if device_state is not None:
         return device_state.copy()
     raise TypeError(f"recompute: cannot save the state of a {type(rng).__module__}."
@@ -118,20 +118,24 @@ def _set_state(rng, state) -> None:
     elif isinstance(rng, np.random.RandomState):
         rng.set_state(state)
     else:
-        _cupy_state_array(rng)[...] = state
+        device_state_array(rng)[...] = state
 
 
-def _cupy_state_array(rng):
-    """The device array holding a CuPy ``Generator``'s cuRAND states, or ``None``.
+def device_state_array(rng):
+    """The device array holding a device ``Generator``'s whole state, or ``None``.
 
     CuPy offers no public way to save a Generator's state; its cuRAND bit
     generators (XORWOW, MRG32k3a, Philox) keep it in one device array,
-    ``bit_generator._state``, which is copied and written back here. That
-    array is large (one cuRAND state per thread: 2048 x SM count x 48 bytes
-    for XORWOW, about 13 MB on a 132-SM GPU), and one copy per generator is
-    kept per recomputed call until its backward.
+    ``bit_generator._state`` (int8 bytes), which is copied and written back
+    here (the strict module's generators keep theirs the same way). That array
+    is large on CuPy (one cuRAND state per thread: 32768 threads x 48 bytes for
+    XORWOW, 1.5 MiB), and one copy per generator is kept per recomputed call
+    until its backward. Checkpoints save it too (mpishard.checkpoint.state).
     """
-    if not type(rng).__module__.startswith("cupy"):
+    if isinstance(rng, (np.random.Generator, np.random.RandomState)):
         return None
     state = getattr(getattr(rng, "bit_generator", None), "_state", None)
-    return state if type(state).__module__.startswith("cupy") else None
+    if state is None or isinstance(state, np.ndarray) or not hasattr(
+            state, "__cuda_array_interface__"):
+        return None
+    return state

@@ -15,7 +15,7 @@ from ..dtypes import is_low_precision
 from .tensor import Tensor
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "up", "cast", "check_last_dim",
-           "row_blocks"]
+           "row_blocks", "scatter_add"]
 
 
 def row_sum(x2d):
@@ -52,6 +52,20 @@ def cast(a, dtype):
     return a if a is None or a.dtype == dtype else a.astype(dtype)
 
 
+def scatter_add(out, index, values) -> None:
+    """``out[index] += values`` with repeated indices adding up: ``np.add.at`` on
+    NumPy, ``cupyx.scatter_add`` on CuPy (the strict module has its own)."""
+    xp = xp_of(out)
+    if xp is np:
+        np.add.at(out, index, values)
+    elif hasattr(xp, "scatter_add"):
+        xp.scatter_add(out, index, values)
+    else:
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(out, index, values)
+
+
 def check_last_dim(op: str, x: Tensor, n: int, what: str) -> None:
     if x.ndim == 0 or x.shape[-1] != n:
         raise ValueError(f"{op}: input of shape {tuple(x.shape)} does not end in "
@@ -75,5 +89,7 @@ BLOCK_ELEMS = 1 << 15
 def row_blocks(x2d):
     """Slices of rows that keep a block of ``x2d`` cache-sized (all rows on GPU)."""
     n_rows, n_cols = x2d.shape
-    step = n_rows if not isinstance(x2d, np.ndarray) else max(1, BLOCK_ELEMS // max(n_cols, 1))
+    if not isinstance(x2d, np.ndarray) or n_rows == 0:
+        return [slice(0, n_rows)]                       # one block (of zero rows: still one)
+    step = max(1, BLOCK_ELEMS // max(n_cols, 1))
     return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..backend import xp_of
 from .graph import as_tensor, make_result, register_op
+from .rows import scatter_add
 from .tensor import Tensor
 
 __all__ = ["reshape", "permute", "transpose", "getitem", "concat", "split"]
@@ -82,12 +83,8 @@ def getitem(a, index) -> Tensor:
         full = xp.zeros(a.shape, dtype=g.dtype)
         if basic:
             full[index] = g
-        elif xp is np:
-            np.add.at(full, index, g)
-        else:  # cupy
-            import cupyx  # noqa: PLC0415
-
-            cupyx.scatter_add(full, index, g)
+        else:
+            scatter_add(full, index, g)
         return (full,)
     return make_result(out, (a,), backward, "getitem")
 

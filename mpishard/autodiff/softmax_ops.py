@@ -16,7 +16,8 @@ from .ops import as_tensor, make_result, register_op
 from .rows import cast, row_dot, row_max, row_sum, up
 from .tensor import Tensor
 
-__all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention"]
+__all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
+           "at_least_one"]
 
 
 # -- softmax family ----------------------------------------------------------
@@ -106,19 +107,38 @@ def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
     xp.exp(e, out=e)
     s = row_sum(e)                                      # (N,)
     per_row = xp.log(s) - picked
-    n_valid = int(valid.sum())
-    total = (per_row * valid).sum() if n_valid != x2.shape[0] else per_row.sum()
-    loss = total / n_valid if n_valid else total * float("nan")
+    n_valid, all_valid = valid_count(valid, x2.dtype)
+    total = per_row.sum() if all_valid else (per_row * valid).sum()
+    loss = total / n_valid if xp is not np or n_valid else total * float("nan")
 
     def backward(g):
         p = e * (1.0 / s)[:, None]                       # softmax, fresh
         p[rows, safe_t] -= 1.0
-        if n_valid != x2.shape[0]:
+        if not all_valid:
             p *= valid[:, None]
-        p *= g / max(n_valid, 1)
+        p *= g / at_least_one(n_valid)
         return (cast(p, logits.dtype).reshape(logits.shape),)
     return make_result(xp.asarray(loss, dtype=x2.dtype), (logits,), backward,
                        "cross_entropy")
+
+
+def valid_count(valid, dtype) -> tuple:
+    """``(count of true entries, whether all are)`` of a boolean array.
+
+    On NumPy a Python int (and the flag, which lets the loss skip the masking).
+    On a device the count stays there, a 0-d array of ``dtype`` (exact up to
+    2**24 in float32), and the flag is ``False``: reading it back would be a
+    host sync per loss; a loss with no valid target is then ``0 / 0 = nan``.
+    """
+    if isinstance(valid, np.ndarray):
+        n = int(valid.sum())
+        return n, n == valid.size
+    return valid.sum(dtype=dtype), False
+
+
+def at_least_one(count):
+    """``max(count, 1)`` for a :func:`valid_count` count (host int or device array)."""
+    return max(count, 1) if isinstance(count, int) else xp_of(count).maximum(count, 1)
 
 
 # -- attention -------------------------------------------------------------

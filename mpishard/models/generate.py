@@ -1,12 +1,18 @@
 """Sampling from a causal language model (GPT, Llama): one token at a time.
 
     out = model.generate(idx, 100, temperature=0.8, top_k=40, rng=np.random.default_rng(0))
+
+Sampling runs on the host with a NumPy generator: each new token reads the last
+position's logits back (one ``(B, vocab)`` copy per token, not the whole
+``(B, T, vocab)``), so ``idx`` may be a host or a device array; the result is
+a host array.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..autodiff.tensor import no_grad
+from ..backend import to_numpy
 
 __all__ = ["generate"]
 
@@ -20,11 +26,11 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0,
     rng = rng or np.random.default_rng(0)
     was_training = model.training
     model.eval()
-    idx = np.asarray(idx)
+    idx = np.asarray(to_numpy(idx))
     for _ in range(max_new_tokens):
         context = idx[:, -model.config.block_size:]
         logits, _ = model(model.backend.asarray(context))
-        last = np.asarray(logits.numpy()[:, -1, :], dtype=np.float64) / temperature
+        last = to_numpy(logits.data[:, -1, :]).astype(np.float64) / temperature
         if top_k is not None:
             kth = np.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
             last = np.where(last < kth, -np.inf, last)

@@ -43,6 +43,6 @@ def seed_dropout(model: Module, seed: int, backend: Backend | None = None) -> No
     for name, module in model.named_modules():
         if "rng" in module.__dict__:
             gen = rng_for(seed, "dropout:" + name)
-            if backend is not None and backend.name == "cupy":
+            if backend is not None and backend.xp is not np:   # masks drawn on the device
                 gen = backend.xp.random.default_rng(int(gen.integers(2**62)))
             module.rng = gen

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..autodiff.tensor import HookHandle
-from ..backend import xp_of
+from ..backend import to_numpy, xp_of
 from .parameter import Parameter
 
 __all__ = ["Module", "ModuleList", "ModuleDict", "StateDictError"]
@@ -175,6 +175,8 @@ class Module:
                                      f"mpishard.nn.materialize() first")
             value = value.data if hasattr(value, "requires_grad") else value
             xp = xp_of(p.data)
+            if xp is np:  # a device array comes to the host explicitly (CuPy refuses np.asarray)
+                value = to_numpy(value)
             p.data[...] = xp.asarray(value, dtype=p.data.dtype)
 
     # -- forward and hooks --------------------------------------------------

@@ -16,16 +16,25 @@ __all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficien
 
 
 def grad_sq_sum(grads: Iterable) -> float:
-    """Sum of squares of every element of ``grads``, accumulated in float64."""
-    total = 0.0
+    """Sum of squares of every element of ``grads``, accumulated in float64.
+
+    Device arrays are summed on the device and read back once, at the end (one
+    host sync, whatever the number of arrays); the float64 additions run in the
+    same order either way, so the result is the same bit for bit.
+    """
+    total, device = 0.0, None
     for g in grads:
         if g is None or g.size == 0:
             continue
         flat = g.reshape(-1)
         if flat.dtype != np.float64:
             flat = flat.astype(np.float64)
-        total += float(xp_of(flat).dot(flat, flat))
-    return total
+        if isinstance(flat, np.ndarray):
+            total += float(np.dot(flat, flat))
+        else:
+            sq = xp_of(flat).dot(flat, flat)
+            device = sq if device is None else device + sq
+    return total if device is None else total + float(device)
 
 
 def global_grad_norm(params: Iterable) -> float:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from ..backend import MemoryLedger, xp_of
+import numpy as np
+
+from ..backend import MemoryLedger, to_numpy, xp_of
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
@@ -102,7 +104,10 @@ class Optimizer:
                 if value.size != p.data.size:
                     raise ValueError(f"optimizer state {name}[{i}] has {value.size} "
                                      f"elements, its target has {p.data.size}")
-                self._state(i, name, p.data)[...] = xp_of(p.data).asarray(
+                xp = xp_of(p.data)
+                if xp is np:  # device state onto a host optimizer: an explicit copy
+                    value = to_numpy(value)
+                self._state(i, name, p.data)[...] = xp.asarray(
                     value, dtype=p.data.dtype).reshape(-1)
 
 

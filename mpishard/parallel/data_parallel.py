@@ -12,9 +12,11 @@ the same order (see [Note: bucket launch order] below).
 
 With mixed precision (``precision="float16"``, see [Note: mixed precision]) the
 model computes with a 16-bit copy of every parameter, buckets hold gradients in
-``reduce_dtype``, and the optimizer updates float32 masters
-(:meth:`parameters` returns them as :class:`FlatShard` targets, held in
-:class:`MasterCopies`).
+``reduce_dtype``, and the optimizer updates one flat float32 master holding
+every parameter (:meth:`parameters` returns it as one :class:`FlatShard`
+target, held in :class:`MasterCopies`), as ZeRO updates flat shards: the
+parameters' 16-bit copies are views of one flat buffer, the buckets slices of
+one flat gradient buffer, both in the master's order.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import hashlib
 from ..backend import to_numpy, xp_of
 from ..optim.clip import grad_sq_sum
 from .flat import FlatLayout
+from .pieces import Piece, _state_views, _target_index, replicated_pieces
 from .planner import MemoryPlan
 from .precision import MasterCopies
 from .strategy import Strategy, register_strategy
@@ -35,6 +38,23 @@ __all__ = ["DataParallel", "check_replicas_equal"]
 # same on every rank, but to be safe against parameters that get no gradient on
 # some step a bucket is launched only after every earlier bucket was: bucket i
 # waits for buckets 0..i-1, and reduce_grads() launches the rest in index order.
+
+
+def _bucket_groups(params, bucket_bytes: int, itemsize: int) -> list:
+    """Parameters in reverse registration order, cut into buckets of about
+    ``bucket_bytes`` (``itemsize`` bytes per element: the compute dtype's) and of one
+    dtype each."""
+    groups, current, current_bytes = [], [], 0
+    for p in reversed(params):
+        nbytes = p.size * itemsize
+        if current and (current_bytes + nbytes > bucket_bytes or p.dtype != current[0].dtype):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+    return groups
 
 
 def check_replicas_equal(module, comm, what: str = "parameters") -> None:
@@ -61,11 +81,12 @@ def check_replicas_equal(module, comm, what: str = "parameters") -> None:
 class _Bucket:
     __slots__ = ("params", "flat", "views", "ready", "handle")
 
-    def __init__(self, params, ledger, xp, index, dtype):
+    def __init__(self, params, ledger, xp, index, dtype, flat=None):
         self.params = params
         layout = FlatLayout.of([p.shape for p in params], dtype)
-        self.flat = ledger.zeros("grads", (layout.padded_numel,), layout.dtype,
-                                 f"ddp bucket {index}", xp=xp)
+        # its own buffer, or its slice of the flat gradients (mixed precision)
+        self.flat = flat if flat is not None else ledger.zeros(
+            "grads", (layout.padded_numel,), layout.dtype, f"ddp bucket {index}", xp=xp)
         self.views = layout.views(self.flat)
         self.ready = 0
         self.handle = None
@@ -108,44 +129,68 @@ class DataParallel(Strategy):
         self._next_launch = 0
         self.masters = MasterCopies()
         self._master_of: dict = {}
+        self._range_of: dict = {}
         if self.dp.size > 1:
             if sync_params == "broadcast":
                 for p in params:
                     self.dp.broadcast(p.data, root=0)
             else:
                 check_replicas_equal(module, self.dp)
-        if self.mixed:
-            self._make_masters(named=module.named_parameters())
         # Buckets at every dp size, also 1 (where nothing is sent): gradients then
         # always live in ledger-counted buffers, as the plan says.
         xp = xp_of(params[0].data)
-        current, current_bytes = [], 0
-        for p in reversed(params):
-            if current and (current_bytes + p.data.nbytes > bucket_bytes
-                            or p.dtype != current[0].dtype):
-                self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets),
-                                             self.reduce_dtype))
-                current, current_bytes = [], 0
-            current.append(p)
-            current_bytes += p.data.nbytes
-        if current:
-            self._buckets.append(_Bucket(current, self.ledger, xp, len(self._buckets),
-                                         self.reduce_dtype))
+        groups = _bucket_groups(params, bucket_bytes, self.compute_dtype.itemsize)
+        if self.mixed:
+            flats = self._make_masters(groups, xp)
+        else:
+            flats = [None] * len(groups)
+        for group, flat in zip(groups, flats):
+            self._buckets.append(_Bucket(group, self.ledger, xp, len(self._buckets),
+                                         self.reduce_dtype, flat))
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
                 p.register_grad_ready_hook(self._on_grad_ready)
         module.register_forward_pre_hook(lambda m, a: self._settle())
 
-    def _make_masters(self, named) -> None:
-        """Keep each parameter's values as its float32 master; compute with a 16-bit copy."""
-        for name, p in named:
-            # The master is the materialised array itself (already counted as "params").
-            master = p.data.reshape(-1)
-            p.data = self.ledger.track("params", p.data.astype(self.compute_dtype),
-                                       f"{self.compute_dtype.name} copy {name}")
-            self._master_of[id(p)] = self.masters.add(master, p.data.reshape(-1),
-                                                       p.decay_ranges, name)
+    def _make_masters(self, groups, xp) -> list:
+        """Move every parameter's values into one flat float32 master, the optimizer's
+        single target, and compute with views of one flat 16-bit copy; gradients go to
+        one flat buffer in the same order, whose slices are the buckets (returned).
+
+        One target, not one per parameter: the optimizer's elementwise update then
+        runs as a few large operations (ZeRO's units do the same).
+        """
+        ordered = [p for group in groups for p in group]
+        layout = FlatLayout.of([p.shape for p in ordered], self.master_dtype)
+        n, ledger = layout.numel, self.ledger
+        master = ledger.zeros("params", (n,), self.master_dtype, "ddp masters", xp=xp)
+        compute = ledger.zeros("params", (n,), self.compute_dtype,
+                               f"ddp {self.compute_dtype.name} copy", xp=xp)
+        grads = ledger.zeros("grads", (n,), self.reduce_dtype, "ddp buckets", xp=xp)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        decay = []
+        for p, offset, view in zip(ordered, layout.offsets, layout.views(compute)):
+            lo, hi = offset, offset + p.size
+            master[lo:hi] = p.data.reshape(-1)
+            ledger.release(p.data)          # the materialised float32 array: now the master
+            view[...] = p.data
+            p.data = view
+            self._range_of[id(p)] = (lo, hi, names[id(p)])
+            for a, b in p.decay_ranges:      # adjacent ranges merged: fewer slices to decay
+                if decay and decay[-1][1] == lo + a:
+                    decay[-1] = (decay[-1][0], lo + b)
+                else:
+                    decay.append((lo + a, lo + b))
+        target = self.masters.add(master, compute, tuple(decay), "ddp masters")
+        self._master_of = {id(p): target for p in ordered}
+        flats, start = [], 0
+        for group in groups:
+            stop = start + sum(p.size for p in group)
+            flats.append(grads[start:stop])
+            start = stop
+        self._flat_grads = grads
+        return flats
 
     def parameters(self) -> list:
         """The optimizer's targets: the parameters, or their float32 masters when mixed."""
@@ -193,11 +238,9 @@ class DataParallel(Strategy):
     def reduce_grads(self) -> None:
         """Launch buckets that backward did not complete, wait for all, reset."""
         self._reduce_buckets()
-        if self.mixed:  # the masters' gradients: the (float32) bucket views
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    self._master_of[id(p)].grad = p.grad.reshape(-1).astype(
-                        self.master_dtype, copy=False)
+        if self.mixed:  # the master's gradient: the flat buffer the buckets are slices of
+            for target in self.masters.targets():
+                target.grad = self._flat_grads.astype(self.master_dtype, copy=False)
 
     def _reduce_buckets(self) -> None:
         for bucket in self._buckets[self._next_launch:]:
@@ -214,12 +257,30 @@ class DataParallel(Strategy):
     def local_grad_sq(self) -> float:
         if self.dp.rank != 0:  # every dp rank holds the same averaged gradients
             return 0.0
-        return grad_sq_sum(self.optimizer_target(p).grad for p in self.module.parameters()
-                           if self.counts_once(p.spec))
+        # parameter by parameter (their bucket views), in the order of the model
+        return grad_sq_sum(p.grad for p in self.module.parameters() if self.counts_once(p.spec))
 
     def after_update(self) -> None:
         """The 16-bit compute copies follow the updated masters (mixed precision)."""
         self.masters.refresh()
+
+    def pieces(self, optimizer=None) -> list:
+        """Every parameter whole, owned by dp rank 0; under mixed precision its values
+        and optimizer state are its slice of the flat master (see :meth:`_make_masters`)."""
+        if not self.mixed:
+            return replicated_pieces(self, optimizer)
+        index = _target_index(optimizer)
+        pieces = []
+        for p in self.module.parameters():
+            lo, hi, name = self._range_of[id(p)]
+            target = self._master_of[id(p)]
+            views = {"param": target.data[lo:hi]}
+            if id(target) in index:
+                views.update(_state_views(optimizer, index[id(target)], lo, hi))
+            owner = self.dp.rank == 0 and self.counts_once(p.spec)
+            pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
+                                p.spec.global_runs(), arr, owner) for kind, arr in views.items())
+        return pieces
 
     @classmethod
     def plan_memory(cls, model, sizes, **_) -> MemoryPlan:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..autodiff.tensor import Tensor, no_grad
+from ..backend import to_numpy, xp_of
 
 __all__ = ["partition_blocks", "Pipeline", "bubble_fraction"]
 
@@ -173,7 +174,7 @@ class Pipeline:
             inp, extra = Tensor(buf, requires_grad=True), {"batch_size": step.batch}
         if self.last:
             _, loss = self.strategy(inp, y, **extra)
-            step.losses.append(loss.item())
+            step.losses.append(loss.data)     # read once per step, in _mean_loss
             step.saved[i] = (inp, self.strategy.scale_loss(loss) * step.weights[i])
         else:
             out = self.strategy(inp, **extra)
@@ -284,7 +285,11 @@ class Pipeline:
         m = len(ys)
         group = getattr(self.mesh, "dp_cp", None) or self.mesh.dp
         ignore = getattr(getattr(self.model, "loss", None), "ignore_index", -100)
-        counts = [int((self._xp.asarray(y) != ignore).sum()) for y in ys]
+        if all(isinstance(y, (np.ndarray, list)) for y in ys):   # host targets: count there
+            counts = [int(np.count_nonzero(np.asarray(y) != ignore)) for y in ys]
+        else:  # targets on the device: one read of all the counts
+            xp = xp_of(next(y for y in ys if not isinstance(y, (np.ndarray, list))))
+            counts = to_numpy(xp.stack([(xp.asarray(y) != ignore).sum() for y in ys])).tolist()
         total = np.array([float(sum(counts))])
         if group.size > 1:
             group.all_reduce(total, op="sum")
@@ -293,10 +298,13 @@ class Pipeline:
         return [c * group.size / total[0] for c in counts]
 
     def _mean_loss(self, step: _Step) -> float:
+        """The step's loss: the micro-batches' losses read back at once (one host sync on
+        a device), weighted, and broadcast from the last stage."""
         mean = 0.0
         if step.losses:
+            losses = to_numpy(xp_of(step.losses[0]).stack(step.losses)).astype(np.float64)
             uniform = all(w == 1.0 / len(step.weights) for w in step.weights)
-            mean = np.mean(step.losses) if uniform else float(np.dot(step.losses, step.weights))
+            mean = np.mean(losses) if uniform else float(np.dot(losses, step.weights))
         loss = np.array([mean])
         self.pp.broadcast(loss, root=self.stages - 1)
         return float(loss[0])

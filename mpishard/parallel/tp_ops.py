@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autodiff.graph import as_tensor, make_result, register_op
+from ..autodiff.softmax_ops import at_least_one, valid_count
 from ..autodiff.tensor import Tensor
 from ..backend import xp_of
 from ..dtypes import is_low_precision
@@ -104,14 +105,17 @@ def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
     tp.all_reduce(sums, op="sum")
     tp.all_reduce(picked, op="sum")
     per_row = xp.log(sums) - picked
-    n_valid = int(valid.sum())
-    loss = (per_row * valid).sum() / n_valid if n_valid else per_row.sum() * float("nan")
+    n_valid, _ = valid_count(valid, x.dtype)     # on a device: no host read
+    if xp is not np or n_valid:
+        loss = (per_row * valid).sum() / n_valid
+    else:
+        loss = per_row.sum() * float("nan")
 
     def backward(g):
         p = e * (1.0 / sums)[:, None]                               # local softmax columns
         p[rows, local_t] -= mine.astype(p.dtype)
         p *= valid[:, None]
-        p *= g / max(n_valid, 1)
+        p *= g / at_least_one(n_valid)
         return (p.astype(logits.data.dtype, copy=False).reshape(logits.shape),)
     return make_result(xp.asarray(loss, dtype=x.dtype), (logits,), backward,
                        "vocab_parallel_cross_entropy")

@@ -1,0 +1,173 @@
+"""Host syncs per training step, counted on the CuPy-strict module (mpishard.strict).
+
+    python benchmarks/syncs.py                       # launches mpiexec -n 4 itself
+    mpiexec -n 4 python -m mpi4py benchmarks/syncs.py --steps 3
+
+A GPU runs a step's kernels asynchronously; each read of a value on the host
+(``float(x)``, ``x.item()``, ``int(mask.sum())``, a ``.get()``) waits for all
+of them. This counts those reads on every rank, with the model built on the
+strict module (NumPy memory behind CuPy's rules, which counts every read), for
+GPT training steps as ``mpishard train`` runs them (a :class:`ParallelModel`
+driving a :class:`Pipeline`: ``train_step`` then ``step`` with clipping, two
+micro-batches, dropout on) under DDP and ZeRO-3 (float32, and float16 with loss
+scaling), ZeRO-1/2 and tensor x pipeline parallelism (tp2 x pp2, 1F1B; tp2 and pp2 on
+two ranks), at world sizes 1, 2 and 4 (sub-communicators of one 4-rank run).
+
+A step needs two reads: the loss (once per step, on the last pipeline stage)
+and the gradient norm, whose finiteness is also the skip / loss-scale decision
+(see [Note: collective step decisions] in mpishard/parallel/strategy.py).
+``BUDGET`` is that number. Copies through host buffers for MPI (an MPI library
+that is not CUDA-aware) are counted apart, as ``staged_per_step``: they move
+buffers, they decide nothing.
+
+Prints one JSON line: ``host_syncs_per_step[layout][world size]`` (the most
+on any rank, per step, after a warm-up step), the same per rank, the staged
+copies, and for any count over the budget the lines that read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "tests"))
+
+import numpy as np  # noqa: E402
+
+#: host reads one training step needs: the loss and the norm (see the docstring)
+BUDGET = 2
+SIZES = (1, 2, 4)
+#: layout -> (mesh axes for a world of n ranks, strategy, precision); None: does not fit
+LAYOUTS = {
+    "ddp": (lambda n: {"dp": n}, "ddp", None),
+    "ddp-float16": (lambda n: {"dp": n}, "ddp", "float16"),
+    "zero1": (lambda n: {"dp": n}, "zero1", None),
+    "zero2": (lambda n: {"dp": n}, "zero2", None),
+    "zero3": (lambda n: {"dp": n}, "zero3", None),
+    "zero3-float16": (lambda n: {"dp": n}, "zero3", "float16"),
+    "tp2": (lambda n: {"dp": n // 2, "tp": 2} if n % 2 == 0 else None, "ddp", None),
+    "pp2-1f1b": (lambda n: {"dp": n // 2, "pp": 2} if n % 2 == 0 else None, "ddp", None),
+    "tp2xpp2-1f1b": (lambda n: {"dp": n // 4, "tp": 2, "pp": 2} if n % 4 == 0 else None,
+                     "ddp", None),
+}
+
+
+def _config():
+    from mpishard.models import GPTConfig
+
+    return GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.1)
+
+
+def _batch(step: int, dp_rank: int, cfg, size: int = 4):
+    r = np.random.default_rng(1000 * step + dp_rank)
+    return (r.integers(0, cfg.vocab_size, (size, cfg.block_size)),
+            r.integers(0, cfg.vocab_size, (size, cfg.block_size)))
+
+
+def measure(comm, layout: str, steps: int = 2, warmup: int = 1) -> dict | None:
+    """Host syncs per step on this rank of ``comm`` for ``layout`` (``None``: does not fit).
+
+    Returns ``{"syncs": [per step], "staged": [per step], "sites": {line: reads}}``.
+    Collective over ``comm``.
+    """
+    from mpishard import strict
+    from mpishard.backend import Backend
+    from mpishard.comm import Mesh
+    from mpishard.models import GPT
+    from mpishard.optim import AdamW
+    from mpishard.parallel import ParallelModel
+
+    axes_of, strategy, precision = LAYOUTS[layout]
+    axes = axes_of(comm.size)
+    if axes is None:
+        return None
+    cfg = _config()
+    mesh = Mesh(comm, **axes)
+    model = GPT(cfg, seed=0, backend=Backend.resolve("strict"), materialize_now=False)
+    run = ParallelModel(model, mesh, strategy=strategy, micro_batches=2, schedule="1f1b",
+                        precision=precision)
+    opt = AdamW(run.parameters(), lr=1e-3, weight_decay=0.1, ledger=run.ledger)
+    counts, staged, sites = [], [], {}
+    for step in range(warmup + steps):
+        strict.syncs.reset()
+        run.train_step(*_batch(step, mesh.dp.rank, cfg))
+        run.step(opt, max_norm=1.0)
+        if step >= warmup:
+            counts.append(strict.syncs.count)
+            staged.append(strict.syncs.staged)
+            for site, n in strict.syncs.sites.items():
+                sites[site] = sites.get(site, 0) + n
+    strict.syncs.reset()
+    return {"syncs": counts, "staged": staged, "sites": sites}
+
+
+def _worker(steps: int) -> dict:
+    from mpi4py import MPI
+
+    from mpishard.comm.testing import make_test_comm
+
+    world = MPI.COMM_WORLD
+    out: dict = {"host_syncs_per_step": {}, "per_rank": {}, "staged_per_step": {},
+                 "over_budget_sites": {}}
+    for size in SIZES:
+        if size > world.size:
+            continue
+        comm = make_test_comm("self" if size == 1 else ("world" if size == world.size
+                                                          else f"split{size}"))
+        for layout in LAYOUTS:
+            mine = measure(comm, layout, steps) if comm is not None and (
+                size > 1 or world.rank == 0) else None
+            everyone = world.gather(mine if comm is not None else None, root=0)
+            if world.rank != 0:
+                continue
+            got = [r for r in everyone[:size] if r is not None]
+            if not got:
+                continue
+            worst = max(max(r["syncs"]) for r in got)
+            out["host_syncs_per_step"].setdefault(layout, {})[size] = worst
+            out["per_rank"].setdefault(layout, {})[size] = [max(r["syncs"]) for r in got]
+            out["staged_per_step"].setdefault(layout, {})[size] = max(max(r["staged"])
+                                                                      for r in got)
+            if worst > BUDGET:
+                sites: dict = {}
+                for r in got:
+                    for site, n in r["sites"].items():
+                        sites[site] = sites.get(site, 0) + n
+                out["over_budget_sites"].setdefault(layout, {})[size] = sites
+        if comm is not None:
+            comm.free()
+        world.Barrier()
+    out.update(budget=BUDGET, steps=steps, world_size=world.size,
+               within_budget=all(v <= BUDGET for per in out["host_syncs_per_step"].values()
+                                 for v in per.values()))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="measured steps (after 1 warm-up)")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks to launch (when not "
+                        "already under mpiexec)")
+    args = parser.parse_args(argv)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size == 1 and args.ranks > 1 and not os.environ.get("MPISHARD_SYNCS_WORKER"):
+        mpiexec = Path(sys.executable).with_name("mpiexec")
+        env = dict(os.environ, MPISHARD_SYNCS_WORKER="1", OMP_NUM_THREADS="1")
+        cmd = [str(mpiexec), "-n", str(args.ranks), sys.executable, "-m", "mpi4py",
+               str(Path(__file__).resolve()), "--steps", str(args.steps)]
+        return subprocess.run(cmd, env=env, check=False).returncode
+    result = _worker(args.steps)
+    if MPI.COMM_WORLD.rank == 0:
+        print(json.dumps({"bench": "syncs", **result}), flush=True)
+        return 0 if result["within_budget"] else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
