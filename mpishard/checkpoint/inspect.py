@@ -2,7 +2,7 @@
 
     $ mpishard checkpoint inspect ckpt/
     checkpoint  ckpt/step-40 (step 40)
-    layout      ZeRO stage 3, world 4 = pp 1 x dp 4 x tp 1
+    layout      ZeRO stage 3, world 4 = pp 1 x dp 4 x cp 1 x tp 1
     ...
     integrity   ok: 4 files (SHA-256, headers), 36 tensors each covered exactly once
 """
@@ -28,6 +28,14 @@ class Inspection:
     @property
     def ok(self) -> bool:
         return not self.errors
+
+
+def _axes(mesh: dict) -> str:
+    """``pp 1 x dp 4 x cp 1 x tp 1`` (with the hybrid split of dp when it has one)."""
+    text = " x ".join(f"{a} {mesh[a]}" for a in ("pp", "dp", "cp", "tp") if a in mesh)
+    if mesh.get("dp_replicate", 1) > 1:
+        text += f" (dp_replicate {mesh['dp_replicate']} x dp_shard {mesh['dp_shard']})"
+    return text
 
 
 def _size(nbytes: int) -> str:
@@ -57,7 +65,7 @@ def inspect_checkpoint(path, *, verify: bool = True) -> Inspection:
              f"format      {FORMAT_NAME} v{m.body['format_version']}, written by mpishard "
              f"{m.mpishard_version}",
              f"layout      {m.strategy['name']}{f' stage {stage}' if stage else ''}, world "
-             f"{m.world_size} = " + " x ".join(f"{a} {m.mesh[a]}" for a in ("pp", "dp", "tp")),
+             f"{m.world_size} = {_axes(m.mesh)}",
              f"counters    {m.strategy['steps']} strategy steps, "
              f"{m.strategy['skipped_steps']} skipped"]
     if m.optimizer is not None:
