@@ -149,8 +149,9 @@ class BatchSampler:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.n_windows = (data.size - 1) // block_size
         if self.n_windows < dp_size * batch_size:
+            unit = "bytes" if data.dtype == np.uint8 else "tokens"   # text, or token ids
             raise DataError(
-                f"{data.size} bytes hold {self.n_windows} windows of {block_size + 1}, fewer "
+                f"{data.size} {unit} hold {self.n_windows} windows of {block_size + 1}, fewer "
                 f"than one global batch ({dp_size} dp ranks x {batch_size}); use more data, "
                 f"a smaller batch or a smaller block size")
         self.epoch, self.index = 0, 0

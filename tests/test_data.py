@@ -37,3 +37,7 @@ def test_sampler_disjoint_per_rank_and_resumable():
 def test_too_little_data():
     with pytest.raises(DataError, match="fewer than one global batch"):
         BatchSampler(np.zeros(100, np.uint8), 16, 4, 0, 4)
+    with pytest.raises(DataError, match="^100 bytes hold 6 windows"):
+        BatchSampler(np.zeros(100, np.uint8), 16, 4, 0, 4)
+    with pytest.raises(DataError, match="^100 tokens hold 6 windows"):   # token ids
+        BatchSampler(np.zeros(100, np.uint16), 16, 4, 0, 4)
