@@ -10,6 +10,9 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
+from .backend import to_numpy
 from .comm import format_rank_reports, rank_report
 
 __all__ = ["describe_plan", "expert_load", "mesh_text", "format_groups", "thread_warning", "progress_bar",
@@ -20,8 +23,7 @@ def describe_plan(trainer) -> str:
     """The run's layout, data, batch, memory plan and where each rank runs (collective)."""
     cfg, mesh, world = trainer.cfg, trainer.mesh, trainer.world
     reports = world.gather_obj(rank_report(world, trainer.backend))
-    groups = world.gather_obj({name: tuple(comm.all_gather_obj(world.rank))
-                               for name, comm in mesh.active_axes().items()})
+    groups = world.gather_obj(mesh.group_members())
     p, o = cfg.parallel, cfg.optim
     lines = [f"mpishard train: {cfg.model.name}, strategy {p.strategy}, world {world.size} "
              f"= mesh {mesh_text(mesh)}",
@@ -53,10 +55,6 @@ def expert_load(module, group) -> dict:
               if getattr(m, "route", None) is not None and hasattr(m, "experts")]
     if not routes:
         return {}
-    import numpy as np                          # noqa: PLC0415
-
-    from .backend import to_numpy               # noqa: PLC0415
-
     counts = sum(r.counts.astype(np.float64) for r in routes)
     kept = sum(r.kept.astype(np.float64) for r in routes)
     rows = sum(r.rows for r in routes)

@@ -46,7 +46,8 @@ class HeaderEntry:
     stop: int
 
 
-def _read_exact_into(f, view: memoryview, offset: int, path: str) -> None:
+def read_exact_into(f, view: memoryview, offset: int, path) -> None:
+    """Fill ``view`` from byte ``offset`` of open file ``f`` (CheckpointError when short)."""
     f.seek(offset)
     while view.nbytes:
         n = f.readinto(view)
@@ -69,26 +70,34 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _parse_header(f, path: str, file_size: int) -> tuple:
-    """Read and validate the header: ``(entries, data_start, metadata)``."""
+def read_header_json(f, path, file_size: int) -> tuple:
+    """A safetensors file's header as ``(JSON object, its length n)``; the data start at
+    byte ``8 + n``. CheckpointError: short file, an impossible length, not a JSON object,
+    a key given twice."""
     if file_size < 8:
         raise CheckpointError(path, "truncated", f"{file_size} bytes; a safetensors file "
                               f"starts with an 8-byte header length")
     raw = bytearray(8)
-    _read_exact_into(f, memoryview(raw), 0, path)
+    read_exact_into(f, memoryview(raw), 0, path)
     n = int.from_bytes(raw, "little")
     if n > MAX_HEADER_BYTES or n > file_size - 8:
         raise CheckpointError(path, "header-size", f"the header claims {n} bytes; the file "
                               f"has {file_size - 8} after the length field and a header may "
                               f"have at most {MAX_HEADER_BYTES}")
     text = bytearray(n)
-    _read_exact_into(f, memoryview(text), 8, path)
+    read_exact_into(f, memoryview(text), 8, path)
     try:
         header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (ValueError, RecursionError) as err:
         raise CheckpointError(path, "header-json", f"the header is not JSON: {err}") from None
     if not isinstance(header, dict):
         raise CheckpointError(path, "header-schema", "the header is not a JSON object")
+    return header, n
+
+
+def _parse_header(f, path: str, file_size: int) -> tuple:
+    """Read and validate the header: ``(entries, data_start, metadata)``."""
+    header, n = read_header_json(f, path, file_size)
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(path, "header-schema", "__metadata__ must map strings to strings")
@@ -172,7 +181,7 @@ class ShardFile:
         if first < 0 or start + out.nbytes > self.data_start + e.stop:
             raise CheckpointError(self.path, "offsets", f"elements {first} to "
                                   f"{first + out.size} are outside tensor {key!r}")
-        _read_exact_into(self._f, memoryview(out).cast("B"), start, self.path)
+        read_exact_into(self._f, memoryview(out).cast("B"), start, self.path)
         self.bytes_read += out.nbytes
 
     def close(self) -> None:

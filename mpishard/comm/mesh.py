@@ -205,13 +205,15 @@ class Mesh:
         s = self.shape
         return ((pp * s["dp"] + dp) * s["cp"] + cp) * s["tp"] + tp
 
+    def group_members(self) -> dict:
+        """``{name: world ranks of this rank's group}`` for every active group (collective)."""
+        return {name: tuple(comm.all_gather_obj(self.world.rank))
+                for name, comm in self.active_axes().items()}
+
     def describe_groups(self) -> list[str]:
         """One line per active group: its name, size and this rank's members (collective)."""
-        lines = []
-        for name, comm in self.active_axes().items():
-            members = comm.all_gather_obj(self.world.rank)
-            lines.append(f"{name} (size {comm.size}): world ranks {members}")
-        return lines
+        return [f"{name} (size {len(members)}): world ranks {list(members)}"
+                for name, members in self.group_members().items()]
 
     def free(self) -> None:
         """Free the axis communicators (collective)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.shards import MAX_HEADER_BYTES
+from ..checkpoint.shards import read_exact_into, read_header_json
 
 __all__ = ["HFWeights", "Entry", "SINGLE", "INDEX", "rectangles"]
 
@@ -55,45 +55,9 @@ class Entry:
         return np.dtype(np.float32 if self.code == "BF16" else _DTYPES[self.code][0])
 
 
-def _unique(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice")
-        out[key] = value
-    return out
-
-
-def _read_exact(f, view: memoryview, offset: int, path) -> None:
-    f.seek(offset)
-    while view.nbytes:
-        n = f.readinto(view)
-        if not n:
-            raise CheckpointError(path, "truncated", f"the file ends before byte "
-                                  f"{offset + view.nbytes}, which its header promises")
-        view, offset = view[n:], offset + n
-
-
 def _header(f, path, size: int, name: str) -> dict:
     """``{tensor: Entry}`` from a validated safetensors header."""
-    raw = bytearray(8)
-    if size < 8:
-        raise CheckpointError(path, "truncated", f"{size} bytes; a safetensors file starts "
-                              f"with an 8-byte header length")
-    _read_exact(f, memoryview(raw), 0, path)
-    n = int.from_bytes(raw, "little")
-    if n > MAX_HEADER_BYTES or n > size - 8:
-        raise CheckpointError(path, "header-size", f"the header claims {n} bytes; the file "
-                              f"has {size - 8} after the length field, and a header may have "
-                              f"at most {MAX_HEADER_BYTES}")
-    text = bytearray(n)
-    _read_exact(f, memoryview(text), 8, path)
-    try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=_unique)
-    except (ValueError, RecursionError) as err:
-        raise CheckpointError(path, "header-json", f"the header is not JSON: {err}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, "header-schema", "the header is not a JSON object")
+    header, n = read_header_json(f, path, size)
     header.pop("__metadata__", None)
     entries = {}
     for key, e in header.items():
@@ -222,7 +186,8 @@ class HFWeights:
         if first < 0 or start + count * itemsize > e.stop:
             raise CheckpointError(self.folder / e.file, "offsets", f"elements {first} to "
                                   f"{first + count} are outside tensor {key!r}")
-        _read_exact(self._file(e.file), memoryview(out).cast("B"), start, self.folder / e.file)
+        read_exact_into(self._file(e.file), memoryview(out).cast("B"), start,
+                        self.folder / e.file)
         self.bytes_read += out.nbytes
         if e.code == "BF16":
             return (out.astype(np.uint32) << 16).view(np.float32)

@@ -27,7 +27,8 @@ from ..nn import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module
 from ..nn.init import materialize
 from .generate import generate
 from .gpt_activations import gpt_activation_bytes
-from .moe import GELUExperts, MoE, check_moe_checkpointing, check_moe_layout, with_router_losses
+from .moe import (GELUExperts, MoE, check_moe_checkpointing, check_moe_fields,
+                  check_moe_layout, is_moe_block, with_router_losses)
 from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
 
@@ -57,7 +58,7 @@ class GPTConfig:
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has a mixture of experts for its MLP."""
-        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+        return is_moe_block(self, i)
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -71,12 +72,7 @@ class GPTConfig:
                 f"{(self.n_embd // self.n_head + 1) * self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} must be between 1 and "
-                             f"moe_experts={self.moe_experts}")
-        if self.moe_every < 1 or self.moe_capacity < 0:
-            raise ValueError(f"GPTConfig: moe_every={self.moe_every} must be >= 1 and "
-                             f"moe_capacity={self.moe_capacity} >= 0 (0: dropless)")
+        check_moe_fields(self)
 
 
 class CausalSelfAttention(Module):

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gpt_activation_bytes", "split_of", "attention_bytes"]
+__all__ = ["gpt_activation_bytes", "split_of", "attention_bytes", "token_rows", "head_and_loss"]
 
 #: the graph's Python objects (tensors, closures): measured, bytes
 _OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 8 << 10, 1536
@@ -130,10 +130,7 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         checkpointing = any(b.activation_checkpointing for b in blocks)
     total = _objects(len(blocks), checkpointing, sp, cp, cp_mode)
     if model.first_stage:
-        wte = model.transformer.wte
-        split_vocab = int(wte.weight.shape[0]) != int(wte.num_embeddings)
-        tokens = 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
-        total += tokens + T * C * c + 8 * T + N * C * c
+        total += token_rows(model.transformer.wte, N, C, c) + T * C * c + 8 * T + N * C * c
         if cfg.dropout > 0:
             total += 2 * N * C * c
         if sp > 1:
@@ -170,11 +167,23 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         dropouts = (4 * Ns * C * c + B * heads * T * T * f) if cfg.dropout > 0 else 0
         total += norms + linears + reduced + attention + gelu + adds + dropouts
     if model.last_stage:
-        vocab = _width(model.lm_head)
-        split_vocab = vocab != int(model.lm_head.out_features)
         total += Ns * C * (c + f) + Ns * f                  # ln_f
-        total += N * vocab * c + N * vocab * f              # logits, exp-shifted logits
-        if c == 2 and not split_vocab:
-            total += N * vocab * 4                          # their float32 copy, kept
-        total += N * (18 + f)                               # per-row ids, flags, sums
+        total += head_and_loss(model.lm_head, N, c, f)
     return int(total)
+
+
+def token_rows(table, N: int, C: int, c: int) -> int:
+    """The looked-up token rows (vocabulary-parallel: the masked lookup and its mask too)."""
+    split_vocab = int(table.weight.shape[0]) != int(table.num_embeddings)
+    return 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
+
+
+def head_and_loss(lm_head, N: int, c: int, f: int) -> int:
+    """Logits and exp-shifted logits, their float32 copy for 16-bit whole-vocabulary
+    logits, and the loss's per-row ids, flags and sums."""
+    vocab = _width(lm_head)
+    split_vocab = vocab != int(lm_head.out_features)
+    total = N * vocab * c + N * vocab * f
+    if c == 2 and not split_vocab:
+        total += N * vocab * 4
+    return total + N * (18 + f)

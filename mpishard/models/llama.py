@@ -31,7 +31,8 @@ from ..nn.plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, 
                        VocabParallelLoss)
 from .generate import generate
 from .llama_activations import llama_activation_bytes
-from .moe import MoE, check_moe_checkpointing, check_moe_layout, with_router_losses
+from .moe import (MoE, check_moe_checkpointing, check_moe_fields, check_moe_layout,
+                  is_moe_block, with_router_losses)
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "LlamaAttention", "LlamaMLP", "RMSNorm"]
 
@@ -67,7 +68,7 @@ class LlamaConfig:
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block ``i`` has a mixture of experts for its MLP."""
-        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+        return is_moe_block(self, i)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -86,12 +87,7 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: n_kv_head={self.n_kv_head} must divide n_head="
                              f"{self.n_head} (grouped-query attention: each key/value head "
                              f"serves n_head / n_kv_head query heads)")
-        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ValueError(f"LlamaConfig: moe_top_k={self.moe_top_k} must be between 1 and "
-                             f"moe_experts={self.moe_experts}")
-        if self.moe_every < 1 or self.moe_capacity < 0:
-            raise ValueError(f"LlamaConfig: moe_every={self.moe_every} must be >= 1 and "
-                             f"moe_capacity={self.moe_capacity} >= 0 (0: dropless)")
+        check_moe_fields(self)
         if self.intermediate_size == 0:
             self.intermediate_size = 256 * -(-(8 * self.n_embd // 3) // 256)
         scaling = self.rope_scaling

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gpt_activations import _objects, _row_parallel, _width, attention_bytes, split_of
+from .gpt_activations import (_objects, _row_parallel, _width, attention_bytes, head_and_loss,
+                              split_of, token_rows)
 
 __all__ = ["llama_activation_bytes"]
 
@@ -78,9 +79,7 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
     total = _objects(len(blocks), checkpointing, sp, cp, cp_mode, _OBJECTS_PER_BLOCK)
     norm = Ns * C * (c + f) + Ns * f
     if model.first_stage:
-        emb = model.model.embed_tokens
-        split_vocab = int(emb.weight.shape[0]) != int(emb.num_embeddings)
-        total += 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
+        total += token_rows(model.model.embed_tokens, N, C, c)
         if sp > 1:
             total += Ns * C * c                             # this rank's rows, cut
     else:
@@ -101,10 +100,5 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:
-        vocab = _width(model.lm_head)
-        split_vocab = vocab != int(model.lm_head.out_features)
-        total += norm + N * vocab * c + N * vocab * f
-        if c == 2 and not split_vocab:
-            total += N * vocab * 4
-        total += N * (18 + f)
+        total += norm + head_and_loss(model.lm_head, N, c, f)
     return int(total)

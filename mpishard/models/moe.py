@@ -29,6 +29,7 @@ it carries no gradient; ``P`` does). The router z-loss (ST-MoE, Zoph et al.,
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 from ..autodiff.moe_ops import expert_gelu, expert_swiglu, scatter_rows
 from ..autodiff.nn_ops import embedding
@@ -157,11 +158,11 @@ class MoE(Module):
         kept = counts
         if self.capacity is not None:
             cap = math.ceil(self.capacity * N * k / E)
-            starts = xp.asarray(_starts(counts))
+            starts = xp.asarray([0, *accumulate(int(c) for c in counts[:-1])])
             place = xp.arange(order.size) - xp.repeat(starts, xp.asarray(counts))
             order = order[place < cap]                                # earliest tokens first
             kept = counts.clip(max=cap)
-        offsets = [0, *_cumsum(kept)]
+        offsets = [0, *accumulate(int(c) for c in kept)]
         token, slot = order // k, order % k
         y = self.experts(embedding(token, x), offsets)
         y = mul(y, reshape(getitem(weights, (token, slot)), (-1, 1)))
@@ -171,24 +172,12 @@ class MoE(Module):
         return out + shared(x) if shared is not None else out
 
 
-def _cumsum(counts) -> list:
-    out, total = [], 0
-    for c in counts:
-        total += int(c)
-        out.append(total)
-    return out
-
-
-def _starts(counts) -> list:
-    return [0, *_cumsum(counts)[:-1]]
-
-
 def load_balancing_loss(routes, n_experts: int):
     """``transformers``' Mixtral auxiliary loss over ``routes`` (see [Note: load-balancing
     loss]); ``None`` without routes."""
     if not routes:
         return None
-    total_rows = float(_rows(routes))
+    total_rows = math.fsum(r.rows for r in routes)
     counts = routes[0].counts.astype("float64").copy()
     prob = routes[0].prob_sum
     for r in routes[1:]:
@@ -197,13 +186,6 @@ def load_balancing_loss(routes, n_experts: int):
     xp = xp_of(prob.data)
     f = xp.asarray(counts / total_rows, dtype=prob.data.dtype)
     return sum(mul(prob, f)) * (n_experts / total_rows)
-
-
-def _rows(routes) -> int:
-    total = 0
-    for r in routes:
-        total += r.rows
-    return total
 
 
 def with_router_losses(loss, mlps, config):
@@ -218,6 +200,25 @@ def with_router_losses(loss, mlps, config):
     if config.moe_z_coef:
         loss = loss + router_z_loss(routes) * config.moe_z_coef
     return loss
+
+
+def is_moe_block(config, i: int) -> bool:
+    """Whether block ``i`` of a model with ``config`` (its ``moe_*`` fields) has experts."""
+    return config.moe_experts > 0 and (i + 1) % config.moe_every == 0
+
+
+def check_moe_fields(config) -> None:
+    """ValueError naming the field and the fix for ``moe_*`` values that cannot work."""
+    name = type(config).__name__
+    if config.moe_experts and not 1 <= config.moe_top_k <= config.moe_experts:
+        raise ValueError(f"{name}: moe_top_k={config.moe_top_k} must be between 1 and "
+                         f"moe_experts={config.moe_experts}")
+    if config.moe_every < 1 or config.moe_capacity < 0:
+        raise ValueError(f"{name}: moe_every={config.moe_every} must be >= 1 and "
+                         f"moe_capacity={config.moe_capacity} >= 0 (0: dropless)")
+    if config.moe_router not in ("softmax", "sigmoid"):
+        raise ValueError(f"{name}: moe_router={config.moe_router!r} is not 'softmax' or "
+                         f"'sigmoid'")
 
 
 def check_moe_layout(config, whole: bool) -> None:

@@ -124,6 +124,13 @@ class TextLM(Recipe):
         return Tokenizer.from_file(corpus_tokenizer)
 
 
+def moe_fields(m) -> dict:
+    """The ``[model]`` section's ``moe_*`` keys, which GPTConfig and LlamaConfig share."""
+    return {k: getattr(m, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
+                                       "moe_aux_coef", "moe_z_coef", "moe_router",
+                                       "moe_shared_expert")}
+
+
 @register_recipe("gpt")
 class TextGPT(TextLM):
     """nanoGPT's GPT (learned positions, LayerNorm, GELU MLP, tied head)."""
@@ -136,11 +143,7 @@ class TextGPT(TextLM):
         try:
             return GPTConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size,
                              n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                             dropout=m.dropout, bias=m.bias, moe_experts=m.moe_experts,
-                             moe_top_k=m.moe_top_k, moe_every=m.moe_every,
-                             moe_capacity=m.moe_capacity, moe_aux_coef=m.moe_aux_coef,
-                             moe_z_coef=m.moe_z_coef, moe_router=m.moe_router,
-                             moe_shared_expert=m.moe_shared_expert)
+                             dropout=m.dropout, bias=m.bias, **moe_fields(m))
         except ValueError as err:     # n_embd not a multiple of n_head, ...
             raise ConfigError(str(err)) from None
 
@@ -170,10 +173,6 @@ class TextLlama(TextLM):
                                n_layer=m.n_layer, n_head=m.n_head, n_kv_head=m.n_kv_head,
                                n_embd=m.n_embd, intermediate_size=m.intermediate_size,
                                rope_theta=m.rope_theta, rope_scaling=scaling, rms_eps=m.rms_eps,
-                               tie_embeddings=m.tie_embeddings, moe_experts=m.moe_experts,
-                               moe_top_k=m.moe_top_k, moe_every=m.moe_every,
-                               moe_capacity=m.moe_capacity, moe_aux_coef=m.moe_aux_coef,
-                               moe_z_coef=m.moe_z_coef, moe_router=m.moe_router,
-                               moe_shared_expert=m.moe_shared_expert)
+                               tie_embeddings=m.tie_embeddings, **moe_fields(m))
         except ValueError as err:
             raise ConfigError(str(err)) from None
