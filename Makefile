@@ -74,7 +74,8 @@ test-mpi: $(REFERENCE_STAMP)
 
 # the layouts of eight ranks (oversubscribed, tiny models): their own leg
 test-mpi8: $(REFERENCE_STAMP)
-	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/test_long_context.py tests/test_comm_mesh_axes.py
+	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/test_long_context.py tests/test_comm_mesh_axes.py \
+		tests/test_expert_parallel.py
 
 # The CuPy-strict legs: the array-module tests (every module under test, strict
 # included) and the strict module's own (host-sync budget, exact resume, models),

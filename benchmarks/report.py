@@ -39,6 +39,7 @@ BENCHMARKS = {  # name -> (command, environment overrides)
     "precision": (_mpi(4, "benchmarks/precision.py", "--steps", "8"), THREADS),
     "activations": ([sys.executable, "benchmarks/activations.py"], THREADS),
     "long_context": (_mpi(4, "benchmarks/long_context.py"), THREADS),
+    "moe": (_mpi(4, "benchmarks/moe.py"), THREADS),
 }
 
 
@@ -127,6 +128,14 @@ SECTIONS = [
      "s b h per layer, before attention) gives 0.53x at best for tp = 4, so its 0.35x "
      "target is out of reach while attention keeps its T x T weights.",
      "long_context", lambda l: not l.lstrip().startswith(("dp4:", "cp4:", "tp4:"))),
+    ("Mixture of experts: expert parallelism",
+     "4 ranks, a Llama of config S widths with 8 SwiGLU experts of width 384 in every "
+     "block, top-2, dropless, batch 4 sequences of 128 per rank: the expert weights the "
+     "busiest rank holds at ep4 vs ep1 (DDP, and ZeRO-3 with the bytes its all-gathers "
+     "move), tokens per second against a dense Llama with the same active parameters per "
+     "token (SwiGLU width 768) on the same 4 ranks (DDP, interleaved rounds), and the "
+     "all-to-all-v bytes of one step against the rows that step's routing sent off each "
+     "rank (`benchmarks/moe.py`).", "moe", _everything),
 ]
 
 

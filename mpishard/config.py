@@ -128,9 +128,10 @@ class ParallelConfig:
     cp: int = opt(1, "context-parallel size (ranks splitting each sequence)", low=1,
                   estimate=True)
     cp_mode: str = opt("ring", "context-parallel attention: ring (K/V passed around) or "
-                       "all-to-all (heads split, DeepSpeed-Ulysses)",
-                       choices=("ring", "all-to-all"), estimate=True)
+                       "all-to-all (Ulysses)", choices=("ring", "all-to-all"), estimate=True)
     tp: int = opt(1, "tensor-parallel size (ranks splitting each layer)", low=1, estimate=True)
+    ep: int = opt(1, "expert-parallel size (ranks of dp_shard x cp splitting the experts)",
+                  low=1, estimate=True)
     sequence_parallel: bool = opt(False, "with tp: norms and residuals hold 1/tp of the "
                                   "rows (all-gather in, reduce-scatter out)", estimate=True)
     pp: int = opt(1, "pipeline-parallel size (stages of blocks)", low=1, estimate=True)

@@ -75,6 +75,8 @@ def mesh_text(mesh) -> str:
     """``pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1`` (dp = dp_replicate x dp_shard)."""
     s = mesh.shape
     axes = " x ".join(f"{a}={s[a]}" for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    if s.get("ep", 1) > 1:
+        axes += f", ep={s['ep']} (experts, from dp_shard x cp)"
     return f"{axes} (dp={s['dp']})"
 
 

@@ -59,7 +59,8 @@ class Trainer:
         p = cfg.parallel
         try:
             self.mesh = Mesh(world, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp,
-                             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard or None)
+                             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard or None,
+                             ep=p.ep)
         except ValueError as err:  # raised alike on every rank, before communicating
             raise ConfigError(str(err)) from None
         check_sequence_split(cfg, self.recipe.tokens_per_sample, self.mesh)
@@ -256,7 +257,7 @@ def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
                   micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
                   activation_checkpointing=cfg.model.activation_checkpointing,
                   cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
-                  sequence_parallel=p.sequence_parallel)
+                  sequence_parallel=p.sequence_parallel, ep=p.ep)
 
 
 def stop_reason(stop, stopped: bool, run) -> str:

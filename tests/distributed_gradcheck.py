@@ -101,9 +101,11 @@ DISTRIBUTED_CASES = {
     "vocab_parallel_cross_entropy": [_vocab_case],
 }
 
-# Context- and sequence-parallel ops keep their cases beside their own tests.
+# Context-, sequence- and expert-parallel ops keep their cases beside their own tests.
 from cp_cases import CP_CASES  # noqa: E402
+from ep_cases import EP_CASES  # noqa: E402
 from sp_cases import SP_CASES  # noqa: E402
 
 DISTRIBUTED_CASES.update(CP_CASES)
 DISTRIBUTED_CASES.update(SP_CASES)
+DISTRIBUTED_CASES.update(EP_CASES)

@@ -282,7 +282,7 @@ def test_tensor_and_pipeline_layouts_load_anywhere(dp, tp, pp):
         save_checkpoint(root, 1, run.strategy, opt)
         manifest = read_manifest(root / "step-1")
         assert manifest.mesh == {"pp": pp, "dp": dp, "tp": tp, "cp": 1, "dp_replicate": 1,
-                                 "dp_shard": dp}
+                                 "dp_shard": dp, "ep": 1}
         assert manifest.aliases == {"lm_head.weight": "transformer.wte.weight"}
         assert max(len(p.runs) for t in manifest.tensors.values() for p in t.pieces) > 1
 

@@ -84,7 +84,8 @@ def test_mesh_2x2_and_4x1_explicit():
     (dict(tp=2.0), r"mesh tp=2.0 must be a positive int"),
     (dict(tp=3, pp=3), r"mesh tp=3 x pp=3 = 9 exceeds the world size {n}; launch at least 9 "
                        r"ranks"),
-    (dict(ep=2), r"unknown mesh axis 'ep'; the axes are pp, dp_replicate, dp_shard, cp and tp"),
+    (dict(sp=2), r"unknown mesh axis 'sp'; the axes are pp, dp_replicate, dp_shard, cp and tp"),
+    (dict(ep=5), r"mesh ep=5 must be a positive int dividing dp_shard x cp"),
 ])
 def test_mesh_that_does_not_fit(kwargs, match):
     world = make_test_comm("world")
@@ -114,7 +115,8 @@ def test_mesh_rejects_raw_mpi_and_unknown_axis_lookup():
         mesh.axis("sp")
     with pytest.raises(ValueError, match="coordinate tp=1 is out of range"):
         mesh.world_rank(tp=1)
-    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1}
+    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1,
+                          "ep": 1}
     mesh.free()
 
 

@@ -55,8 +55,8 @@ def test_model_changed_after_wrapping(kind):
 @pytest.mark.timeout(60)
 def test_unit_plans():
     _, mesh = _mesh()
-    with pytest.raises(ValueError, match=r"is in two units, 'transformer.h' and"):
-        ZeRO(GPT(TINY, materialize_now=False), mesh, units=["transformer.h", "transformer.h.0"])
+    with pytest.raises(ValueError, match=r"is in two units, 'transformer.h.0' and"):
+        ZeRO(GPT(TINY, materialize_now=False), mesh, units=["transformer.h.0", "transformer.h.0"])
     with pytest.raises(ValueError, match="parameters in no unit: transformer.wte.weight"):
         ZeRO(GPT(TINY, materialize_now=False), mesh, root_unit=False)
     with pytest.raises(ValueError, match="'transformer.nope' is not a sub-module"):

@@ -35,6 +35,8 @@ def _axes(mesh: dict) -> str:
     text = " x ".join(f"{a} {mesh[a]}" for a in ("pp", "dp", "cp", "tp") if a in mesh)
     if mesh.get("dp_replicate", 1) > 1:
         text += f" (dp_replicate {mesh['dp_replicate']} x dp_shard {mesh['dp_shard']})"
+    if mesh.get("ep", 1) > 1:
+        text += f", experts over ep {mesh['ep']}"
     return text
 
 

@@ -223,7 +223,7 @@ def _manifest_body(step: int, records: list, strategy, optimizer, world, extra_s
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
         "mpishard_version": __version__, "step": step, "world_size": world.size,
         "mesh": {axis: int(sizes[axis]) for axis in ("pp", "dp", "tp", "cp", "dp_replicate",
-                                                     "dp_shard") if axis in sizes},
+                                                     "dp_shard", "ep") if axis in sizes},
         "strategy": strategy.state_dict(),
         "optimizer": None if optimizer is None else {
             "type": type(optimizer).__name__, "step_count": int(optimizer.step_count),

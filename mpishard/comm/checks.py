@@ -339,3 +339,38 @@ def check_peer(peer, size: int, rank: int, where: str, *, any_ok: bool = False) 
             f"(this is rank {rank} of {size}); use a rank in 0..{size - 1} "
             f"other than {rank}")
     return int(peer)
+
+
+def all_to_all_v_counts(send, send_counts, recv, recv_counts, size: int,
+                        where: str = "all_to_all_v"):
+    """Check an all-to-all-v's row counts and receive buffer (allocated when ``None``).
+
+    ``send`` holds ``sum(send_counts)`` rows (its first dimension), the rows for rank
+    ``j`` after those for ranks ``< j``; ``recv`` gets ``sum(recv_counts)`` rows of
+    the same trailing shape. Returns ``(send_counts, recv_counts, recv)`` as lists.
+    """
+    out = []
+    for role, counts in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+        counts = [int(c) for c in counts]
+        if len(counts) != size or any(c < 0 for c in counts):
+            raise ValueError(f"{where}: {role} {counts} must be {size} non-negative row "
+                             f"counts, one per rank")
+        out.append(counts)
+    send_counts, recv_counts = out
+    if send.ndim < 1 or send.shape[0] != sum(send_counts):
+        raise ValueError(f"{where}: send has {send.shape[0] if send.ndim else 0} rows but "
+                         f"send_counts add up to {sum(send_counts)}; pass one count per "
+                         f"rank that add up to send.shape[0]")
+    shape = (sum(recv_counts), *send.shape[1:])
+    if recv is None:
+        recv = xp_of(send).empty(shape, dtype=send.dtype)
+    else:
+        check_array(recv, where, "recv", output=True)
+        check_pair(send, recv, where)
+        if tuple(recv.shape) != shape:
+            raise ValueError(f"{where}: recv has shape {tuple(recv.shape)}; recv_counts "
+                             f"need {shape} (or recv=None)")
+        if recv.size and send.size and _overlap(send, recv):
+            raise ValueError(f"{where}: recv overlaps send; pass a separate recv buffer "
+                             f"(or recv=None)")
+    return send_counts, recv_counts, recv

@@ -35,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import checks
+from .alltoall import AllToAll
 from .debug import CallHistory, CallLog, Family
 from .env import settings_from_env
 from .handles import Handle
@@ -46,7 +47,7 @@ from .stats import CommStats
 __all__ = ["Communicator", "COMM_BACKENDS", "Call"]
 
 
-class Communicator(Runner, Messages):
+class Communicator(Runner, Messages, AllToAll):
     """A wrapper around one mpi4py communicator.
 
     Args:
@@ -313,41 +314,6 @@ class Communicator(Runner, Messages):
                     ((buf, self.rank == root, self.rank != root),), ("Bcast", "Ibcast"),
                     lambda v, _: (v[0], root), buf.shape, buf.dtype, f"root={root}",
                     nccl=lambda g, sync: g.broadcast(buf, root, host_sync=sync))
-
-    def all_to_all(self, send, recv=None):
-        """Rank ``r`` sends block ``j`` of ``send`` to rank ``j``, receiving into block ``r``.
-
-        Both buffers hold ``size`` equal blocks along the flattened array;
-        afterwards block ``j`` of ``recv`` on rank ``r`` is block ``r`` of rank
-        ``j``'s ``send`` (MPI_Alltoall). This is how context and expert
-        parallelism exchange a sequence or the tokens routed to each expert. It
-        runs through MPI (CUDA-aware or staged) also with ``comm_backend="nccl"``.
-
-        Args:
-            send: a C-contiguous array whose size is a multiple of ``size``.
-            recv: an array of the same size and dtype, not overlapping
-                ``send``, or ``None`` to allocate one shaped like ``send``.
-
-        Returns:
-            ``recv``.
-        """
-        return self._run(self._all_to_all(send, recv, "all_to_all"), blocking=True)
-
-    def iall_to_all(self, send, recv=None) -> Handle:
-        """Non-blocking :meth:`all_to_all`; ``handle.wait()`` returns ``recv``."""
-        return self._run(self._all_to_all(send, recv, "iall_to_all"), blocking=False)
-
-    def _all_to_all(self, send, recv, where) -> Call:
-        def check():
-            checks.check_array(send, where, "send")
-            return checks.all_to_all_recv(send, recv, self.size, where)
-        recv = self._checked(where, check)
-
-        def local():
-            recv.reshape(-1)[...] = send.reshape(-1)
-        return Call("all_to_all", "all_to_all", send.nbytes, recv,
-                    ((send, True, False), (recv, False, True)), ("Alltoall", "Ialltoall"),
-                    lambda v, _: (v[0], v[1]), send.shape, send.dtype, local=local)
 
     def barrier(self) -> None:
         """Wait until every rank has reached the barrier."""

@@ -29,6 +29,19 @@ Derived groups (the same ranks as an axis reuse that axis's communicator):
   ranks hold the same parameters, so they share the shards as torchtitan does);
   ``dp_replicate`` then averages the shards across replicas (hybrid sharding).
 
+Expert parallelism (``ep``) is carved out of ``dp_shard x cp``, as in torchtitan
+and Megatron: that group's ``dp_shard * CP`` ranks, in the order above, form
+``dp_shard * CP / ep`` consecutive blocks of ``ep`` ranks. Two groups follow:
+
+- ``ep``: one such block, the ranks that split a layer's experts between them
+  and exchange tokens (all-to-all);
+- ``edp``: every rank of ``dp_cp`` holding the same experts (the same place in
+  its block): expert gradients are averaged over it and ZeRO shards expert
+  state over ``edp_shard``, its part inside ``dp_shard x cp``.
+
+With ``ep == cp`` these are the ``cp`` and ``dp_shard`` groups (and share their
+communicators); with ``ep = 1``, ``edp`` is ``dp_cp``.
+
 Checkpoints, pipeline schedules and reports that need "which world rank holds
 these coordinates" call :meth:`Mesh.world_rank` rather than re-deriving this.
 Nodes are detected with ``COMM_TYPE_SHARED`` (:func:`ranks_per_node`);
@@ -40,12 +53,15 @@ import os
 
 from mpi4py import MPI
 
+from ..mesh_axes import expert_axes_as_plain
 from .communicator import Communicator
 
 __all__ = ["Mesh", "MESH_AXES", "ranks_per_node", "node_of"]
 
 #: Axis names, outermost first.
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: the same rank order with ``dp_shard x cp`` cut into ``edp_shard x ep``
+_EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
 _GIVEN = ("dp", "dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 
@@ -96,6 +112,7 @@ class Mesh:
         tp, cp, pp: tensor-, context- and pipeline-parallel sizes.
         dp_replicate: replicas of the sharded state (hybrid sharding; default 1).
         dp_shard: ranks sharing one copy of it (default ``dp // dp_replicate``).
+        ep: expert-parallel size, dividing ``dp_shard x cp`` (see [Note: mesh layout]).
 
     Raises:
         TypeError: ``world`` is not a Communicator.
@@ -105,7 +122,7 @@ class Mesh:
 
     def __init__(self, world: Communicator, dp: int | None = None, tp: int = 1,
                  pp: int = 1, cp: int = 1, dp_replicate: int | None = None,
-                 dp_shard: int | None = None, **unknown):
+                 dp_shard: int | None = None, ep: int = 1, **unknown):
         if not isinstance(world, Communicator):
             raise TypeError(f"Mesh needs a mpishard Communicator, got {type(world).__name__}; "
                             f"wrap it: Mesh(Communicator(MPI.COMM_WORLD), ...)")
@@ -120,26 +137,36 @@ class Mesh:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"mesh {axis}={n!r} must be a positive int")
         R, S = _data_sizes(world.size, dp, dp_replicate, dp_shard, tp, cp, pp)
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or (S * cp) % ep:
+            raise ValueError(f"mesh ep={ep!r} must be a positive int dividing dp_shard x cp "
+                             f"= {S} x {cp} = {S * cp} (experts are split over ranks that "
+                             f"read different tokens); pass an ep that divides {S * cp}")
         self.world = world
         self.shape = {"pp": pp, "dp": R * S, "tp": tp, "dp_replicate": R, "dp_shard": S,
-                      "cp": cp}
+                      "cp": cp, "ep": ep}
         r = world.rank
         c = {"tp": r % tp, "cp": (r // tp) % cp, "dp_shard": (r // (tp * cp)) % S,
              "dp_replicate": (r // (tp * cp * S)) % R, "pp": r // (tp * cp * S * R)}
         c["dp"] = c["dp_replicate"] * S + c["dp_shard"]
+        inner = c["dp_shard"] * cp + c["cp"]          # place in dp_shard x cp
+        c["ep"], c["edp_shard"] = inner % ep, inner // ep
         self.coords = c
-        sizes = {"pp": pp, "dp_replicate": R, "dp_shard": S, "cp": cp, "tp": tp}
+        sizes = {"pp": pp, "dp_replicate": R, "dp_shard": S, "cp": cp, "tp": tp, "ep": ep,
+                 "edp_shard": S * cp // ep}
+        same = expert_axes_as_plain(ep, cp, S)
         made: dict = {}
 
         def group(name, axes):
             """The communicator over ``axes`` (others fixed), reusing one with the same ranks."""
+            axes = tuple(b for a in axes for b in same.get(a, (a,)))
             members = tuple(a for a in axes if sizes[a] > 1)
             if not members:      # one rank: its own, and no MPI communicator is needed
                 made[("one", name)] = world.single(name)
                 return made[("one", name)]
             if members in made:
                 return made[members]
-            rest = [a for a in MESH_AXES if a not in axes]
+            order = _EXPERT_AXES if {"ep", "edp_shard"} & set(axes) else MESH_AXES
+            rest = [a for a in order if a not in axes]
             color = 0
             for a in rest:
                 color = color * sizes[a] + c[a]
@@ -159,6 +186,9 @@ class Mesh:
         self.dp_shard = group("dp_shard", ("dp_shard",))
         self.dp_cp = group("dp_cp", ("dp_replicate", "dp_shard", "cp"))
         self.dp_shard_cp = group("dp_shard_cp", ("dp_shard", "cp"))
+        self.ep = group("ep", ("ep",))
+        self.edp = group("edp", ("dp_replicate", "edp_shard"))
+        self.edp_shard = group("edp_shard", ("edp_shard",))
         self._groups = list({id(g): g for g in made.values()}.values())
 
     @property
@@ -179,9 +209,10 @@ class Mesh:
 
     def axis(self, name: str) -> Communicator:
         """The communicator of axis or group ``name`` (``"dp"``, ``"tp"``, ``"cp"``, ...)."""
-        if name not in (*MESH_AXES, "dp", "dp_cp", "dp_shard_cp"):
+        if name not in (*MESH_AXES, "dp", "dp_cp", "dp_shard_cp", "ep", "edp", "edp_shard"):
             raise ValueError(f"mesh has no axis {name!r}; the axes are pp, dp_replicate, "
-                             f"dp_shard, cp and tp, with the groups dp, dp_cp and dp_shard_cp")
+                             f"dp_shard, cp and tp, with the groups dp, dp_cp, dp_shard_cp, "
+                             f"ep, edp and edp_shard")
         return getattr(self, name)
 
     def active_axes(self) -> dict:
@@ -189,7 +220,7 @@ class Mesh:
         outermost first (each communicator once, under its own name)."""
         out = {}
         for attr in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "dp_shard_cp", "dp_cp",
-                     "tp"):
+                     "ep", "edp_shard", "edp", "tp"):
             comm = getattr(self, attr)
             if comm.size > 1 and comm.name not in out:
                 out[comm.name] = comm
@@ -223,7 +254,8 @@ class Mesh:
     def __repr__(self) -> str:
         s = self.shape
         return (f"Mesh(pp={s['pp']}, dp_replicate={s['dp_replicate']}, "
-                f"dp_shard={s['dp_shard']}, cp={s['cp']}, tp={s['tp']}; "
+                f"dp_shard={s['dp_shard']}, cp={s['cp']}, tp={s['tp']}"
+                + (f", ep={s['ep']}" if s["ep"] > 1 else "") + "; "
                 f"rank {self.world.rank} at {self.coords})")
 
 

@@ -18,6 +18,7 @@ reduce-scatter     the full (send) buffer       (n - 1) / n * S
 all-gather         the full (receive) buffer    (n - 1) / n * S
 broadcast          the buffer                   S
 all-to-all         the send buffer              (n - 1) / n * S
+all-to-all-v       the rows sent to other ranks S
 send / recv        the buffer                   S
 barrier, *_obj     0 (calls and time only)      0
 =================  ===========================  ======================
@@ -42,6 +43,7 @@ _BUS_FACTORS = {
     "all_gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
     "all_to_all": lambda n: (n - 1) / n,
+    "all_to_all_v": lambda n: 1.0 if n > 1 else 0.0,
     "send": lambda n: 1.0 if n > 1 else 0.0,
     "recv": lambda n: 1.0 if n > 1 else 0.0,
 }
@@ -52,7 +54,7 @@ def bus_bytes(kind: str, nbytes: int, size: int) -> int:
 
     Args:
         kind: ``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
-            ``"broadcast"``, ``"all_to_all"``, ``"send"`` or ``"recv"``
+            ``"broadcast"``, ``"all_to_all"``, ``"all_to_all_v"``, ``"send"`` or ``"recv"``
             (anything else: 0).
         nbytes: the message size ``S`` as defined in the note.
         size: the number of ranks ``n``.

@@ -99,7 +99,7 @@ def _save_module(model, path: Path, max_shard_bytes: int) -> Path:
     model_class(config)
     params = dict(model.named_parameters())
     partial = [n for n, p in params.items() if p.data is None or p.spec.tp_dim is not None
-               or p.spec.flat is not None]
+               or p.spec.ep_range is not None or p.spec.flat is not None]
     if partial or not (model.first_stage and model.last_stage) \
             or len(model.block_ids) != config.n_layer:
         raise ValueError("save_pretrained: this model is a part of one (a pipeline stage, "

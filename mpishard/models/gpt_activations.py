@@ -146,12 +146,14 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         heads = qkv // (3 * attn.head_size)
         norms = 2 * (Ns * C * (c + f) + Ns * f)
         if hasattr(mlp, "experts"):   # a mixture of GELU experts (as Llama's, with 4C)
-            E, k, H = mlp.n_experts, mlp.top_k, int(mlp.experts.shape[2])
+            E, k, H = mlp.n_experts, mlp.top_k, int(mlp.experts.c_fc_weight.shape[1])
             M = N * k
             linears = N * qkv * c + N * C * c + 2 * N * E * c + 2 * N * k * c + M * C * c \
                 + 2 * M * C * c + M * c + N * C * c
             if mlp.router != "softmax":
                 linears += 3 * N * E * c                    # sigmoid's steps
+            if mlp.dispatch is not None:                    # expert parallel, even routing
+                linears += 4 * M * C * c                    # (see llama_activations.py)
             if "shared_expert" in mlp._modules:             # a GPT MLP every row goes through
                 linears += 2 * N * C * c + N * H * c + N * H * (c + f)
             reduced = Ns * C * c * (1 + (attn.c_proj.bias is not None)) \

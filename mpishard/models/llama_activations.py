@@ -42,15 +42,18 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
     probabilities ``2 N E c``, top-k and weights ``2 N k c``, and for the ``M = N k``
     routed rows (dropless; fewer with a capacity) their gathered input ``M C c``, the
     experts' gate|up ``2 M F c``, outputs and weighted outputs ``2 M C c``, weights
-    ``M c``; the combined rows ``N C c``)."""
+    ``M c``; the combined rows ``N C c``; under expert parallelism also the rows
+    received, put in expert order, put back and returned, ``4 M C c`` when the
+    routing is even)."""
     if hasattr(mlp, "experts"):
         E, k = mlp.n_experts, mlp.top_k
         F = int(mlp.experts.down_proj.shape[2])
         M = N * k
         shared = mlp._modules.get("shared_expert")
         router = 2 * N * E * c if mlp.router == "softmax" else 5 * N * E * c   # sigmoid's steps
+        exchanged = 4 * M * C * c if mlp.dispatch is not None else 0
         return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
-            + M * c + N * C * c + (_mlp_bytes(shared, N, Ns, C, c, f) + N * C * c
+            + M * c + N * C * c + exchanged + (_mlp_bytes(shared, N, Ns, C, c, f) + N * C * c
                                    if shared is not None else 0)
     F = _width(mlp.gate_proj)
     return N * C * c + Ns * C * c * _row_parallel(mlp.down_proj) \

@@ -91,11 +91,11 @@ class GELUExperts(Module):
         self.c_fc_bias = Parameter((E, H), Constant(0.0), False, dtype) if bias else None
         self.c_proj_weight = Parameter((E, C, H), Normal(proj_std), True, dtype)
         self.c_proj_bias = Parameter((E, C), Constant(0.0), False, dtype) if bias else None
-        self.shape, self.dtype = (E, C, H), dtype
+        self.dtype = dtype
 
     def forward(self, x_sorted, offsets):
         xp = xp_of(self.c_fc_weight.data)
-        E, C, H = self.shape
+        E, H, C = self.c_fc_weight.data.shape     # E: the experts this rank holds
         zeros = {n: xp.zeros(shape, dtype=self.c_fc_weight.data.dtype)
                  for n, shape in (("fc", (E, H)), ("proj", (E, C)))}
         return expert_gelu(x_sorted, offsets, self.c_fc_weight,
@@ -138,6 +138,8 @@ class MoE(Module):
         if shared is not None:
             self.shared_expert = shared
         self.route: Route | None = None
+        #: this rank's share of the experts (an ExpertShard under expert parallelism)
+        self.dispatch = None
 
     def forward(self, x):
         N, E, k = x.shape[0], self.n_experts, self.top_k
@@ -164,7 +166,9 @@ class MoE(Module):
             kept = counts.clip(max=cap)
         offsets = [0, *accumulate(int(c) for c in kept)]
         token, slot = order // k, order % k
-        y = self.experts(embedding(token, x), offsets)
+        rows = embedding(token, x)
+        y = self.dispatch(self.experts, rows, kept) if self.dispatch is not None else \
+            self.experts(rows, offsets)
         y = mul(y, reshape(getitem(weights, (token, slot)), (-1, 1)))
         self.route = Route(counts, kept, sum(balance, axis=0), logits, N)
         out = scatter_rows(y, token, N)

@@ -98,6 +98,9 @@ class ShardSpec:
         replica: this tensor is a copy of one held elsewhere (a tied weight on
             another pipeline stage): not saved, not counted in gradient norms.
         flat: ZeRO placement over the dp axis (``None`` when not flattened).
+        ep_range: ``(start, stop)`` of the experts (dimension 0) this rank holds
+            under expert parallelism (``None``: all of them, or not an expert
+            tensor). Experts are replicated over tp, so ``tp_dim`` is then ``None``.
     """
 
     global_shape: tuple
@@ -107,14 +110,23 @@ class ShardSpec:
     pp_stage: int | None = None
     replica: bool = False
     flat: FlatPlacement | None = None
+    ep_range: tuple | None = None
+
+    def _split(self) -> tuple:
+        """``(dimension, blocks)`` of the one split this piece has (``(None, ())``: whole)."""
+        if self.ep_range is not None:
+            return 0, (tuple(self.ep_range),)
+        return self.tp_dim, self.tp_blocks
 
     @property
     def local_shape(self) -> tuple:
-        """Shape of this rank's (tensor-parallel) piece before any ZeRO flattening."""
-        if self.tp_dim is None:
+        """Shape of this rank's (tensor- or expert-parallel) piece before any ZeRO
+        flattening."""
+        dim, blocks = self._split()
+        if dim is None:
             return tuple(self.global_shape)
         shape = list(self.global_shape)
-        shape[self.tp_dim] = sum(stop - start for start, stop in self.tp_blocks)
+        shape[dim] = sum(stop - start for start, stop in blocks)
         return tuple(shape)
 
     def global_runs(self, flat_range: tuple | None = None) -> list:
@@ -128,14 +140,14 @@ class ShardSpec:
         through these runs alone, so any layout maps onto any other.
         """
         shape = tuple(self.global_shape)
-        if self.tp_dim is None:
+        d, blocks = self._split()
+        if d is None:
             segments = [(0, int(np.prod(shape, dtype=np.int64)))]
         else:
-            d = self.tp_dim
             inner = int(np.prod(shape[d + 1:], dtype=np.int64))
             outer = int(np.prod(shape[:d], dtype=np.int64))
             segments = [((o * shape[d] + start) * inner, (o * shape[d] + stop) * inner)
-                        for o in range(outer) for start, stop in self.tp_blocks]
+                        for o in range(outer) for start, stop in blocks]
         if flat_range is None:
             return [s for s in segments if s[1] > s[0]]
         lo, hi = flat_range
@@ -152,14 +164,15 @@ class ShardSpec:
 
     def local_slice_of(self, full: np.ndarray) -> np.ndarray:
         """Cut this rank's piece out of the full global array."""
-        if self.tp_dim is None:
+        dim, blocks = self._split()
+        if dim is None:
             return full
         parts = []
-        for start, stop in self.tp_blocks:
+        for start, stop in blocks:
             index = [slice(None)] * full.ndim
-            index[self.tp_dim] = slice(start, stop)
+            index[dim] = slice(start, stop)
             parts.append(full[tuple(index)])
-        return np.concatenate(parts, axis=self.tp_dim)
+        return np.concatenate(parts, axis=dim)
 
 
 #: dtypes a Parameter may have (16-bit compute is the strategies' ``precision``)

@@ -30,6 +30,7 @@ from ..nn.plan import plan_of
 from .pipeline import Pipeline, partition_blocks
 from .strategy import strategy_entry
 from .context_parallel import apply_context_plan
+from .expert_parallel import apply_expert_plan
 from .tensor_parallel import apply_tensor_plan
 
 __all__ = ["ParallelModel", "build_stage", "wrap_model"]
@@ -86,6 +87,9 @@ def build_stage(model, mesh, stage_plan=None, cp_mode: str = "ring",
     cp = getattr(mesh, "cp", None)
     if cp is not None:
         apply_context_plan(model, cp, cp_mode, plan_of(model))
+    ep = getattr(mesh, "ep", None)
+    if ep is not None:
+        apply_expert_plan(model, ep)
     for name, p in model.named_parameters():
         replica = s > 0 and name in first_names   # held for a tie; owned by stage 0
         p.spec = dataclasses.replace(p.spec, pp_stage=s, replica=p.spec.replica or replica)

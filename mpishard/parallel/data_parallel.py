@@ -24,6 +24,7 @@ import hashlib
 
 from ..backend import to_numpy, xp_of
 from ..optim.clip import grad_sq_sum
+from .expert_parallel import grad_group, is_expert_param
 from .flat import FlatLayout
 from .pieces import Piece, _state_views, _target_index, replicated_pieces
 from .planner import MemoryPlan
@@ -57,17 +58,18 @@ def _bucket_groups(params, bucket_bytes: int, itemsize: int) -> list:
     return groups
 
 
-def check_replicas_equal(module, comm, what: str = "parameters") -> None:
-    """Raise on every rank if the module's parameters differ between ranks of ``comm``.
+def check_replicas_equal(module, comm, what: str = "parameters", select=None) -> None:
+    """Raise on every rank if the module's parameters (those ``select(p)`` accepts, by
+    default all) differ between ranks of ``comm``.
 
     Compares a SHA-256 per parameter (one small all-gather of digests).
     """
     if comm.size == 1:
         return
-    digests = [hashlib.sha256(to_numpy(p.data).tobytes()).hexdigest()[:16]
-               for p in module.parameters()]
+    named = [(n, p) for n, p in module.named_parameters() if select is None or select(p)]
+    digests = [hashlib.sha256(to_numpy(p.data).tobytes()).hexdigest()[:16] for _, p in named]
     everyone = comm.all_gather_obj(digests)
-    names = [n for n, _ in module.named_parameters()]
+    names = [n for n, _ in named]
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             first = next((names[i] for i, (a, b) in enumerate(zip(everyone[0], theirs))
@@ -79,10 +81,11 @@ def check_replicas_equal(module, comm, what: str = "parameters") -> None:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "views", "ready", "handle")
+    __slots__ = ("params", "flat", "views", "ready", "handle", "comm", "scale")
 
-    def __init__(self, params, ledger, xp, index, dtype, flat=None):
+    def __init__(self, params, ledger, xp, index, dtype, flat=None, comm=None, scale=1.0):
         self.params = params
+        self.comm, self.scale = comm, scale   # averaged over comm, then times scale
         layout = FlatLayout.of([p.shape for p in params], dtype)
         # its own buffer, or its slice of the flat gradients (mixed precision)
         self.flat = flat if flat is not None else ledger.zeros(
@@ -90,6 +93,13 @@ class _Bucket:
         self.views = layout.views(self.flat)
         self.ready = 0
         self.handle = None
+
+    def finish(self) -> None:
+        """Wait for the average; apply the scale (expert gradients, see grad_group)."""
+        self.handle.wait()
+        self.handle = None
+        if self.scale != 1.0:
+            self.flat *= self.scale
 
     def stage(self, i: int) -> None:
         """Copy ``params[i]``'s gradient into the bucket; its ``grad`` becomes the bucket view."""
@@ -130,23 +140,34 @@ class DataParallel(Strategy):
         self.masters = MasterCopies()
         self._master_of: dict = {}
         self._range_of: dict = {}
-        if self.dp.size > 1:
-            if sync_params == "broadcast":
-                for p in params:
-                    self.dp.broadcast(p.data, root=0)
-            else:
-                check_replicas_equal(module, self.dp)
+        # experts split over ep are replicated over edp only (see expert_parallel.py)
+        kinds = [(False, self.dp), (True, getattr(mesh, "edp", self.dp))]
+        for expert, comm in kinds:
+            def select(p, expert=expert):
+                return is_expert_param(p) == expert
+            if comm.size > 1 and sync_params == "broadcast":
+                for p in filter(select, params):
+                    comm.broadcast(p.data, root=0)
+            elif comm.size > 1:
+                check_replicas_equal(module, comm, select=select)
         # Buckets at every dp size, also 1 (where nothing is sent): gradients then
         # always live in ledger-counted buffers, as the plan says.
         xp = xp_of(params[0].data)
-        groups = _bucket_groups(params, bucket_bytes, self.compute_dtype.itemsize)
+        groups, reduce_over = [], []
+        for expert, _ in kinds:
+            part = [p for p in params if is_expert_param(p) == expert]
+            if not part:
+                continue
+            cut = _bucket_groups(part, bucket_bytes, self.compute_dtype.itemsize)
+            groups += cut
+            reduce_over += [grad_group(mesh, part[0], self.dp)] * len(cut)
         if self.mixed:
             flats = self._make_masters(groups, xp)
         else:
             flats = [None] * len(groups)
-        for group, flat in zip(groups, flats):
+        for group, flat, (comm, scale) in zip(groups, flats, reduce_over):
             self._buckets.append(_Bucket(group, self.ledger, xp, len(self._buckets),
-                                         self.reduce_dtype, flat))
+                                         self.reduce_dtype, flat, comm, scale))
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
@@ -212,8 +233,9 @@ class DataParallel(Strategy):
         if self._next_launch == 0:
             return
         for bucket in self._buckets[:self._next_launch]:
-            bucket.handle.wait()
-            bucket.handle = None
+            bucket.finish()
+            if bucket.scale != 1.0:   # the next reduction averages (and scales) it again
+                bucket.flat *= 1.0 / bucket.scale
         for bucket in self._buckets:
             bucket.ready = 0
         self._next_launch = 0
@@ -232,7 +254,7 @@ class DataParallel(Strategy):
                and self._buckets[self._next_launch].ready == len(
                    self._buckets[self._next_launch].params)):
             bucket = self._buckets[self._next_launch]
-            bucket.handle = self.dp.iall_reduce(bucket.flat, op="avg")
+            bucket.handle = bucket.comm.iall_reduce(bucket.flat, op="avg")
             self._next_launch += 1
 
     def reduce_grads(self) -> None:
@@ -249,16 +271,15 @@ class DataParallel(Strategy):
             bucket.ready = len(bucket.params)
         self._launch_in_order()
         for bucket in self._buckets:
-            bucket.handle.wait()
-            bucket.handle = None
+            bucket.finish()
             bucket.ready = 0
         self._next_launch = 0
 
     def local_grad_sq(self) -> float:
-        if self.dp.rank != 0:  # every dp rank holds the same averaged gradients
-            return 0.0
-        # parameter by parameter (their bucket views), in the order of the model
-        return grad_sq_sum(p.grad for p in self.module.parameters() if self.counts_once(p.spec))
+        # every rank of a parameter's group holds the same averaged gradient: the
+        # group's rank 0 counts it; parameter by parameter, in the order of the model
+        return grad_sq_sum(p.grad for p in self.module.parameters()
+                           if self.replica_group(p).rank == 0 and self.counts_once(p.spec))
 
     def after_update(self) -> None:
         """The 16-bit compute copies follow the updated masters (mixed precision)."""
@@ -277,7 +298,7 @@ class DataParallel(Strategy):
             views = {"param": target.data[lo:hi]}
             if id(target) in index:
                 views.update(_state_views(optimizer, index[id(target)], lo, hi))
-            owner = self.dp.rank == 0 and self.counts_once(p.spec)
+            owner = self.replica_group(p).rank == 0 and self.counts_once(p.spec)
             pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
                                 p.spec.global_runs(), arr, owner) for kind, arr in views.items())
         return pieces
@@ -285,13 +306,18 @@ class DataParallel(Strategy):
     @classmethod
     def plan_memory(cls, model, sizes, **_) -> MemoryPlan:
         """Whole parameters, gradient buckets (the gradients themselves, also at dp 1)
-        and optimizer state on every rank; the buckets all-reduced over ``dp_cp``."""
+        and optimizer state on every rank; the buckets all-reduced over ``dp_cp``, those
+        of experts split over ep over ``edp``."""
         s, n = sizes, sizes.n_params
         plan = s.new_plan()
         plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
                        "grads": n * s.reduce_itemsize,
                        "optim": s.n_states * n * s.itemsize}
         plan.peak = {"gathered": 0, "comm": 0}
-        plan.bus_bytes_per_step = int(round(2 * s.factor * n * s.reduce_itemsize))
-        plan.bus_bytes_by_group = {"dp_cp": plan.bus_bytes_per_step}
+        dense, experts = s.expert_split(model)
+        edp = s.dp_size // s.ep
+        plan.bus_bytes_by_group = {
+            "dp_cp": int(round(2 * s.factor * dense * s.reduce_itemsize)),
+            "edp": int(round(2 * (edp - 1) / edp * experts * s.reduce_itemsize))}
+        plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
         return plan

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..mesh_axes import expert_axes_as_plain
 from ..nn.plan import plan_of
 from .compose import build_stage
 from .context_parallel import CP_MODES
@@ -74,7 +75,8 @@ class Layout:
     the whole data-parallel size, ``dp_replicate x dp_shard`` (hybrid sharding:
     ``dp_replicate`` copies of the ZeRO shards). ``cp_mode`` is ``"ring"`` or
     ``"all-to-all"``; ``sequence_parallel`` splits the rows between tensor-parallel
-    layers over tp.
+    layers over tp; ``ep`` splits each mixture of experts' experts over that many
+    ranks of ``dp_shard x cp``.
 
     Raises:
         ValueError: sizes that do not fit together, naming the fix.
@@ -95,10 +97,11 @@ class Layout:
     dp_replicate: int = 1
     cp_mode: str = "ring"
     sequence_parallel: bool = False
+    ep: int = 1
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "cp", "dp_replicate", "batch_size", "seq_len",
-                     "micro_batches"):
+                     "micro_batches", "ep"):
             n = getattr(self, name)
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"Layout.{name}={n!r} must be a positive integer")
@@ -106,6 +109,11 @@ class Layout:
             raise ValueError(f"Layout dp_replicate={self.dp_replicate} does not divide "
                              f"dp={self.dp}; pass a dp_replicate that divides {self.dp} "
                              f"(dp_shard = dp / dp_replicate)")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"Layout ep={self.ep} does not divide dp_shard x cp = "
+                             f"{self.dp_shard} x {self.cp}; pass an ep that divides "
+                             f"{self.dp_shard * self.cp} (experts split over ranks reading "
+                             f"different tokens)")
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"unknown context-parallel mode {self.cp_mode!r}; use 'ring' or "
                              f"'all-to-all'")
@@ -145,7 +153,8 @@ class _Axis:
 _GROUPS = (("tp", ("tp",)), ("cp", ("cp",)), ("pp", ("pp",)),
            ("dp", ("dp_replicate", "dp_shard")), ("dp_replicate", ("dp_replicate",)),
            ("dp_shard", ("dp_shard",)), ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
-           ("dp_shard_cp", ("dp_shard", "cp")))
+           ("dp_shard_cp", ("dp_shard", "cp")), ("ep", ("ep",)),
+           ("edp", ("dp_replicate", "edp_shard")), ("edp_shard", ("edp_shard",)))
 
 
 class LayoutMesh:
@@ -157,26 +166,29 @@ class LayoutMesh:
     """
 
     def __init__(self, dp: int, tp: int, pp: int, pp_rank: int = 0, tp_rank: int = 0,
-                 cp: int = 1, dp_replicate: int = 1):
+                 cp: int = 1, dp_replicate: int = 1, ep: int = 1):
         if dp % dp_replicate:
             raise ValueError(f"dp_replicate={dp_replicate} does not divide dp={dp}")
-        sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp // dp_replicate,
-                 "cp": cp, "tp": tp}
+        S = dp // dp_replicate
+        sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": S,
+                 "cp": cp, "tp": tp, "ep": ep, "edp_shard": S * cp // ep}
+        same = expert_axes_as_plain(ep, cp, S)
         ranks = {"tp": tp_rank, "pp": pp_rank}
         names: dict = {}
         for attr, axes in _GROUPS:
+            axes = tuple(b for a in axes for b in same.get(a, (a,)))
             members = tuple(a for a in axes if sizes[a] > 1) or (attr,)
             size = int(np.prod([sizes[a] for a in axes]))
             setattr(self, attr, _Axis(size, ranks.get(attr, 0), names.setdefault(members, attr)))
         self.shape = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp_replicate,
-                      "dp_shard": dp // dp_replicate, "cp": cp}
+                      "dp_shard": S, "cp": cp, "ep": ep}
 
     def active_names(self) -> list:
         """The communicator names of the groups with more than one rank, as
         :meth:`Mesh.active_axes` orders them."""
         out = []
         for attr in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "dp_shard_cp", "dp_cp",
-                     "tp"):
+                     "ep", "edp_shard", "edp", "tp"):
             axis = getattr(self, attr)
             if axis.size > 1 and axis.name not in out:
                 out.append(axis.name)
@@ -221,7 +233,8 @@ class LayoutPlan:
                                f"{lay.dp_shard})" if lay.dp_replicate > 1 else "")
         cp = f" x cp={lay.cp} ({lay.cp_mode})" if lay.cp > 1 else ""
         sp = " (sequence parallel)" if lay.sequence_parallel and lay.tp > 1 else ""
-        return f"{dp}{cp} x tp={lay.tp}{sp} x pp={lay.pp}"
+        ep = f", experts over ep={lay.ep}" if lay.ep > 1 else ""
+        return f"{dp}{cp} x tp={lay.tp}{sp} x pp={lay.pp}{ep}"
 
     def format(self) -> str:
         lay, stage = self.layout, self.busiest
@@ -297,13 +310,13 @@ def plan_layout(model, layout: Layout, stage_plan=None) -> LayoutPlan:
     stages = []
     for s in range(layout.pp):
         mesh = LayoutMesh(layout.dp, layout.tp, layout.pp, s, cp=layout.cp,
-                          dp_replicate=layout.dp_replicate)
+                          dp_replicate=layout.dp_replicate, ep=layout.ep)
         stage = build_stage(model, mesh, stage_plan, layout.cp_mode, layout.sequence_parallel)
         if layout.activation_checkpointing and hasattr(stage, "set_activation_checkpointing"):
             stage.set_activation_checkpointing(True)
         memory = plan_memory(stage, layout.strategy, mesh.dp_cp.size, layout.optimizer,
                              precision=layout.precision, micro_batches=layout.micro_batches,
-                             dp_replicate=layout.dp_replicate)
+                             dp_replicate=layout.dp_replicate, ep=layout.ep)
         activation = getattr(stage, "activation_bytes", None)
         alive = _alive(layout, s)
         per_micro = activation(layout.batch_size, layout.local_seq_len, act) \

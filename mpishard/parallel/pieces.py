@@ -69,7 +69,7 @@ def replicated_pieces(strategy, optimizer=None) -> list[Piece]:
     index = _target_index(optimizer)
     pieces: list[Piece] = []
     for name, p in strategy.module.named_parameters():
-        owner = strategy.dp.rank == 0 and strategy.counts_once(p.spec)
+        owner = strategy.replica_group(p).rank == 0 and strategy.counts_once(p.spec)
         target = strategy.optimizer_target(p)
         flat = target.data.reshape(-1)
         views = {"param": flat}

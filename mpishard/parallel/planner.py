@@ -16,6 +16,7 @@ per mesh group (``bus_bytes_by_group``: ``"dp_cp"`` for DDP's all-reduce,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +97,9 @@ class PlanSizes:
         micro_batches: forward/backward passes per step (ZeRO-3 gathers in each).
         dp_replicate: replicas of a sharded state among the ``dp_size`` ranks
             (hybrid sharding: ZeRO shards over ``dp_size / dp_replicate``).
+        ep: expert-parallel size: experts split over ep are replicated over
+            ``dp_size / ep`` ranks (``edp``) and ZeRO shards them over
+            ``shard_size / ep`` (``edp_shard``).
     """
 
     strategy: str
@@ -109,6 +113,7 @@ class PlanSizes:
     precision: str | None = None
     micro_batches: int = 1
     dp_replicate: int = 1
+    ep: int = 1
 
     @property
     def factor(self) -> float:
@@ -119,6 +124,12 @@ class PlanSizes:
     def shard_size(self) -> int:
         """The ranks one sharded copy is spread over, ``dp_size / dp_replicate``."""
         return self.dp_size // self.dp_replicate
+
+    def expert_split(self, model) -> tuple:
+        """``(dense elements, expert elements)`` of ``model`` on this rank (experts split
+        over ep counted by their local shape)."""
+        experts = sum(p.size for p in model.parameters() if p.spec.ep_range is not None)
+        return self.n_params - experts, experts
 
     def new_plan(self) -> MemoryPlan:
         """An empty :class:`MemoryPlan` with this header, for a strategy to fill."""
@@ -136,7 +147,7 @@ def window_peak(sizes: list, window: int) -> int:
 
 def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
                 dtype: str | None = None, precision=None, micro_batches: int = 1,
-                dp_replicate: int = 1) -> MemoryPlan:
+                dp_replicate: int = 1, ep: int = 1) -> MemoryPlan:
     """Predict per-rank bytes by ledger category for ``model`` under ``strategy``.
 
     Args:
@@ -152,6 +163,7 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
         micro_batches: forward and backward passes per step (gradients are
             still reduced once).
         dp_replicate: replicas of sharded state (hybrid sharding); divides ``dp_size``.
+        ep: expert-parallel size (the model's experts already split over it).
     """
     entry = strategy_entry(strategy)
     if optimizer not in OPTIMIZER_STATES:
@@ -171,7 +183,8 @@ def plan_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
         reduce_itemsize=resolve_dtype(policy.reduce_dtype).itemsize if mixed else b,
         mixed=mixed, n_states=OPTIMIZER_STATES[optimizer],
         precision=(f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
-                   if mixed else None), micro_batches=micro_batches, dp_replicate=dp_replicate)
+                   if mixed else None), micro_batches=micro_batches, dp_replicate=dp_replicate,
+        ep=ep)
     return entry.cls.plan_memory(model, sizes, **entry.options)
 
 
@@ -293,9 +306,33 @@ def _tie_bytes(stage, layout, plan, grad: int) -> int:
     return sum(names[source].size * grad for _, source in plan.tied if source in names)
 
 
+def _ep_bytes(stage, layout, plan, act) -> int:
+    """Expert parallelism's all-to-alls per step, with the routing even: per MoE layer
+    and micro-batch the counts (``E`` integers) and, forward and again in backward, the
+    routed rows out and back, ``(ep - 1) / ep`` of them leaving the rank (rows per
+    expert capped by a capacity; the forward's again inside checkpointed blocks)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0
+    sp = layout.tp if layout.sequence_parallel else 1
+    rows = layout.batch_size * layout.local_seq_len // sp
+    total = 0
+    for path, moe in stage.named_modules():
+        if getattr(moe, "dispatch", None) is None:
+            continue
+        E, k, C = moe.n_experts, moe.top_k, stage.activation_shape(1, 1)[1]
+        routed = rows * k
+        if moe.capacity is not None:
+            routed = min(routed, E * math.ceil(moe.capacity * rows * k / E))
+        again = _again(layout, plan, path)
+        total += again * E * 8 + (2 * again + 2) * routed * C * act.itemsize
+    return int(round((ep - 1) / ep * total * layout.micro_batches))
+
+
 def stage_traffic(stage, layout, plan, act, wire: int, grad: int) -> dict:
-    """Bus bytes per step of ``stage`` by mesh group: ``tp``, ``cp``, ``pp`` and (between
-    the pipeline's ends) ``tied``, from :func:`layout_itemsizes`' sizes."""
+    """Bus bytes per step of ``stage`` by mesh group: ``tp``, ``cp``, ``pp``, ``ep`` and
+    (between the pipeline's ends) ``tied``, from :func:`layout_itemsizes`' sizes."""
     return {"tp": _tp_bytes(stage, layout, plan, wire, act),
             "cp": _cp_bytes(stage, layout, plan, act), "pp": _pp_bytes(stage, layout, act),
+            "ep": _ep_bytes(stage, layout, plan, act),
             "tied": _tie_bytes(stage, layout, plan, grad)}

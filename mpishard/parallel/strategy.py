@@ -292,6 +292,13 @@ class Strategy:
     def _model_changed(self) -> bool:
         return [id(p) for p in self.module.parameters()] != self._param_ids
 
+    def replica_group(self, p):
+        """The ranks holding the same values of parameter ``p`` as this one: ``dp x cp``,
+        or for an expert split over ep, the ranks holding the same experts (``edp``)."""
+        if p.spec.ep_range is not None:
+            return self.mesh.edp
+        return self.dp
+
     def counts_once(self, spec) -> bool:
         """Whether this rank adds a parameter's gradient to norms (see [Note: counted once])."""
         if spec.replica:

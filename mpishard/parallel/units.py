@@ -82,30 +82,45 @@ class FlatUnit:
         return self.shard_range_of(index)[0], full_param.reshape(-1)[start:stop]
 
 
-def plan_units(module, unit_names, dp_size: int, dp_rank: int, root_unit: bool = True):
+def plan_units(module, unit_names, dp_size: int, dp_rank: int, root_unit: bool = True,
+               groups=None):
     """Build the :class:`FlatUnit` list: named units in order, then the root remainder.
+
+    A unit may sit inside another (a block's experts inside the block): the outer
+    one leaves out what the inner holds, in either order. ``groups`` maps unit names to
+    the ``(size, rank)`` they shard over instead of ``(dp_size, dp_rank)`` (expert
+    units over the ranks holding the same experts).
 
     Raises ``ValueError`` (identically on every rank) for an unknown unit, a
     parameter in two units, or one in none (with ``root_unit=False``).
     """
     modules = dict(module.named_modules())
     canonical = {id(p): name for name, p in module.named_parameters()}
-    owner: dict[int, str] = {}
-    units = []
+    groups = groups or {}
     for unit_name in unit_names:
         if unit_name not in modules or unit_name == "":
             raise ValueError(f"unit {unit_name!r} is not a sub-module of "
                              f"{type(module).__name__}; name modules as in named_modules(), "
                              f"e.g. 'transformer.h.0'")
+    inner = {}      # parameter -> the innermost listed unit holding it
+    for unit_name in sorted(set(unit_names), key=len):
+        for _, p in modules[unit_name].named_parameters():
+            inner[id(p)] = unit_name
+    owner: dict[int, str] = {}
+    units = []
+    for unit_name in unit_names:
         named = []
         for _, p in modules[unit_name].named_parameters():
+            if inner[id(p)] != unit_name and inner[id(p)].startswith(unit_name + "."):
+                continue                  # a unit inside this one holds it
             if id(p) in owner:
                 raise ValueError(f"parameter {canonical[id(p)]} is in two units, "
                                  f"{owner[id(p)]!r} and {unit_name!r}; list each module once "
-                                 f"and no module inside another")
+                                 f"(a module inside another is its own unit)")
             owner[id(p)] = unit_name
             named.append((canonical[id(p)], p))
-        units.append(FlatUnit(unit_name, named, dp_size, dp_rank, modules[unit_name]))
+        size, rank = groups.get(unit_name, (dp_size, dp_rank))
+        units.append(FlatUnit(unit_name, named, size, rank, modules[unit_name]))
     rest = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
     # A parameter shared with a module outside its unit would be needed while
     # that unit is released (e.g. a tied embedding): refuse.

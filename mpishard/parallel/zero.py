@@ -35,8 +35,10 @@ from ..nn.parameter import init_array
 from ..nn.plan import plan_of
 from ..optim.clip import grad_sq_sum
 from .data_parallel import check_replicas_equal
+from .expert_parallel import expert_units, is_expert_param
 from .pieces import unit_pieces
-from .planner import MemoryPlan, window_peak
+from .zero_plan import zero_plan_memory
+from .planner import MemoryPlan
 from .precision import MasterCopies
 from .strategy import Strategy, register_strategy
 from .units import FlatUnit, plan_units
@@ -60,6 +62,8 @@ class Reduction:
         unit = self.unit
         if unit.replicate is not None:  # hybrid sharding: then average across replicas
             unit.replicate.all_reduce(self.recv, op="avg")
+        if unit.scale != 1.0:           # expert gradients (see expert_parallel.grad_group)
+            self.recv *= unit.scale
         if self.recv is not unit.grad_shard:
             if self.first:  # reduced in another dtype: cast into the shard
                 unit.grad_shard[...] = self.recv
@@ -79,6 +83,8 @@ class ZeroUnit:
         ledger, xp: where buffers are counted and allocated.
         reduce_dtype: dtype gradients are averaged in.
         keep_full_grads: hold the whole unit's gradients (stage 1).
+        replicate: the replicas of the shards (hybrid sharding), or ``None``.
+        scale: multiplies the averaged gradients (``1 / ep`` for an expert unit).
 
     Attributes:
         target: the :class:`FlatShard` the optimizer updates (set by the stage).
@@ -91,8 +97,9 @@ class ZeroUnit:
     """
 
     def __init__(self, layout: FlatUnit, dp, ledger, xp, reduce_dtype, keep_full_grads: bool,
-                 replicate=None):
+                 replicate=None, scale: float = 1.0):
         self.layout, self.dp, self.ledger, self.xp = layout, dp, ledger, xp
+        self.scale = scale   # times the average: 1 / ep for experts split over ep
         #: the replicas of this shard (hybrid sharding), or None
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.reduce_dtype = reduce_dtype
@@ -113,7 +120,7 @@ class ZeroUnit:
         if self.keep_full_grads:
             self.grad_full = self.ledger.zeros("grads", (layout.padded,), self.reduce_dtype,
                                                f"grads {layout.label}", xp=self.xp)
-            if self.dp.size == 1 and self.replicate is None and \
+            if self.dp.size == 1 and self.replicate is None and self.scale == 1.0 and \
                     self.reduce_dtype == layout.dtype:
                 self.grad_shard, self.aliased = self.grad_full, True
                 return
@@ -219,9 +226,15 @@ class ZeRO(Strategy):
         self.stage = stage
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         names = list(units) if units is not None else list(plan_of(module).units)
-        layouts = plan_units(module, names, self.dp.size, self.dp.rank, root_unit)
+        edp = getattr(mesh, "edp_shard", self.dp)
+        names, experts = expert_units(module, names)
+        ep = getattr(mesh, "ep", None)
+        self._unit_groups = {name: (edp, 1.0 / ep.size) for name in experts}
+        layouts = plan_units(module, names, self.dp.size, self.dp.rank, root_unit,
+                             groups={n: (edp.size, edp.rank) for n in experts})
         if any(p.data is not None for p in module.parameters()):
-            check_replicas_equal(module, self.dp)
+            check_replicas_equal(module, self.dp, select=lambda p: not is_expert_param(p))
+            check_replicas_equal(module, edp, select=is_expert_param)
         deferred = any(p.data is None for p in module.parameters())
         self._pending: list[Reduction] = []
         self._grads_reduced = False
@@ -233,6 +246,11 @@ class ZeRO(Strategy):
         if deferred:  # what materialize() does besides parameters: dropout generators
             seed_dropout(module, self.seed, getattr(module, "backend", None))
         module.register_forward_pre_hook(lambda m, a: self._before_forward())
+
+    def unit_group(self, layout: FlatUnit) -> tuple:
+        """``(shard communicator, scale)`` of a unit: ``(dp_shard x cp, 1)``, or for the
+        experts split over ep ``(edp_shard, 1 / ep)`` (see expert_parallel.py)."""
+        return self._unit_groups.get(layout.name, (self.dp, 1.0))
 
     # -- what each stage defines ----------------------------------------------
     def _make_unit(self, layout: FlatUnit) -> ZeroUnit:
@@ -330,47 +348,5 @@ class ZeRO(Strategy):
 
     @classmethod
     def plan_memory(cls, model, sizes, stage: int = 3, **_) -> MemoryPlan:
-        """Per-rank bytes of stage ``stage`` (see [Note: flat unit layout]); the same
-        units the strategy builds, read from the model's shapes, sharded over
-        ``sizes.shard_size`` ranks (``dp_shard x cp``) and, under hybrid sharding,
-        each reduced shard averaged over ``dp_replicate``."""
-        s, shard = sizes, sizes.shard_size
-        units = plan_units(model, list(plan_of(model).units), shard, 0)
-        padded_n = sum(u.padded for u in units)
-        shards_n = sum(u.shard_size for u in units)
-        blocks = [u.padded * s.compute_itemsize for u in units if u.module is not None]
-        root = sum(u.padded * s.compute_itemsize for u in units if u.module is None)
-        b, cb, rb = s.itemsize, s.compute_itemsize, s.reduce_itemsize
-        # A reduction in flight holds its flat buffer, plus a receive buffer when the
-        # reduce dtype is not the shard's (mixed precision). Stage 1 reduces from its
-        # full gradient buffer (counted as grads), in backward's order.
-        order = [u for u in units if u.module is not None][::-1] + [
-            u for u in units if u.module is None]
-        in_flight = [(0 if stage == 1 else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
-                     for u in order]
-        plan = s.new_plan()
-        copy = padded_n * cb if stage < 3 else (shards_n * cb if s.mixed else 0)
-        aliased = stage == 1 and shard == 1 and s.dp_replicate == 1 and rb == b  # ZeroUnit
-        plan.steady = {"params": (shards_n * b if stage == 3 or s.mixed else 0) + copy,
-                       "grads": (0 if aliased else shards_n * b)
-                       + (padded_n * rb if stage == 1 else 0),
-                       "optim": s.n_states * shards_n * b}
-        gathered = 0
-        if stage == 3:
-            pair = max((blocks[i] + blocks[i + 1] for i in range(len(blocks) - 1)),
-                       default=blocks[0] if blocks else 0)
-            gathered = root + pair
-        plan.peak = {"gathered": gathered,
-                     "comm": window_peak(in_flight, cls.max_inflight_reductions + 1)}
-        factor = (shard - 1) / shard
-        if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
-            sharded = int(round(factor * padded_n * (rb + cb)))
-        else:  # gather every block twice (forward, backward) per micro-batch, the root
-            # once, reduce-scatter all once
-            sharded = int(round(factor * (2 * s.micro_batches * sum(blocks) + root
-                                          + padded_n * rb)))
-        R = s.dp_replicate   # each unit's reduced shard, averaged over the replicas
-        replicas = sum(int(round(2 * (R - 1) / R * u.shard_size * rb)) for u in units)
-        plan.bus_bytes_by_group = {"dp_shard_cp": sharded, "dp_replicate": replicas}
-        plan.bus_bytes_per_step = sharded + replicas
-        return plan
+        """Per-rank bytes of stage ``stage``: see :func:`~.zero_plan.zero_plan_memory`."""
+        return zero_plan_memory(model, sizes, stage, cls.max_inflight_reductions)

@@ -26,8 +26,9 @@ class ShardedStateZeRO(ZeRO):
 
     def _make_unit(self, layout) -> ZeroUnit:
         ledger, xp, cd = self.ledger, self.xp, self.compute_dtype
-        unit = ZeroUnit(layout, self.dp, ledger, xp, self.reduce_dtype,
-                        keep_full_grads=self.stage == 1, replicate=self.replicate)
+        dp, scale = self.unit_group(layout)
+        unit = ZeroUnit(layout, dp, ledger, xp, self.reduce_dtype,
+                        keep_full_grads=self.stage == 1, replicate=self.replicate, scale=scale)
         unit.full = ledger.zeros("params", (layout.padded,), cd, f"params {layout.label}", xp=xp)
         block = unit.full[layout.shard_start:layout.shard_stop]  # this rank's, in compute dtype
         master = block if not self.mixed else ledger.zeros(
@@ -60,7 +61,7 @@ class ShardedStateZeRO(ZeRO):
         under mixed precision) is current, so the all-gather runs in place.
         """
         self.masters.refresh()
-        handles = [self.dp.iall_gather(unit.full[unit.layout.shard_start:unit.layout.shard_stop],
+        handles = [unit.dp.iall_gather(unit.full[unit.layout.shard_start:unit.layout.shard_stop],
                                        unit.full) for unit in self.units]
         for handle in handles:
             handle.wait()

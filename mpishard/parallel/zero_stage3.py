@@ -44,9 +44,10 @@ class ShardedUnit(ZeroUnit):
         full: the gathered flat buffer while unsharded, else ``None``.
     """
 
-    def __init__(self, layout, dp, ledger, xp, reduce_dtype, compute_dtype, replicate=None):
+    def __init__(self, layout, dp, ledger, xp, reduce_dtype, compute_dtype, replicate=None,
+                 scale: float = 1.0):
         super().__init__(layout, dp, ledger, xp, reduce_dtype, keep_full_grads=False,
-                         replicate=replicate)
+                         replicate=replicate, scale=scale)
         self.compute_dtype = compute_dtype
         self.state = UnitState.SHARDED
         self.compute_shard = None
@@ -124,7 +125,8 @@ class FullyShardedZeRO(ZeRO):
 
     def _make_unit(self, layout) -> ShardedUnit:
         ledger, xp, cd = self.ledger, self.xp, self.compute_dtype
-        unit = ShardedUnit(layout, self.dp, ledger, xp, self.reduce_dtype, cd, self.replicate)
+        dp, scale = self.unit_group(layout)
+        unit = ShardedUnit(layout, dp, ledger, xp, self.reduce_dtype, cd, self.replicate, scale)
         shard = ledger.zeros("params", (layout.shard_size,), layout.dtype,
                              f"param shard {layout.label}", xp=xp)
         for i, p, value in self._initial_values(layout):
