@@ -110,6 +110,10 @@ CASES = {
                                                                             fb, pj, pb),
                                [_n(r, 5, 4), _n(r, 3, 6, 4), _n(r, 3, 6), _n(r, 3, 4, 6),
                                 _n(r, 3, 4)])],
+    "permute_rows": [lambda r: (lambda v: moe_ops.permute_rows(v, np.array([2, 0, 3, 1])),
+                                [_n(r, 4, 3)]),
+                     lambda r: (lambda v: moe_ops.permute_rows(v, np.zeros(0, np.int64)),
+                                [_n(r, 0, 3)])],
     "scatter_rows": [lambda r: (lambda v: moe_ops.scatter_rows(v, np.array([2, 0, 2, 3]), 5),
                                 [_n(r, 4, 3)])],
     "rope_qkv": [

@@ -18,7 +18,7 @@ from .nn_ops import _GELU_C, _GELU_K, _scatter_add_rows
 from .rows import cast, up
 from .tensor import Tensor
 
-__all__ = ["expert_swiglu", "expert_gelu", "scatter_rows"]
+__all__ = ["expert_swiglu", "expert_gelu", "scatter_rows", "permute_rows"]
 
 
 def _sigmoid(x):
@@ -110,6 +110,22 @@ def scatter_rows(values, index, n_rows: int) -> Tensor:
         xp.zeros((int(n_rows), values.shape[1]), dtype=values.dtype)
     return make_result(out, (values,), lambda g: (g[idx],), "scatter_rows")
 
+
+
+@register_op
+def permute_rows(x, perm) -> Tensor:
+    """``x[perm]`` for a permutation ``perm`` of the rows; backward puts each row's
+    gradient back where it came from (a gather by the inverse, no scatter-add)."""
+    x = as_tensor(x)
+    idx = perm.data if isinstance(perm, Tensor) else perm
+    if len(idx) != x.shape[0]:
+        raise ValueError(f"permute_rows: {len(idx)} indices for {x.shape[0]} rows; pass a "
+                         f"permutation of range({x.shape[0]})")
+    xp = xp_of(x.data)
+    idx = xp.asarray(idx)
+    inverse = xp.empty_like(idx)
+    inverse[idx] = xp.arange(idx.size, dtype=idx.dtype)
+    return make_result(x.data[idx], (x,), lambda g: (g[inverse],), "permute_rows")
 
 
 def _gelu_parts(a, xp):

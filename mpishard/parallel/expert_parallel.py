@@ -39,7 +39,7 @@ import dataclasses
 import numpy as np
 
 from ..autodiff.graph import as_tensor, make_result, register_op
-from ..autodiff.nn_ops import embedding
+from ..autodiff.moe_ops import permute_rows
 from ..autodiff.tensor import Tensor
 from ..backend import xp_of
 from ..nn import Parameter
@@ -107,8 +107,8 @@ class ExpertShard:
         xp = xp_of(rows.data)
         perm = _expert_major(recv)
         offsets = [0, *np.cumsum(recv.sum(axis=0)).tolist()]
-        y = experts(embedding(xp.asarray(perm), rows), offsets)
-        back = embedding(xp.asarray(np.argsort(perm, kind="stable")), y)
+        y = experts(permute_rows(rows, xp.asarray(perm)), offsets)
+        back = permute_rows(y, xp.asarray(np.argsort(perm, kind="stable")))
         return all_to_all_v(back, self.ep, recv_counts, send_counts)
 
 
