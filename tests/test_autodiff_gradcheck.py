@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpishard.autodiff import OPS, gradcheck
-from mpishard.autodiff import llama_ops, moe_ops, nn_ops, ops
+from mpishard.autodiff import llama_fused, llama_ops, moe_ops, nn_ops, ops
 
 TOL = 1e-6
 
@@ -103,6 +103,10 @@ CASES = {
                                   "original_max_position_embeddings": 4}, dtype="float64")),
                         [_n(r, 1, 5, 3, 6)])],
     "swiglu": [lambda r: (llama_ops.swiglu, [_n(r, 3, 5) * 2, _n(r, 3, 5)])],
+    # two query heads per key/value head of size 4, over 3 rows of width 5
+    "gqa_attention": [lambda r: (lambda x, wq, wk, wv: llama_fused.gqa_attention(
+        x, wq, wk, wv, *llama_ops.rope_tables(3, 4, dtype="float64"), 4, 2, 2),
+        [_n(r, 2, 3, 5), _n(r, 16, 5), _n(r, 8, 5), _n(r, 8, 5)])],
     # 3 experts over 6 sorted rows, the middle one empty
     "expert_swiglu": [lambda r: (lambda x, gu, dn: moe_ops.expert_swiglu(x, [0, 2, 2, 6], gu, dn),
                                  [_n(r, 6, 4), _n(r, 3, 10, 4), _n(r, 3, 4, 5)])],

@@ -5,7 +5,7 @@ beside backward) is in :mod:`.ops`, :mod:`.nn_ops` and :mod:`.llama_ops`,
 listed in ``OPS``;
 activation checkpointing (:func:`recompute`) is in :mod:`.recompute`.
 """
-from . import llama_ops, moe_ops, nn_ops, ops
+from . import llama_fused, llama_ops, moe_ops, nn_ops, ops
 from .gradcheck import gradcheck, numerical_grad
 from .nn_ops import (causal_self_attention, cross_entropy, dropout, embedding, gelu,
                      layer_norm, linear, log_softmax, softmax)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..autodiff import nn_ops
+from ..autodiff.llama_fused import gqa_attention
 from ..autodiff.llama_ops import rms_norm, rope_qkv, rope_tables, swiglu
 from ..autodiff.ops import reshape
 from ..autodiff.recompute import recompute
@@ -106,6 +107,15 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
 
+def plain_linears(*modules) -> bool:
+    """Whether ``modules`` are all bias-free :class:`Linear` layers with no hooks: what
+    the fused attention path (mpishard/autodiff/llama_fused.py) can stand in for. Tensor
+    parallelism swaps them for its own layers or hooks them, and takes the
+    per-projection path."""
+    return all(type(m) is Linear and m.bias is None and not m._forward_pre_hooks
+               and not m._forward_hooks for m in modules)
+
+
 class RMSNorm(Module):
     """``x / rms(x) * weight`` over the last axis."""
 
@@ -136,7 +146,13 @@ class LlamaAttention(Module):
         blocks = proj.weight.spec.tp_blocks
         return blocks[0][0] // self.head_size if blocks else 0
 
+    def takes_fused_path(self) -> bool:
+        """Whether forward runs :func:`gqa_attention` (whole sequences, plain projections)."""
+        return self.sequence is None and plain_linears(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x, batch_size: int, cos, sin):
+        if self.takes_fused_path():
+            return self.o_proj(self._fused(x, batch_size, cos, sin))
         hs, B = self.head_size, batch_size
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)        # (N, h hs), (N, h_kv hs)
         T = q.shape[0] // B       # all rows of the micro-batch (x may hold 1/tp of them)
@@ -151,6 +167,14 @@ class LlamaAttention(Module):
             self.sequence.attention
         y = attend(packed, hq, B)
         return self.o_proj(y)                                           # (N, C)
+
+    def _fused(self, x, batch_size: int, cos, sin):
+        """The heads' outputs ``(N, h hs)`` from one op: the q/k/v projections as one
+        product, rotary embeddings and grouped-query attention (the arithmetic of
+        ``forward``'s per-projection path)."""
+        hq = self.q_proj.out_features // self.head_size
+        return gqa_attention(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                             cos, sin, hq, hq // self.group, batch_size)
 
 
 class LlamaMLP(Module):

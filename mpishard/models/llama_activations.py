@@ -21,7 +21,11 @@ GPT's), the last the final norm, logits and loss as the GPT's. Context and
 sequence parallelism change what they change in the GPT (see its note): the
 attention term, and ``N / sp`` rows for norms, adds and reduce-scattered outputs;
 a key/value projection kept whole (tp does not divide ``n_kv_head``) keeps the
-input it all-gathered, ``N C c`` each.
+input it all-gathered, ``N C c`` each. Where the attention takes the fused path
+(whole sequences, plain projections: :func:`~mpishard.autodiff.llama_fused.gqa_attention`),
+the q, k, v and packing rows are instead the rotated q, k and the values,
+``N hs (h + 2 h_kv) f``, and the rotations with their conjugates, ``2 T hs (h +
+h_kv) f``.
 """
 from __future__ import annotations
 
@@ -96,8 +100,11 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         total += 2 * norm
         if sp > 1:   # the whole key/value projections' gathered inputs
             total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
-        total += N * hs * (h + 2 * h_kv) * c                              # q, k, v
-        total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c         # packing, tables
+        if cp == sp == 1 and attn.takes_fused_path():   # rotated q, k, v; rotations, conjugates
+            total += N * hs * (h + 2 * h_kv) * f + 2 * T * hs * (h + h_kv) * f
+        else:
+            total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
+            total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
         total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode)          # attention
         total += N * C * c + Ns * C * c * _row_parallel(attn.o_proj)     # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
