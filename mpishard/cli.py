@@ -82,8 +82,28 @@ def _cmd_train(args) -> int:
     check_launcher(world)
     notes: list = []
     cfg = config_from_args(args, notes)
+    if cfg.parallel.layout == "auto":     # planned on rank 0, the same layout everywhere
+        notes.append(_agreed_layout(world, cfg))
     run(cfg, world, notes)
     return 0
+
+
+def _agreed_layout(world, cfg) -> str:
+    """``--layout auto``: rank 0 plans, every rank takes its choice (or its error)."""
+    from .config import ConfigError
+    from .planning.cli import apply_auto_layout
+    chosen = None
+    if world.rank == 0:
+        try:
+            line = apply_auto_layout(cfg, world.size)
+            chosen = ("ok", line, cfg.parallel, cfg.optim, cfg.model.activation_checkpointing)
+        except ConfigError as err:
+            chosen = ("error", str(err))
+    chosen = world.broadcast_obj(chosen, root=0)
+    if chosen[0] == "error":
+        raise ConfigError(chosen[1])
+    _, line, cfg.parallel, cfg.optim, cfg.model.activation_checkpointing = chosen
+    return line
 
 
 def _cmd_estimate(args) -> int:
@@ -101,18 +121,42 @@ def _cmd_estimate(args) -> int:
     strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
     budget = cfg.run.memory_budget
+    machine = _machine(args.machine) if getattr(args, "machine", None) else None
     for strategy in strategies:
         cfg.parallel.strategy = strategy
         try:   # each plan consumes its model (layers are swapped for tensor-parallel ones)
-            plan = plan_layout(recipe.model(Backend()), layout_of(cfg, dp, recipe))
+            layout = layout_of(cfg, dp, recipe)
+            plan = plan_layout(recipe.model(Backend()), layout)
         except ValueError as err:   # tp larger than n_head, pp than n_layer, ...
             raise ConfigError(str(err)) from None
         print(plan.format())
+        if machine is not None:
+            print(_time_rows(recipe, layout, machine, plan))
         if budget:
             fits = plan.total_peak_bytes <= budget
             print(f"  budget      {budget / 2**20:10.2f} MiB per rank: "
                   f"{'fits' if fits else 'does not fit'}")
     return 0
+
+
+def _machine(name):
+    from .config import ConfigError
+    from .planning import load_machine
+    try:
+        return load_machine(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _time_rows(recipe, layout, machine, plan) -> str:
+    """The estimate's time lines: predicted step, tokens/s, MFU and where the time goes."""
+    from .backend import Backend
+    from .planning import predict_step
+    cost = predict_step(lambda: recipe.model(Backend()), layout, machine, plan=plan)
+    parts = ", ".join(f"{k} {v:.4f}" for k, v in cost.breakdown.items() if v)
+    return (f"  {'step':<12}{cost.seconds:10.4f} s on {machine.name} ({cost.tokens_per_s:,.0f} "
+            f"tokens/s, MFU {cost.mfu:.1%}; exposed communication "
+            f"{cost.exposed_comm:.4f} s)\n  {'where':<12}{parts}")
 
 
 def _cmd_sample(args) -> int:
@@ -146,10 +190,10 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    if args.what == "comm":
-        from .bench.comm import main as bench_comm
+    if args.what in ("comm", "calibrate"):
+        from .bench import calibrate, comm
 
-        bench_comm(args.rest)
+        (comm if args.what == "comm" else calibrate).main(args.rest)
         return 0
     import runpy
 
@@ -191,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .flags import add_config_flags
     from .checkpoint.cli import add_checkpoint_commands
     from .plot import add_plot_command
+    from .planning.cli import add_plan_command
     from .prepare import add_prepare_command
 
     parser = _Parser(prog="mpishard", description="Readable model sharding on NumPy/CuPy "
@@ -217,14 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
                               "step) of a layout without building it; without --strategy, "
                               "every registered strategy."), formatter_class=_Formatter)
     estimate.add_argument("--config", help="TOML file with training settings")
+    estimate.add_argument("--machine", help="also predict the step time on this machine (a "
+                          "description file or a shipped name, see mpishard plan)")
     add_config_flags(estimate, "estimate")
     estimate.set_defaults(func=_cmd_estimate)
     bench = sub.add_parser("bench", help="benchmarks: comm (collectives vs raw mpi4py), "
-                           "step (one process vs torch), strategies (DDP/ZeRO vs torch)")
-    bench.add_argument("what", choices=["comm", "step", "strategies"])
+                           "step (one process vs torch), strategies (DDP/ZeRO vs torch), "
+                           "calibrate (measure this machine for mpishard plan)")
+    bench.add_argument("what", choices=["comm", "step", "strategies", "calibrate"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=_cmd_bench)
     add_plot_command(sub)
+    add_plan_command(sub)
     add_checkpoint_commands(sub)
     add_prepare_command(sub)
 

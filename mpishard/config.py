@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .config_opts import _models, _presets, _strategies, opt
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -29,37 +30,6 @@ else:  # pragma: no cover
 __all__ = ["TrainConfig", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig",
            "RunConfig", "ConfigError", "SECTIONS", "KEYS", "Key", "load_config",
            "config_from_dict"]
-
-
-def opt(default, help: str, *, flag: str | None = None, choices=None, low=None,
-        above=None, high=None, estimate: bool = False):
-    """A config field: its default, what it means, and the values it admits.
-
-    ``choices`` is a tuple or a function returning one (registries are read
-    when validating); ``low``/``above``/``high`` bound numbers (``>=``, ``>``,
-    ``<``); ``flag`` is its flat name when not the field's own; ``estimate``:
-    ``mpishard estimate`` reads it too.
-    """
-    meta = dict(help=help, flag=flag, choices=choices, low=low, above=above, high=high,
-                estimate=estimate)
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _models():
-    from .recipes import RECIPES  # noqa: PLC0415 (the registry fills on import)
-    return tuple(RECIPES)
-
-
-def _presets():
-    from .presets import PRESETS  # noqa: PLC0415
-    return ("", *PRESETS)
-
-
-def _strategies():
-    from .parallel import STRATEGIES  # noqa: PLC0415
-    return tuple(STRATEGIES)
 
 
 @dataclass
@@ -140,6 +110,12 @@ class ParallelConfig:
     precision: str = opt("float32", "compute precision: float32, or float16/bfloat16 with "
                          "float32 masters (mixed precision)",
                          choices=("float32", "float16", "bfloat16"), estimate=True)
+    layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
+                      "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
+                      "micro-steps and checkpointing; the global batch stays)",
+                      choices=("", "auto"))
+    machine: str = opt("cpu-2core", "machine description --layout auto plans for (a JSON "
+                       "file, e.g. from mpishard bench calibrate, or a shipped name)")
 
 
 @dataclass

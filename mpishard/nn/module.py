@@ -66,6 +66,10 @@ class Module:
     # -- traversal ----------------------------------------------------------
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         """Yield ``(dotted_name, module)`` for this module and every descendant, depth first."""
+        frozen = self.__dict__.get("_frozen")
+        if frozen is not None and not prefix:
+            yield from frozen
+            return
         stack = [(prefix, self)]
         seen: set[int] = set()
         while stack:
@@ -77,6 +81,14 @@ class Module:
             children = list(module._modules.items())
             for child_name, child in reversed(children):
                 stack.append((f"{name}.{child_name}" if name else child_name, child))
+
+    def freeze_structure(self) -> "Module":
+        """Promise that no module or parameter below this one will be added, removed or
+        replaced: its traversals are then computed once (a layout search walks the
+        same stages thousands of times)."""
+        self.__dict__["_frozen"] = list(self.named_modules())
+        self.__dict__["_frozen_parameters"] = list(self.named_parameters())
+        return self
 
     def get_submodule(self, path: str) -> "Module":
         """The module at dotted ``path`` (``""``: this one); KeyError naming the missing part."""
@@ -110,6 +122,10 @@ class Module:
     def named_parameters(self, prefix: str = "", remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, Parameter]]:
         """Yield ``(dotted_name, parameter)``; a tied parameter once, under its first name."""
+        frozen = self.__dict__.get("_frozen_parameters")
+        if frozen is not None and not prefix and remove_duplicate:
+            yield from frozen
+            return
         seen: set[int] = set()
         for mod_name, module in self.named_modules(prefix):
             for pname, p in module._parameters.items():

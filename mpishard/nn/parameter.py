@@ -18,6 +18,7 @@ float64 model, and a sharded model starts bit-identical to the unsharded one.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,7 +220,7 @@ class Parameter(Tensor):
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
+        return math.prod(int(d) for d in self._shape)
 
     @property
     def dtype(self):

@@ -11,7 +11,7 @@ over ``mesh.cp`` and pipeline stages over ``mesh.pp`` apply a model's own
 parallel plan; ``ParallelModel`` composes them all on one mesh.
 """
 from . import data_parallel, zero_stage12, zero_stage3  # noqa: F401 (register the strategies)
-from .compose import ParallelModel, build_stage, wrap_model
+from .compose import ParallelModel, build_stage, stage_blocks, wrap_model
 from .context_parallel import CP_MODES, SequenceShard, apply_context_plan
 from .cp_ops import (heads_to_seq, ring_attention, ring_kv_bytes, seq_to_heads,
                      ulysses_attention, zigzag_positions, zigzag_slice)
@@ -35,7 +35,7 @@ __all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_st
            "DataParallel", "ZeRO", "ZeroUnit", "FlatUnit", "FlatShard", "FlatLayout",
            "padded_size", "plan_units", "check_replicas_equal", "MemoryPlan", "PlanSizes",
            "plan_memory", "Layout", "LayoutMesh", "LayoutPlan", "StagePlan", "plan_layout", "Piece", "pieces_of", "load_pieces", "gather_full_params",
-           "ParallelModel", "build_stage", "wrap_model", "Pipeline", "bubble_fraction",
+           "ParallelModel", "build_stage", "stage_blocks", "wrap_model", "Pipeline", "bubble_fraction",
            "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "VocabParallelCrossEntropy", "apply_tensor_plan",
            "tie_parameters", "split_range", "copy_to_tp", "reduce_from_tp",

@@ -33,7 +33,7 @@ from .context_parallel import apply_context_plan
 from .expert_parallel import apply_expert_plan
 from .tensor_parallel import apply_tensor_plan
 
-__all__ = ["ParallelModel", "build_stage", "wrap_model"]
+__all__ = ["ParallelModel", "build_stage", "stage_blocks", "wrap_model"]
 
 
 def _params_in(model, paths, exclude=()) -> int:
@@ -50,6 +50,32 @@ def _params_in(model, paths, exclude=()) -> int:
                 seen.add(id(p))
                 total += p.size
     return total
+
+
+def stage_blocks(model, pp: int, stage_plan=None) -> tuple:
+    """``(blocks of each of the pp stages, names of the parameters the first stage
+    owns)`` for ``model`` (whole); balanced by parameter count unless ``stage_plan``
+    gives blocks per stage. A model whose structure is frozen (a layout search)
+    keeps its answers."""
+    plan = plan_of(model)
+    if plan.pipeline is None:
+        raise ValueError(f"{type(model).__name__} has no pipeline plan (its "
+                         f"parallel_plan() has pipeline=None); use pp=1")
+    memo = model.__dict__.setdefault("_stage_blocks", {}) if "_frozen" in model.__dict__ \
+        else {}
+    key = (pp, tuple(stage_plan) if stage_plan is not None else None)
+    if key not in memo:
+        pipe = plan.pipeline
+        blocks = list(model.get_submodule(pipe.blocks).values())
+        first = [(n, p) for n, p in model.named_parameters()
+                 if any(n.startswith(f + ".") for f in pipe.first)]
+        ranges = partition_blocks(len(blocks), pp, [b.num_parameters() for b in blocks],
+                                  first_extra=_params_in(model, pipe.first),
+                                  last_extra=_params_in(model, pipe.last,
+                                                        exclude={id(p) for _, p in first}),
+                                  plan=stage_plan)
+        memo[key] = (ranges, {n for n, _ in first})
+    return memo[key]
 
 
 def build_stage(model, mesh, stage_plan=None, cp_mode: str = "ring",
@@ -69,19 +95,7 @@ def build_stage(model, mesh, stage_plan=None, cp_mode: str = "ring",
     pp, s = mesh.pp.size, mesh.pp.rank
     first_names: set = set()   # parameters the first stage owns (a later stage's are replicas)
     if pp > 1:
-        if plan.pipeline is None:
-            raise ValueError(f"{type(model).__name__} has no pipeline plan (its "
-                             f"parallel_plan() has pipeline=None); use pp=1")
-        pipe = plan.pipeline
-        blocks = list(model.get_submodule(pipe.blocks).values())
-        first = [(n, p) for n, p in model.named_parameters()
-                 if any(n.startswith(f + ".") for f in pipe.first)]
-        first_names = {n for n, _ in first}
-        ranges = partition_blocks(len(blocks), pp, [b.num_parameters() for b in blocks],
-                                  first_extra=_params_in(model, pipe.first),
-                                  last_extra=_params_in(model, pipe.last,
-                                                        exclude={id(p) for _, p in first}),
-                                  plan=stage_plan)
+        ranges, first_names = stage_blocks(model, pp, stage_plan)
         model = model.pipeline_stage(ranges[s], first_stage=s == 0, last_stage=s == pp - 1)
     apply_tensor_plan(model, mesh.tp, plan_of(model), sequence_parallel=sequence_parallel)
     cp = getattr(mesh, "cp", None)

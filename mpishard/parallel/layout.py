@@ -51,13 +51,14 @@ swapped for tensor-parallel ones.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..mesh_axes import expert_axes_as_plain
 from ..nn.plan import plan_of
-from .compose import build_stage
+from .compose import build_stage, stage_blocks
 from .context_parallel import CP_MODES
 from .planner import MemoryPlan, layout_itemsizes, plan_memory, stage_traffic
 from .tensor_parallel import split_range
@@ -298,34 +299,88 @@ def _bus(mesh: LayoutMesh, by_group: dict) -> dict:
     return out
 
 
-def plan_layout(model, layout: Layout, stage_plan=None) -> LayoutPlan:
+def _stages_to_plan(model, layout: Layout, stage_of, representative: bool) -> list:
+    if not representative or stage_of is None or layout.pp == 1:
+        return list(range(layout.pp))
+    ranges, _ = stage_blocks(model, layout.pp)
+    out, kinds = [], set()
+    for s, blocks in enumerate(ranges):
+        kind = (s == 0, s == layout.pp - 1, len(blocks))
+        if kind not in kinds:
+            kinds.add(kind)
+            out.append(s)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def layout_mesh(layout: Layout, stage: int) -> LayoutMesh:
+    """The :class:`LayoutMesh` of ``layout``'s pipeline stage ``stage`` (cached: a search
+    asks for the same ones many times)."""
+    return LayoutMesh(layout.dp, layout.tp, layout.pp, stage, cp=layout.cp,
+                      dp_replicate=layout.dp_replicate, ep=layout.ep)
+
+
+def _cached(memo, stage):
+    """``get(key, compute)`` through ``memo`` for this stage (no memo: compute)."""
+    if memo is None:
+        return lambda key, compute: compute()
+    mine = memo.setdefault(id(stage), (stage, {}))[1]   # the stage is kept with its entries
+
+    def get(key, compute):
+        if key not in mine:
+            mine[key] = compute()
+        return mine[key]
+    return get
+
+
+def plan_layout(model, layout: Layout, stage_plan=None, stage_of=None,
+                memo: dict | None = None, representative: bool = False) -> LayoutPlan:
     """Per-rank memory (with activations) and traffic of ``layout`` for ``model``.
 
-    ``model`` is whole and unmaterialised; see [Note: layout plan].
+    ``model`` is whole and unmaterialised; see [Note: layout plan]. ``stage_of``, a
+    function from a stage index to that stage already built for this layout's
+    ``tp x pp x cp`` split (a planner's cache), replaces building them from
+    ``model``, which is then only read; ``memo``, a dict kept across such calls,
+    then caches each stage's memory plan, activation bytes and traffic by what
+    they depend on; ``representative`` (with ``stage_of``) plans only the first
+    stage of each kind (first, last, or in between with so many blocks): the
+    stages a kind's later ones repeat with no more micro-batches alive, so the
+    busiest stage is among them.
     """
     _check_heads(model, layout)
     plan = plan_of(model)
-    act, wire, grad = layout_itemsizes(model, layout)
-    n_params = model.num_parameters()
+    whole = _cached(memo, model)
+    act, wire, grad = whole(("itemsizes", layout.precision),
+                            lambda: layout_itemsizes(model, layout))
+    n_params = whole(("parameters",), model.num_parameters)
     stages = []
-    for s in range(layout.pp):
-        mesh = LayoutMesh(layout.dp, layout.tp, layout.pp, s, cp=layout.cp,
-                          dp_replicate=layout.dp_replicate, ep=layout.ep)
-        stage = build_stage(model, mesh, stage_plan, layout.cp_mode, layout.sequence_parallel)
-        if layout.activation_checkpointing and hasattr(stage, "set_activation_checkpointing"):
-            stage.set_activation_checkpointing(True)
-        memory = plan_memory(stage, layout.strategy, mesh.dp_cp.size, layout.optimizer,
-                             precision=layout.precision, micro_batches=layout.micro_batches,
-                             dp_replicate=layout.dp_replicate, ep=layout.ep)
+    for s in _stages_to_plan(model, layout, stage_of, representative):
+        mesh = layout_mesh(layout, s)
+        stage = stage_of(s) if stage_of is not None else \
+            build_stage(model, mesh, stage_plan, layout.cp_mode, layout.sequence_parallel)
+        if hasattr(stage, "set_activation_checkpointing") and \
+                (layout.activation_checkpointing or stage_of is not None):
+            stage.set_activation_checkpointing(layout.activation_checkpointing)
+        cached = _cached(memo, stage)
+        memory = cached(("memory", layout.strategy, mesh.dp_cp.size, layout.optimizer,
+                         layout.precision, layout.micro_batches, layout.dp_replicate, layout.ep),
+                        lambda: plan_memory(stage, layout.strategy, mesh.dp_cp.size,
+                                            layout.optimizer, precision=layout.precision,
+                                            micro_batches=layout.micro_batches,
+                                            dp_replicate=layout.dp_replicate, ep=layout.ep))
         activation = getattr(stage, "activation_bytes", None)
         alive = _alive(layout, s)
-        per_micro = activation(layout.batch_size, layout.local_seq_len, act) \
+        per_micro = cached(("activations", layout.batch_size, layout.local_seq_len, act.name,
+                            layout.activation_checkpointing),
+                           lambda: activation(layout.batch_size, layout.local_seq_len, act)) \
             if activation else 0
         groups = dict(memory.bus_bytes_by_group or {"dp_cp": memory.bus_bytes_per_step})
         if getattr(stage, "last_stage", True) and mesh.dp_cp.size > 1:   # count of targets
             n = mesh.dp_cp.size      # an all-reduce's bus bytes: 2 (n - 1) / n of 8
             groups["dp_cp"] = groups.get("dp_cp", 0) + int(round(2 * (n - 1) / n * 8))
-        traffic = stage_traffic(stage, layout, plan, act, wire, grad)
+        traffic = dict(cached(("traffic", layout.batch_size, layout.seq_len, layout.micro_batches,
+                               layout.activation_checkpointing, act.name, wire, grad),
+                              lambda: stage_traffic(stage, layout, plan, act, wire, grad)))
         tie = traffic.pop("tied")
         bus = _bus(mesh, {**groups, **traffic})
         if tie:

@@ -5,6 +5,8 @@ Read by :meth:`ZeRO.plan_memory <mpishard.parallel.zero.ZeRO.plan_memory>` (see
 """
 from __future__ import annotations
 
+import weakref
+
 from ..nn.plan import plan_of
 from .expert_parallel import expert_units
 from .planner import MemoryPlan, window_peak
@@ -22,8 +24,7 @@ def zero_plan_memory(model, sizes, stage: int, max_inflight: int) -> MemoryPlan:
     s, shard = sizes, sizes.shard_size
     names, experts = expert_units(model, list(plan_of(model).units))
     expert_shard = shard // s.ep
-    units = plan_units(model, names, shard, 0,
-                       groups={n: (expert_shard, 0) for n in experts})
+    units = _units(model, names, shard, expert_shard, experts)
     padded_n = sum(u.padded for u in units)
     shards_n = sum(u.shard_size for u in units)
     b, cb, rb = s.itemsize, s.compute_itemsize, s.reduce_itemsize
@@ -65,6 +66,20 @@ def zero_plan_memory(model, sizes, stage: int, max_inflight: int) -> MemoryPlan:
     plan.bus_bytes_by_group["dp_replicate"] = replicas
     plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
     return plan
+
+
+#: model -> {(unit names, shard sizes): units}: a layout search plans the same stage for
+#: many strategies and batches (only the units' sizes are read from these)
+_UNITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _units(model, names, shard: int, expert_shard: int, experts) -> list:
+    key = (tuple(names), shard, expert_shard)
+    mine = _UNITS.setdefault(model, {})
+    if key not in mine:
+        mine[key] = plan_units(model, names, shard, 0,
+                               groups={n: (expert_shard, 0) for n in experts})
+    return mine[key]
 
 
 def _gathered_peak(units, experts, itemsize: int) -> int:

@@ -1,0 +1,276 @@
+"""Measure the machine this runs on and write a machine description (for `mpishard plan`).
+
+    mpiexec -n 4 python -m mpi4py -m mpishard bench calibrate -o machine.json
+    mpishard plan --machine machine.json --ranks 4 ...
+
+Rank 0 alone (the others wait asleep, not spinning in MPI) times, with one BLAS
+thread as multi-rank runs use:
+
+* the matrix products of the model the flags describe (``--preset`` or the
+  model flags, default the default model): every linear layer's forward
+  product and its two backward ones (input and weight gradients, with the
+  transposes backward uses), on ``batch_size x block_size`` rows and on 1/2,
+  1/4 and 1/8 of them (data-parallel ranks and micro-batches cut the rows), with
+  the layer whole and cut in 2 and 4 (tensor parallelism), in float32 and
+  float64, and fits ``seconds = overhead + flops / rate`` (least squares):
+  ``device.flops[dtype]`` is the rate, with ``matmul_efficiency`` 1 (it is what
+  products of these shapes reach here), and ``matmul_overhead_s`` the overhead;
+* elementwise passes (``out = a * b + c`` over 4-64 MiB arrays): bytes moved
+  per second as ``memory_bandwidth``; and a block's elementwise ops (layer norm,
+  GELU, a residual add, the causal softmax, at the model's rows and width),
+  forward and backward, as the bytes they keep for backward per second
+  (``activation_rate``: how fast the step gets through what the planner counts);
+* one small autodiff op, forward and backward: ``op_overhead_s``.
+
+Then every rank takes part: for each group size ``n`` that divides the world
+(consecutive ranks, as the mesh's inner axes are), each collective the planner
+uses (all-reduce, all-gather, reduce-scatter, all-to-all, send) at sizes 4 KiB
+to 4 MiB is timed (the slowest rank, median of repeats) and fitted as
+``seconds = latency + bus_bytes / bandwidth`` per ``kind@n``. ``cores`` is the
+node's CPU count and ``ranks_per_node`` the ranks sharing this node. A
+progress line per step goes to stderr on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backend import Backend
+from ..comm import Communicator
+from ..comm.mesh import ranks_per_node
+from ..comm.stats import bus_bytes
+
+__all__ = ["main", "calibrate", "fit_line", "model_shapes"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+def model_shapes(model, rows: int) -> list:
+    """``(rows, in, out)`` of every distinct linear layer of ``model`` on ``rows`` rows and
+    on 1/2, 1/4, 1/8 of them, whole and with the output cut in 2 and 4."""
+    layers = {(int(m.weight.shape[1]), int(m.weight.shape[0])) for _, m in
+              model.named_modules() if type(m).__name__.endswith("Linear")}
+    out = set()
+    for k, n in layers:
+        for cut in (1, 2, 4):
+            for r in (rows, rows // 2, rows // 4, rows // 8):
+                if r >= 1 and n // cut >= 1:
+                    out.add((r, k, n // cut))
+    return sorted(out)
+
+
+def fit_line(x, y) -> tuple:
+    """Least-squares ``y = a + b x`` with ``a >= 0``: returns ``(a, b)``."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    b, a = np.polyfit(x, y, 1)
+    if a < 0:                         # through the origin instead
+        a, b = 0.0, float(np.dot(x, y) / np.dot(x, x))
+    return float(a), float(b)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _matmul(dtype, repeats: int, shapes) -> tuple:
+    """Fit of the forward and backward products of ``shapes`` (as the autodiff runs them:
+    ``x @ w.T``, ``g @ w`` and ``g.T @ x`` with ``w`` stored ``(out, in)``)."""
+    rng = np.random.default_rng(0)
+    flops, seconds = [], []
+    for m, k, n in shapes:
+        x = rng.standard_normal((m, k)).astype(dtype)
+        w = rng.standard_normal((n, k)).astype(dtype)
+        g = rng.standard_normal((m, n)).astype(dtype)
+        for fn in (lambda: x @ w.T, lambda: g @ w, lambda: g.T @ x):
+            seconds.append(_time(fn, repeats))
+            flops.append(2.0 * m * k * n)
+    overhead, per_flop = fit_line(flops, seconds)
+    return overhead, 1.0 / per_flop
+
+
+def _elementwise(repeats: int) -> float:
+    rates = []
+    for mib in (4, 16, 64):
+        n = mib * 2**20 // 4
+        a, b, c = (np.ones(n, np.float32) for _ in range(3))
+        out = np.empty_like(a)
+
+        def step():
+            np.multiply(a, b, out=out)
+            np.add(out, c, out=out)
+        rates.append(5 * a.nbytes / _time(step, repeats))    # 3 reads, 2 writes
+    return statistics.median(rates)
+
+
+def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) -> float:
+    """Bytes kept for backward that the elementwise ops of a block get through per second,
+    forward and backward: layer norm, GELU and a residual add on ``(rows, width)``, and
+    the causal softmax on ``(rows / seq, heads, seq, seq)`` scores, float32."""
+    from ..autodiff import Tensor
+    from ..autodiff.nn_ops import gelu, layer_norm
+    from ..autodiff.softmax_ops import softmax
+    from ..backend import MemoryLedger
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((rows, width)).astype(np.float32), requires_grad=True)
+    s = Tensor(rng.standard_normal((max(1, rows // seq), heads, seq, seq)).astype(np.float32),
+               requires_grad=True)
+
+    def forward():
+        return (gelu(layer_norm(x)) + x).sum() + softmax(s, axis=-1).sum()
+    ledger = MemoryLedger()
+    with ledger.measure_activations() as kept:
+        out = forward()
+    del out
+
+    def step():
+        forward().backward()
+    return kept.nbytes / _time(step, repeats)
+
+
+def _op_overhead(repeats: int) -> float:
+    from ..autodiff import Tensor
+    x = Tensor(np.ones((2, 2), np.float32), requires_grad=True)
+
+    def step():
+        y = (x * 2.0 + 1.0).sum()
+        y.backward()
+    return _time(step, repeats) / 6                           # 3 ops, forward and back
+
+
+def _collective(comm, kind: str, nbytes: int):
+    """A zero-argument call of ``kind`` moving a message of ``nbytes`` on ``comm``, and its
+    bus bytes (see [Note: bus bytes])."""
+    n = comm.size
+    count = max(n, nbytes // 4 // n * n)
+    full, part = np.zeros(count, np.float32), np.zeros(count // n, np.float32)
+    if kind == "all_reduce":
+        return (lambda: comm.all_reduce(full)), bus_bytes(kind, full.nbytes, n)
+    if kind == "all_gather":
+        return (lambda: comm.all_gather(part, full)), bus_bytes(kind, full.nbytes, n)
+    if kind == "reduce_scatter":
+        return (lambda: comm.reduce_scatter(full, part)), bus_bytes(kind, full.nbytes, n)
+    if kind == "all_to_all":
+        out = np.zeros_like(full)
+        return (lambda: comm.all_to_all(full, out)), bus_bytes(kind, full.nbytes, n)
+    peer = comm.rank ^ 1 if (comm.rank ^ 1) < n else comm.rank
+    back = np.zeros_like(full)
+
+    def swap():                      # pairs exchange a buffer, as pipeline stages do
+        if peer != comm.rank:
+            comm.mpi.Sendrecv(full, dest=peer, recvbuf=back, source=peer)
+    return swap, full.nbytes
+
+
+def _fit_collectives(world, repeats: int, say) -> dict:
+    out = {}
+    for n in [d for d in range(2, world.size + 1) if world.size % d == 0]:
+        comm = world.split(world.rank // n, key=world.rank, name=f"calibrate{n}")
+        for kind in KINDS:
+            xs, ys = [], []
+            for nbytes in (4 << 10, 64 << 10, 1 << 20, 4 << 20):
+                fn, moved = _collective(comm, kind, nbytes)
+                samples = []
+                for _ in range(repeats):
+                    world.barrier()
+                    start = time.perf_counter()
+                    fn()
+                    samples.append(world.mpi.allreduce(time.perf_counter() - start, MPI.MAX))
+                xs.append(moved)
+                ys.append(statistics.median(samples))
+            latency, per_byte = fit_line(xs, ys)
+            out[f"{kind}@{n}"] = {"latency_s": latency, "bandwidth": 1.0 / per_byte}
+            say(f"  {kind}@{n}: latency {latency * 1e6:.1f} us, {1e-9 / per_byte:.2f} GB/s")
+        comm.free()
+    return out
+
+
+def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
+              shapes=None, block=(1024, 256, 4, 128)) -> dict:
+    """Measure this machine (collective over ``world``) on the products ``shapes``
+    (:func:`model_shapes`) and a block's elementwise ops of ``block`` = (rows, width,
+    heads, sequence); returns the description (rank 0's measurements, on every
+    rank)."""
+    def say(text):
+        if world.rank == 0:
+            print(f"calibrate: {text}", file=sys.stderr, flush=True)
+    measured = None
+    if world.rank != 0:      # wait asleep: a rank spinning in a barrier would take a core
+        request = world.mpi.Ibarrier()
+        while not request.Test():
+            time.sleep(0.005)
+    else:
+        say(f"matrix products of {len(shapes)} shapes (float32, float64) ...")
+        o32, r32 = _matmul(np.float32, repeats, shapes)
+        o64, r64 = _matmul(np.float64, repeats, shapes)
+        say(f"  float32 {r32 / 1e9:.1f} GFLOP/s, float64 {r64 / 1e9:.1f} GFLOP/s; "
+            f"overhead {o32 * 1e6:.1f} us")
+        say("elementwise passes ...")
+        bandwidth = _elementwise(repeats)
+        rate = _activation_rate(*block, repeats)
+        say(f"  {bandwidth / 1e9:.2f} GB/s streamed; the ops of a block get through "
+            f"{rate / 1e9:.2f} GB/s of kept activations")
+        op = _op_overhead(repeats * 10)
+        say(f"  autodiff op overhead {op * 1e6:.1f} us")
+        measured = (o32, r32, r64, bandwidth, rate, op)
+        world.mpi.Ibarrier().Wait()
+    o32, r32, r64, bandwidth, rate, op = world.broadcast_obj(measured, root=0)
+    say(f"collectives over groups of 2..{world.size} ranks ...")
+    collectives = _fit_collectives(world, repeats, say) if world.size > 1 else {}
+    per_node = ranks_per_node(world)
+    intra = collectives.get(f"all_reduce@{world.size}", {"latency_s": 1e-5, "bandwidth": 1e9})
+    stamp = time.strftime("%Y-%m-%d")
+    return {"name": name, "kind": "cpu", "ranks_per_node": per_node,
+            "cores": os.cpu_count(), "overlap": False,
+            "device": {"flops": {"float32": r32, "float64": r64, "bfloat16": r32,
+                                 "float16": r32},
+                       "matmul_efficiency": 1.0, "matmul_overhead_s": o32,
+                       "memory_bytes": float(os.sysconf("SC_PAGE_SIZE")
+                                             * os.sysconf("SC_PHYS_PAGES")),
+                       "memory_bandwidth": bandwidth, "elementwise_efficiency": 1.0,
+                       "activation_rate": rate, "op_overhead_s": op},
+            "links": {"intra": intra, "inter": intra},
+            "collectives": collectives,
+            "sources": {"*": f"measured by mpishard bench calibrate on {stamp}, "
+                             f"{world.size} ranks, one BLAS thread per rank"}}
+
+
+def main(argv=None) -> None:
+    from ..flags import add_config_flags, config_from_args
+    from ..recipes import recipe_for
+
+    parser = argparse.ArgumentParser(prog="mpishard bench calibrate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("-o", "--output", default="machine.json", help="where to write it")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per point")
+    parser.add_argument("--name", default="calibrated", help="the description's name")
+    parser.add_argument("--config", help="TOML file with training settings (the model)")
+    add_config_flags(parser, "estimate")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    recipe = recipe_for(cfg)
+    rows = cfg.optim.batch_size * recipe.tokens_per_sample
+    shapes = model_shapes(recipe.model(Backend()), rows)
+    block = (rows, cfg.model.n_embd, cfg.model.n_head, recipe.tokens_per_sample)
+    world = Communicator(MPI.COMM_WORLD)
+    description = calibrate(world, args.repeats, args.name, shapes, block)
+    if world.rank == 0:
+        with open(args.output, "w") as f:
+            json.dump(description, f, indent=1)
+        print(f"calibrate: wrote {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

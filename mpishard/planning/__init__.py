@@ -1,0 +1,13 @@
+"""Layout planning: machine descriptions, a step-time cost model, and a search over layouts.
+
+    from mpishard.planning import load_machine, predict_step, rank_layouts
+
+See [Note: step-time model] in cost.py and docs/planning.md.
+"""
+from .cost import StepCost, bubble_fraction, predict_step, stage_flops
+from .machine import Link, Machine, load_machine, machine_from_dict, shipped_machines
+from .search import Ranked, candidate_layouts, format_table, rank_layouts
+
+__all__ = ["StepCost", "bubble_fraction", "predict_step", "stage_flops", "Link", "Machine",
+           "load_machine", "machine_from_dict", "shipped_machines", "Ranked",
+           "candidate_layouts", "format_table", "rank_layouts"]

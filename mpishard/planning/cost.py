@@ -1,0 +1,294 @@
+"""Predicted step time of a layout on a machine: compute, communication, bubble, with the breakdown.
+
+    cost = predict_step(lambda: Llama(cfg, materialize_now=False), layout,
+                        load_machine("h100-sxm"))
+    cost.seconds, cost.tokens_per_s, cost.mfu, cost.breakdown
+
+[Note: step-time model]
+Per step, on the busiest pipeline stage (the stage with the longest time):
+
+* **compute** per micro-batch: the matrix products' FLOPs of this rank's part
+  (every linear layer, ``2 rows in out`` forward, twice that backward; attention's
+  scores and weighted values, ``4 B T_local T h hs`` forward; the experts' rows;
+  the blocks' forward once more under activation checkpointing) at
+  ``peak x matmul_efficiency`` plus ``matmul_overhead_s`` per product; the
+  elementwise work, the activation bytes the forward keeps at the machine's
+  ``activation_rate`` (calibrated; else three streams of them, written forward,
+  read and their gradients written backward, at the memory's elementwise
+  bandwidth), a third more for a checkpointed forward; ``op_overhead_s`` per op.
+* **bubble**: a pipeline runs ``m + p - 1`` micro-batch slots for ``m``
+  micro-batches (GPipe and 1F1B alike), so ``(p - 1)`` slots idle.
+* **shared cores**: ranks beyond a CPU's cores take turns (``share`` ranks per
+  core). MPI libraries wait by spinning, so a waiting rank keeps its turns: the
+  compute and the bubble both take ``share`` times as long (the measured
+  collectives already include the sharing).
+* **communication** per mesh group: the planner's bus bytes per step (exact,
+  see [Note: layout plan]) over the group's link, plus its latency per call;
+  a group spans nodes when its ranks do (block placement, ``ranks_per_node``).
+  On a machine that overlaps (``overlap``), what hides behind computation is
+  taken off: DDP's bucket all-reduces behind backward (the last bucket stays),
+  ZeRO-3's prefetched gathers and reduce-scatters behind the compute, ZeRO-1/2's
+  reduce-scatters behind backward (their all-gather after the update stays),
+  the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
+  and replica all-reduces stay exposed. Without overlap (a CPU: the same cores
+  copy) everything is exposed.
+* **optimizer**: one read and one write of this rank's model state.
+
+Step time is the sum; tokens/s the global batch's tokens over it; MFU the
+model's FLOPs (forward and backward, no recomputation) over step time x ranks x
+peak. What it leaves out: kernel-level fusion, stragglers and network
+contention between groups, and the exact routing of mixtures of experts (even
+routing is assumed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..nn.plan import plan_of
+from ..parallel.compose import build_stage
+from ..parallel.layout import _cached, layout_mesh, plan_layout
+from ..parallel.planner import layout_itemsizes
+from ..parallel.tensor_parallel import _matching
+
+__all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes", "bubble_fraction"]
+
+
+@dataclass
+class StepCost:
+    """A layout's predicted step: seconds, tokens/s, MFU, and where the time goes."""
+
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+    breakdown: dict = field(default_factory=dict)      # part -> seconds (busiest stage)
+    comm_total: dict = field(default_factory=dict)     # group -> seconds before overlap
+    model_flops: float = 0.0
+    stage: int = 0
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(v for k, v in self.breakdown.items() if k.startswith("comm "))
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Share of a pipeline's slots that idle: ``(p - 1) / (m + p - 1)``."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def _moe_rows(module, rows: int) -> int:
+    k, E = module.top_k, module.n_experts
+    if module.capacity is None:
+        return rows * k
+    return min(rows * k, E * int(np.ceil(module.capacity * rows * k / E)))
+
+
+def stage_flops(stage, layout) -> dict:
+    """Forward FLOPs of one micro-batch on this rank: ``{"blocks": ..., "rest": ...,
+    "products": count, "attention": ...}`` (blocks: what activation checkpointing
+    recomputes; attention: its share of both)."""
+    plan = plan_of(stage)
+    rows = layout.batch_size * layout.local_seq_len
+    blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
+    out = {"blocks": 0.0, "rest": 0.0, "products": 0, "attention": 0.0}
+
+    def add(path, flops, products):
+        key = "blocks" if blocks and path.startswith(blocks) else "rest"
+        out[key] += flops
+        out["products"] += products
+    for path, m in stage.named_modules():
+        w = m._parameters.get("weight")
+        if w is not None and len(w.shape) == 2 and type(m).__name__.endswith("Linear"):
+            add(path, 2.0 * rows * w.shape[0] * w.shape[1], 1)
+        if hasattr(m, "n_experts") and "experts" in m._modules:
+            routed = _moe_rows(m, rows)
+            weights = [p for p in m.experts._parameters.values() if p is not None
+                       and len(p.shape) == 3]
+            add(path, sum(2.0 * routed * p.shape[1] * p.shape[2] for p in weights),
+                len(weights) * weights[0].shape[0] if weights else 0)
+    for pattern in plan.attention:
+        for path, m in _matching(stage, pattern):
+            hs = int(m.head_size)
+            proj = getattr(m, "c_attn", None)
+            heads = (int(proj.weight.shape[0]) // (3 * hs) if proj is not None
+                     else int(m.q_proj.weight.shape[0]) // hs)
+            flops = 4.0 * layout.batch_size * layout.local_seq_len * layout.seq_len * heads * hs
+            add(path, flops, 2)
+            out["attention"] += flops
+    return out
+
+
+def group_spans_nodes(layout, group: str, ranks_per_node: int) -> bool:
+    """Whether rank 0's ``group`` (a mesh group name) has ranks on two nodes, with ranks
+    placed on nodes in blocks of ``ranks_per_node``."""
+    sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate,
+             "dp_shard": layout.dp_shard, "cp": layout.cp, "tp": layout.tp}
+    axes = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard"),
+            "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",),
+            "dp_cp": ("dp_replicate", "dp_shard", "cp"), "dp_shard_cp": ("dp_shard", "cp"),
+            "ep": ("dp_shard", "cp"), "edp": ("dp_replicate", "dp_shard", "cp"),
+            "edp_shard": ("dp_shard", "cp"), "tied": ("pp",)}.get(group, ("pp",))
+    stride, order = 1, ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+    last = 0
+    for axis in order:                       # the largest world rank of rank 0's group
+        if axis in axes:
+            last += (sizes[axis] - 1) * stride
+        stride *= sizes[axis]
+    if group == "ep":                        # ep consecutive ranks of dp_shard x cp
+        last = (layout.ep - 1) * layout.tp
+    return last // ranks_per_node > 0
+
+
+_KIND = {"tp": "all_reduce", "cp": "send", "pp": "send", "dp": "all_reduce",
+         "dp_cp": "all_reduce", "dp_replicate": "all_reduce", "dp_shard": "all_gather",
+         "dp_shard_cp": "all_gather", "ep": "all_to_all", "edp": "all_reduce",
+         "edp_shard": "all_gather", "tied": "all_reduce"}
+
+
+def _calls(layout, group: str, n_blocks: int, n_units: int, grad_bytes: float) -> float:
+    """Collective calls a step issues on ``group`` (their latency terms)."""
+    m = layout.micro_batches
+    if group in ("dp_cp", "dp", "edp") and layout.strategy == "ddp":
+        return max(1.0, np.ceil(grad_bytes / (4 << 20)))
+    if group in ("dp_shard_cp", "dp_shard", "dp", "edp_shard", "edp"):
+        return n_units * ((2 * m + 1) if layout.strategy == "zero3" else 2)
+    if group == "dp_replicate":
+        return float(n_units)
+    if group == "tp":
+        return 4.0 * n_blocks * m + 3 * m
+    if group == "cp":
+        return (2.0 * (layout.cp - 1) if layout.cp_mode == "ring" else 8.0) * n_blocks * m
+    if group == "ep":
+        return 5.0 * n_blocks * m
+    return 2.0 * m
+
+
+def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
+             overlap: bool) -> float:
+    """Seconds of ``group``'s communication left after overlap (see [Note: step-time model])."""
+    if not overlap or seconds == 0.0:
+        return seconds
+    last = seconds / max(calls, 1.0)
+    if layout.strategy == "ddp" and group in ("dp_cp", "dp", "edp"):
+        return max(last, seconds - times["backward"])
+    if group in ("dp_shard_cp", "dp_shard", "dp", "edp_shard", "edp"):
+        if layout.strategy == "zero3":
+            return max(last, seconds - times["compute"])
+        return seconds / 2 + max(0.0, seconds / 2 - times["backward"])
+    if group == "cp" and layout.cp_mode == "ring":
+        return max(last, seconds - times["attention"])
+    return seconds
+
+
+def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
+                 plan=None, stages=None, memo: dict | None = None) -> StepCost:
+    """The predicted step of ``layout`` for the model ``make_model()`` builds (whole,
+    unmaterialised) on ``machine`` (see [Note: step-time model]).
+
+    ``plan`` (the layout's :func:`plan_layout`) and ``stages`` (stage index -> the
+    built stage) reuse what a search already has, ``memo`` its cache (see
+    :func:`plan_layout`); without them both are built.
+    """
+    rpn = ranks_per_node or machine.ranks_per_node
+    world = layout.dp * layout.cp * layout.tp * layout.pp
+    plan = plan or plan_layout(make_model(), layout)
+    act, _, grad = layout_itemsizes(plan_model(make_model), layout)
+    dtype = act.name
+    share = machine.share(min(rpn, world))
+    m, p = layout.micro_batches, layout.pp
+    best = None
+    whole = _cached(memo, plan_model(make_model))(
+        ("whole flops", layout.batch_size, layout.seq_len, layout.cp),
+        lambda: stage_flops(plan_model(make_model), layout))
+    model_flops = 3 * (whole["blocks"] + whole["rest"]) * m * layout.dp * layout.cp
+    for stage_plan in plan.stages:
+        s = stage_plan.stage
+        mesh = layout_mesh(layout, s)
+        stage = stages(s) if stages is not None else \
+            build_stage(make_model(), mesh, None, layout.cp_mode, layout.sequence_parallel)
+        cached = _cached(memo, stage)
+        fl = cached(("flops", layout.batch_size, layout.seq_len, layout.cp),
+                    lambda: stage_flops(stage, layout))
+        forward = fl["blocks"] + fl["rest"]
+        hardware = 3 * forward + (fl["blocks"] if layout.activation_checkpointing else 0.0)
+        activation = getattr(stage, "activation_bytes", None)
+        kept = cached(("whole activations", layout.batch_size, layout.local_seq_len, act.name),
+                      lambda: _whole_activations(stage, layout, act)) if activation else 0
+        recomputed = 1.0 + (1 / 3 if layout.activation_checkpointing else 0.0)
+        n_ops = 10 * cached(("modules",), lambda: sum(1 for _ in stage.named_modules()))
+        matmul = machine.matmul_seconds(hardware, dtype, 3 * fl["products"])
+        elementwise = machine.activation_seconds(kept) * recomputed + \
+            n_ops * machine.op_overhead_s
+        micro = matmul + elementwise
+        attention_share = micro * fl["attention"] / forward if forward else 0.0
+        times = {"compute": micro * m, "backward": micro * m * 2 / 3,
+                 "attention": attention_share * m}
+        state = sum(stage_plan.memory.steady.values())
+        optimizer = machine.stream_seconds(2 * state) * share
+        n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
+        n_units = n_blocks + 1
+        busy = micro * m
+        breakdown = {"matmul": matmul * m, "elementwise": elementwise * m,
+                     "bubble": micro * (p - 1), "optimizer": optimizer}
+        if share > 1:        # ranks sharing cores, each spinning in MPI when it waits
+            breakdown["shared cores"] = (share - 1) * (busy + micro * (p - 1))
+        comm_total = {}
+        for group, nbytes in stage_plan.bus_bytes.items():
+            if not nbytes:
+                continue
+            calls = _calls(layout, group, n_blocks, n_units,
+                           stage_plan.memory.steady.get("grads", 0))
+            link = machine.link(_KIND.get(group, "all_reduce"), _group_size(mesh, group),
+                                group_spans_nodes(layout, group, rpn))
+            t = link.seconds(nbytes, calls)
+            comm_total[group] = t
+            breakdown[f"comm {group}"] = _exposed(layout, group, t, calls, times,
+                                                  machine.overlap)
+        seconds = sum(breakdown.values())
+        if best is None or seconds > best[0]:
+            best = (seconds, breakdown, comm_total, s)
+    seconds, breakdown, comm_total, s = best
+    tokens = layout.dp * layout.batch_size * m * layout.seq_len
+    mfu = model_flops / (seconds * world * machine.peak(dtype))
+    return StepCost(seconds, tokens / seconds, mfu, breakdown, comm_total, model_flops, s)
+
+
+def plan_model(make_model):
+    """A whole model of ``make_model``, built once per factory (only read)."""
+    model = _WHOLE.get(id(make_model))
+    if model is None or model[0] is not make_model:
+        model = _WHOLE[id(make_model)] = (make_model, make_model().freeze_structure())
+    return model[1]
+
+
+_WHOLE: dict = {}
+
+
+def _group_size(mesh, group: str) -> int:
+    axis = getattr(mesh, group, None)
+    return axis.size if axis is not None else 2      # "tied": the pipeline's two ends
+
+
+def _whole_activations(stage, layout, act) -> int:
+    """What the forward of one micro-batch keeps without checkpointing (the bytes the
+    elementwise passes stream, also when checkpointing recomputes them)."""
+    checkpointed = layout.activation_checkpointing and hasattr(stage,
+                                                               "set_activation_checkpointing")
+    if checkpointed:
+        stage.set_activation_checkpointing(False)
+    try:
+        return stage.activation_bytes(layout.batch_size, layout.local_seq_len, act)
+    finally:
+        if checkpointed:
+            stage.set_activation_checkpointing(True)
+
+
+def _count_blocks(stage) -> int:
+    plan = plan_of(stage)
+    if plan.pipeline is None:
+        return 1
+    try:
+        return len(stage.get_submodule(plan.pipeline.blocks))
+    except KeyError:
+        return 1

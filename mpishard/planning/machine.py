@@ -1,0 +1,190 @@
+"""Machine descriptions: what a step-time prediction needs to know about the hardware.
+
+    machine = load_machine("h100-sxm")            # a shipped description (mpishard/machines/)
+    machine = load_machine("machine.json")        # or a file, e.g. from `mpishard bench calibrate`
+    machine.matmul_seconds(2e12, "bfloat16")      # one product of 2 TFLOP
+
+A description is one JSON object::
+
+    {"name": "h100-sxm", "kind": "gpu", "ranks_per_node": 8,
+     "device": {"flops": {"bfloat16": 9.89e14, "float32": 6.7e13, ...},
+                "matmul_efficiency": 0.8, "matmul_overhead_s": 1e-5,
+                "memory_bytes": 8.0e10, "memory_bandwidth": 3.35e12,
+                "elementwise_efficiency": 0.8, "op_overhead_s": 5e-6},
+     "links": {"intra": {"latency_s": 1e-5, "bandwidth": 3.6e11},
+               "inter": {"latency_s": 2e-5, "bandwidth": 5e10}},
+     "collectives": {"all_reduce@4": {"latency_s": ..., "bandwidth": ...}, ...},
+     "overlap": true, "cores": null,
+     "sources": {"device.flops.bfloat16": "NVIDIA H100 datasheet ...", ...}}
+
+``flops`` are peak dense FLOP/s per dtype; ``matmul_efficiency`` the share of
+it large matrix products reach, ``matmul_overhead_s`` what each product costs
+besides (launch, small shapes); ``memory_bandwidth`` times
+``elementwise_efficiency`` is what elementwise passes stream;
+``activation_rate`` (optional, calibrated) the bytes kept for backward the
+elementwise ops get through per second, forward and backward. ``links`` give the
+bus bandwidth (bytes per second of bus bytes, see [Note: bus bytes]) and
+per-call latency within a node and across nodes; ``collectives`` (from a
+calibration) override them per collective kind and group size (``"all_reduce@4"``,
+``"all_reduce@4/inter"`` for groups spanning nodes). ``overlap``: whether
+communication runs beside computation (DMA engines and NICs on GPUs; on a CPU
+the cores that compute also copy). ``cores``: a CPU's cores per node; ranks
+beyond them share (``share``). Every value's origin is in ``sources``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Link", "Machine", "load_machine", "shipped_machines", "MACHINES_DIR"]
+
+#: where the shipped descriptions live
+MACHINES_DIR = Path(__file__).resolve().parent.parent / "machines"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's cost line: ``latency_s`` per call plus bus bytes over ``bandwidth``."""
+
+    latency_s: float
+    bandwidth: float
+
+    def seconds(self, bus_bytes: float, calls: float = 1.0) -> float:
+        return calls * self.latency_s + bus_bytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A parsed description (see the module docstring); build it with :func:`load_machine`."""
+
+    name: str
+    kind: str
+    ranks_per_node: int
+    flops: dict
+    matmul_efficiency: float
+    matmul_overhead_s: float
+    memory_bytes: float
+    memory_bandwidth: float
+    elementwise_efficiency: float
+    op_overhead_s: float
+    intra: Link
+    inter: Link
+    activation_rate: float | None = None
+    collectives: dict = field(default_factory=dict)
+    overlap: bool = True
+    cores: int | None = None
+    sources: dict = field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float:
+        """Peak dense FLOP/s in ``dtype`` (float16 and bfloat16 fall back on each other)."""
+        for name in (dtype, {"float16": "bfloat16", "bfloat16": "float16"}.get(dtype, dtype)):
+            if name in self.flops:
+                return float(self.flops[name])
+        raise ValueError(f"machine {self.name!r} has no peak FLOP/s for {dtype!r}; add "
+                         f"device.flops.{dtype} to its description")
+
+    def share(self, ranks_per_node: int) -> float:
+        """How many ranks take turns on one core (CPU ranks beyond its cores), >= 1."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, ranks_per_node / self.cores)
+
+    def matmul_seconds(self, flops: float, dtype: str, calls: float = 1.0) -> float:
+        return calls * self.matmul_overhead_s + flops / (self.peak(dtype) *
+                                                          self.matmul_efficiency)
+
+    def stream_seconds(self, nbytes: float) -> float:
+        """Elementwise passes over ``nbytes`` of memory traffic."""
+        return nbytes / (self.memory_bandwidth * self.elementwise_efficiency)
+
+    def activation_seconds(self, kept: float) -> float:
+        """The elementwise work of a forward and backward that keep ``kept`` bytes: at the
+        calibrated ``activation_rate``, else three streams of them (written forward,
+        read and their gradients written backward)."""
+        if self.activation_rate:
+            return kept / self.activation_rate
+        return self.stream_seconds(3 * kept)
+
+    def link(self, kind: str, size: int, spans_nodes: bool) -> Link:
+        """The cost line of collective ``kind`` over a group of ``size`` ranks: a
+        calibrated one (``collectives["kind@size"]``, ``"kind@size/inter"`` across
+        nodes), else the inter- or intra-node link."""
+        fitted = self.collectives.get(f"{kind}@{size}" + ("/inter" if spans_nodes else ""))
+        if fitted is not None:
+            return Link(float(fitted["latency_s"]), float(fitted["bandwidth"]))
+        return self.inter if spans_nodes else self.intra
+
+
+def _positive(value, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not \
+            math.isfinite(value) or value <= 0:
+        raise ValueError(f"machine description: {where}={value!r} must be a positive number")
+    return float(value)
+
+
+def _link(raw: dict, where: str) -> Link:
+    if not isinstance(raw, dict):
+        raise ValueError(f"machine description: {where} must be an object with latency_s "
+                         f"and bandwidth")
+    latency = raw.get("latency_s", 0.0)
+    if not isinstance(latency, (int, float)) or latency < 0:
+        raise ValueError(f"machine description: {where}.latency_s={latency!r} must be >= 0")
+    return Link(float(latency), _positive(raw.get("bandwidth"), f"{where}.bandwidth"))
+
+
+def machine_from_dict(raw: dict) -> Machine:
+    """A :class:`Machine` from a parsed description; ValueError naming a bad field."""
+    device, links = raw.get("device") or {}, raw.get("links") or {}
+    flops = device.get("flops") or {}
+    if not flops:
+        raise ValueError("machine description: device.flops needs at least one dtype's "
+                         "peak FLOP/s, e.g. {\"float32\": 1e11}")
+    for dtype, value in flops.items():
+        _positive(value, f"device.flops.{dtype}")
+    kind = raw.get("kind", "gpu")
+    if kind not in ("gpu", "cpu"):
+        raise ValueError(f"machine description: kind={kind!r} must be 'gpu' or 'cpu'")
+    for key, value in (raw.get("collectives") or {}).items():
+        _link(value, f"collectives.{key}")
+    return Machine(
+        name=str(raw.get("name", "machine")), kind=kind,
+        ranks_per_node=int(_positive(raw.get("ranks_per_node", 1), "ranks_per_node")),
+        flops={k: float(v) for k, v in flops.items()},
+        matmul_efficiency=_positive(device.get("matmul_efficiency", 1.0),
+                                    "device.matmul_efficiency"),
+        matmul_overhead_s=float(device.get("matmul_overhead_s", 0.0)),
+        memory_bytes=_positive(device.get("memory_bytes"), "device.memory_bytes"),
+        memory_bandwidth=_positive(device.get("memory_bandwidth"), "device.memory_bandwidth"),
+        elementwise_efficiency=_positive(device.get("elementwise_efficiency", 1.0),
+                                         "device.elementwise_efficiency"),
+        op_overhead_s=float(device.get("op_overhead_s", 0.0)),
+        activation_rate=float(device["activation_rate"]) if device.get("activation_rate")
+        else None,
+        intra=_link(links.get("intra"), "links.intra"),
+        inter=_link(links.get("inter", links.get("intra")), "links.inter"),
+        collectives=dict(raw.get("collectives") or {}), overlap=bool(raw.get("overlap", True)),
+        cores=int(raw["cores"]) if raw.get("cores") else None,
+        sources=dict(raw.get("sources") or {}))
+
+
+def shipped_machines() -> list:
+    """Names of the descriptions shipped with mpishard."""
+    return sorted(p.stem for p in MACHINES_DIR.glob("*.json") if not p.stem.startswith("_"))
+
+
+def load_machine(name_or_path) -> Machine:
+    """A shipped description by name (``"h100-sxm"``) or a JSON file's path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = MACHINES_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        raise ValueError(f"no machine description {name_or_path!r}: pass a JSON file (e.g. "
+                         f"from `mpishard bench calibrate -o machine.json`) or one of "
+                         f"{', '.join(shipped_machines())}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"machine description {path}: not JSON ({err})") from None
+    return machine_from_dict(raw)

@@ -1,0 +1,161 @@
+"""Enumerate the layouts of a model on some ranks, keep those that fit, rank them by step time.
+
+    ranked = rank_layouts(make_model, ranks=64, ranks_per_node=8, machine=h100,
+                          seq_len=8192, global_batch=1024, n_layer=32, n_head=32)
+    print(format_table(ranked[:5]))
+
+A candidate is a :class:`~mpishard.parallel.Layout`: ``tp`` (dividing the heads,
+at most a node), ``pp`` (at most the blocks), ``cp`` (the sequence split into
+``2 cp`` chunks), the rest ``dp``, without or with hybrid sharding (``dp_shard``
+the largest that keeps ``tp x cp x dp_shard`` inside a node, ``dp_replicate``
+across); each strategy; micro-batches of 1, 2, 4 or 8 sequences that divide a dp
+rank's share of the global batch (at least ``pp`` micro-batches under a
+pipeline); activation checkpointing off and on; sequence parallelism whenever
+``tp > 1``. Each is planned exactly for memory first (the layout planner) and
+dropped when its busiest rank exceeds the device memory (a checkpointed one
+when its plain twin fits: recomputing only costs time); the rest are costed
+(:func:`~mpishard.planning.cost.predict_step`) and sorted by step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..parallel import STRATEGIES, Layout, LayoutMesh, plan_layout
+from ..parallel.compose import build_stage
+from .cost import StepCost, bubble_fraction, plan_model, predict_step
+
+__all__ = ["Ranked", "candidate_layouts", "rank_layouts", "format_table"]
+
+
+@dataclass
+class Ranked:
+    """One costed layout: the layout, its busiest rank's bytes, and the prediction."""
+
+    layout: Layout
+    peak_bytes: int
+    cost: StepCost
+
+    def as_dict(self) -> dict:
+        lay = self.layout
+        return {"dp": lay.dp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+                "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "strategy": lay.strategy,
+                "micro_batch": lay.batch_size, "micro_batches": lay.micro_batches,
+                "activation_checkpointing": lay.activation_checkpointing,
+                "sequence_parallel": lay.sequence_parallel, "peak_bytes": self.peak_bytes,
+                "step_s": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_s,
+                "mfu": self.cost.mfu, "exposed_comm_s": self.cost.exposed_comm,
+                "bubble": bubble_fraction(lay.pp, lay.micro_batches),
+                "breakdown": self.cost.breakdown}
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(ranks: int, ranks_per_node: int, seq_len: int, global_batch: int,
+                      n_layer: int, n_head: int, precision=None, strategies=None,
+                      checkpointing=(False, True)) -> list:
+    """Every layout of the module docstring (unplanned)."""
+    out = []
+    for tp in [d for d in _divisors(ranks) if d <= min(ranks_per_node, n_head)
+               and n_head % d == 0]:
+        for pp in [d for d in _divisors(ranks // tp) if d <= n_layer]:
+            for cp in [d for d in _divisors(ranks // (tp * pp)) if seq_len % (2 * d) == 0
+                       or d == 1]:
+                dp = ranks // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                inside = max(1, ranks_per_node // (tp * cp))
+                shard = max(d for d in _divisors(dp) if d <= inside)
+                for replicate in sorted({1, dp // shard}):
+                    for strategy in strategies or list(STRATEGIES):
+                        if replicate > 1 and strategy == "ddp":
+                            continue
+                        per_dp = global_batch // dp
+                        for mbs in [b for b in (1, 2, 4, 8) if per_dp % b == 0]:
+                            m = per_dp // mbs
+                            if pp > 1 and m < pp:
+                                continue
+                            for ac in checkpointing:
+                                try:
+                                    out.append(Layout(
+                                        dp, tp, pp, strategy, precision, batch_size=mbs,
+                                        seq_len=seq_len, micro_batches=m,
+                                        activation_checkpointing=ac, cp=cp,
+                                        dp_replicate=replicate, sequence_parallel=tp > 1))
+                                except ValueError:
+                                    continue
+    return out
+
+
+class StageCache:
+    """Built pipeline stages by split (``tp, pp, cp, mode, sequence parallel, ep``), so
+    that layouts differing only in data-parallel sizes, strategy or batch share them."""
+
+    def __init__(self, make_model):
+        self.make_model, self.stages = make_model, {}
+
+    def of(self, layout):
+        def stage(s):
+            key = (layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.sequence_parallel,
+                   layout.ep, s)
+            if key not in self.stages:
+                mesh = LayoutMesh(layout.dp, layout.tp, layout.pp, s, cp=layout.cp,
+                                  dp_replicate=layout.dp_replicate, ep=layout.ep)
+                # a pipeline stage is built anew from the (only read) whole model
+                source = plan_model(self.make_model) if layout.pp > 1 else self.make_model()
+                self.stages[key] = build_stage(source, mesh, None, layout.cp_mode,
+                                               layout.sequence_parallel).freeze_structure()
+            return self.stages[key]
+        return stage
+
+
+def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None,
+                 memory_bytes: float | None = None, progress=None) -> tuple:
+    """``(ranked fits by step time, number over the memory limit)`` for ``layouts``.
+
+    A checkpointed layout whose plain twin fits is skipped: recomputing only adds
+    time."""
+    limit = memory_bytes or machine.memory_bytes
+    cache, whole, memo = StageCache(make_model), plan_model(make_model), {}
+    fits, over, plain_fits = [], 0, set()
+    for i, layout in enumerate(layouts):
+        if progress:
+            progress(i, len(layouts))
+        if layout.activation_checkpointing and \
+                dataclasses.replace(layout, activation_checkpointing=False) in plain_fits:
+            continue
+        try:
+            plan = plan_layout(whole, layout, stage_of=cache.of(layout), memo=memo,
+                               representative=True)
+        except ValueError:
+            continue
+        if plan.total_peak_bytes > limit:
+            over += 1
+            continue
+        if not layout.activation_checkpointing:
+            plain_fits.add(layout)
+        fits.append(Ranked(layout, plan.total_peak_bytes, predict_step(
+            make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo)))
+    fits.sort(key=lambda r: r.cost.seconds)
+    return fits, over
+
+
+def format_table(ranked: list) -> str:
+    """The table ``mpishard plan`` prints, one row per layout."""
+    head = (f"{'#':>3} {'dp (R x S)':>11} {'cp':>3} {'tp':>3} {'pp':>3} {'strategy':<8} "
+            f"{'mb x m':>7} {'ckpt':>4} {'GiB/rank':>9} {'step s':>9} {'tokens/s':>10} "
+            f"{'MFU':>6} {'comm s':>8} {'bubble':>6}")
+    rows = [head, "-" * len(head)]
+    for i, r in enumerate(ranked, 1):
+        lay, c = r.layout, r.cost
+        dp = f"{lay.dp} ({lay.dp_replicate}x{lay.dp_shard})" if lay.dp_replicate > 1 \
+            else str(lay.dp)
+        rows.append(f"{i:>3} {dp:>11} {lay.cp:>3} {lay.tp:>3} {lay.pp:>3} {lay.strategy:<8} "
+                    f"{f'{lay.batch_size}x{lay.micro_batches}':>7} "
+                    f"{'yes' if lay.activation_checkpointing else 'no':>4} "
+                    f"{r.peak_bytes / 2**30:>9.2f} {c.seconds:>9.4f} {c.tokens_per_s:>10.0f} "
+                    f"{c.mfu:>6.1%} {c.exposed_comm:>8.4f} "
+                    f"{bubble_fraction(lay.pp, lay.micro_batches):>6.1%}")
+    return "\n".join(rows)

@@ -1,0 +1,168 @@
+"""The layout planner's time model, piece by piece, with hand-computed values; the shipped
+machine descriptions; `mpishard plan` and `mpishard bench calibrate`.
+
+The accuracy of the whole model (against runs measured here and published ones)
+is benchmarks/plan_accuracy.py's, never a timed test.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from mpishard.models import GPT, GPTConfig
+from mpishard.parallel import Layout
+from mpishard.planning import (Link, bubble_fraction, candidate_layouts, load_machine,
+                               machine_from_dict, predict_step, shipped_machines, stage_flops)
+from mpishard.planning.cost import _exposed, group_spans_nodes
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=8)
+TOY = {"name": "toy", "kind": "gpu", "ranks_per_node": 4, "overlap": True,
+       "device": {"flops": {"float32": 1e9}, "matmul_efficiency": 0.5,
+                  "memory_bytes": 1e9, "memory_bandwidth": 1e9},
+       "links": {"intra": {"latency_s": 1e-3, "bandwidth": 1e6},
+                 "inter": {"latency_s": 1e-2, "bandwidth": 1e5}}}
+
+
+def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth():
+    assert Link(1e-3, 1e6).seconds(2e6, calls=3) == pytest.approx(3e-3 + 2.0)
+    m = machine_from_dict(TOY)
+    assert m.link("all_reduce", 4, spans_nodes=False) == Link(1e-3, 1e6)
+    assert m.link("all_reduce", 8, spans_nodes=True) == Link(1e-2, 1e5)
+    fitted = machine_from_dict({**TOY, "collectives": {
+        "all_reduce@4": {"latency_s": 2e-4, "bandwidth": 5e8},
+        "all_reduce@4/inter": {"latency_s": 5e-4, "bandwidth": 1e8}}})
+    assert fitted.link("all_reduce", 4, False) == Link(2e-4, 5e8)        # calibrated
+    assert fitted.link("all_reduce", 4, True) == Link(5e-4, 1e8)
+    assert fitted.link("all_gather", 4, False) == Link(1e-3, 1e6)       # not fitted: the link
+    assert m.matmul_seconds(1e9, "float32") == pytest.approx(2.0)      # 1e9 at 0.5 x 1e9/s
+    assert m.activation_seconds(1e9) == pytest.approx(3.0)             # three streams
+    rated = machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rate": 4e8}})
+    assert rated.activation_seconds(1e9) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("pp,m,want", [(1, 8, 0.0), (2, 2, 1 / 3), (4, 4, 3 / 7),
+                                       (4, 12, 3 / 15)])
+def test_the_pipeline_bubble_is_p_minus_1_slots_of_m_plus_p_minus_1(pp, m, want):
+    assert bubble_fraction(pp, m) == pytest.approx(want)
+
+
+def test_overlap_rules_hide_what_runs_behind_compute():
+    times = {"compute": 1.0, "backward": 0.6, "attention": 0.2}
+    ddp = Layout(dp=4, strategy="ddp", seq_len=16)
+    assert _exposed(ddp, "dp_cp", 0.5, 5, times, True) == pytest.approx(0.1)    # last bucket
+    assert _exposed(ddp, "dp_cp", 0.9, 3, times, True) == pytest.approx(0.3)    # 0.9 - 0.6
+    z3 = Layout(dp=4, strategy="zero3", seq_len=16)
+    assert _exposed(z3, "dp_shard_cp", 0.8, 8, times, True) == pytest.approx(0.1)
+    assert _exposed(z3, "dp_shard_cp", 1.5, 10, times, True) == pytest.approx(0.5)
+    z1 = Layout(dp=4, strategy="zero1", seq_len=16)
+    assert _exposed(z1, "dp_shard_cp", 1.6, 4, times, True) == pytest.approx(0.8 + 0.2)
+    ring = Layout(cp=2, seq_len=16)
+    assert _exposed(ring, "cp", 0.5, 10, times, True) == pytest.approx(0.3)
+    assert _exposed(ring, "tp", 0.5, 10, times, True) == 0.5             # tensor parallel
+    assert _exposed(z3, "dp_shard_cp", 0.8, 8, times, False) == 0.8      # no overlap (CPU)
+
+
+def test_a_group_spans_nodes_when_its_ranks_do():
+    lay = Layout(dp=4, tp=2, dp_replicate=2, seq_len=16)        # world 8: tp inner
+    assert not group_spans_nodes(lay, "tp", 4)
+    assert not group_spans_nodes(lay, "dp_shard", 4)            # ranks 0, 2
+    assert group_spans_nodes(lay, "dp_replicate", 4)            # ranks 0, 4
+    assert group_spans_nodes(lay, "dp", 2)                      # ranks 0, 2, 4, 6
+
+
+def test_stage_flops_count_every_product_by_hand():
+    model = GPT(CFG, materialize_now=False)
+    lay = Layout(batch_size=2, seq_len=16)
+    fl = stage_flops(model, lay)
+    rows, C, V, T = 32, 8, 64, 16
+    per_block = 2 * rows * (C * 3 * C + C * C + C * 4 * C + 4 * C * C)
+    attention = 4 * 2 * T * T * C                   # scores and weighted values, all heads
+    assert fl["blocks"] == pytest.approx(2 * (per_block + attention))
+    assert fl["rest"] == pytest.approx(2 * rows * C * V)                 # the head
+    assert fl["attention"] == pytest.approx(2 * attention)
+
+
+def test_a_predicted_step_adds_up_its_parts():
+    machine = machine_from_dict(TOY)
+    lay = Layout(dp=2, strategy="ddp", batch_size=2, seq_len=16)
+    cost = predict_step(lambda: GPT(CFG, materialize_now=False), lay, machine)
+    assert cost.seconds == pytest.approx(sum(cost.breakdown.values()))
+    assert cost.breakdown["bubble"] == 0.0 and "comm dp" in cost.breakdown
+    flops = stage_flops(GPT(CFG, materialize_now=False), lay)
+    assert cost.model_flops == pytest.approx(3 * (flops["blocks"] + flops["rest"]) * 2)
+    assert cost.tokens_per_s == pytest.approx(2 * 2 * 16 / cost.seconds)
+    pipe = predict_step(lambda: GPT(CFG, materialize_now=False),
+                        Layout(pp=2, strategy="ddp", batch_size=1, seq_len=16,
+                               micro_batches=2), machine)
+    assert pipe.breakdown["bubble"] > 0
+
+
+def test_shipped_machines_load_and_name_their_sources():
+    names = shipped_machines()
+    assert {"a100-80gb", "h100-sxm", "h200", "cpu-2core"} <= set(names)
+    for name in names:
+        m = load_machine(name)
+        assert m.sources and m.memory_bytes > 0
+    assert load_machine("h100-sxm").peak("bfloat16") == pytest.approx(989e12)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(device={"flops": {}}), "device.flops needs"),
+    (dict(device={"flops": {"float32": -1.0}, "memory_bytes": 1, "memory_bandwidth": 1}),
+     "device.flops.float32=-1.0 must be a positive number"),
+    (dict(kind="tpu"), "kind='tpu' must be 'gpu' or 'cpu'"),
+    (dict(links={"intra": {"latency_s": 0, "bandwidth": 0}}), "links.intra.bandwidth=0"),
+])
+def test_a_bad_machine_description_is_refused_naming_the_field(change, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        machine_from_dict({**TOY, **change})
+    with pytest.raises(ValueError, match="or one of a100-80gb"):
+        load_machine("no-such-machine")
+
+
+def test_candidates_respect_the_model_and_the_batch():
+    layouts = candidate_layouts(8, 4, seq_len=16, global_batch=8, n_layer=2, n_head=2)
+    assert layouts and all(lay.tp <= 2 and lay.pp <= 2 for lay in layouts)
+    assert all(lay.dp * lay.cp * lay.tp * lay.pp == 8 for lay in layouts)
+    assert all(8 % lay.dp == 0 and lay.batch_size * lay.micro_batches * lay.dp == 8
+               for lay in layouts)
+    assert any(lay.dp_replicate > 1 for lay in layouts)
+
+
+def test_plan_prints_a_ranked_table_and_json():
+    from test_cli import mpishard
+    out = mpishard("plan", "--preset", "gpt2", "--ranks", "8", "--ranks-per-node", "8",
+                   "--machine", "h100-sxm", "--global-batch", "64", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    assert "layouts of 8 ranks on h100-sxm (bfloat16)" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3
+    js = mpishard("plan", "--preset", "gpt2", "--ranks", "8", "--machine", "h100-sxm",
+                  "--global-batch", "64", "--top", "4", "--json")
+    assert js.returncode == 0, js.stderr
+    plan = json.loads(js.stdout)
+    steps = [lay["step_s"] for lay in plan["layouts"]]
+    assert len(steps) == 4 and steps == sorted(steps)
+    assert all(lay["peak_bytes"] <= 80e9 for lay in plan["layouts"])
+    bad = mpishard("plan", "--preset", "gpt2", "--ranks", "8", "--machine", "nope")
+    assert bad.returncode != 0 and "no machine description 'nope'" in bad.stderr
+
+
+def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
+    from mpishard.bench.calibrate import fit_line
+    a, b = fit_line([1, 2, 3, 4], [3, 5, 7, 9])
+    assert (a, b) == pytest.approx((1.0, 2.0))
+    a, b = fit_line([1, 2], [1, 2.5])                 # a negative intercept: through 0
+    assert a == 0.0 and b == pytest.approx(6 / 5)
+    from test_cli import mpishard
+    path = tmp_path / "m.json"
+    out = mpishard("bench", "calibrate", "-o", str(path), "--repeats", "2", n=2, timeout=300)
+    assert out.returncode == 0, out.stderr
+    machine = load_machine(path)
+    assert machine.kind == "cpu" and machine.peak("float32") > 1e8
+    assert "all_reduce@2" in machine.collectives and machine.activation_rate > 0
+    plan = mpishard("plan", "--preset", "gpt-tiny", "--ranks", "2", "--machine", str(path),
+                    "--vocab-size", "256", "--batch-size", "4", "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["layouts"][0]["step_s"] > 0
+    assert np.isfinite(json.loads(plan.stdout)["layouts"][0]["mfu"])
