@@ -14,7 +14,8 @@ figures, each printed with its target:
 2. Tokens per second (forward, backward, AdamW) of the MoE at ep4 against a
    dense Llama with the same active parameters per token (a SwiGLU of width
    2 x 384 = 768, the two experts a token uses), both DDP on the same 4 ranks,
-   measured side by side in interleaved rounds (medians; read the ratio).
+   and of the same MoE at ep1 (every rank all 8 experts, no exchange),
+   measured side by side in interleaved rounds (medians; read the ratios).
 3. The bytes the ep communicator's all-to-all-v moved in one step against the
    theory from that step's routing: per MoE layer the rows this rank sends to
    other ranks and receives from them, out and back, forward and backward, times
@@ -92,7 +93,8 @@ def memory(world) -> dict:
 
 
 def speed(world, rounds: int, steps: int) -> dict:
-    runs = {"moe_ep4": _run(world, MOE, "ddp", 4), "dense": _run(world, DENSE, "ddp", 1)}
+    runs = {"moe_ep4": _run(world, MOE, "ddp", 4), "moe_ep1": _run(world, MOE, "ddp", 1),
+            "dense": _run(world, DENSE, "ddp", 1)}
     for run, opt in runs.values():
         _step(run, opt, 0)                                   # warm up
     times = {name: [] for name in runs}
@@ -108,8 +110,10 @@ def speed(world, rounds: int, steps: int) -> dict:
     med = {name: statistics.median(t) for name, t in times.items()}
     active = {name: run.module.num_parameters() for name, (run, _) in runs.items()}
     return {"tokens_per_s_moe_ep4": tokens / med["moe_ep4"],
+            "tokens_per_s_moe_ep1": tokens / med["moe_ep1"],
             "tokens_per_s_dense": tokens / med["dense"],
-            "ratio": med["dense"] / med["moe_ep4"], "rounds": rounds, "steps": steps,
+            "ratio": med["dense"] / med["moe_ep4"], "ep4_over_ep1": med["moe_ep1"] / med["moe_ep4"],
+            "rounds": rounds, "steps": steps,
             "rank_params_moe_ep4": active["moe_ep4"], "rank_params_dense": active["dense"]}
 
 
@@ -153,7 +157,8 @@ def main(argv=None):
     result["speed"] = speed(world, args.rounds, args.steps)
     s = result["speed"]
     say(f"tokens/s, MoE 8x top-2 at ep4 {s['tokens_per_s_moe_ep4']:.0f} vs dense of the same "
-        f"active parameters {s['tokens_per_s_dense']:.0f}: {s['ratio']:.3f}x (reported)")
+        f"active parameters {s['tokens_per_s_dense']:.0f}: {s['ratio']:.3f}x (reported); the "
+        f"same MoE at ep1 {s['tokens_per_s_moe_ep1']:.0f} (ep4 / ep1 {s['ep4_over_ep1']:.3f}x)")
     result["exchange"] = exchange(world)
     e = result["exchange"]
     say(f"all-to-all-v bytes per rank, one step: measured {e['measured_bytes']} theory "
