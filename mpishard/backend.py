@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from .allocator import keep_freed_memory
+
 __all__ = [
     "Backend",
     "MemoryLedger",
@@ -111,6 +113,10 @@ class Backend:
     name: str = "numpy"
     device: int | None = None
     ledger: "MemoryLedger" = field(default_factory=lambda: MemoryLedger())
+
+    def __post_init__(self):
+        if self.name in ("numpy", "strict"):
+            keep_freed_memory()
 
     @property
     def xp(self):
