@@ -133,6 +133,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
     sd = np.dtype(np.float32) if is_low_precision(dtype) else cd    # softmax dtype
     rd = np.dtype(np.float32) if is_low_precision(dtype) else np.dtype(dtype)  # rotations
     zd = _complex_of(rd)
+    cos, sin = xp.asarray(cos), xp.asarray(sin)         # tables made on the host: copied
     q_turn, q_back = _turns(cos, sin, H, 1.0 / math.sqrt(hs), rd)
     k_turn, k_back = _turns(cos, sin, Hkv, 1.0, rd)
     orders = (_pair_order(H, hs), _pair_order(Hkv, hs), None)
