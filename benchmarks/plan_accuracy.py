@@ -251,7 +251,7 @@ def _plot(path, here, pub) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     parser.add_argument("--published-only", action="store_true")
     parser.add_argument("--machine-out", default="runs/plan_accuracy_machine.json")
     parser.add_argument("--plot", help="write measured/published vs predicted here (PNG)")

@@ -36,8 +36,12 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
     assert fitted.link("all_gather", 4, False) == Link(1e-3, 1e6)       # not fitted: the link
     assert m.matmul_seconds(1e9, "float32") == pytest.approx(2.0)      # 1e9 at 0.5 x 1e9/s
     assert m.activation_seconds(1e9) == pytest.approx(3.0)             # three streams
-    rated = machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rate": 4e8}})
+    rated = machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rate": 4e8,
+                                                 "optimizer_rate": 2e9,
+                                                 "optimizer_overhead_s": 1e-3}})
     assert rated.activation_seconds(1e9) == pytest.approx(2.5)
+    assert m.optimizer_seconds(1e9, 10) == pytest.approx(2.0)            # read and write
+    assert rated.optimizer_seconds(1e9, 10) == pytest.approx(0.5 + 0.01)
 
 
 @pytest.mark.parametrize("pp,m,want", [(1, 8, 0.0), (2, 2, 1 / 3), (4, 4, 3 / 7),

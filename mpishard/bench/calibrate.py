@@ -20,7 +20,10 @@ thread as multi-rank runs use:
   GELU, a residual add, the causal softmax, at the model's rows and width),
   forward and backward, as the bytes they keep for backward per second
   (``activation_rate``: how fast the step gets through what the planner counts);
-* one small autodiff op, forward and backward: ``op_overhead_s``.
+* one small autodiff op, forward and backward: ``op_overhead_s``;
+* AdamW over one large flat target (bytes of values, gradients and states per
+  second: ``optimizer_rate``) and over many small ones (``optimizer_overhead_s``
+  per target).
 
 Then every rank takes part: for each group size ``n`` that divides the world
 (consecutive ranks, as the mesh's inner axes are), each collective the planner
@@ -140,6 +143,23 @@ def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) 
     return kept.nbytes / _time(step, repeats)
 
 
+def _optimizer(repeats: int) -> tuple:
+    """AdamW's ``(bytes of model state per second over one flat target, seconds per
+    target)``: one 4M-element float32 target (its values, gradient and two states),
+    and 64 small ones."""
+    from ..optim import AdamW
+    from ..parallel.flat import FlatShard
+
+    def targets(n, size):
+        out = [FlatShard(np.ones(size, np.float32), ((0, size),), f"t{i}") for i in range(n)]
+        for t in out:
+            t.grad = np.full(size, 1e-3, np.float32)
+        return out
+    big, small = targets(1, 4 << 20), targets(64, 16)
+    rate = 4 * big[0].data.nbytes / _time(AdamW(big).step, repeats)
+    return rate, _time(AdamW(small).step, repeats) / len(small)
+
+
 def _op_overhead(repeats: int) -> float:
     from ..autodiff import Tensor
     x = Tensor(np.ones((2, 2), np.float32), requires_grad=True)
@@ -224,9 +244,13 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
             f"{rate / 1e9:.2f} GB/s of kept activations")
         op = _op_overhead(repeats * 10)
         say(f"  autodiff op overhead {op * 1e6:.1f} us")
-        measured = (o32, r32, r64, bandwidth, rate, op)
+        opt_rate, opt_overhead = _optimizer(repeats)
+        say(f"  AdamW: {opt_rate / 1e9:.2f} GB/s of model state, {opt_overhead * 1e6:.1f} us "
+            f"per target")
+        measured = (o32, r32, r64, bandwidth, rate, op, opt_rate, opt_overhead)
         world.mpi.Ibarrier().Wait()
-    o32, r32, r64, bandwidth, rate, op = world.broadcast_obj(measured, root=0)
+    o32, r32, r64, bandwidth, rate, op, opt_rate, opt_overhead = world.broadcast_obj(
+        measured, root=0)
     say(f"collectives over groups of 2..{world.size} ranks ...")
     collectives = _fit_collectives(world, repeats, say) if world.size > 1 else {}
     per_node = ranks_per_node(world)
@@ -240,7 +264,8 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
                        "memory_bytes": float(os.sysconf("SC_PAGE_SIZE")
                                              * os.sysconf("SC_PHYS_PAGES")),
                        "memory_bandwidth": bandwidth, "elementwise_efficiency": 1.0,
-                       "activation_rate": rate, "op_overhead_s": op},
+                       "activation_rate": rate, "op_overhead_s": op,
+                       "optimizer_rate": opt_rate, "optimizer_overhead_s": opt_overhead},
             "links": {"intra": intra, "inter": intra},
             "collectives": collectives,
             "sources": {"*": f"measured by mpishard bench calibrate on {stamp}, "

@@ -32,7 +32,9 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
   and replica all-reduces stay exposed. Without overlap (a CPU: the same cores
   copy) everything is exposed.
-* **optimizer**: one read and one write of this rank's model state.
+* **optimizer**: this rank's model state at the calibrated optimizer rate plus a
+  cost per target array (every parameter under full-precision DDP, one flat
+  array per ZeRO unit), else one read and one write of it.
 
 Step time is the sum; tokens/s the global batch's tokens over it; MFU the
 model's FLOPs (forward and backward, no recomputation) over step time x ranks x
@@ -225,7 +227,9 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         times = {"compute": micro * m, "backward": micro * m * 2 / 3,
                  "attention": attention_share * m}
         state = sum(stage_plan.memory.steady.values())
-        optimizer = machine.stream_seconds(2 * state) * share
+        optimizer = machine.optimizer_seconds(state, cached(
+            ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout))) \
+            * share
         n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
         n_units = n_blocks + 1
         busy = micro * m
@@ -268,6 +272,15 @@ _WHOLE: dict = {}
 def _group_size(mesh, group: str) -> int:
     axis = getattr(mesh, group, None)
     return axis.size if axis is not None else 2      # "tied": the pipeline's two ends
+
+
+def _targets(stage, layout) -> int:
+    """The optimizer's target arrays: every parameter under DDP in full precision (one
+    flat master when mixed), one flat shard per unit under ZeRO."""
+    if layout.strategy == "ddp":
+        return 1 if layout.precision else len(stage.parameters())
+    plan = plan_of(stage)
+    return len(plan.units) + 1
 
 
 def _whole_activations(stage, layout, act) -> int:

@@ -22,7 +22,9 @@ it large matrix products reach, ``matmul_overhead_s`` what each product costs
 besides (launch, small shapes); ``memory_bandwidth`` times
 ``elementwise_efficiency`` is what elementwise passes stream;
 ``activation_rate`` (optional, calibrated) the bytes kept for backward the
-elementwise ops get through per second, forward and backward. ``links`` give the
+elementwise ops get through per second, forward and backward;
+``optimizer_rate`` and ``optimizer_overhead_s`` (optional, calibrated) what an
+optimizer step takes per byte of model state and per target array. ``links`` give the
 bus bandwidth (bytes per second of bus bytes, see [Note: bus bytes]) and
 per-call latency within a node and across nodes; ``collectives`` (from a
 calibration) override them per collective kind and group size (``"all_reduce@4"``,
@@ -72,6 +74,8 @@ class Machine:
     intra: Link
     inter: Link
     activation_rate: float | None = None
+    optimizer_rate: float | None = None
+    optimizer_overhead_s: float = 0.0
     collectives: dict = field(default_factory=dict)
     overlap: bool = True
     cores: int | None = None
@@ -98,6 +102,14 @@ class Machine:
     def stream_seconds(self, nbytes: float) -> float:
         """Elementwise passes over ``nbytes`` of memory traffic."""
         return nbytes / (self.memory_bandwidth * self.elementwise_efficiency)
+
+    def optimizer_seconds(self, state_bytes: float, targets: int) -> float:
+        """One optimizer step over ``state_bytes`` of values, gradients and states in
+        ``targets`` arrays: at the calibrated rate and cost per target, else one read
+        and one write of the state at the elementwise bandwidth."""
+        if self.optimizer_rate:
+            return state_bytes / self.optimizer_rate + targets * self.optimizer_overhead_s
+        return self.stream_seconds(2 * state_bytes)
 
     def activation_seconds(self, kept: float) -> float:
         """The elementwise work of a forward and backward that keep ``kept`` bytes: at the
@@ -162,6 +174,9 @@ def machine_from_dict(raw: dict) -> Machine:
         op_overhead_s=float(device.get("op_overhead_s", 0.0)),
         activation_rate=float(device["activation_rate"]) if device.get("activation_rate")
         else None,
+        optimizer_rate=float(device["optimizer_rate"]) if device.get("optimizer_rate")
+        else None,
+        optimizer_overhead_s=float(device.get("optimizer_overhead_s", 0.0)),
         intra=_link(links.get("intra"), "links.intra"),
         inter=_link(links.get("inter", links.get("intra")), "links.inter"),
         collectives=dict(raw.get("collectives") or {}), overlap=bool(raw.get("overlap", True)),
