@@ -121,7 +121,8 @@ def _cmd_estimate(args) -> int:
     strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
     budget = cfg.run.memory_budget
-    machine = _machine(args.machine) if getattr(args, "machine", None) else None
+    from .planning.cli import machine_or_error
+    machine = machine_or_error(args.machine) if getattr(args, "machine", None) else None
     for strategy in strategies:
         cfg.parallel.strategy = strategy
         try:   # each plan consumes its model (layers are swapped for tensor-parallel ones)
@@ -137,15 +138,6 @@ def _cmd_estimate(args) -> int:
             print(f"  budget      {budget / 2**20:10.2f} MiB per rank: "
                   f"{'fits' if fits else 'does not fit'}")
     return 0
-
-
-def _machine(name):
-    from .config import ConfigError
-    from .planning import load_machine
-    try:
-        return load_machine(name)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 def _time_rows(recipe, layout, machine, plan) -> str:

@@ -90,6 +90,13 @@ class Module:
         self.__dict__["_frozen_parameters"] = list(self.named_parameters())
         return self
 
+    def structure_cache(self, name: str) -> dict:
+        """A dict kept on a frozen module under ``name`` for answers that depend on its
+        structure only (see :meth:`freeze_structure`); a fresh, forgotten one otherwise."""
+        if "_frozen" not in self.__dict__:
+            return {}
+        return self.__dict__.setdefault(f"_cache_{name}", {})
+
     def get_submodule(self, path: str) -> "Module":
         """The module at dotted ``path`` (``""``: this one); KeyError naming the missing part."""
         module = self

@@ -61,8 +61,7 @@ def stage_blocks(model, pp: int, stage_plan=None) -> tuple:
     if plan.pipeline is None:
         raise ValueError(f"{type(model).__name__} has no pipeline plan (its "
                          f"parallel_plan() has pipeline=None); use pp=1")
-    memo = model.__dict__.setdefault("_stage_blocks", {}) if "_frozen" in model.__dict__ \
-        else {}
+    memo = model.structure_cache("stage_blocks")
     key = (pp, tuple(stage_plan) if stage_plan is not None else None)
     if key not in memo:
         pipe = plan.pipeline

@@ -24,7 +24,7 @@ import hashlib
 
 from ..backend import to_numpy, xp_of
 from ..optim.clip import grad_sq_sum
-from .expert_parallel import grad_group, is_expert_param
+from .expert_parallel import is_expert_param
 from .flat import FlatLayout
 from .pieces import Piece, _state_views, _target_index, replicated_pieces
 from .planner import MemoryPlan
@@ -95,7 +95,7 @@ class _Bucket:
         self.handle = None
 
     def finish(self) -> None:
-        """Wait for the average; apply the scale (expert gradients, see grad_group)."""
+        """Wait for the average; apply the scale (1 / ep for experts split over ep)."""
         self.handle.wait()
         self.handle = None
         if self.scale != 1.0:
@@ -140,27 +140,26 @@ class DataParallel(Strategy):
         self.masters = MasterCopies()
         self._master_of: dict = {}
         self._range_of: dict = {}
-        # experts split over ep are replicated over edp only (see expert_parallel.py)
-        kinds = [(False, self.dp), (True, getattr(mesh, "edp", self.dp))]
-        for expert, comm in kinds:
-            def select(p, expert=expert):
-                return is_expert_param(p) == expert
-            if comm.size > 1 and sync_params == "broadcast":
-                for p in filter(select, params):
-                    comm.broadcast(p.data, root=0)
-            elif comm.size > 1:
-                check_replicas_equal(module, comm, select=select)
+        # Experts split over ep are replicated over edp only, and their averaged
+        # gradients scaled by 1 / ep (see [Note: expert dispatch] in expert_parallel.py).
         # Buckets at every dp size, also 1 (where nothing is sent): gradients then
         # always live in ledger-counted buffers, as the plan says.
         xp = xp_of(params[0].data)
         groups, reduce_over = [], []
-        for expert, _ in kinds:
+        for expert in (False, True):
             part = [p for p in params if is_expert_param(p) == expert]
             if not part:
                 continue
+            comm = self.replica_group(part[0])
+            if comm.size > 1 and sync_params == "broadcast":
+                for p in part:
+                    comm.broadcast(p.data, root=0)
+            elif comm.size > 1:
+                check_replicas_equal(module, comm, select=lambda p, e=expert:
+                                     is_expert_param(p) == e)
             cut = _bucket_groups(part, bucket_bytes, self.compute_dtype.itemsize)
             groups += cut
-            reduce_over += [grad_group(mesh, part[0], self.dp)] * len(cut)
+            reduce_over += [(comm, 1.0 / mesh.ep.size if expert else 1.0)] * len(cut)
         if self.mixed:
             flats = self._make_masters(groups, xp)
         else:

@@ -26,7 +26,7 @@ the rows), so each rank's expert weights receive the gradient of every token
 routed to them from the whole ep group. Summed over the ranks that hold the
 same experts (``mesh.edp``) that is every token of ``dp x cp``: the strategies
 average expert gradients over ``edp`` and divide by ``ep`` (``dp_cp = edp x ep``
-ranks contributed), see :func:`grad_group`.
+ranks contributed; :meth:`Strategy.replica_group` names the group).
 
 Experts are replicated over tp: without sequence parallelism the tp ranks of a
 group route and compute the same rows; with it, each routes its own rows and
@@ -45,8 +45,8 @@ from ..backend import xp_of
 from ..nn import Parameter
 from .tensor_parallel import split_range
 
-__all__ = ["ExpertShard", "apply_expert_plan", "all_to_all_v", "grad_group",
-           "is_expert_param", "check_experts_divide", "expert_units"]
+__all__ = ["ExpertShard", "apply_expert_plan", "all_to_all_v", "is_expert_param",
+           "check_experts_divide", "expert_units"]
 
 
 @register_op
@@ -84,7 +84,6 @@ class ExpertShard:
     def __init__(self, ep, n_experts: int):
         self.ep, self.n_experts = ep, n_experts
         self.local = n_experts // ep.size
-        self.start = ep.rank * self.local
         #: ``(rows sent to each rank, rows received from each)`` of the last forward
         self.last_counts: tuple | None = None
 
@@ -154,15 +153,6 @@ def apply_expert_plan(model, ep) -> None:
 def is_expert_param(p) -> bool:
     """Whether ``p`` is split over the ep group (its gradient goes over ``mesh.edp``)."""
     return p.spec.ep_range is not None
-
-
-def grad_group(mesh, p, dense):
-    """``(communicator, scale)`` a gradient of ``p`` is averaged over, then multiplied by:
-    ``(dense, 1)`` for a parameter every ep rank holds whole, ``(mesh.edp, 1 / ep)`` for
-    an expert split over ep (see [Note: expert dispatch])."""
-    if not is_expert_param(p):
-        return dense, 1.0
-    return mesh.edp, 1.0 / mesh.ep.size
 
 
 def expert_units(module, unit_names) -> tuple:

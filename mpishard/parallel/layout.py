@@ -320,7 +320,7 @@ def layout_mesh(layout: Layout, stage: int) -> LayoutMesh:
                       dp_replicate=layout.dp_replicate, ep=layout.ep)
 
 
-def _cached(memo, stage):
+def memo_for(memo, stage):
     """``get(key, compute)`` through ``memo`` for this stage (no memo: compute)."""
     if memo is None:
         return lambda key, compute: compute()
@@ -349,7 +349,7 @@ def plan_layout(model, layout: Layout, stage_plan=None, stage_of=None,
     """
     _check_heads(model, layout)
     plan = plan_of(model)
-    whole = _cached(memo, model)
+    whole = memo_for(memo, model)
     act, wire, grad = whole(("itemsizes", layout.precision),
                             lambda: layout_itemsizes(model, layout))
     n_params = whole(("parameters",), model.num_parameters)
@@ -361,7 +361,7 @@ def plan_layout(model, layout: Layout, stage_plan=None, stage_of=None,
         if hasattr(stage, "set_activation_checkpointing") and \
                 (layout.activation_checkpointing or stage_of is not None):
             stage.set_activation_checkpointing(layout.activation_checkpointing)
-        cached = _cached(memo, stage)
+        cached = memo_for(memo, stage)
         memory = cached(("memory", layout.strategy, mesh.dp_cp.size, layout.optimizer,
                          layout.precision, layout.micro_batches, layout.dp_replicate, layout.ep),
                         lambda: plan_memory(stage, layout.strategy, mesh.dp_cp.size,

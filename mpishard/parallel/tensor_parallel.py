@@ -174,18 +174,13 @@ class VocabParallelCrossEntropy(Module):
 def _matching(model, pattern: str) -> list:
     """``(path, module)`` of every module whose dotted path matches ``pattern``
     (``*`` matches one path component)."""
-    cache = model.__dict__.get("_matches") if "_frozen" in model.__dict__ else None
-    if cache is None and "_frozen" in model.__dict__:      # see Module.freeze_structure
-        cache = model.__dict__["_matches"] = {}
-    if cache is not None and pattern in cache:
-        return cache[pattern]
-    want = pattern.split(".")
-    found = [(path, m) for path, m in model.named_modules()
-             if path and len(path.split(".")) == len(want)
-             and all(w in ("*", p) for w, p in zip(want, path.split(".")))]
-    if cache is not None:
-        cache[pattern] = found
-    return found
+    cache = model.structure_cache("matching")
+    if pattern not in cache:
+        want = pattern.split(".")
+        cache[pattern] = [(path, m) for path, m in model.named_modules()
+                          if path and len(path.split(".")) == len(want)
+                          and all(w in ("*", p) for w, p in zip(want, path.split(".")))]
+    return cache[pattern]
 
 
 def _groups(n: int, unit: int, parts: int, what: str, path: str, tp) -> tuple:

@@ -62,7 +62,7 @@ class Reduction:
         unit = self.unit
         if unit.replicate is not None:  # hybrid sharding: then average across replicas
             unit.replicate.all_reduce(self.recv, op="avg")
-        if unit.scale != 1.0:           # expert gradients (see expert_parallel.grad_group)
+        if unit.scale != 1.0:           # expert gradients: 1 / ep (see expert_parallel.py)
             self.recv *= unit.scale
         if self.recv is not unit.grad_shard:
             if self.first:  # reduced in another dtype: cast into the shard

@@ -5,8 +5,6 @@ Read by :meth:`ZeRO.plan_memory <mpishard.parallel.zero.ZeRO.plan_memory>` (see
 """
 from __future__ import annotations
 
-import weakref
-
 from ..nn.plan import plan_of
 from .expert_parallel import expert_units
 from .planner import MemoryPlan, window_peak
@@ -68,14 +66,11 @@ def zero_plan_memory(model, sizes, stage: int, max_inflight: int) -> MemoryPlan:
     return plan
 
 
-#: model -> {(unit names, shard sizes): units}: a layout search plans the same stage for
-#: many strategies and batches (only the units' sizes are read from these)
-_UNITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _units(model, names, shard: int, expert_shard: int, experts) -> list:
+    """The units, kept on a frozen model (a layout search plans the same stage for many
+    strategies and batches; only the units' sizes are read from these)."""
     key = (tuple(names), shard, expert_shard)
-    mine = _UNITS.setdefault(model, {})
+    mine = model.structure_cache("zero_units")
     if key not in mine:
         mine[key] = plan_units(model, names, shard, 0,
                                groups={n: (expert_shard, 0) for n in experts})

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-__all__ = ["add_plan_command", "plan_config", "plan_from_args", "apply_auto_layout"]
+__all__ = ["add_plan_command", "plan_config", "plan_from_args", "apply_auto_layout",
+           "machine_or_error"]
 
 
 def add_plan_command(sub) -> None:
@@ -34,20 +35,17 @@ def add_plan_command(sub) -> None:
     plan.set_defaults(func=_cmd_plan)
 
 
-def plan_config(cfg, ranks: int, machine_name: str, ranks_per_node=None, global_batch=None,
+def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None,
                 precision=None, strategies=None, say=None) -> tuple:
     """``(ranked layouts, over the memory limit, candidates, machine, precision)`` of the
-    model ``cfg`` describes on ``ranks`` ranks of ``machine_name``."""
+    model ``cfg`` describes on ``ranks`` ranks of ``machine`` (a :class:`Machine`, or
+    the name or file :func:`load_machine` takes)."""
     from ..backend import Backend
     from ..config import ConfigError
     from ..recipes import recipe_for
-    from .machine import load_machine
     from .search import candidate_layouts, rank_layouts
 
-    try:
-        machine = load_machine(machine_name)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    machine = machine_or_error(machine)
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks} must be >= 1")
     precision = precision or cfg.parallel.precision
@@ -71,22 +69,30 @@ def plan_config(cfg, ranks: int, machine_name: str, ranks_per_node=None, global_
     return ranked, over, len(layouts), machine, precision
 
 
+def machine_or_error(machine):
+    """``machine`` itself, or the description :func:`load_machine` reads for it."""
+    from ..config import ConfigError
+    from .machine import Machine, load_machine
+    if isinstance(machine, Machine):
+        return machine
+    try:
+        return load_machine(machine)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def plan_from_args(args, say=None) -> tuple:
     """:func:`plan_config` of ``mpishard plan``'s flags."""
     from ..flags import config_from_args
-    from .machine import load_machine
 
     cfg = config_from_args(args)
     if args.seq:
         cfg.model.block_size = args.seq
-    precision = None
-    try:
-        if getattr(args, "precision", None) is None and load_machine(args.machine).kind == "gpu":
-            precision = "bfloat16"           # what GPUs train in, unless asked otherwise
-    except ValueError:
-        pass                                 # plan_config names the machine it cannot load
+    machine = machine_or_error(args.machine)
+    gpu_default = getattr(args, "precision", None) is None and machine.kind == "gpu"
+    precision = "bfloat16" if gpu_default else None   # what GPUs train in, unless asked
     strategies = [cfg.parallel.strategy] if args.strategy is not None else None
-    return plan_config(cfg, args.ranks, args.machine, args.ranks_per_node, args.global_batch,
+    return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
                        precision, strategies, say)
 
 

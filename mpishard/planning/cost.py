@@ -50,7 +50,7 @@ import numpy as np
 
 from ..nn.plan import plan_of
 from ..parallel.compose import build_stage
-from ..parallel.layout import _cached, layout_mesh, plan_layout
+from ..parallel.layout import layout_mesh, memo_for, plan_layout
 from ..parallel.planner import layout_itemsizes
 from ..parallel.tensor_parallel import _matching
 
@@ -184,32 +184,33 @@ def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
 
 
 def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
-                 plan=None, stages=None, memo: dict | None = None) -> StepCost:
+                 plan=None, stages=None, memo: dict | None = None, whole=None) -> StepCost:
     """The predicted step of ``layout`` for the model ``make_model()`` builds (whole,
     unmaterialised) on ``machine`` (see [Note: step-time model]).
 
     ``plan`` (the layout's :func:`plan_layout`) and ``stages`` (stage index -> the
     built stage) reuse what a search already has, ``memo`` its cache (see
-    :func:`plan_layout`); without them both are built.
+    :func:`plan_layout`) and ``whole`` its whole model (only read); without them
+    they are built.
     """
     rpn = ranks_per_node or machine.ranks_per_node
     world = layout.dp * layout.cp * layout.tp * layout.pp
     plan = plan or plan_layout(make_model(), layout)
-    act, _, grad = layout_itemsizes(plan_model(make_model), layout)
+    whole = whole if whole is not None else make_model()
+    act, _, grad = layout_itemsizes(whole, layout)
     dtype = act.name
     share = machine.share(min(rpn, world))
     m, p = layout.micro_batches, layout.pp
     best = None
-    whole = _cached(memo, plan_model(make_model))(
-        ("whole flops", layout.batch_size, layout.seq_len, layout.cp),
-        lambda: stage_flops(plan_model(make_model), layout))
-    model_flops = 3 * (whole["blocks"] + whole["rest"]) * m * layout.dp * layout.cp
+    total = memo_for(memo, whole)(("whole flops", layout.batch_size, layout.seq_len, layout.cp),
+                                 lambda: stage_flops(whole, layout))
+    model_flops = 3 * (total["blocks"] + total["rest"]) * m * layout.dp * layout.cp
     for stage_plan in plan.stages:
         s = stage_plan.stage
         mesh = layout_mesh(layout, s)
         stage = stages(s) if stages is not None else \
             build_stage(make_model(), mesh, None, layout.cp_mode, layout.sequence_parallel)
-        cached = _cached(memo, stage)
+        cached = memo_for(memo, stage)
         fl = cached(("flops", layout.batch_size, layout.seq_len, layout.cp),
                     lambda: stage_flops(stage, layout))
         forward = fl["blocks"] + fl["rest"]
@@ -256,17 +257,6 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
     tokens = layout.dp * layout.batch_size * m * layout.seq_len
     mfu = model_flops / (seconds * world * machine.peak(dtype))
     return StepCost(seconds, tokens / seconds, mfu, breakdown, comm_total, model_flops, s)
-
-
-def plan_model(make_model):
-    """A whole model of ``make_model``, built once per factory (only read)."""
-    model = _WHOLE.get(id(make_model))
-    if model is None or model[0] is not make_model:
-        model = _WHOLE[id(make_model)] = (make_model, make_model().freeze_structure())
-    return model[1]
-
-
-_WHOLE: dict = {}
 
 
 def _group_size(mesh, group: str) -> int:

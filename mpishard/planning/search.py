@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..parallel import STRATEGIES, Layout, LayoutMesh, plan_layout
 from ..parallel.compose import build_stage
-from .cost import StepCost, bubble_fraction, plan_model, predict_step
+from .cost import StepCost, bubble_fraction, predict_step
 
 __all__ = ["Ranked", "candidate_layouts", "rank_layouts", "format_table"]
 
@@ -93,8 +93,8 @@ class StageCache:
     """Built pipeline stages by split (``tp, pp, cp, mode, sequence parallel, ep``), so
     that layouts differing only in data-parallel sizes, strategy or batch share them."""
 
-    def __init__(self, make_model):
-        self.make_model, self.stages = make_model, {}
+    def __init__(self, make_model, whole):
+        self.make_model, self.whole, self.stages = make_model, whole, {}
 
     def of(self, layout):
         def stage(s):
@@ -104,7 +104,7 @@ class StageCache:
                 mesh = LayoutMesh(layout.dp, layout.tp, layout.pp, s, cp=layout.cp,
                                   dp_replicate=layout.dp_replicate, ep=layout.ep)
                 # a pipeline stage is built anew from the (only read) whole model
-                source = plan_model(self.make_model) if layout.pp > 1 else self.make_model()
+                source = self.whole if layout.pp > 1 else self.make_model()
                 self.stages[key] = build_stage(source, mesh, None, layout.cp_mode,
                                                layout.sequence_parallel).freeze_structure()
             return self.stages[key]
@@ -118,7 +118,8 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
     A checkpointed layout whose plain twin fits is skipped: recomputing only adds
     time."""
     limit = memory_bytes or machine.memory_bytes
-    cache, whole, memo = StageCache(make_model), plan_model(make_model), {}
+    whole = make_model().freeze_structure()      # only read: plans, sizes, pipeline stages
+    cache, memo = StageCache(make_model, whole), {}
     fits, over, plain_fits = [], 0, set()
     for i, layout in enumerate(layouts):
         if progress:
@@ -137,7 +138,7 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
         if not layout.activation_checkpointing:
             plain_fits.add(layout)
         fits.append(Ranked(layout, plan.total_peak_bytes, predict_step(
-            make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo)))
+            make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo, whole)))
     fits.sort(key=lambda r: r.cost.seconds)
     return fits, over
 
