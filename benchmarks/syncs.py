@@ -1,7 +1,8 @@
-"""Host syncs per training step, counted on the CuPy-strict module (mpishard.strict).
+"""Host syncs (and kernel launches) per training step, counted on the CuPy-strict module.
 
     python benchmarks/syncs.py                       # launches mpiexec -n 4 itself
     mpiexec -n 4 python -m mpi4py benchmarks/syncs.py --steps 3
+    python benchmarks/syncs.py --launches-only       # the launch figure alone, one process
 
 A GPU runs a step's kernels asynchronously; each read of a value on the host
 (``float(x)``, ``x.item()``, ``int(mask.sum())``, a ``.get()``) waits for all
@@ -20,13 +21,31 @@ and the gradient norm, whose finiteness is also the skip / loss-scale decision
 that is not CUDA-aware) are counted apart, as ``staged_per_step``: they move
 buffers, they decide nothing.
 
+The strict module also counts kernel launches (each operation a GPU would run
+as a kernel: see :mod:`mpishard.strict`); their number per step is what kernel
+fusion has to bring down. ``launches_per_block`` is one transformer block's
+share of ``train_step`` (forward, backward, gradient reduction), measured
+rather than estimated: the launches (one rank, DDP, float32, one micro-batch,
+after a warm-up step) for the same GPT with ``LAUNCH_LAYERS`` = (2, 4) blocks,
+differenced and divided by the blocks added; ``launches_per_block_optimizer``
+the block's share of ``step`` (clipping and the optimizer on its parameters);
+``launches_outside_blocks`` the rest of the 4-block step (embeddings, head,
+loss), and ``launches_per_block_by_op`` the 15 operations that launch most per
+block, both parts. ``LAUNCH_TARGET`` is the goal
+per block. The target is reported, not enforced: the exit status is about host
+syncs only.
+
 Prints one JSON line: ``host_syncs_per_step[layout][world size]`` (the most
 on any rank, per step, after a warm-up step), the same per rank, the staged
-copies, and for any count over the budget the lines that read.
+copies, for any count over the budget the lines that read, and the launch
+figures (``launches_per_step``, ``launches_per_block``,
+``launches_outside_blocks``, ``launches_per_block_by_op``); the launches per
+block also go to stderr as a line of text.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -41,6 +60,10 @@ import numpy as np  # noqa: E402
 
 #: host reads one training step needs: the loss and the norm (see the docstring)
 BUDGET = 2
+#: kernel launches per transformer block (forward + backward) that fusion aims for
+LAUNCH_TARGET = 40
+#: the two depths whose steps are differenced for the per-block launch figure
+LAUNCH_LAYERS = (2, 4)
 SIZES = (1, 2, 4)
 #: layout -> (mesh axes for a world of n ranks, strategy, precision); None: does not fit
 LAYOUTS = {
@@ -106,6 +129,80 @@ def measure(comm, layout: str, steps: int = 2, warmup: int = 1) -> dict | None:
     return {"syncs": counts, "staged": staged, "sites": sites}
 
 
+def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1) -> dict:
+    """Kernel launches per training step for :func:`_config`'s GPT with ``n_layer``
+    blocks, alone on this process (world size 1, DDP, float32, one micro-batch).
+
+    Returns ``{"launches": [per step], "train_step": [of those, in ``train_step``:
+    forward, backward, gradient reduction], "by_op": {op: launches}}`` (``by_op``
+    of the last measured step; the rest of a step is ``step``: clipping and the
+    optimizer).
+    """
+    from mpishard import strict
+    from mpishard.backend import Backend
+    from mpishard.comm import Mesh
+    from mpishard.comm.testing import make_test_comm
+    from mpishard.models import GPT
+    from mpishard.optim import AdamW
+    from mpishard.parallel import ParallelModel
+
+    cfg = dataclasses.replace(_config(), n_layer=n_layer)
+    comm = make_test_comm("self")
+    try:
+        mesh = Mesh(comm, dp=1)
+        model = GPT(cfg, seed=0, backend=Backend.resolve("strict"), materialize_now=False)
+        run = ParallelModel(model, mesh, strategy="ddp", micro_batches=1)
+        opt = AdamW(run.parameters(), lr=1e-3, weight_decay=0.1, ledger=run.ledger)
+        counts, train, by_op = [], [], {}
+        for step in range(warmup + steps):
+            strict.syncs.reset()
+            run.train_step(*_batch(step, 0, cfg))
+            in_train_step = strict.syncs.launches
+            run.step(opt, max_norm=1.0)
+            if step >= warmup:
+                counts.append(strict.syncs.launches)
+                train.append(in_train_step)
+                by_op = dict(strict.syncs.launches_by_op)
+        strict.syncs.reset()
+    finally:
+        comm.free()
+    return {"launches": counts, "train_step": train, "by_op": by_op}
+
+
+def _whole(x: float):
+    return int(x) if float(x).is_integer() else round(x, 2)
+
+
+def launch_figures(steps: int = 2) -> dict:
+    """The launch keys of the JSON line (see the docstring), from two depths."""
+    l1, l2 = LAUNCH_LAYERS
+    small, big = measure_launches(l1, steps), measure_launches(l2, steps)
+    per_step = max(big["launches"])
+    per_block = (per_step - max(small["launches"])) / (l2 - l1)
+    in_train_step = (max(big["train_step"]) - max(small["train_step"])) / (l2 - l1)
+    by_op = {op: (big["by_op"].get(op, 0) - small["by_op"].get(op, 0)) / (l2 - l1)
+             for op in set(big["by_op"]) | set(small["by_op"])}
+    top = sorted((item for item in by_op.items() if item[1]), key=lambda i: (-i[1], i[0]))
+    return {"launches_per_step": per_step,
+            # forward, backward and the gradient reduction (train_step): what the
+            # target is about
+            "launches_per_block": _whole(in_train_step),
+            # the block's share of step(): clipping and the optimizer on its parameters
+            "launches_per_block_optimizer": _whole(per_block - in_train_step),
+            "launches_outside_blocks": _whole(per_step - l2 * per_block),
+            "launches_per_block_by_op": {op: _whole(n) for op, n in top[:15]},
+            "launch_target": LAUNCH_TARGET,
+            "launch_layers": list(LAUNCH_LAYERS)}
+
+
+def _report_launches(figures: dict) -> None:
+    print(f"launches per GPT block (forward + backward): {figures['launches_per_block']} "
+          f"(target <= {LAUNCH_TARGET}), and {figures['launches_per_block_optimizer']} in "
+          f"clipping and the optimizer; {figures['launches_per_step']} per step, "
+          f"{figures['launches_outside_blocks']} outside the blocks", file=sys.stderr,
+          flush=True)
+
+
 def _worker(steps: int) -> dict:
     from mpi4py import MPI
 
@@ -142,6 +239,9 @@ def _worker(steps: int) -> dict:
         if comm is not None:
             comm.free()
         world.Barrier()
+    if world.rank == 0:
+        out.update(launch_figures(steps))
+    world.Barrier()
     out.update(budget=BUDGET, steps=steps, world_size=world.size,
                within_budget=all(v <= BUDGET for per in out["host_syncs_per_step"].values()
                                  for v in per.values()))
@@ -153,8 +253,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="measured steps (after 1 warm-up)")
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch (when not "
                         "already under mpiexec)")
+    parser.add_argument("--launches-only", action="store_true", help="only the kernel "
+                        "launch figures, on this one process (no mpiexec)")
     args = parser.parse_args(argv)
     from mpi4py import MPI
+
+    if args.launches_only:
+        figures = launch_figures(args.steps)
+        print(json.dumps({"bench": "syncs", **figures}), flush=True)
+        _report_launches(figures)
+        return 0
 
     if MPI.COMM_WORLD.size == 1 and args.ranks > 1 and not os.environ.get("MPISHARD_SYNCS_WORKER"):
         mpiexec = Path(sys.executable).with_name("mpiexec")
@@ -165,6 +273,7 @@ def main(argv=None) -> int:
     result = _worker(args.steps)
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({"bench": "syncs", **result}), flush=True)
+        _report_launches(result)
         return 0 if result["within_budget"] else 1
     return 0
 

@@ -20,6 +20,15 @@ What differs from NumPy, as on CuPy (:mod:`.array`):
 * ``bool``/``int``/``float``/``item``/``tolist``/``get`` and data-dependent
   output shapes are host syncs, counted in :data:`syncs` (and refused inside
   ``with syncs.refused():``);
+* every operation that would launch a kernel on a GPU counts one launch in
+  ``syncs.launches`` (by name in ``syncs.launches_by_op``): each ufunc call
+  (operators and in-place ones too), reduction, ``matmul``/``dot``/``einsum``,
+  copy or ``astype``, gather (``a[idx]`` with an array or list) and write
+  (``a[...] = v``, scatters), filled creation (``zeros``, ``ones``, ``full``,
+  ``arange``, ``asarray`` of host data), ``concatenate``/``stack``, ``where``;
+  views (``reshape``, ``transpose``, ``.T``, basic slicing), attribute reads and
+  host reads (syncs) are not launches; ``with syncs.fused(name):`` counts its
+  whole block as one launch (a fused kernel; see :mod:`.syncs`);
 * :mod:`.random` draws another stream than NumPy for the same seed, and keeps
   its state in a device array (``bit_generator._state``);
 * only names CuPy has exist (:data:`.namespace.CUPY_NAMES`), plus

@@ -16,15 +16,26 @@ An :class:`ndarray` wraps one ``numpy.ndarray`` (``_a``) and behaves the way a
   the data) is a host sync, counted in :data:`~mpishard.strict.syncs.syncs`;
 * float16 matrix products accumulate in float32, as cuBLAS does;
 * ``__cuda_array_interface__`` is exposed (pointing at the host memory), so
-  code that tells device arrays from host ones takes the device path.
+  code that tells device arrays from host ones takes the device path;
+* every operator, method and index that computes or writes memory counts one
+  kernel launch in :data:`~mpishard.strict.syncs.syncs` (arithmetic in place
+  too, reductions, ``@``, ``astype``, gathers, ``a[...] = v``, ``set``); views
+  (``.T``, basic slicing, a ``reshape`` NumPy does without copying), host
+  reads and attributes count none.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .attributes import Flags as _Flags, Pointer as _Pointer
+from .indexing import advanced as _advanced, data_dependent as _data_dependent
 from .syncs import syncs
 
 __all__ = ["ndarray", "wrap", "unwrap", "SCALAR_TYPES"]
+
+#: ``launch(name)`` counts one kernel launch (``syncs.launch``, bound once: it is on
+#: every operation's path)
+launch = syncs.launch
 
 SCALAR_TYPES = (int, float, complex, bool, np.generic)
 
@@ -81,12 +92,6 @@ def _index(index):
     return index
 
 
-def _data_dependent(index) -> bool:
-    """Whether indexing with ``index`` has an output shape that depends on the data."""
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, np.ndarray) and i.dtype == np.bool_ and i.ndim > 0 for i in items)
-
-
 #: how NumPy's ufuncs and functions find the strict ones (set by .namespace, which
 #: builds on this module)
 PROTOCOLS: dict = {}
@@ -97,8 +102,10 @@ def _rebuild(host: np.ndarray) -> "ndarray":
     return ndarray._of(host)
 
 
-def matmul(a, b, out=None):
-    """``a @ b``; float16 operands multiply in float32 and round once (as cuBLAS)."""
+def matmul(a, b, out=None, name: str = "matmul"):
+    """``a @ b``; float16 operands multiply in float32 and round once (as cuBLAS).
+    One launch (named ``name``)."""
+    launch(name)
     with quiet():
         if a.dtype == np.float16 and b.dtype == np.float16:
             result = np.matmul(a.astype(np.float32), b.astype(np.float32))
@@ -109,28 +116,6 @@ def matmul(a, b, out=None):
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
 
 
-class _Pointer:
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-
-class _Flags:
-    """CuPy's ``flags``: ``c_contiguous``, ``f_contiguous``, ``owndata``."""
-
-    __slots__ = ("c_contiguous", "f_contiguous", "owndata")
-
-    def __init__(self, a: np.ndarray):
-        self.c_contiguous = a.flags.c_contiguous
-        self.f_contiguous = a.flags.f_contiguous
-        self.owndata = a.flags.owndata
-
-    def __getitem__(self, key):
-        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous,
-                "OWNDATA": self.owndata}[key]
-
-
 def quiet():
     """NumPy's floating-point warnings off: CuPy's kernels never warn (NaN and inf
     just appear)."""
@@ -138,34 +123,52 @@ def quiet():
 
 
 def _binary(ufunc, reflected=False):
+    name = ufunc.__name__
+
     def op(self, other):
         o = _operand(other)
         if o is NotImplemented:
             return NotImplemented
+        launch(name)
         with quiet():
             return wrap(ufunc(o, self._a) if reflected else ufunc(self._a, o))
     return op
 
 
 def _inplace(ufunc):
+    name = ufunc.__name__
+
     def op(self, other):
         o = _operand(other)
         if o is NotImplemented:
             return NotImplemented
+        launch(name)
         with quiet():
             ufunc(self._a, o, out=self._a)
         return self
     return op
 
 
-def _method(name, sync: str | None = None):
+def _method(name, view: bool = False):
+    """``ndarray.name`` run by NumPy: one launch, or none for a ``view`` method whose
+    result shares the array's memory (a view, as on CuPy; a copy is a launch)."""
     def method(self, *args, **kwargs):
-        if sync:
-            syncs.record(sync)
-        return wrap(getattr(self._a, name)(*unwrap(args), **{
-            k: unwrap(v) for k, v in kwargs.items()}))
+        result = getattr(self._a, name)(*unwrap(args), **{
+            k: unwrap(v) for k, v in kwargs.items()})
+        if not (view and np.may_share_memory(result, self._a)):
+            launch(name)
+        return wrap(result)
     method.__name__ = name
     return method
+
+
+def _unary(ufunc):
+    name = ufunc.__name__
+
+    def op(self):
+        launch(name)
+        return ndarray._of(ufunc(self._a))
+    return op
 
 
 _EQ, _NE = _binary(np.equal), _binary(np.not_equal)
@@ -236,12 +239,13 @@ class ndarray:
         return out
 
     def set(self, arr, stream=None) -> None:
-        """Copy host array ``arr`` (same shape and dtype) in: no sync."""
+        """Copy host array ``arr`` (same shape and dtype) in: no sync, one launch."""
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, got {type(arr)}")
         if arr.dtype != self._a.dtype or arr.shape != self._a.shape:
             raise ValueError(f"set: shape {arr.shape} / dtype {arr.dtype} do not match "
                              f"{self._a.shape} / {self._a.dtype}")
+        launch("set")       # a host-to-device copy on the stream
         self._a[...] = arr
 
     def item(self):
@@ -299,8 +303,10 @@ class ndarray:
     # -- indexing ---------------------------------------------------------------
     def __getitem__(self, index):
         index = _index(index)
-        if _data_dependent(index):
-            syncs.record("boolean index")   # the output's size is read back
+        if _advanced(index):
+            if _data_dependent(index):
+                syncs.record("boolean index")   # the output's size is read back
+            launch("take")      # a gather; anything else is a view
         return wrap(self._a[index])
 
     def __setitem__(self, index, value):
@@ -313,6 +319,7 @@ class ndarray:
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         elif isinstance(value, (list, tuple)):
             raise _unsupported(value)
+        launch("scatter" if _advanced(index) else "setitem")
         self._a[index] = value
 
     # -- methods ----------------------------------------------------------------
@@ -329,10 +336,14 @@ class ndarray:
         return NotImplemented
 
     def dot(self, b, out=None):
-        return wrap(matmul(self._a, unwrap(b), None if out is None else out._a))
+        return wrap(matmul(self._a, unwrap(b), None if out is None else out._a, name="dot"))
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
-        return ndarray._of(self._a.astype(dtype, order=order, copy=copy))
+        result = self._a.astype(dtype, order=order, copy=copy)
+        if result is self._a:                   # copy=False and nothing to convert
+            return self
+        launch("astype")
+        return ndarray._of(result)
 
     def nonzero(self):
         syncs.record("nonzero")
@@ -341,19 +352,21 @@ class ndarray:
     def __eq__(self, other):
         if other is None or (not isinstance(other, SCALAR_TYPES + (ndarray, np.ndarray))
                              and type(other).__eq__ is object.__eq__):
+            launch("equal")
             return ndarray._of(np.zeros(self._a.shape, dtype=bool))
         return _EQ(self, other)
 
     def __ne__(self, other):
         if other is None or (not isinstance(other, SCALAR_TYPES + (ndarray, np.ndarray))
                              and type(other).__eq__ is object.__eq__):
+            launch("not_equal")
             return ndarray._of(np.ones(self._a.shape, dtype=bool))
         return _NE(self, other)
 
-    __neg__ = lambda self: ndarray._of(-self._a)  # noqa: E731
-    __pos__ = lambda self: ndarray._of(+self._a)  # noqa: E731
-    __abs__ = lambda self: ndarray._of(abs(self._a))  # noqa: E731
-    __invert__ = lambda self: ndarray._of(~self._a)  # noqa: E731
+    __neg__ = _unary(np.negative)
+    __pos__ = _unary(np.positive)
+    __abs__ = _unary(np.absolute)
+    __invert__ = _unary(np.invert)
 
 
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
@@ -369,10 +382,12 @@ for _name, _ufunc in {"lt": np.less, "le": np.less_equal, "gt": np.greater,
     setattr(ndarray, f"__{_name}__", _binary(_ufunc))
 ndarray.__divmod__ = _binary(np.divmod)
 
-# Methods CuPy's ndarray has, run by NumPy on the memory behind it.
-for _name in ("reshape", "transpose", "swapaxes", "ravel", "flatten", "squeeze", "copy",
-              "view", "sum", "prod", "mean", "var", "std", "max", "min", "argmax", "argmin",
-              "any", "all", "cumsum", "cumprod", "clip", "fill", "round", "conj", "diagonal",
+# Methods CuPy's ndarray has, run by NumPy on the memory behind it: views (a launch
+# only when NumPy has to copy), then the ones that compute or write (one launch each).
+for _name in ("reshape", "transpose", "swapaxes", "ravel", "squeeze", "view", "diagonal"):
+    setattr(ndarray, _name, _method(_name, view=True))
+for _name in ("flatten", "copy", "sum", "prod", "mean", "var", "std", "max", "min", "argmax",
+              "argmin", "any", "all", "cumsum", "cumprod", "clip", "fill", "round", "conj",
               "trace", "take", "repeat", "sort", "argsort", "partition", "argpartition",
               "put"):
     setattr(ndarray, _name, _method(_name))

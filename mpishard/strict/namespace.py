@@ -6,6 +6,20 @@ NumPy's function with strict arrays unwrapped on the way in and wrapped on the
 way out; NumPy arrays are refused as operands, as CuPy refuses them (only the
 array constructors, ``asarray`` and ``array``, copy host data in). Ufuncs keep
 their ``out=``, ``at``, ``reduce``, ``accumulate``, ``reduceat`` and ``outer``.
+
+Each call that computes or writes array memory counts one kernel launch in
+:data:`~mpishard.strict.syncs.syncs`, named after the function: a ufunc call
+(``"exp"``, with ``out=`` too) and its methods (``"add.reduce"``, ``"add.at"``,
+...), every function that returns a new array (reductions, ``einsum``,
+``concatenate``/``stack``, ``where``, ``zeros``/``ones``/``full``/``arange``,
+``copy``, ...) or writes into one (``copyto``, ``put``, ...), ``matmul``/``dot``,
+``scatter_add``, and ``asarray``/``array`` when they copy (host data comes in by a
+copy on the stream). Not launches: ``empty``/``empty_like`` (nothing written),
+functions that give a view of their argument (``reshape``, ``transpose``,
+``broadcast_to``, ``split``, ... unless NumPy has to copy), queries that return
+no array (``shape``, ``result_type``, ...), and ``stage_for_mpi`` (counted in
+``syncs.staged``). (NumPy's functions called on strict arrays come here through
+``__array_function__`` and ``__array_ufunc__``, so they count the same.)
 """
 from __future__ import annotations
 
@@ -13,7 +27,8 @@ import functools
 
 import numpy as np
 
-from .array import PROTOCOLS, SCALAR_TYPES, matmul as _matmul, ndarray, quiet, unwrap, wrap
+from .array import (PROTOCOLS, SCALAR_TYPES, launch, matmul as _matmul, ndarray, quiet,
+                    unwrap, wrap)
 from .syncs import syncs
 
 __all__ = ["CUPY_NAMES", "lookup", "ufunc", "ufunc_call", "function_for", "asarray", "array",
@@ -63,6 +78,19 @@ _DATA_DEPENDENT = frozenset("""nonzero flatnonzero argwhere compress extract uni
 unique_counts unique_inverse unique_values intersect1d setdiff1d setxor1d union1d trim_zeros
 """.split())
 
+#: functions that allocate and write nothing: no launch
+_NO_FILL = frozenset(("empty", "empty_like"))
+#: functions that may give a view of their first argument: a launch only when NumPy copies
+_MAYBE_VIEW = frozenset("""reshape ravel transpose swapaxes moveaxis rollaxis permute_dims
+matrix_transpose squeeze expand_dims broadcast_to broadcast_arrays atleast_1d atleast_2d
+atleast_3d diagonal real imag split array_split hsplit vsplit dsplit flip fliplr flipud rot90
+ascontiguousarray asfortranarray require astype ix_""".split())
+#: functions that always launch, though NumPy gives no array back (they write into an
+#: argument, or CuPy computes a 0-d array where NumPy returns a Python value)
+_ALWAYS = frozenset("""copyto fill_diagonal place put putmask put_along_axis allclose
+array_equal array_equiv count_nonzero""".split())
+_NEVER, _LAUNCH, _VIEW, _IF_ARRAY = range(4)
+
 
 def _elementwise(x):
     """An elementwise kernel's operand: a strict array or a scalar (CuPy's ``CScalar``
@@ -96,6 +124,7 @@ class ufunc:
     def __call__(self, *args, out=None, **kwargs):
         if isinstance(out, tuple):
             out = out[0] if len(out) == 1 else out
+        launch(self.__name__)
         with quiet():
             result = self._u(*[_elementwise(a) for a in args], out=_out(out), **kwargs)
         return out if out is not None else wrap(result)
@@ -104,35 +133,64 @@ class ufunc:
         if type(a) is not ndarray:
             raise TypeError(f"Unsupported type {type(a)}")
         index = unwrap(indices, host_ok=True)
+        launch(self.__name__ + ".at")
         self._u.at(a._a, index, None if b is None else _elementwise(b))
 
     def reduce(self, array, axis=0, dtype=None, out=None, keepdims=False):
+        launch(self.__name__ + ".reduce")
         result = self._u.reduce(_elementwise(array), axis=axis, dtype=dtype, out=_out(out),
                                 keepdims=keepdims)
         return out if out is not None else wrap(result)
 
     def accumulate(self, array, axis=0, dtype=None, out=None):
+        launch(self.__name__ + ".accumulate")
         result = self._u.accumulate(_elementwise(array), axis=axis, dtype=dtype, out=_out(out))
         return out if out is not None else wrap(result)
 
     def reduceat(self, array, indices, axis=0, dtype=None, out=None):
+        launch(self.__name__ + ".reduceat")
         result = self._u.reduceat(_elementwise(array), unwrap(indices, host_ok=True), axis=axis,
                                   dtype=dtype, out=_out(out))
         return out if out is not None else wrap(result)
 
     def outer(self, A, B, **kwargs):
+        launch(self.__name__ + ".outer")
         return wrap(self._u.outer(_elementwise(A), _elementwise(B), **kwargs))
+
+
+def _has_array(result) -> bool:
+    if isinstance(result, (np.ndarray, np.generic)):
+        return True
+    return isinstance(result, (tuple, list)) and any(
+        isinstance(r, (np.ndarray, np.generic)) for r in result)
+
+
+def _is_view(result, args) -> bool:
+    """Whether ``result`` (its first array) shares memory with the first argument."""
+    if not args or not isinstance(args[0], np.ndarray):
+        return False
+    if isinstance(result, (tuple, list)):
+        if not result:
+            return True
+        result = result[0]
+    return isinstance(result, np.ndarray) and np.may_share_memory(result, args[0])
 
 
 def _function(fn, name: str):
     sync = "data-dependent shape" if name in _DATA_DEPENDENT else None
+    kind = (_NEVER if name in _NO_FILL else _LAUNCH if name in _ALWAYS
+            else _VIEW if name in _MAYBE_VIEW else _IF_ARRAY)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if sync:
             syncs.record(sync)
         out = kwargs.get("out")
-        result = fn(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
+        args = unwrap(args)
+        result = fn(*args, **{k: unwrap(v) for k, v in kwargs.items()})
+        if (kind == _LAUNCH or (kind == _IF_ARRAY and _has_array(result))
+                or (kind == _VIEW and not _is_view(result, args))):
+            launch(name)
         if type(out) is ndarray:
             return out
         return wrap(result)
@@ -148,6 +206,7 @@ def asarray(a, dtype=None, order=None, *, blocking=False):
         if dtype is None or np.dtype(dtype) == a.dtype:
             return a
         return a.astype(dtype, copy=False)
+    launch("asarray")
     return ndarray._of(np.array(unwrap(a, host_ok=True), dtype=dtype, order=order or "K",
                                 copy=True))
 
@@ -156,6 +215,7 @@ def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocki
     """A new strict array from ``obj`` (a strict array, host data, a list, a scalar)."""
     if type(obj) is ndarray and not copy and (dtype is None or np.dtype(dtype) == obj.dtype):
         return obj
+    launch("array")
     return ndarray._of(np.array(unwrap(obj, host_ok=True), dtype=dtype, order=order,
                                 copy=True, ndmin=ndmin))
 
@@ -174,6 +234,7 @@ def scatter_add(a, slices, value) -> None:
     """``a[slices] += value`` with repeated indices adding up (``cupyx.scatter_add``)."""
     if type(a) is not ndarray:
         raise TypeError(f"scatter_add: a must be a strict ndarray, got {type(a)}")
+    launch("scatter_add")
     np.add.at(a._a, unwrap(slices, host_ok=True), _elementwise(value))
 
 
@@ -206,6 +267,7 @@ def matmul(a, b, out=None, **kwargs):
 def dot(a, b, out=None):
     """``numpy.dot``; float16 accumulates in float32, as in :func:`matmul`."""
     a, b = _elementwise(a), _elementwise(b)
+    launch("dot")
     if a.dtype == np.float16 and b.dtype == np.float16:
         result = np.dot(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
         if out is not None:
@@ -220,7 +282,9 @@ def where(condition, x=None, y=None):
     scalars only); with one argument, ``nonzero`` (a sync)."""
     if x is None and y is None:
         syncs.record("data-dependent shape")
+        launch("nonzero")
         return wrap(np.nonzero(_elementwise(condition)))
+    launch("where")
     return wrap(np.where(_elementwise(condition), _elementwise(x), _elementwise(y)))
 
 

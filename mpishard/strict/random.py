@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .array import ndarray
+from .array import launch, ndarray
 
 __all__ = ["Philox4x64", "Generator", "default_rng"]
 
@@ -49,6 +49,7 @@ class Generator:
         self.bit_generator = bit_generator
 
     def _out(self, values, out=None):
+        launch("random")                    # a draw is a kernel on the device
         values = np.asarray(values)
         if out is not None:
             out._a[...] = values

@@ -19,6 +19,20 @@ module counts each such read here, so tests can hold code to a budget:
 (``repr`` and ``str`` excepted, so error messages still print), to find the
 line that reads. ``sites`` counts reads by the line of mpishard (or the test)
 that caused them.
+
+The same counter counts kernel launches (``launches``, ``launches_by_op``):
+each operation that computes or writes array memory is one launch (see
+:mod:`mpishard.strict` for the list), and ``with strict.syncs.fused(name):``
+counts a whole block as the one launch of a fused kernel:
+
+    >>> strict.syncs.reset()
+    >>> b = a * 2 + 1                        # two elementwise kernels
+    >>> with strict.syncs.fused("axpb"):
+    ...     c = a * 2 + 1                    # one fused kernel
+    >>> strict.syncs.launches, dict(strict.syncs.launches_by_op)
+    (3, {'multiply': 1, 'add': 1, 'axpb': 1})
+
+A host read (``.get()``, ``float``) is a sync, never a launch.
 """
 from __future__ import annotations
 
@@ -48,7 +62,8 @@ def _site() -> str:
 
 
 class SyncCounter(threading.local):
-    """How many host syncs happened since the last :meth:`reset`, and where."""
+    """How many host syncs (and kernel launches) happened since the last :meth:`reset`,
+    and where (and which)."""
 
     def __init__(self):
         self.count = 0
@@ -59,6 +74,24 @@ class SyncCounter(threading.local):
         #: on a GPU without CUDA-aware MPI each also waits for the device, but they move
         #: buffers, they read no value the code decides on, so they are not in ``count``
         self.staged = 0
+        #: the outermost :meth:`fused` block's name while in one, else ``None``
+        self.fusing: str | None = None
+        # launches by operation name, and where :meth:`launch` counts: there, or in a
+        # throwaway while fused (one thread-local read and a plain dict update per
+        # launch keep counting cheap; a Counter's item update is twice as slow)
+        self._by_op: dict = {}
+        self._tally: dict = self._by_op
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches since the last :meth:`reset`."""
+        return sum(self._by_op.values())
+
+    @property
+    def launches_by_op(self) -> collections.Counter:
+        """Kernel launches by operation name (``"add"``, ``"matmul"``, ``"take"``, the
+        name of a :meth:`fused` block, ...), as a new Counter."""
+        return collections.Counter(self._by_op)
 
     def reset(self) -> None:
         """Start counting from zero."""
@@ -66,6 +99,27 @@ class SyncCounter(threading.local):
         self.staged = 0
         self.by_kind.clear()
         self.sites.clear()
+        self._by_op.clear()
+
+    def launch(self, name: str, n: int = 1) -> None:
+        """Count ``n`` kernel launches of operation ``name`` (none inside :meth:`fused`)."""
+        tally = self._tally
+        tally[name] = tally.get(name, 0) + n
+
+    @contextlib.contextmanager
+    def fused(self, name: str):
+        """The block is one kernel launch named ``name`` (a fused kernel): the array
+        operations inside are not counted one by one. A block nested in another
+        counts nothing of its own (the outermost one is the kernel)."""
+        if self.fusing is not None:
+            yield self
+            return
+        self.fusing, self._tally = name, {}
+        try:
+            yield self
+        finally:
+            self.fusing, self._tally = None, self._by_op
+            self.launch(name)
 
     def record(self, kind: str, refusable: bool = True) -> None:
         """Count one read of ``kind`` (``"float"``, ``"get"``, ...); raise while refused."""

@@ -1,0 +1,157 @@
+"""Kernel launches, counted on the CuPy-strict module (mpishard.strict).
+
+On a GPU each array operation (a ufunc, in place too, a reduction, a matrix
+product, a copy or cast, a gather or scatter, a filled creation) is a kernel
+launch, and their number per training step is what kernel fusion must bring
+down. The strict module counts them in ``strict.syncs.launches`` (by name in
+``launches_by_op``); views and host reads are not launches, and a
+``with strict.syncs.fused(name):`` block is one launch (a fused kernel).
+benchmarks/syncs.py reports the per-step and per-block figures.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+from mpishard import strict
+from mpishard.backend import Backend
+from mpishard.models import GPT, GPTConfig
+from mpishard.optim import AdamW
+
+
+@pytest.fixture(autouse=True)
+def fresh_counter():
+    strict.syncs.reset()
+    yield
+    strict.syncs.reset()
+
+
+def launches(fn) -> dict:
+    """The launches ``fn()`` makes, by name."""
+    strict.syncs.reset()
+    fn()
+    counted = dict(strict.syncs.launches_by_op)
+    assert strict.syncs.launches == sum(counted.values())
+    return counted
+
+
+def _inplace(a):
+    a += 1.0
+
+
+OPS = {   # each is one launch, named as given
+    "ufunc": (lambda a, i: strict.exp(a), "exp"),
+    "numpy-ufunc": (lambda a, i: np.exp(a), "exp"),
+    "operator": (lambda a, i: a * 2.0, "multiply"),
+    "in-place": (lambda a, i: _inplace(a), "add"),
+    "ufunc-out": (lambda a, i: strict.multiply(a, 2.0, out=a), "multiply"),
+    "reduction": (lambda a, i: a.sum(axis=0), "sum"),
+    "numpy-reduction": (lambda a, i: np.max(a), "max"),
+    "ufunc-reduce": (lambda a, i: np.add.reduce(a, axis=1), "add.reduce"),
+    "matmul": (lambda a, i: a @ a.T, "matmul"),
+    "einsum": (lambda a, i: strict.einsum("ij,kj->ik", a, a), "einsum"),
+    "zeros": (lambda a, i: strict.zeros((3, 4), dtype=np.float32), "zeros"),
+    "arange": (lambda a, i: strict.arange(5), "arange"),
+    "astype": (lambda a, i: a.astype(np.float32), "astype"),
+    "copy": (lambda a, i: a.copy(), "copy"),
+    "gather": (lambda a, i: a[i], "take"),
+    "gather-columns": (lambda a, i: a[:, i], "take"),
+    "scatter": (lambda a, i: strict.scatter_add(a, i, 1.0), "scatter_add"),
+    "setitem": (lambda a, i: a.__setitem__(slice(None), 0.0), "setitem"),
+    "concatenate": (lambda a, i: np.concatenate([a, a]), "concatenate"),
+    "where": (lambda a, i: strict.where(a, a, 0.0), "where"),
+    "reshape-that-copies": (lambda a, i: a.T.reshape(-1), "reshape"),   # as CuPy: a copy
+}
+
+
+@pytest.mark.parametrize("case", list(OPS))
+def test_an_operation_is_one_launch(case):
+    fn, name = OPS[case]
+    a, idx = strict.arange(12.0).reshape(3, 4), strict.asarray([0, 2])
+    assert launches(lambda: fn(a, idx)) == {name: 1}
+
+
+def test_views_attributes_and_host_reads_are_not_launches():
+    a = strict.arange(12.0).reshape(3, 4)
+    got = launches(lambda: (a.reshape(4, 3), a.reshape(-1), a.transpose(1, 0), a.T, a[1:],
+                            a[:, ::2], a[0], a[0, 1], np.moveaxis(a, 0, 1),
+                            strict.broadcast_to(a[0], (2, 3, 4)), a.astype(a.dtype, copy=False),
+                            strict.asarray(a), strict.empty((2, 2)),
+                            a.shape, a.dtype, a.ndim, a.size, np.shape(a)))
+    assert got == {}
+    strict.syncs.reset()
+    a.get(), float(a[0, 0])                               # syncs, not launches
+    assert strict.syncs.count == 2 and strict.syncs.launches == 0
+
+
+def test_a_fused_block_is_one_launch():
+    a = strict.arange(4.0)
+
+    def five_ops():
+        b = a * 2.0
+        b += 1.0
+        c = np.exp(b) - a
+        return (c * c).sum()
+    assert launches(five_ops) == {"multiply": 2, "add": 1, "exp": 1, "subtract": 1, "sum": 1}
+    strict.syncs.reset()
+    with strict.syncs.fused("x"):
+        five_ops()
+    assert strict.syncs.launches == 1 and strict.syncs.launches_by_op["x"] == 1
+    strict.syncs.reset()
+    with strict.syncs.fused("outer"):
+        a * 2.0
+        with strict.syncs.fused("inner"):
+            a + 1.0
+        with strict.syncs.fused("inner"):
+            float(a.sum())                                # a sync inside stays a sync
+    assert dict(strict.syncs.launches_by_op) == {"outer": 1} and strict.syncs.count == 1
+    a + 1.0                                               # counted again after the block
+    assert strict.syncs.launches == 2 and strict.syncs.fusing is None
+
+
+def test_reset_zeroes_the_launches():
+    a = strict.ones(3)
+    a + a, a.sum()
+    assert dict(strict.syncs.launches_by_op) == {"ones": 1, "add": 1, "sum": 1}
+    strict.syncs.reset()
+    assert strict.syncs.launches == 0 and not strict.syncs.launches_by_op
+
+
+def test_the_launch_counter_is_per_thread():
+    a = strict.ones(3)
+    strict.syncs.reset()
+    a + a
+    seen = {}
+
+    def other():
+        strict.syncs.reset()
+        a * a, a * a, a * a
+        seen["launches"] = strict.syncs.launches
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["launches"] == 3 and strict.syncs.launches == 1
+
+
+def _gpt_step_launches(n_layer: int, steps: int = 3) -> list:
+    """Launches in each of ``steps`` identical training steps of a tiny GPT."""
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, n_embd=16)
+    model = GPT(cfg, seed=0, backend=Backend.resolve("strict"))
+    opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (2, cfg.block_size)) for _ in range(2))
+    counts = []
+    for _ in range(steps):
+        strict.syncs.reset()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        model.zero_grad()
+        counts.append(strict.syncs.launches)
+    return counts
+
+
+def test_a_gpt_step_launches_more_with_more_blocks_and_the_same_each_step():
+    one, two = _gpt_step_launches(1), _gpt_step_launches(2)
+    assert one[1] == one[2] and two[1] == two[2], (one, two)    # after a warm-up step
+    assert two[1] > one[1] > 0, (one, two)
