@@ -15,8 +15,9 @@ import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import is_low_precision
+from ..kernels import kernels_for
 from .graph import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, col_sum, row_blocks, row_dot, up
+from .rows import cast, check_last_dim, col_sum, up
 from .tensor import Tensor
 
 __all__ = ["rms_norm", "rope", "rope_qkv", "swiglu", "rope_tables"]
@@ -32,23 +33,9 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
         check_last_dim("rms_norm", x, weight.shape[0], "the weight's width")
     xp, dtype = xp_of(x.data), x.dtype
     x2 = up(x.data.reshape(-1, n))                      # (N, n), float32 for 16-bit
-    w = up(weight.data) if weight is not None else None
-    inv_n = 1.0 / n
-    xhat = xp.empty_like(x2)                             # kept for backward
-    rstd = xp.empty(x2.shape[0], dtype=x2.dtype)         # (N,)
-    y = xp.empty_like(x2)
-    for rows in row_blocks(x2):                         # see [Note: cache blocking]
-        xb, hb, rb = x2[rows], xhat[rows], rstd[rows]
-        rb[...] = row_dot(xb, xb)
-        rb *= inv_n
-        rb += eps
-        xp.sqrt(rb, out=rb)
-        xp.divide(1.0, rb, out=rb)
-        xp.multiply(xb, rb[:, None], out=hb)
-        if w is not None:
-            xp.multiply(hb, w, out=y[rows])
-        else:
-            y[rows] = hb
+    kernels = kernels_for(xp)
+    y, xhat, rstd = kernels.rms_norm_forward(           # xhat, rstd kept for backward
+        x2, up(weight.data) if weight is not None else None, eps)
 
     def backward(g):
         g2 = up(g.reshape(-1, n))
@@ -58,16 +45,7 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
             # the weight read again: under ZeRO-3 the forward's array was a gathered copy,
             # released after the forward (holding it would keep its whole unit alive)
             w = up(weight.data) if weight is not None else None
-            gx = xp.empty_like(g2)
-            for rows in row_blocks(g2):
-                gb, hb = gx[rows], xhat[rows]
-                if w is not None:
-                    xp.multiply(g2[rows], w, out=gb)
-                else:
-                    gb[...] = g2[rows]
-                gb -= hb * (row_dot(gb, hb) * inv_n)[:, None]
-                gb *= rstd[rows][:, None]
-            gx = cast(gx, dtype).reshape(x.shape)
+            gx = cast(kernels.rms_norm_backward(g2, xhat, rstd, w), dtype).reshape(x.shape)
         return gx, gw
     return make_result(cast(y, dtype).reshape(x.shape), (x, weight), backward, "rms_norm")
 
@@ -229,33 +207,13 @@ def swiglu(gate, up_proj) -> Tensor:
     g2, u2 = gate.data.reshape(-1, n), up_proj.data.reshape(-1, n)
     xp = xp_of(g2)
     cd = np.float32 if is_low_precision(dtype) else dtype
-    sig = xp.empty(g2.shape, dtype=cd)                  # sigmoid(gate), kept for backward
-    y = xp.empty(g2.shape, dtype=cd)
-    for rows in row_blocks(g2):                         # see [Note: cache blocking]
-        g, s, yb = up(g2[rows]), sig[rows], y[rows]
-        xp.negative(g, out=s)
-        xp.exp(s, out=s)
-        s += 1.0
-        xp.divide(1.0, s, out=s)
-        xp.multiply(g, s, out=yb)
-        yb *= up(u2[rows])
+    kernels = kernels_for(xp)
+    y, sig = kernels.swiglu_forward(cast(g2, cd), cast(u2, cd))   # sig kept for backward
 
     def backward(grad):
-        gd2 = grad.reshape(-1, n)
-        g_gate = xp.empty(g2.shape, dtype=cd) if gate.requires_grad else None
-        g_up = xp.empty(g2.shape, dtype=cd) if up_proj.requires_grad else None
-        for rows in row_blocks(g2):
-            g, s, gd = up(g2[rows]), sig[rows], up(gd2[rows])
-            gu = g_up[rows] if g_up is not None else xp.empty_like(s)
-            xp.multiply(gd, g, out=gu)                  # grad * silu(gate)
-            gu *= s
-            if g_gate is not None:
-                # grad * up * s * (1 + g (1 - s)) = up * (gu + s (grad - gu)): 4 passes, not 6
-                b = g_gate[rows]
-                xp.subtract(gd, gu, out=b)
-                b *= s
-                b += gu
-                b *= up(u2[rows])
+        g_gate, g_up = kernels.swiglu_backward(cast(g2, cd), cast(u2, cd), sig,
+                                               cast(grad.reshape(-1, n), cd),
+                                               gate.requires_grad, up_proj.requires_grad)
         return (None if g_gate is None else cast(g_gate, dtype).reshape(shape),
                 None if g_up is None else cast(g_up, up_proj.dtype).reshape(shape))
     return make_result(cast(y, dtype).reshape(shape), (gate, up_proj), backward, "swiglu")

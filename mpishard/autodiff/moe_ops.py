@@ -14,7 +14,8 @@ from __future__ import annotations
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from .graph import as_tensor, make_result, register_op
-from .nn_ops import _GELU_C, _GELU_K, _scatter_add_rows
+from ..kernels.reference import GELU_C as _GELU_C, GELU_K as _GELU_K
+from .nn_ops import _scatter_add_rows
 from .rows import cast, up
 from .tensor import Tensor
 

@@ -23,14 +23,13 @@ float32 copy to the graph. Cross-entropy returns a float32 loss.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
+from ..kernels import kernels_for
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, col_sum, row_blocks, row_dot, row_sum, scatter_add, up
+from .rows import cast, check_last_dim, col_sum, scatter_add, up
 from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
 from .tensor import Tensor
 
@@ -39,8 +38,6 @@ __all__ = [
     "embedding", "dropout", "causal_self_attention",
 ]
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-_GELU_K = 0.044715
 
 
 
@@ -81,33 +78,17 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     x = as_tensor(x)
     n = x.shape[-1]
     xp = xp_of(x.data)
-    inv_n = 1.0 / n
     if weight is not None:
         weight = as_tensor(weight)
         check_last_dim("layer_norm", x, weight.shape[0], "weight size")
     if bias is not None:
         bias = as_tensor(bias)
     dtype = x.dtype
+    kernels = kernels_for(xp)
     x2 = up(x.data.reshape(-1, n))                      # (N, C); see [Note: 16-bit inputs]
-    xhat = xp.empty_like(x2)                             # kept for backward
-    rstd = xp.empty(x2.shape[0], dtype=x2.dtype)         # (N,)
-    y = xp.empty_like(x2)
-    for rows in row_blocks(x2):                         # see [Note: cache blocking]
-        xb, hb, yb = x2[rows], xhat[rows], y[rows]
-        xp.subtract(xb, (row_sum(xb) * inv_n)[:, None], out=hb)
-        rb = rstd[rows]
-        rb[...] = row_dot(hb, hb)
-        rb *= inv_n
-        rb += eps
-        xp.sqrt(rb, out=rb)
-        xp.divide(1.0, rb, out=rb)
-        hb *= rb[:, None]
-        if weight is not None:
-            xp.multiply(hb, up(weight.data), out=yb)
-        else:
-            yb[...] = hb
-        if bias is not None:
-            yb += up(bias.data)
+    y, xhat, rstd = kernels.layer_norm_forward(         # xhat, rstd kept for backward
+        x2, up(weight.data) if weight is not None else None,
+        up(bias.data) if bias is not None else None, eps)
 
     def backward(g):
         g2 = up(g.reshape(-1, n))
@@ -116,19 +97,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
         gb = col_sum(g2) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
-            gx = xp.empty_like(g2)
-            for rows in row_blocks(g2):
-                gb_, hb = gx[rows], xhat[rows]
-                if weight is not None:
-                    xp.multiply(g2[rows], up(weight.data), out=gb_)
-                else:
-                    gb_[...] = g2[rows]
-                mean_g = row_sum(gb_) * inv_n
-                mean_gx = row_dot(gb_, hb) * inv_n
-                gb_ -= mean_g[:, None]
-                gb_ -= hb * mean_gx[:, None]
-                gb_ *= rstd[rows][:, None]
-            gx = cast(gx, dtype).reshape(x.shape)
+            w = up(weight.data) if weight is not None else None
+            gx = cast(kernels.layer_norm_backward(g2, xhat, rstd, w), dtype).reshape(x.shape)
         return gx, gw, gb
     return make_result(cast(y, dtype).reshape(x.shape), (x, weight, bias), backward,
                        "layer_norm")
@@ -143,41 +113,13 @@ def gelu(x) -> Tensor:
     xp = xp_of(x.data)
     a2 = x.data.reshape(-1, x.shape[-1]) if x.ndim else x.data.reshape(1, 1)
     a2 = up(a2)                                         # see [Note: 16-bit inputs]
-    t2 = xp.empty_like(a2)                               # tanh(u), kept for backward
-    y2 = xp.empty_like(a2)
-    for rows in row_blocks(a2):                         # see [Note: cache blocking]
-        a, t, y = a2[rows], t2[rows], y2[rows]
-        xp.multiply(a, a, out=t)
-        t *= a
-        t *= _GELU_K
-        t += a
-        t *= _GELU_C
-        xp.tanh(t, out=t)
-        xp.add(t, 1.0, out=y)
-        y *= a
-        y *= 0.5
+    kernels = kernels_for(xp)
+    y2, t2 = kernels.gelu_forward(a2)                   # t2 = tanh(u), kept for backward
 
     def backward(g):
-        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3k x^2)
         a2 = up(x.data.reshape(t2.shape))
         g2 = up(g.reshape(t2.shape))
-        out2 = xp.empty_like(a2)
-        sech2 = xp.empty_like(a2[row_blocks(a2)[0]])
-        for rows in row_blocks(a2):
-            a, t, out = a2[rows], t2[rows], out2[rows]
-            s = sech2[: out.shape[0]]
-            xp.multiply(a, a, out=out)
-            out *= 3.0 * _GELU_K * _GELU_C
-            out += _GELU_C
-            xp.multiply(t, t, out=s)
-            xp.subtract(1.0, s, out=s)
-            out *= s
-            out *= a
-            out += t
-            out += 1.0
-            out *= 0.5
-            out *= g2[rows]
-        return (cast(out2, x.dtype).reshape(x.shape),)
+        return (cast(kernels.gelu_backward(a2, t2, g2), x.dtype).reshape(x.shape),)
     return make_result(cast(y2, x.dtype).reshape(x.shape), (x,), backward, "gelu")
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import is_low_precision, matmul_dtype
+from ..kernels import kernels_for
 from .ops import as_tensor, make_result, register_op
 from .rows import cast, row_dot, row_max, row_sum, up
 from .tensor import Tensor
@@ -37,9 +38,7 @@ def _from_rows(r, moved_shape, axis, ndim):
 
 def _softmax_rows(rows) -> None:
     """Row-wise softmax of a 2-D array, in place (max-subtracted for stability)."""
-    rows -= row_max(rows)[:, None]
-    xp_of(rows).exp(rows, out=rows)
-    rows *= (1.0 / row_sum(rows))[:, None]
+    kernels_for(xp_of(rows)).softmax_rows(rows)
 
 
 @register_op

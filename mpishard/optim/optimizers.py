@@ -20,6 +20,7 @@ from typing import Iterable
 import numpy as np
 
 from ..backend import MemoryLedger, to_numpy, xp_of
+from ..kernels import kernels_for
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
@@ -177,22 +178,9 @@ class Adam(Optimizer):
                 grad = _add_l2(grad, param, decay_ranges, self.weight_decay)
         m = self._state(i, "exp_avg", param)
         v = self._state(i, "exp_avg_sq", param)
-        xp = xp_of(param)
-        tmp = grad * (1.0 - b1)
-        m *= b1
-        m += tmp
-        xp.multiply(grad, grad, out=tmp)
-        tmp *= 1.0 - b2
-        v *= b2
-        v += tmp
         t = self.step_count
-        step_size = lr / (1.0 - b1 ** t)
-        xp.sqrt(v, out=tmp)
-        tmp *= 1.0 / math.sqrt(1.0 - b2 ** t)
-        tmp += self.eps
-        xp.divide(m, tmp, out=tmp)
-        tmp *= step_size
-        param -= tmp
+        kernels_for(xp_of(param)).adam_update(param, grad, m, v, b1, b2, lr / (1.0 - b1 ** t),
+                                              1.0 / math.sqrt(1.0 - b2 ** t), self.eps)
 
 
 class AdamW(Adam):

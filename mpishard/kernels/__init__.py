@@ -1,0 +1,50 @@
+"""The fused kernels, one set per backend, beside the plain references they are tested against.
+
+    from mpishard.kernels import kernels_for
+    k = kernels_for(xp)                  # the set for this array module
+    y, t = k.gelu_forward(a)             # 2-D rows in float32 / float64
+
+Every kernel set has the same functions (see :mod:`.reference` for each one's
+math): ``gelu_forward``/``gelu_backward``, ``layer_norm_forward``/``_backward``,
+``rms_norm_forward``/``_backward``, ``swiglu_forward``/``_backward``,
+``softmax_rows`` (in place) and ``adam_update`` (in place).
+
+* :mod:`.cpu` for NumPy arrays: cache-blocked passes spread over threads
+  (:mod:`.threads`; ``MPISHARD_THREADS``, else ``OMP_NUM_THREADS``);
+* :mod:`.gpu` for CuPy and the CuPy-strict test module: the elementwise chains
+  (GELU, SwiGLU, Adam) as one compiled kernel each, the rest as the references
+  (on the strict module each fused kernel counts as one launch);
+* :mod:`.reference`: whole-array expressions, the math of every kernel;
+* ``MPISHARD_KERNELS=reference`` selects the references everywhere: the
+  fallback when a kernel misbehaves on a new machine (``MPISHARD_KERNELS=auto``,
+  the default, picks per backend).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import cpu, gpu, reference
+
+__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "cpu", "gpu", "reference"]
+
+#: the functions every kernel set provides
+KERNEL_NAMES = tuple(name for name in reference.__all__ if name != "NAME")
+_CHOICES = ("auto", "reference")
+
+
+def kernel_choice() -> str:
+    """``MPISHARD_KERNELS``: ``"auto"`` (the default) or ``"reference"``."""
+    value = os.environ.get("MPISHARD_KERNELS", "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"MPISHARD_KERNELS={value!r}: use one of {', '.join(_CHOICES)} "
+                         f"('reference' runs the plain reference kernels everywhere)")
+    return value
+
+
+def kernels_for(xp):
+    """The kernel set for array module ``xp`` (see the module docstring)."""
+    if kernel_choice() == "reference":
+        return reference
+    return cpu if xp is np else gpu

@@ -1,0 +1,218 @@
+"""CPU kernels: the reference math (:mod:`.reference`) as NumPy passes over cache-sized
+blocks of rows, the blocks spread over a few threads (:func:`.threads.for_rows`).
+
+Each pass writes into preallocated arrays (``out=``), so a kernel allocates only
+its results; each row's arithmetic is the same whatever the blocks and threads,
+so results do not depend on the thread count. Reductions over a row use
+``einsum`` (see mpishard/autodiff/rows.py: about 3x faster than ``sum(axis=1)``
+on these shapes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .reference import GELU_C, GELU_K
+from .threads import for_rows
+
+__all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
+           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
+           "swiglu_backward", "softmax_rows", "adam_update"]
+
+NAME = "cpu"
+
+
+def _row_sum(a):
+    return np.einsum("ij->i", a)
+
+
+def _row_dot(a, b):
+    return np.einsum("ij,ij->i", a, b)
+
+
+def gelu_forward(a):
+    t2, y2 = np.empty_like(a), np.empty_like(a)
+
+    def block(rows):
+        x, t, y = a[rows], t2[rows], y2[rows]
+        np.multiply(x, x, out=t)
+        t *= x
+        t *= GELU_K
+        t += x
+        t *= GELU_C
+        np.tanh(t, out=t)
+        np.add(t, 1.0, out=y)
+        y *= x
+        y *= 0.5
+    for_rows(block, *a.shape)
+    return y2, t2
+
+
+def gelu_backward(a, t2, g2):
+    out2 = np.empty_like(a)
+
+    def block(rows):
+        x, t, out = a[rows], t2[rows], out2[rows]
+        s = np.multiply(t, t)
+        np.multiply(x, x, out=out)
+        out *= 3.0 * GELU_K * GELU_C
+        out += GELU_C
+        np.subtract(1.0, s, out=s)
+        out *= s
+        out *= x
+        out += t
+        out += 1.0
+        out *= 0.5
+        out *= g2[rows]
+    for_rows(block, *a.shape)
+    return out2
+
+
+def layer_norm_forward(x2, weight, bias, eps: float):
+    inv_n = 1.0 / x2.shape[1]
+    xhat, y = np.empty_like(x2), np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dtype=x2.dtype)
+
+    def block(rows):
+        xb, hb, yb, rb = x2[rows], xhat[rows], y[rows], rstd[rows]
+        np.subtract(xb, (_row_sum(xb) * inv_n)[:, None], out=hb)
+        rb[...] = _row_dot(hb, hb)
+        rb *= inv_n
+        rb += eps
+        np.sqrt(rb, out=rb)
+        np.divide(1.0, rb, out=rb)
+        hb *= rb[:, None]
+        if weight is not None:
+            np.multiply(hb, weight, out=yb)
+        else:
+            yb[...] = hb
+        if bias is not None:
+            yb += bias
+    for_rows(block, *x2.shape)
+    return y, xhat, rstd
+
+
+def _norm_backward(g2, xhat, rstd, weight, centred: bool):
+    """Layer norm's input gradient (``centred``) or RMS norm's (without the mean)."""
+    inv_n = 1.0 / g2.shape[1]
+    gx = np.empty_like(g2)
+
+    def block(rows):
+        gb, hb = gx[rows], xhat[rows]
+        if weight is not None:
+            np.multiply(g2[rows], weight, out=gb)
+        else:
+            gb[...] = g2[rows]
+        mean_g = _row_sum(gb) * inv_n if centred else None
+        mean_gx = _row_dot(gb, hb) * inv_n
+        if centred:
+            gb -= mean_g[:, None]
+        gb -= hb * mean_gx[:, None]
+        gb *= rstd[rows][:, None]
+    for_rows(block, *g2.shape)
+    return gx
+
+
+def layer_norm_backward(g2, xhat, rstd, weight):
+    return _norm_backward(g2, xhat, rstd, weight, centred=True)
+
+
+def rms_norm_forward(x2, weight, eps: float):
+    inv_n = 1.0 / x2.shape[1]
+    xhat, y = np.empty_like(x2), np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dtype=x2.dtype)
+
+    def block(rows):
+        xb, hb, rb = x2[rows], xhat[rows], rstd[rows]
+        rb[...] = _row_dot(xb, xb)
+        rb *= inv_n
+        rb += eps
+        np.sqrt(rb, out=rb)
+        np.divide(1.0, rb, out=rb)
+        np.multiply(xb, rb[:, None], out=hb)
+        if weight is not None:
+            np.multiply(hb, weight, out=y[rows])
+        else:
+            y[rows] = hb
+    for_rows(block, *x2.shape)
+    return y, xhat, rstd
+
+
+def rms_norm_backward(g2, xhat, rstd, weight):
+    return _norm_backward(g2, xhat, rstd, weight, centred=False)
+
+
+def swiglu_forward(gate, up):
+    s2, y2 = np.empty_like(gate), np.empty_like(gate)
+
+    def block(rows):
+        g, s, y = gate[rows], s2[rows], y2[rows]
+        np.negative(g, out=s)
+        np.exp(s, out=s)
+        s += 1.0
+        np.divide(1.0, s, out=s)
+        np.multiply(g, s, out=y)
+        y *= up[rows]
+    for_rows(block, *gate.shape)
+    return y2, s2
+
+
+def swiglu_backward(gate, up, s2, grad, need_gate: bool = True, need_up: bool = True):
+    g_gate = np.empty_like(gate) if need_gate else None
+    g_up = np.empty_like(gate) if need_up else None
+
+    def block(rows):
+        g, s, gd = gate[rows], s2[rows], grad[rows]
+        gu = g_up[rows] if g_up is not None else np.empty_like(s)
+        np.multiply(gd, g, out=gu)                      # grad * silu(gate)
+        gu *= s
+        if g_gate is not None:
+            # grad * up * s * (1 + g (1 - s)) = up * (gu + s (grad - gu)): 4 passes, not 6
+            b = g_gate[rows]
+            np.subtract(gd, gu, out=b)
+            b *= s
+            b += gu
+            b *= up[rows]
+    for_rows(block, *gate.shape)
+    return g_gate, g_up
+
+
+def softmax_rows(a) -> None:
+    def block(rows):
+        r = a[rows]
+        r -= np.fmax.reduce(r, axis=1)[:, None]
+        np.exp(r, out=r)
+        r *= (1.0 / _row_sum(r))[:, None]
+    for_rows(block, *a.shape)
+
+
+def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
+                inv_bias2: float, eps: float) -> None:
+    def step(p, g, mb, vb) -> None:
+        tmp = g * (1.0 - beta1)
+        mb *= beta1
+        mb += tmp
+        np.multiply(g, g, out=tmp)
+        tmp *= 1.0 - beta2
+        vb *= beta2
+        vb += tmp
+        np.sqrt(vb, out=tmp)
+        tmp *= inv_bias2
+        tmp += eps
+        np.divide(mb, tmp, out=tmp)
+        tmp *= step_size
+        p -= tmp
+    arrays = (param, grad, m, v)
+    if not all(a.flags.c_contiguous for a in arrays):
+        step(*arrays)                   # views with strides: one pass over each
+        return
+    p1, g1, m1, v1 = (a.reshape(-1) for a in arrays)
+    width = 1 << 12                     # flat arrays as rows of 4096 for the blocks
+    full = p1.size // width * width
+
+    def span(lo: int, hi: int) -> None:
+        step(p1[lo:hi], g1[lo:hi], m1[lo:hi], v1[lo:hi])
+    if full:
+        for_rows(lambda rows: span(rows.start * width, rows.stop * width), full // width,
+                 width)
+    if full < p1.size:
+        span(full, p1.size)

@@ -1,0 +1,238 @@
+"""The kernel layer: every CPU kernel against its reference, the selection, the thread pool."""
+import numpy as np
+import pytest
+
+from mpishard import kernels
+from mpishard.kernels import cpu, gpu, kernel_choice, kernels_for, reference, threads
+
+SHAPES = [(37, 53), (1, 7), (0, 16), (300, 301), (2048, 64)]
+TOL = {np.float64: 1e-12, np.float32: 2e-5}
+
+
+def _rand(shape, dtype, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _close(a, b, dtype):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"threads{n}")
+def n_threads(request, monkeypatch):
+    monkeypatch.setenv("MPISHARD_THREADS", str(request.param))
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_cpu_kernel_matches_its_reference(shape, dtype, n_threads):
+    x, g = _rand(shape, dtype), _rand(shape, dtype, 1)
+    w, b = _rand(shape[1:], dtype, 2), _rand(shape[1:], dtype, 3)
+    # GELU
+    (y1, t1), (y2, t2) = cpu.gelu_forward(x), reference.gelu_forward(x)
+    _close(y1, y2, dtype), _close(t1, t2, dtype)
+    _close(cpu.gelu_backward(x, t1, g), reference.gelu_backward(x, t2, g), dtype)
+    # layer norm and RMS norm, with and without affine parameters
+    for weight, bias in ((w, b), (None, None), (w, None)):
+        got, want = cpu.layer_norm_forward(x, weight, bias, 1e-5), \
+            reference.layer_norm_forward(x, weight, bias, 1e-5)
+        for a, c in zip(got, want):
+            _close(a, c, dtype)
+        _close(cpu.layer_norm_backward(g, got[1], got[2], weight),
+               reference.layer_norm_backward(g, want[1], want[2], weight), dtype)
+        got, want = cpu.rms_norm_forward(x, weight, 1e-6), \
+            reference.rms_norm_forward(x, weight, 1e-6)
+        for a, c in zip(got, want):
+            _close(a, c, dtype)
+        _close(cpu.rms_norm_backward(g, got[1], got[2], weight),
+               reference.rms_norm_backward(g, want[1], want[2], weight), dtype)
+    # SwiGLU, both gradients and each alone
+    u = _rand(shape, dtype, 4)
+    (y1, s1), (y2, s2) = cpu.swiglu_forward(x, u), reference.swiglu_forward(x, u)
+    _close(y1, y2, dtype), _close(s1, s2, dtype)
+    for need in ((True, True), (True, False), (False, True)):
+        for a, c in zip(cpu.swiglu_backward(x, u, s1, g, *need),
+                        reference.swiglu_backward(x, u, s2, g, *need)):
+            assert (a is None) == (c is None)
+            if a is not None:
+                _close(a, c, dtype)
+    # softmax in place
+    a, c = x.copy(), x.copy()
+    cpu.softmax_rows(a), reference.softmax_rows(c)
+    _close(a, c, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("size", [0, 5, 4096, 3 * 4096 + 17, 100_003])
+def test_adam_update_matches_reference(size, dtype, n_threads):
+    p, g = _rand(size, dtype), _rand(size, dtype, 1)
+    m, v = _rand(size, dtype, 2), np.abs(_rand(size, dtype, 3))
+    args = (0.9, 0.95, 1e-3 / (1 - 0.9 ** 3), 1 / np.sqrt(1 - 0.95 ** 3), 1e-8)
+    mine = [a.copy() for a in (p, g, m, v)]
+    ref = [a.copy() for a in (p, g, m, v)]
+    cpu.adam_update(*mine, *args)
+    reference.adam_update(*ref, *args)
+    for a, c in zip(mine, ref):
+        _close(a, c, dtype)
+    assert np.array_equal(mine[1], g)                    # the gradient is only read
+
+
+def test_adam_update_on_strided_views_updates_the_views():
+    base = [_rand((6, 10), np.float64, s) for s in range(4)]
+    base[3] = np.abs(base[3])
+    ref = [b.copy() for b in base]
+    views = [b[:, ::2] for b in base]
+    cpu.adam_update(*views, 0.9, 0.99, 1e-3, 1.0, 1e-8)
+    reference.adam_update(*[r[:, ::2] for r in ref], 0.9, 0.99, 1e-3, 1.0, 1e-8)
+    for a, c in zip(base, ref):
+        _close(a, c, np.float64)
+    assert not np.array_equal(base[0], _rand((6, 10), np.float64, 0))
+
+
+def test_results_do_not_depend_on_the_thread_count(monkeypatch):
+    x = _rand((1000, 257), np.float32)
+    out = {}
+    for n in (1, 2, 4):
+        monkeypatch.setenv("MPISHARD_THREADS", str(n))
+        out[n] = (cpu.gelu_forward(x)[0], cpu.layer_norm_forward(x, None, None, 1e-5)[0])
+    for n in (2, 4):
+        for a, b in zip(out[1], out[n]):
+            assert np.array_equal(a, b)
+
+
+def test_selection_per_backend_and_the_reference_switch(monkeypatch):
+    monkeypatch.delenv("MPISHARD_KERNELS", raising=False)
+    assert kernel_choice() == "auto"
+    assert kernels_for(np) is cpu
+    from mpishard import strict
+    assert kernels_for(strict) is gpu
+    monkeypatch.setenv("MPISHARD_KERNELS", "reference")
+    assert kernels_for(np) is reference and kernels_for(strict) is reference
+    monkeypatch.setenv("MPISHARD_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="MPISHARD_KERNELS='fastest'.*reference"):
+        kernels_for(np)
+    for name in kernels.KERNEL_NAMES:
+        for module in (cpu, gpu, reference):
+            assert callable(getattr(module, name)), (module.NAME, name)
+
+
+def test_a_model_step_under_reference_kernels_matches_the_default(monkeypatch):
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.optim import AdamW
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    x = np.random.default_rng(0).integers(0, 32, (3, 8))
+    losses = {}
+    for choice in ("auto", "reference"):
+        monkeypatch.setenv("MPISHARD_KERNELS", choice)
+        model = GPT(cfg, seed=0, dtype="float64")
+        opt = AdamW(model.parameters(), lr=1e-2)
+        got = []
+        for _ in range(3):
+            _, loss = model(x, np.roll(x, -1, 1))
+            model.zero_grad()
+            loss.backward()
+            opt.step()
+            got.append(loss.item())
+        losses[choice] = got
+    np.testing.assert_allclose(losses["auto"], losses["reference"], rtol=1e-12)
+
+
+def test_thread_count_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("MPISHARD_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.thread_count() == 3
+    monkeypatch.setenv("MPISHARD_THREADS", "2")
+    assert threads.thread_count() == 2
+    for bad in ("zero", "0"):
+        monkeypatch.setenv("MPISHARD_THREADS", bad)
+        with pytest.raises(ValueError, match="MPISHARD_THREADS"):
+            threads.thread_count()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("n_rows,n_cols", [(0, 5), (1, 1 << 17), (1000, 300), (7, 40000)])
+def test_for_rows_covers_every_row_once(n, n_rows, n_cols):
+    seen = np.zeros(n_rows, int)
+
+    def visit(rows):
+        seen[rows] += 1
+    threads.for_rows(visit, n_rows, n_cols, threads=n)
+    assert (seen == 1).all()
+
+
+def test_for_rows_raises_a_workers_error_after_all_finish():
+    done = []
+
+    def visit(rows):
+        if rows.start > 0:
+            raise RuntimeError(f"bad block {rows.start}")
+        done.append(rows)
+    with pytest.raises(RuntimeError, match="bad block"):
+        threads.for_rows(visit, 4096, 256, threads=2)
+    assert done                                           # the caller's share still ran
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_device_kernels_match_the_references(array_backend, dtype):
+    """The kernel set of each array module (on CuPy the compiled kernels; on the strict
+    module the fused blocks) against the reference computed by NumPy, at T=1024 sizes
+    of a 768-wide model (tiny on NumPy and strict, where this is about the plumbing)."""
+    xp = array_backend.xp
+    if xp is np:
+        pytest.skip("NumPy's kernels are checked against the references above")
+    k = kernels_for(xp)
+    rows = 1024 if array_backend.name == "cupy" else 37
+    host = [_rand((rows, 3 * 257), dtype, s) for s in range(4)]
+    a, t, g, u = (xp.asarray(h) for h in host)
+    tol = TOL[np.dtype(dtype).type]
+
+    def close(got, want):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(xp.asnumpy(got) if hasattr(xp, "asnumpy") else got.get(),
+                                   want, rtol=tol, atol=tol)
+    y, tt = k.gelu_forward(a)
+    wy, wt = reference.gelu_forward(host[0])
+    close(y, wy), close(tt, wt)
+    close(k.gelu_backward(a, t, g), reference.gelu_backward(host[0], host[1], host[2]))
+    y, s = k.swiglu_forward(a, u)
+    wy, ws = reference.swiglu_forward(host[0], host[3])
+    close(y, wy), close(s, ws)
+    for got, want in zip(k.swiglu_backward(a, u, s, g),
+                         reference.swiglu_backward(host[0], host[3], ws, host[2])):
+        close(got, want)
+    p, m, v = (xp.asarray(h) for h in (host[0], host[1], np.abs(host[3])))
+    wp, wm, wv = host[0].copy(), host[1].copy(), np.abs(host[3])
+    k.adam_update(p, g, m, v, 0.9, 0.95, 1e-3, 1.2, 1e-8)
+    reference.adam_update(wp, host[2], wm, wv, 0.9, 0.95, 1e-3, 1.2, 1e-8)
+    close(p, wp), close(m, wm), close(v, wv)
+    w, b = xp.asarray(host[1][0]), xp.asarray(host[2][0])
+    for weight, bias in ((w, b), (None, None)):
+        hw = None if weight is None else host[1][0]
+        hb = None if bias is None else host[2][0]
+        got = k.layer_norm_forward(a, weight, bias, 1e-5)
+        want = reference.layer_norm_forward(host[0], hw, hb, 1e-5)
+        for x, y in zip(got, want):
+            close(x, y)
+        close(k.layer_norm_backward(g, got[1], got[2], weight),
+              reference.layer_norm_backward(host[2], want[1], want[2], hw))
+        got = k.rms_norm_forward(a, weight, 1e-6)
+        want = reference.rms_norm_forward(host[0], hw, 1e-6)
+        for x, y in zip(got, want):
+            close(x, y)
+        close(k.rms_norm_backward(g, got[1], got[2], weight),
+              reference.rms_norm_backward(host[2], want[1], want[2], hw))
+    if array_backend.name == "strict":
+        from mpishard import strict
+        strict.syncs.reset()
+        k.gelu_forward(a)
+        k.adam_update(p, g, m, v, 0.9, 0.95, 1e-3, 1.2, 1e-8)
+        assert strict.syncs.launches == 2                 # one launch per fused kernel
+        strict.syncs.reset()
+        y, h, r = k.layer_norm_forward(a, w, b, 1e-5)
+        k.layer_norm_backward(g, h, r, w)
+        assert strict.syncs.launches == 6                 # 2 reductions + 1 map, each way
+        strict.syncs.reset()
+        y, h, r = k.rms_norm_forward(a, w, 1e-6)
+        k.rms_norm_backward(g, h, r, w)
+        assert strict.syncs.launches == 4
