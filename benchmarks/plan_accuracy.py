@@ -7,7 +7,10 @@
    matrix products) writes a machine description; then every layout below of GPT config S and of Llama config S
    (the same shape with 2 key/value heads and SwiGLU width 768) trains a global
    batch of 8 sequences of 128 tokens for a warm-up and ``--steps`` steps
-   (median) under ``mpiexec -n 1``, ``2`` and ``4``, and the planner predicts
+   (median) under ``mpiexec -n 1``, ``2`` and ``4``, in ``--rounds`` rounds over
+   all layouts (the order rotated each round; measured: the median of the
+   rounds' medians: one run of 5 steps swings 10-20% on a shared machine, as
+   much as near-tied layouts differ), and the planner predicts
    each from the calibration alone. Printed: every layout's measured and
    predicted seconds, the median absolute error (target <= 15%), Spearman's
    rank correlation over all layouts (target >= 0.8), and per model and rank
@@ -72,8 +75,10 @@ def _layout(dp, tp, pp, strategy, micro):
                   micro_batches=micro)
 
 
-def worker(n: int, steps: int) -> None:
-    """Under ``mpiexec -n n``: measure every layout of ``n`` ranks, print JSON on rank 0."""
+def worker(n: int, steps: int, rounds: int) -> None:
+    """Under ``mpiexec -n n``: measure every layout of ``n`` ranks in ``rounds`` rounds
+    (each round every layout once, the order rotated round by round, so that a burst of
+    load on the machine falls on different layouts), print JSON on rank 0."""
     import numpy as np
     from mpi4py import MPI
 
@@ -81,9 +86,11 @@ def worker(n: int, steps: int) -> None:
     from mpishard.optim import AdamW
     from mpishard.parallel import ParallelModel
     world = Communicator(MPI.COMM_WORLD)
-    out = []
-    for name in ("gpt", "llama"):
-        for dp, tp, pp, strategy, micro in LAYOUTS[n]:
+    cases = [(name, *layout) for name in ("gpt", "llama") for layout in LAYOUTS[n]]
+    medians: dict = {case: [] for case in cases}
+    for r in range(rounds):
+        for case in cases[r % len(cases):] + cases[:r % len(cases)]:
+            name, dp, tp, pp, strategy, micro = case
             mesh = Mesh(world, dp=dp, tp=tp, pp=pp)
             run = ParallelModel(_model(name)(), mesh, strategy=strategy, micro_batches=micro)
             opt = AdamW(run.parameters(), lr=3e-4, ledger=run.ledger)
@@ -97,12 +104,18 @@ def worker(n: int, steps: int) -> None:
                 world.barrier()
                 if i:
                     times.append(time.perf_counter() - start)
-            out.append({"model": name, "ranks": n, "dp": dp, "tp": tp, "pp": pp,
-                        "strategy": strategy, "micro_batches": micro,
-                        "measured_s": statistics.median(times)})
+            medians[case].append(statistics.median(times))
             mesh.free()
-            if world.rank == 0:
-                print(f"  measured {name} {out[-1]}", file=sys.stderr, flush=True)
+        if world.rank == 0:
+            print(f"  round {r + 1}/{rounds} of {n} rank(s) measured", file=sys.stderr,
+                  flush=True)
+    out = []
+    for case, per_round in medians.items():
+        name, dp, tp, pp, strategy, micro = case
+        out.append({"model": name, "ranks": n, "dp": dp, "tp": tp, "pp": pp,
+                    "strategy": strategy, "micro_batches": micro,
+                    "measured_s": statistics.median(per_round),
+                    "rounds_s": [round(t, 5) for t in per_round]})
     if world.rank == 0:
         print(json.dumps(out))
 
@@ -143,7 +156,8 @@ def measured_here(args, say) -> dict:
     for n in (1, 2, 4):
         say(f"measuring the {len(LAYOUTS[n]) * 2} layouts of {n} rank(s)")
         done = subprocess.run(_mpiexec(n, str(Path(__file__).resolve()), "--worker", str(n),
-                                       "--steps", str(args.steps)),
+                                       "--steps", str(args.steps), "--rounds",
+                                       str(args.rounds)),
                               env=_env(), check=True, cwd=ROOT, capture_output=True, text=True)
         for row in json.loads(done.stdout.strip().splitlines()[-1]):
             layout = _layout(row["dp"], row["tp"], row["pp"], row["strategy"],
@@ -252,12 +266,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over the layouts (measured: the median of the rounds' "
+                             "medians)")
     parser.add_argument("--published-only", action="store_true")
     parser.add_argument("--machine-out", default="runs/plan_accuracy_machine.json")
     parser.add_argument("--plot", help="write measured/published vs predicted here (PNG)")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.rounds)
         return
 
     def say(text):

@@ -101,6 +101,26 @@ def test_a_predicted_step_adds_up_its_parts():
     assert pipe.breakdown["bubble"] > 0
 
 
+def test_the_optimizer_term_is_the_state_the_update_touches():
+    """ZeRO-1/2 keep whole parameters (and gradients) but update only their shard: the
+    optimizer reads and writes that shard's values, gradients and two AdamW states, as
+    much as ZeRO-3's; DDP updates everything."""
+    from mpishard.parallel import plan_layout
+    machine = machine_from_dict({**TOY, "device": {**TOY["device"], "optimizer_rate": 1e9,
+                                                   "optimizer_overhead_s": 0.0}})
+    make = lambda: GPT(CFG, materialize_now=False)        # noqa: E731
+    got = {}
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        lay = Layout(dp=4, strategy=strategy, batch_size=1, seq_len=16)
+        steady = plan_layout(make(), lay).stages[0].memory.steady
+        got[strategy] = predict_step(make, lay, machine).breakdown["optimizer"]
+        assert got[strategy] == pytest.approx(2 * steady["optim"] / 1e9)
+    assert got["zero1"] == got["zero2"] == got["zero3"]
+    n = sum(int(np.prod(p.shape)) for p in make().parameters())
+    assert got["ddp"] == pytest.approx(16 * n / 1e9)      # value, gradient, 2 states
+    assert got["zero3"] < got["ddp"] / 3                   # a quarter, plus padding
+
+
 def test_shipped_machines_load_and_name_their_sources():
     names = shipped_machines()
     assert {"a100-80gb", "h100-sxm", "h200", "cpu-2core"} <= set(names)

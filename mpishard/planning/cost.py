@@ -32,9 +32,11 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
   and replica all-reduces stay exposed. Without overlap (a CPU: the same cores
   copy) everything is exposed.
-* **optimizer**: this rank's model state at the calibrated optimizer rate plus a
-  cost per target array (every parameter under full-precision DDP, one flat
-  array per ZeRO unit), else one read and one write of it.
+* **optimizer**: the model state the update touches (its targets' values,
+  gradients and AdamW states: under ZeRO-1/2 the shard, not the whole
+  parameters and gradients those stages also keep) at the calibrated optimizer
+  rate plus a cost per target array (every parameter under full-precision DDP,
+  one flat array per ZeRO unit), else one read and one write of it.
 
 Step time is the sum; tokens/s the global batch's tokens over it; MFU the
 model's FLOPs (forward and backward, no recomputation) over step time x ranks x
@@ -227,8 +229,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         attention_share = micro * fl["attention"] / forward if forward else 0.0
         times = {"compute": micro * m, "backward": micro * m * 2 / 3,
                  "attention": attention_share * m}
-        state = sum(stage_plan.memory.steady.values())
-        optimizer = machine.optimizer_seconds(state, cached(
+        optimizer = machine.optimizer_seconds(_updated_bytes(stage_plan.memory.steady), cached(
             ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout))) \
             * share
         n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
@@ -262,6 +263,16 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
 def _group_size(mesh, group: str) -> int:
     axis = getattr(mesh, group, None)
     return axis.size if axis is not None else 2      # "tied": the pipeline's two ends
+
+
+def _updated_bytes(steady: dict) -> float:
+    """The model state one optimizer step reads and writes: its targets' values,
+    gradients and states. Under ZeRO that is the rank's shard of each, not the whole
+    parameters (and gradients) stages 1 and 2 also keep: AdamW keeps two float32
+    states per updated element (``optim``), and reads and writes its float32 value and
+    gradient beside them, so twice the states' bytes; without states, everything."""
+    optim = steady.get("optim", 0)
+    return 2.0 * optim if optim else float(sum(steady.values()))
 
 
 def _targets(stage, layout) -> int:
