@@ -53,6 +53,7 @@ def _cmd_info(args) -> int:
     from .backend import cupy_or_none
     from .comm import Communicator, format_rank_reports, rank_report
     from .comm.gpu import loaded_libmpi
+    from .kernels import describe as describe_kernels
 
     world = Communicator.from_env(MPI.COMM_WORLD)
     reports = world.gather_obj(rank_report(world))
@@ -66,6 +67,7 @@ def _cmd_info(args) -> int:
     print(f"cupy       {cupy.__version__ if cupy is not None else 'not installed'}")
     print(f"MPI        {MPI.Get_library_version().strip().splitlines()[0]}")
     print(f"libmpi     {loaded_libmpi() or 'unknown'}")
+    print(f"kernels    {describe_kernels()}")
     print(f"world size {world.size}")
     print(format_rank_reports(reports))
     return 0

@@ -13,11 +13,12 @@ FAST = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16
         "--batch-size", "2", "--max-bytes", "20000", "--eval-batches", "1", "--progress", "false"]
 
 
-def mpishard(*args, n=None, timeout=120, cwd=None):
+def mpishard(*args, n=None, timeout=120, cwd=None, env=None):
     cmd = [sys.executable, "-m", "mpishard", *args]
     if n is not None:
         cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               **(env or {}))
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
         env.pop(var, None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -44,6 +45,13 @@ def test_info_single_rank():
 
     vendor = MPI.get_vendor()[0]          # MPICH, or Open MPI under `make test MPI=openmpi`
     assert "mpi4py" in out.stdout and "world size 1" in out.stdout and vendor in out.stdout
+    assert "kernels    cpu on NumPy" in out.stdout
+
+
+def test_info_names_the_reference_kernels_when_chosen():
+    out = mpishard("info", env={"MPISHARD_KERNELS": "reference"})
+    assert out.returncode == 0, out.stderr
+    assert "kernels    reference everywhere (MPISHARD_KERNELS=reference)" in out.stdout
 
 
 def test_train_writes_metrics(tmp_path):

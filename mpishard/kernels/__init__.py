@@ -27,7 +27,7 @@ import numpy as np
 
 from . import cpu, gpu, reference
 
-__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "cpu", "gpu", "reference"]
+__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "describe", "cpu", "gpu", "reference"]
 
 #: the functions every kernel set provides
 KERNEL_NAMES = tuple(name for name in reference.__all__ if name != "NAME")
@@ -41,6 +41,16 @@ def kernel_choice() -> str:
         raise ValueError(f"MPISHARD_KERNELS={value!r}: use one of {', '.join(_CHOICES)} "
                          f"('reference' runs the plain reference kernels everywhere)")
     return value
+
+
+def describe() -> str:
+    """One line for ``mpishard info``: which kernel sets run, with how many CPU threads."""
+    from .threads import thread_count
+    if kernel_choice() == "reference":
+        return "reference everywhere (MPISHARD_KERNELS=reference)"
+    n = thread_count()
+    return (f"cpu on NumPy ({n} thread{'s' if n > 1 else ''} per rank, from MPISHARD_THREADS "
+            f"or OMP_NUM_THREADS), gpu on CuPy (compiled kernels)")
 
 
 def kernels_for(xp):
