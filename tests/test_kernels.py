@@ -138,10 +138,10 @@ def test_a_model_step_under_reference_kernels_matches_the_default(monkeypatch):
     np.testing.assert_allclose(losses["auto"], losses["reference"], rtol=1e-12)
 
 
-def test_thread_count_follows_the_environment(monkeypatch):
+def test_thread_count_is_opt_in(monkeypatch):
     monkeypatch.delenv("MPISHARD_THREADS", raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert threads.thread_count() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")              # BLAS's, not the kernels'
+    assert threads.thread_count() == 1
     monkeypatch.setenv("MPISHARD_THREADS", "2")
     assert threads.thread_count() == 2
     for bad in ("zero", "0"):

@@ -9,8 +9,8 @@ math): ``gelu_forward``/``gelu_backward``, ``layer_norm_forward``/``_backward``,
 ``rms_norm_forward``/``_backward``, ``swiglu_forward``/``_backward``,
 ``softmax_rows`` (in place) and ``adam_update`` (in place).
 
-* :mod:`.cpu` for NumPy arrays: cache-blocked passes spread over threads
-  (:mod:`.threads`; ``MPISHARD_THREADS``, else ``OMP_NUM_THREADS``);
+* :mod:`.cpu` for NumPy arrays: cache-blocked passes, spread over
+  ``MPISHARD_THREADS`` threads (default 1, see :mod:`.threads`);
 * :mod:`.gpu` for CuPy and the CuPy-strict test module: the elementwise chains
   (GELU, SwiGLU, Adam) as one compiled kernel each, the rest as the references
   (on the strict module each fused kernel counts as one launch);
@@ -49,8 +49,8 @@ def describe() -> str:
     if kernel_choice() == "reference":
         return "reference everywhere (MPISHARD_KERNELS=reference)"
     n = thread_count()
-    return (f"cpu on NumPy ({n} thread{'s' if n > 1 else ''} per rank, from MPISHARD_THREADS "
-            f"or OMP_NUM_THREADS), gpu on CuPy (compiled kernels)")
+    return (f"cpu on NumPy ({n} thread{'s' if n > 1 else ''} per rank, MPISHARD_THREADS), "
+            f"gpu on CuPy (compiled kernels)")
 
 
 def kernels_for(xp):
