@@ -13,7 +13,10 @@ mixed precision): warm-up steps, then timed steps (forward, scaled backward,
 unscale + clip + AdamW) with the device synchronised around each. Reports
 tokens/s and model FLOPs utilisation as nanoGPT's ``estimate_mfu`` counts it
 (``6 N + 12 L H Q T`` FLOPs per token, N without the position embedding) over
-the GPU's dense 16-bit peak, the CuPy memory pool's bytes, and the activation
+the GPU's dense 16-bit peak, where one more step's time goes (``breakdown``:
+matrix products, attention, the other ops, the optimizer; the device
+synchronised at every op, see mpishard/autodiff/profile.py), the CuPy memory
+pool's bytes, and the activation
 bytes one forward keeps for backward with and without activation
 checkpointing (``ledger.measure_activations``).
 
@@ -55,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpi4py import MPI  # noqa: E402
 
+from mpishard.autodiff.profile import op_profile  # noqa: E402
 from mpishard.backend import Backend, cupy_or_none  # noqa: E402
 from mpishard.comm import Communicator, Mesh, node_local_rank  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
@@ -148,6 +152,34 @@ def train_steps(strategy, opt, backend, x, y, warmup: int, steps: int) -> dict:
             "skipped_steps": strategy.skipped_steps, "loss_scale": strategy.scaler.scale}
 
 
+#: op -> the part of a step it is counted in (every other op: "elementwise and the rest")
+OP_CLASSES = {"linear": "matrix products", "causal_self_attention": "attention",
+              "gqa_attention": "attention"}
+
+
+def profiled_step(strategy, opt, backend, x, y) -> dict:
+    """One more step with the device synchronised at every op: seconds per part (see
+    ``OP_CLASSES``; ``optimizer``: unscale, clip and AdamW), their shares of it, and
+    the profiled step's own seconds (longer than a plain one: every op waits)."""
+    sync = lambda: synchronize(backend)            # noqa: E731
+    sync()
+    start = time.perf_counter()
+    with op_profile(sync) as prof:
+        _, loss = strategy(x, y)
+        strategy.scale_loss(loss).backward()
+    sync()
+    middle = time.perf_counter()
+    strategy.step(opt, max_norm=1.0)
+    sync()
+    end = time.perf_counter()
+    parts = {"matrix products": 0.0, "attention": 0.0, "elementwise and the rest": 0.0,
+             **prof.by_class(OP_CLASSES, default="elementwise and the rest")}
+    parts["elementwise and the rest"] += max(0.0, (middle - start) - prof.total)
+    parts["optimizer"] = end - middle
+    return {"seconds": parts, "shares": {k: v / (end - start) for k, v in parts.items()},
+            "profiled_step_s": end - start}
+
+
 #: What the runs must show (see the module docstring).
 MAX_FLOAT16_SKIPS = 1
 POOL_OVER_PLAN_TOLERANCE = 0.10
@@ -225,6 +257,7 @@ def run_single(args, cfg: GPTConfig) -> dict:
         run["mfu"] = achieved / peak16 if peak16 else None
         if precision == "float32":
             run["mfu_vs_float32_peak"] = achieved / peak32 if peak32 else None
+        run["breakdown"] = profiled_step(strategy, opt, backend, x, y)
         run.update(pool_bytes(backend), ledger_peak_bytes=backend.ledger.peak_total)
         report["runs"].append(run)
         report["failures"] += training_failures(f"single {precision}", run)
@@ -234,6 +267,9 @@ def run_single(args, cfg: GPTConfig) -> dict:
               f"{run['tokens_per_s']:12,.0f} tokens/s  {mfu}  loss {run['loss_first']:.3f} -> "
               f"{run['loss_last']:.3f}  skipped {run['skipped_steps']}  "
               f"pool {_mib(run['pool_total_bytes'])} held", flush=True)
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in run["breakdown"]["shares"].items())
+        print(f"           where a step goes (profiled, "
+              f"{run['breakdown']['profiled_step_s'] * 1e3:.1f} ms): {shares}", flush=True)
     if args.activations:
         precision = args.precisions[-1]
         without = activation_bytes(strategy, backend, x, y)

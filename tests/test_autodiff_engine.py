@@ -131,3 +131,26 @@ def test_backward_order_is_deterministic():
         return [w.grad.copy() for w in ws] + [x.grad.copy()]
     for a, b in zip(run(), run()):
         assert np.array_equal(a, b)
+
+
+def test_op_profile_times_each_op_forward_and_backward():
+    from mpishard.autodiff import profile
+    from mpishard.autodiff.nn_ops import gelu, layer_norm
+    synced = []
+    x = Tensor(np.random.default_rng(0).standard_normal((64, 32)), requires_grad=True)
+    with profile.op_profile(sync=lambda: synced.append(1)) as prof:
+        y = gelu(layer_norm(x)).sum()
+        y.backward()
+    assert profile.active is None
+    for op in ("layer_norm", "gelu", "sum"):
+        assert prof.calls[(op, "forward")] == 1 and prof.calls[(op, "backward")] == 1
+        assert prof.seconds[(op, "forward")] >= 0 and prof.seconds[(op, "backward")] > 0
+    assert len(synced) == 1 + 3 + 2 * 3                  # start, each result, each backward
+    parts = prof.by_class({"gelu": "activation"})
+    assert set(parts) == {"activation", "other"}
+    assert sum(parts.values()) == pytest.approx(prof.total)
+    with pytest.raises(RuntimeError, match="already being recorded"):
+        with profile.op_profile():
+            with profile.op_profile():
+                pass
+    assert profile.active is None                         # cleared after the error too

@@ -208,6 +208,10 @@ def test_benchmark_tiny_on_numpy_writes_every_field(tmp_path):
     for run in report["runs"]:
         assert run["tokens_per_s"] > 0 and len(run["step_s"]) == report["steps"]
         assert run["mfu"] == pytest.approx(report["flops_per_token"] * run["tokens_per_s"] / 1e12)
+        parts = run["breakdown"]["seconds"]
+        assert set(parts) == {"matrix products", "attention", "elementwise and the rest",
+                              "optimizer"} and min(parts.values()) > 0
+        assert sum(run["breakdown"]["shares"].values()) == pytest.approx(1.0, rel=0.05)
         assert run["skipped_steps"] == 0 and run["pool_used_bytes"] is None
     assert report["runs"][1]["loss_scale"] == 2.0 ** 16
     assert report["status"] == "passed" and report["failures"] == []

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..backend import xp_of
 from .tensor import Tensor, _grad_mode
+from . import profile as _profile
 
 __all__ = ["OPS", "register_op", "as_tensor", "as_tensors", "make_result", "unbroadcast"]
 
@@ -56,6 +57,8 @@ def _is_constant(value) -> bool:
 
 def make_result(data, parents: tuple, backward: Callable, op: str) -> Tensor:
     """Create an op's output and, when needed, attach it to the graph."""
+    if _profile.active is not None:                # see profile.py
+        _profile.active.forward_done(op)
     out = Tensor(data)
     if _grad_mode.enabled:
         for p in parents:

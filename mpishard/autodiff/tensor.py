@@ -37,6 +37,8 @@ from typing import Callable
 
 import numpy as np
 
+from . import profile as _profile
+
 __all__ = ["Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle"]
 
 
@@ -270,7 +272,9 @@ def run_backward(root: Tensor, grad) -> None:
         parents = node._parents
         if g is not None:
             node._fire_hooks()
-            parent_grads = backward_fn(g)
+            recording = _profile.active                # see profile.py
+            parent_grads = backward_fn(g) if recording is None else \
+                recording.backward(node._op, backward_fn, g)
             seen: list = []
             for parent, pg in zip(parents, parent_grads):
                 if parent is None or not parent.requires_grad:
