@@ -10,7 +10,8 @@ one: that CuPy parses every kernel's parameter lists (``ElementwiseKernel`` and
 ``compute_90`` with ``T`` = float and double, each inside a small wrapper that
 declares the parameters as CuPy's generated code does (inputs as const values,
 outputs as references, scalars as doubles; a reduction's map, reduce and
-post-map expressions over a ``_type_reduce a, b``). It does not run them: the
+post-map expressions over a ``_type_reduce a, b``), and the row kernels'
+source (``cupy.RawModule``) as it is. It does not run them: the
 GPU check compares each kernel with NumPy's reference (tests/test_kernels.py).
 Exit status 0 when all compile, 1 otherwise (with NVRTC's log).
 """
@@ -75,6 +76,8 @@ def main() -> int:
                for name, spec in gpu.SOURCES.items() for T in ("float", "double")]
     sources += [(name, T, reduction_source(name, *spec, T))
                 for name, spec in gpu.REDUCTIONS.items() for T in ("float", "double")]
+    sources += [("row kernels", T, gpu.ROW_KERNELS.replace("{T}", T))   # RawKernels as they are
+                for T in ("float", "double")]
     for name, T, source in sources:
         program = nvrtc.createProgram(source, f"{name}.cu", [], [])
         try:

@@ -64,6 +64,29 @@ def test_every_cpu_kernel_matches_its_reference(shape, dtype, n_threads):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("T,n,scale", [(7, 3, 0.3), (16, 1, 1.0), (1, 4, 2.0), (33, 0, 0.5)])
+def test_attention_softmax_matches_its_reference(T, n, scale, dtype, n_threads):
+    s, g = _rand((n * T, T), dtype), _rand((n * T, T), dtype, 1)
+    a, want = s.copy(), s.copy()
+    cpu.causal_softmax(a, T, scale)
+    reference.causal_softmax(want, T, scale)
+    _close(a, want, dtype)
+    q = np.arange(n * T) % T                              # each row's query position
+    assert (a[np.arange(T)[None, :] > q[:, None]] == 0).all()          # later keys masked
+    np.testing.assert_allclose(a.sum(axis=1), 1.0, rtol=TOL[dtype])
+    manual = np.exp(scale * s - (scale * s).max(axis=1, keepdims=True))
+    manual[np.arange(T)[None, :] > q[:, None]] = 0
+    np.testing.assert_allclose(a, manual / manual.sum(axis=1, keepdims=True),
+                               rtol=10 * TOL[dtype], atol=TOL[dtype])
+    d, dwant = g.copy(), g.copy()
+    cpu.softmax_backward(d, a, scale)
+    reference.softmax_backward(dwant, want, scale)
+    _close(d, dwant, dtype)
+    np.testing.assert_allclose(d, (g - (g * a).sum(axis=1, keepdims=True)) * a * scale,
+                               rtol=10 * TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("size", [0, 5, 4096, 3 * 4096 + 17, 100_003])
 def test_adam_update_matches_reference(size, dtype, n_threads):
     p, g = _rand(size, dtype), _rand(size, dtype, 1)
@@ -222,8 +245,22 @@ def test_device_kernels_match_the_references(array_backend, dtype):
             close(x, y)
         close(k.rms_norm_backward(g, got[1], got[2], weight),
               reference.rms_norm_backward(host[2], want[1], want[2], hw))
+    T = 64 if array_backend.name == "cupy" else 8
+    scores = _rand((3 * T, T), dtype, 5)
+    got, want = xp.asarray(scores), scores.copy()
+    k.causal_softmax(got, T, 0.125)
+    reference.causal_softmax(want, T, 0.125)
+    close(got, want)
+    d, dwant = xp.asarray(scores), scores.copy()
+    k.softmax_backward(d, got, 0.125)
+    reference.softmax_backward(dwant, want, 0.125)
+    close(d, dwant)
     if array_backend.name == "strict":
         from mpishard import strict
+        strict.syncs.reset()
+        k.causal_softmax(got, T, 0.125)
+        k.softmax_backward(d, got, 0.125)
+        assert strict.syncs.launches == 2
         strict.syncs.reset()
         k.gelu_forward(a)
         k.adam_update(p, g, m, v, 0.9, 0.95, 1e-3, 1.2, 1e-8)

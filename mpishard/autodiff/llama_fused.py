@@ -37,9 +37,9 @@ import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import is_low_precision, matmul_dtype
+from ..kernels import kernels_for
 from .graph import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, row_dot, up
-from .softmax_ops import _causal_bias, _softmax_rows
+from .rows import cast, check_last_dim, up
 from .tensor import Tensor
 
 __all__ = ["gqa_attention"]
@@ -137,7 +137,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
     q_turn, q_back = _turns(cos, sin, H, 1.0 / math.sqrt(hs), rd)
     k_turn, k_back = _turns(cos, sin, Hkv, 1.0, rd)
     orders = (_pair_order(H, hs), _pair_order(Hkv, hs), None)
-    bias = _causal_bias(T, xp, sd)
+    kernels = kernels_for(xp)
     step = 1 if xp is np else B
 
     def heads(rows, b, lo, n, width):
@@ -164,9 +164,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
             xp.matmul(qg, k_rot[b].swapaxes(-1, -2), out=a)
         else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
             a[...] = qg @ k_rot[b].swapaxes(-1, -2)
-        per_head = a.reshape(nb, H, T, T)
-        per_head += bias
-        _softmax_rows(a.reshape(-1, T))
+        kernels.causal_softmax(a.reshape(-1, T), T, 1.0)   # the scale is in q_turn
         y = cast(a, cd) @ v[b]                           # (nb, Hkv, G*T, hs)
         out[b] = y.reshape(nb, H, T, hs).transpose(0, 2, 1, 3)
 
@@ -181,9 +179,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
             a = att[b]
             heads(dqkv, b, (H + Hkv) * hs, Hkv, hs)[...] = cast(a, cd).swapaxes(-1, -2) @ gyb
             da = cast(gyb @ v[b].swapaxes(-1, -2), sd)  # (nb, Hkv, G*T, T)
-            rows, d_rows = a.reshape(-1, T), da.reshape(-1, T)
-            d_rows -= row_dot(d_rows, rows)[:, None]    # softmax backward
-            d_rows *= rows
+            kernels.softmax_backward(da.reshape(-1, T), a.reshape(-1, T), 1.0)
             da = cast(da, cd)
             g_q = up(da @ k_rot[b]).reshape(nb, H, T, hs)
             xp.multiply(g_q.view(zd), q_back, out=heads(dz, b, 0, H, h))

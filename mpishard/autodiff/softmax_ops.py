@@ -142,10 +142,6 @@ def at_least_one(count):
 
 # -- attention -------------------------------------------------------------
 
-def _causal_bias(T: int, xp, dtype):
-    return xp.triu(xp.full((T, T), -np.inf, dtype=dtype), 1)
-
-
 @register_op
 def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 0.0,
                           rng=None, training: bool = True) -> Tensor:
@@ -179,7 +175,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     step = 1 if xp is np else B
     cd = matmul_dtype(qkv.data)                           # see [Note: 16-bit inputs]
     sd = np.dtype(np.float32) if is_low_precision(qkv.dtype) else cd  # softmax dtype
-    bias = _causal_bias(T, xp, sd)
+    kernels = kernels_for(xp)
     use_dropout = training and dropout_p > 0.0
 
     def heads(packed, b, which):                          # (nb, nh, T, hs) view
@@ -196,9 +192,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
         else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
             a[...] = heads(packed, b, 0) @ heads(packed, b, 1).swapaxes(-1, -2)
-        a *= scale
-        a += bias
-        _softmax_rows(a.reshape(-1, T))
+        kernels.causal_softmax(a.reshape(-1, T), T, scale)
         if use_dropout:
             d = drop[b]
             d[...] = rng.random(d.shape, dtype=np.float32) >= dropout_p
@@ -220,10 +214,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             da = cast(gyb @ v.swapaxes(-1, -2), sd)       # (nb, nh, T, T)
             if use_dropout:
                 da *= drop[b]
-            rows, d_rows = a.reshape(-1, T), da.reshape(-1, T)
-            d_rows -= row_dot(d_rows, rows)[:, None]    # softmax backward
-            d_rows *= rows
-            d_rows *= scale
+            kernels.softmax_backward(da.reshape(-1, T), a.reshape(-1, T), scale)
             da = cast(da, cd)
             dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
             dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import GELU_C, GELU_K
+from .reference import GELU_C, GELU_K, causal_bias
 from .threads import for_rows
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-           "swiglu_backward", "softmax_rows", "adam_update"]
+           "swiglu_backward", "softmax_rows", "causal_softmax", "softmax_backward",
+           "adam_update"]
 
 NAME = "cpu"
 
@@ -183,6 +184,21 @@ def softmax_rows(a) -> None:
         np.exp(r, out=r)
         r *= (1.0 / _row_sum(r))[:, None]
     for_rows(block, *a.shape)
+
+
+def causal_softmax(a, T: int, scale: float) -> None:
+    if scale != 1.0:
+        a *= scale
+    rows = a.reshape(-1, T, T)
+    rows += causal_bias(T, np, a.dtype)
+    softmax_rows(a)
+
+
+def softmax_backward(d, p, scale: float) -> None:
+    d -= _row_dot(d, p)[:, None]
+    d *= p
+    if scale != 1.0:
+        d *= scale
 
 
 def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,

@@ -7,7 +7,10 @@ dtype, on first use): one read of the inputs, one write of the outputs. Layer
 norm and RMS norm are row reductions (``cupy.ReductionKernel``, one per
 statistic) and one elementwise kernel each way: 3 launches for layer norm and 2
 for RMS norm, forward and backward alike, where the reference takes about 10.
-Softmax runs as the reference for now.
+Attention's softmax is one ``cupy.RawKernel`` each way, a thread block per row
+(scale, causal mask, max, exp, sum and normalise forward; the row dot product
+and the product backward), where the reference takes 7 and 4 launches and a
+mask array; plain row softmax runs as the reference.
 
 On the CuPy-strict test module the same functions run the reference math inside
 ``strict.syncs.fused(name)``, so a test or ``benchmarks/syncs.py`` counts each
@@ -16,13 +19,16 @@ reference formulas, term for term; the GPU check compares them with NumPy.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..backend import xp_of
 from . import reference
 from .reference import GELU_C, GELU_K
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-           "swiglu_backward", "softmax_rows", "adam_update"]
+           "swiglu_backward", "softmax_rows", "causal_softmax", "softmax_backward",
+           "adam_update"]
 
 NAME = "gpu"
 
@@ -71,6 +77,68 @@ SOURCES.update({
     "mpishard_rms_norm_grad": ("T g, T w, T h, T mgh, T rstd", "T gx",
                                "gx = rstd * (g * w - h * mgh);"),
 })
+#: a thread block per row of T: a sum or max over the block (warp shuffles, then the
+#: warps' results), then the row's passes; ``{T}`` float or double
+ROW_KERNELS = r"""
+typedef {T} T;
+__device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const T w = __shfl_xor_sync(0xffffffff, v, o);
+    v = is_max ? (w > v ? w : v) : v + w;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  if (warp == 0) {
+    v = lane < warps ? shared[lane] : (is_max ? shared[0] : (T)0);
+    for (int o = 16; o > 0; o >>= 1) {
+      const T w = __shfl_xor_sync(0xffffffff, v, o);
+      v = is_max ? (w > v ? w : v) : v + w;
+    }
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  v = shared[0];
+  __syncthreads();
+  return v;
+}
+
+extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const T scale) {
+  __shared__ T shared[32];
+  const long long row = blockIdx.x;
+  T* r = a + row * n;
+  const int limit = (int)(row % n) + 1;      /* query row % n sees keys 0..row % n */
+  T m = r[0] * scale;
+  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
+    const T v = r[j] * scale;
+    m = v > m ? v : m;
+  }
+  m = mpishard_block_reduce(m, true, shared);
+  T s = 0;
+  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
+    const T e = exp(r[j] * scale - m);
+    r[j] = e;
+    s += e;
+  }
+  s = mpishard_block_reduce(s, false, shared);
+  const T inv = (T)1 / s;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) r[j] = j < limit ? r[j] * inv : (T)0;
+}
+
+extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const int n,
+                                                        const T scale) {
+  __shared__ T shared[32];
+  const long long row = blockIdx.x;
+  T* dr = d + row * n;
+  const T* pr = p + row * n;
+  T s = 0;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) s += dr[j] * pr[j];
+  s = mpishard_block_reduce(s, false, shared);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) dr[j] = (dr[j] - s) * pr[j] * scale;
+}
+"""
+ROW_THREADS = 256
 _compiled: dict = {}
 
 
@@ -90,6 +158,52 @@ def _kernel(xp, name: str):
             kernel = xp.ReductionKernel(inputs, outputs, mapped, reduce, post, "0", name)
         _compiled[name] = kernel
     return kernel
+
+
+def _row_kernel(xp, name: str, dtype):
+    """The RawKernel ``name`` of :data:`ROW_KERNELS` for ``dtype`` (float32 or float64)."""
+    T = "float" if dtype == "float32" else "double"
+    key = f"{name}_{T}"
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compiled[key] = xp.RawModule(code=ROW_KERNELS.replace("{T}", T)) \
+            .get_function(key)
+    return kernel
+
+
+def causal_softmax(a, T: int, scale: float) -> None:
+    xp = xp_of(a)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_causal_softmax"):
+            reference.causal_softmax(a, T, scale)
+        return
+    if a.dtype.name not in ("float32", "float64") or not a.flags.c_contiguous:
+        reference.causal_softmax(a, T, scale)
+        return
+    if a.shape[0] == 0:                   # no rows: no blocks to launch
+        return
+    _row_kernel(xp, "mpishard_causal_softmax", a.dtype.name)(
+        (a.shape[0],), (ROW_THREADS,), (a, _int32(T), a.dtype.type(scale)))
+
+
+def softmax_backward(d, p, scale: float) -> None:
+    xp = xp_of(d)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_softmax_backward"):
+            reference.softmax_backward(d, p, scale)
+        return
+    if d.dtype != p.dtype or d.dtype.name not in ("float32", "float64") or not (
+            d.flags.c_contiguous and p.flags.c_contiguous):
+        reference.softmax_backward(d, p, scale)
+        return
+    if d.shape[0] == 0:
+        return
+    _row_kernel(xp, "mpishard_softmax_backward", d.dtype.name)(
+        (d.shape[0],), (ROW_THREADS,), (d, p, _int32(d.shape[1]), d.dtype.type(scale)))
+
+
+def _int32(n: int):
+    return np.int32(n)                    # a kernel launch takes NumPy scalars for C ints
 
 
 def _ones_zeros(x, weight, bias):

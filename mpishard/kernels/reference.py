@@ -16,7 +16,8 @@ from ..backend import xp_of
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-           "swiglu_backward", "softmax_rows", "adam_update"]
+           "swiglu_backward", "softmax_rows", "causal_softmax", "softmax_backward",
+           "adam_update"]
 
 NAME = "reference"
 
@@ -92,6 +93,30 @@ def softmax_rows(a) -> None:
     a -= a.max(axis=1, keepdims=True)
     xp.exp(a, out=a)
     a /= a.sum(axis=1, keepdims=True)
+
+
+def causal_bias(T: int, xp, dtype):
+    """``(T, T)``: 0 on and below the diagonal, -inf above (a query sees no later key)."""
+    return xp.triu(xp.full((T, T), -float("inf"), dtype=dtype), 1)
+
+
+def causal_softmax(a, T: int, scale: float) -> None:
+    """Attention weights in place: rows ``a`` (``(n T, T)``, row ``r`` the scores of query
+    ``r % T``) scaled by ``scale``, keys after the query masked, softmax over each row."""
+    if scale != 1.0:
+        a *= scale
+    rows = a.reshape(-1, T, T)
+    rows += causal_bias(T, xp_of(a), a.dtype)
+    softmax_rows(a)
+
+
+def softmax_backward(d, p, scale: float) -> None:
+    """In place: ``d`` (the weights' gradient) becomes the scores' gradient,
+    ``(d - rowdot(d, p)) p scale`` for softmax weights ``p`` of scaled scores."""
+    d -= (d * p).sum(axis=1, keepdims=True)
+    d *= p
+    if scale != 1.0:
+        d *= scale
 
 
 def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
