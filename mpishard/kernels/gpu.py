@@ -55,6 +55,13 @@ SOURCES = {
         "T p, T m, T v",
         "m = (T)b1 * m + (T)(1.0 - b1) * g; v = (T)b2 * v + (T)(1.0 - b2) * g * g;"
         " p -= (T)step * (m / (sqrt(v) * (T)ib2 + (T)eps));"),
+    "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
+                            "h = (x - mu) * rstd; y = h * w + b;"),
+    "mpishard_layer_norm_grad": ("T g, T w, T h, T mg, T mgh, T rstd", "T gx",
+                                 "gx = rstd * (g * w - mg - h * mgh);"),
+    "mpishard_rms_apply": ("T x, T rstd, T w", "T y, T h", "h = x * rstd; y = h * w;"),
+    "mpishard_rms_norm_grad": ("T g, T w, T h, T mgh, T rstd", "T gx",
+                               "gx = rstd * (g * w - h * mgh);"),
 }
 #: name -> (inputs, outputs, map, reduce, post-map) of each ReductionKernel (over rows)
 REDUCTIONS = {
@@ -68,15 +75,6 @@ REDUCTIONS = {
     "mpishard_row_mean_gwh": ("T g, T w, T h, float64 inv_n", "T y", "g * w * h", "a + b",
                               "y = (T)(a * inv_n)"),
 }
-SOURCES.update({
-    "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
-                            "h = (x - mu) * rstd; y = h * w + b;"),
-    "mpishard_layer_norm_grad": ("T g, T w, T h, T mg, T mgh, T rstd", "T gx",
-                                 "gx = rstd * (g * w - mg - h * mgh);"),
-    "mpishard_rms_apply": ("T x, T rstd, T w", "T y, T h", "h = x * rstd; y = h * w;"),
-    "mpishard_rms_norm_grad": ("T g, T w, T h, T mgh, T rstd", "T gx",
-                               "gx = rstd * (g * w - h * mgh);"),
-})
 #: a thread block per row of T: a sum or max over the block (warp shuffles, then the
 #: warps' results), then the row's passes; ``{T}`` float or double
 ROW_KERNELS = r"""
