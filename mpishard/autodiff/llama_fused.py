@@ -120,8 +120,8 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
     :func:`~.llama_ops.rope_qkv` and :func:`~.nn_ops.causal_self_attention`,
     with the ``1/sqrt(hs)`` scale in the query's rotation. Keeps the rotated,
     scaled queries, the rotated keys, the values and the softmax weights for
-    backward. On NumPy one sequence at a time (see [Note: cache blocking]); on
-    CuPy all at once.
+    backward. On NumPy one sequence at a time (see [Note: cache blocking] in
+    mpishard/kernels/threads.py); on CuPy all at once.
     """
     x, weights = as_tensor(x), [as_tensor(w) for w in (wq, wk, wv)]
     hs = _check(x, weights, cos, n_head, n_kv_head, batch_size)

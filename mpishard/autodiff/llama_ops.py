@@ -93,7 +93,8 @@ def _rotate(x, tables, out, inverse: bool = False):
     """``out = x * cos + rotate_half(x) * sin`` for ``x`` ``(B, T, H, hs)``, into ``out``;
     with ``inverse``, the transpose (a rotation by ``-angle``) for backward.
     ``rotate_half(x) * sin`` is the halves swapped times ``[-sin, sin]``. On NumPy one
-    sequence at a time, to stay in cache (see [Note: cache blocking])."""
+    sequence at a time, to stay in cache (see [Note: cache blocking] in
+    mpishard/kernels/threads.py)."""
     c, signed = tables
     xp = xp_of(x)
     h = x.shape[-1] // 2

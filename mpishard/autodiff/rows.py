@@ -1,10 +1,8 @@
 """The NumPy idioms the fused ops are built from, measured to be fast on CPUs.
 
-Reductions over a short last axis through ``einsum`` (about 3x faster than
-``a.sum(1)`` on the shapes the models use), ``einsum``/``vecdot`` row dot
-products, ``fmax.reduce`` for row maxima, bias gradients as a ones-vector
-matmul, and row blocks that keep elementwise passes inside the CPU caches. On
-CuPy each falls back to the plain call (a GPU wants few, large kernels).
+Row reductions (:mod:`mpishard.kernels.rows`, re-exported here), bias gradients
+as a ones-vector matmul, 16-bit inputs cast up, scatter-add. On CuPy each falls
+back to the plain call (a GPU wants few, large kernels).
 """
 from __future__ import annotations
 
@@ -12,28 +10,11 @@ import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import is_low_precision
+from ..kernels.rows import row_dot, row_max, row_sum
 from .tensor import Tensor
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "up", "cast", "check_last_dim",
-           "row_blocks", "scatter_add"]
-
-
-def row_sum(x2d):
-    """Sum over the last axis of a 2-D array."""
-    if isinstance(x2d, np.ndarray):
-        return np.einsum("ij->i", x2d)
-    return x2d.sum(axis=1)
-
-
-def row_dot(a2d, b2d):
-    """Row-wise dot product of two 2-D arrays."""
-    return xp_of(a2d).einsum("ij,ij->i", a2d, b2d)
-
-
-def row_max(x2d):
-    if isinstance(x2d, np.ndarray):
-        return np.fmax.reduce(x2d, axis=1)
-    return x2d.max(axis=1)
+           "scatter_add"]
 
 
 def col_sum(x2d):
@@ -77,24 +58,3 @@ def check_last_dim(op: str, x: Tensor, n: int, what: str) -> None:
                          f"{what} = {n}")
 
 
-
-# -- cache blocking ----------------------------------------------------------
-
-# [Note: cache blocking]
-# Elementwise NumPy passes over arrays larger than the CPU caches are bound by
-# memory bandwidth: on the 2-core machine this project is measured on, the ten
-# passes of a GELU over an (2048, 1024) float32 array took 21 ms one array at a
-# time and 10 ms when run over blocks of rows that stay in L2 (backward: 15 ms
-# vs 5 ms), with bit-identical results. So the fused ops below run their passes
-# block by block on NumPy. On CuPy one block covers everything (a GPU wants
-# few, large kernels).
-BLOCK_ELEMS = 1 << 15
-
-
-def row_blocks(x2d):
-    """Slices of rows that keep a block of ``x2d`` cache-sized (all rows on GPU)."""
-    n_rows, n_cols = x2d.shape
-    if not isinstance(x2d, np.ndarray) or n_rows == 0:
-        return [slice(0, n_rows)]                       # one block (of zero rows: still one)
-    step = max(1, BLOCK_ELEMS // max(n_cols, 1))
-    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]

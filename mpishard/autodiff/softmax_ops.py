@@ -160,7 +160,8 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     Written out as ``softmax(q k^T / sqrt(hs) + causal mask) v`` with the
     softmax backward fused in; the T x T weights are kept for backward. On
     NumPy it runs one sequence at a time so each (nh, T, T) block stays in
-    cache (see [Note: cache blocking]); on CuPy all at once.
+    cache (see [Note: cache blocking] in mpishard/kernels/threads.py); on CuPy all
+    at once.
     """
     qkv = as_tensor(qkv)
     xp = xp_of(qkv.data)

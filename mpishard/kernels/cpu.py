@@ -3,15 +3,15 @@ blocks of rows, the blocks spread over a few threads (:func:`.threads.for_rows`)
 
 Each pass writes into preallocated arrays (``out=``), so a kernel allocates only
 its results; each row's arithmetic is the same whatever the blocks and threads,
-so results do not depend on the thread count. Reductions over a row use
-``einsum`` (see mpishard/autodiff/rows.py: about 3x faster than ``sum(axis=1)``
-on these shapes).
+so results do not depend on the thread count. Reductions over a row are
+:mod:`.rows`'.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .reference import GELU_C, GELU_K, causal_bias
+from .reference import GELU_C, GELU_K, scale_and_mask
+from .rows import row_dot, row_max, row_sum
 from .threads import for_rows
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
@@ -20,14 +20,6 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "adam_update"]
 
 NAME = "cpu"
-
-
-def _row_sum(a):
-    return np.einsum("ij->i", a)
-
-
-def _row_dot(a, b):
-    return np.einsum("ij,ij->i", a, b)
 
 
 def gelu_forward(a):
@@ -75,8 +67,8 @@ def layer_norm_forward(x2, weight, bias, eps: float):
 
     def block(rows):
         xb, hb, yb, rb = x2[rows], xhat[rows], y[rows], rstd[rows]
-        np.subtract(xb, (_row_sum(xb) * inv_n)[:, None], out=hb)
-        rb[...] = _row_dot(hb, hb)
+        np.subtract(xb, (row_sum(xb) * inv_n)[:, None], out=hb)
+        rb[...] = row_dot(hb, hb)
         rb *= inv_n
         rb += eps
         np.sqrt(rb, out=rb)
@@ -103,8 +95,8 @@ def _norm_backward(g2, xhat, rstd, weight, centred: bool):
             np.multiply(g2[rows], weight, out=gb)
         else:
             gb[...] = g2[rows]
-        mean_g = _row_sum(gb) * inv_n if centred else None
-        mean_gx = _row_dot(gb, hb) * inv_n
+        mean_g = row_sum(gb) * inv_n if centred else None
+        mean_gx = row_dot(gb, hb) * inv_n
         if centred:
             gb -= mean_g[:, None]
         gb -= hb * mean_gx[:, None]
@@ -124,7 +116,7 @@ def rms_norm_forward(x2, weight, eps: float):
 
     def block(rows):
         xb, hb, rb = x2[rows], xhat[rows], rstd[rows]
-        rb[...] = _row_dot(xb, xb)
+        rb[...] = row_dot(xb, xb)
         rb *= inv_n
         rb += eps
         np.sqrt(rb, out=rb)
@@ -180,22 +172,19 @@ def swiglu_backward(gate, up, s2, grad, need_gate: bool = True, need_up: bool = 
 def softmax_rows(a) -> None:
     def block(rows):
         r = a[rows]
-        r -= np.fmax.reduce(r, axis=1)[:, None]
+        r -= row_max(r)[:, None]
         np.exp(r, out=r)
-        r *= (1.0 / _row_sum(r))[:, None]
+        r *= (1.0 / row_sum(r))[:, None]
     for_rows(block, *a.shape)
 
 
 def causal_softmax(a, T: int, scale: float) -> None:
-    if scale != 1.0:
-        a *= scale
-    rows = a.reshape(-1, T, T)
-    rows += causal_bias(T, np, a.dtype)
+    scale_and_mask(a, T, scale)
     softmax_rows(a)
 
 
 def softmax_backward(d, p, scale: float) -> None:
-    d -= _row_dot(d, p)[:, None]
+    d -= row_dot(d, p)[:, None]
     d *= p
     if scale != 1.0:
         d *= scale

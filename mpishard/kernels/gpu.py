@@ -181,7 +181,7 @@ def causal_softmax(a, T: int, scale: float) -> None:
     if a.shape[0] == 0:                   # no rows: no blocks to launch
         return
     _row_kernel(xp, "mpishard_causal_softmax", a.dtype.name)(
-        (a.shape[0],), (ROW_THREADS,), (a, _int32(T), a.dtype.type(scale)))
+        (a.shape[0],), (ROW_THREADS,), (a, np.int32(T), a.dtype.type(scale)))
 
 
 def softmax_backward(d, p, scale: float) -> None:
@@ -197,11 +197,7 @@ def softmax_backward(d, p, scale: float) -> None:
     if d.shape[0] == 0:
         return
     _row_kernel(xp, "mpishard_softmax_backward", d.dtype.name)(
-        (d.shape[0],), (ROW_THREADS,), (d, p, _int32(d.shape[1]), d.dtype.type(scale)))
-
-
-def _int32(n: int):
-    return np.int32(n)                    # a kernel launch takes NumPy scalars for C ints
+        (d.shape[0],), (ROW_THREADS,), (d, p, np.int32(d.shape[1]), d.dtype.type(scale)))
 
 
 def _ones_zeros(x, weight, bias):
@@ -231,21 +227,31 @@ def layer_norm_forward(x, weight, bias, eps: float):
     return y, h, rstd
 
 
-def layer_norm_backward(g, xhat, rstd, weight):
+def _norm_backward(g, xhat, rstd, weight, centred: bool):
+    """Layer norm's input gradient (``centred``: 3 launches) or RMS norm's (2)."""
     xp, inv_n = xp_of(g), 1.0 / max(g.shape[1], 1)
-    if _is_strict(xp):
-        with xp.syncs.fused("mpishard_row_mean_gw"):
-            gh = g * weight if weight is not None else g
-            mg = gh.mean(axis=1)
+    if _is_strict(xp):              # the kernels' math, one launch each
         with xp.syncs.fused("mpishard_row_mean_gwh"):
+            gh = g * weight if weight is not None else g
             mgh = (gh * xhat).mean(axis=1)
-        with xp.syncs.fused("mpishard_layer_norm_grad"):
-            return rstd[:, None] * (gh - mg[:, None] - xhat * mgh[:, None])
+        mg = 0.0
+        if centred:
+            with xp.syncs.fused("mpishard_row_mean_gw"):
+                mg = gh.mean(axis=1)[:, None]
+        with xp.syncs.fused("mpishard_layer_norm_grad" if centred
+                            else "mpishard_rms_norm_grad"):
+            return rstd[:, None] * (gh - mg - xhat * mgh[:, None])
     w, _ = _ones_zeros(g, weight, None)
-    mg = _kernel(xp, "mpishard_row_mean_gw")(g, w, inv_n, axis=1)
     mgh = _kernel(xp, "mpishard_row_mean_gwh")(g, w, xhat, inv_n, axis=1)
+    if not centred:
+        return _kernel(xp, "mpishard_rms_norm_grad")(g, w, xhat, mgh[:, None], rstd[:, None])
+    mg = _kernel(xp, "mpishard_row_mean_gw")(g, w, inv_n, axis=1)
     return _kernel(xp, "mpishard_layer_norm_grad")(g, w, xhat, mg[:, None], mgh[:, None],
                                                    rstd[:, None])
+
+
+def layer_norm_backward(g, xhat, rstd, weight):
+    return _norm_backward(g, xhat, rstd, weight, centred=True)
 
 
 def rms_norm_forward(x, weight, eps: float):
@@ -264,16 +270,7 @@ def rms_norm_forward(x, weight, eps: float):
 
 
 def rms_norm_backward(g, xhat, rstd, weight):
-    xp, inv_n = xp_of(g), 1.0 / max(g.shape[1], 1)
-    if _is_strict(xp):
-        with xp.syncs.fused("mpishard_row_mean_gwh"):
-            gh = g * weight if weight is not None else g
-            mgh = (gh * xhat).mean(axis=1)
-        with xp.syncs.fused("mpishard_rms_norm_grad"):
-            return rstd[:, None] * (gh - xhat * mgh[:, None])
-    w, _ = _ones_zeros(g, weight, None)
-    mgh = _kernel(xp, "mpishard_row_mean_gwh")(g, w, xhat, inv_n, axis=1)
-    return _kernel(xp, "mpishard_rms_norm_grad")(g, w, xhat, mgh[:, None], rstd[:, None])
+    return _norm_backward(g, xhat, rstd, weight, centred=False)
 
 
 def gelu_forward(a):

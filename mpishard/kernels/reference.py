@@ -100,13 +100,18 @@ def causal_bias(T: int, xp, dtype):
     return xp.triu(xp.full((T, T), -float("inf"), dtype=dtype), 1)
 
 
-def causal_softmax(a, T: int, scale: float) -> None:
-    """Attention weights in place: rows ``a`` (``(n T, T)``, row ``r`` the scores of query
-    ``r % T``) scaled by ``scale``, keys after the query masked, softmax over each row."""
+def scale_and_mask(a, T: int, scale: float) -> None:
+    """In place: scores ``a`` (``(n T, T)``, row ``r`` those of query ``r % T``) times
+    ``scale``, keys after the query set to -inf."""
     if scale != 1.0:
         a *= scale
     rows = a.reshape(-1, T, T)
     rows += causal_bias(T, xp_of(a), a.dtype)
+
+
+def causal_softmax(a, T: int, scale: float) -> None:
+    """Attention weights in place: :func:`scale_and_mask`, then softmax over each row."""
+    scale_and_mask(a, T, scale)
     softmax_rows(a)
 
 

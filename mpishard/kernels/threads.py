@@ -2,8 +2,7 @@
 
 NumPy releases the interpreter lock inside its ufuncs, reductions and
 ``einsum``, so the cache-blocked row loops of the CPU kernels (see [Note: cache
-blocking] in mpishard/autodiff/rows.py) run on several cores when their blocks
-are handed to threads. Each thread takes one contiguous share of the rows and
+blocking] below) run on several cores when their blocks are handed to threads. Each thread takes one contiguous share of the rows and
 walks it block by block; the calling thread takes the first share, so one
 thread means no pool at all.
 
@@ -26,6 +25,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["thread_count", "for_rows", "BLOCK_ELEMS", "MIN_PARALLEL_ELEMS"]
+
+# [Note: cache blocking]
+# Elementwise NumPy passes over arrays larger than the CPU caches are bound by
+# memory bandwidth: on the 2-core machine this project is measured on, the ten
+# passes of a GELU over an (2048, 1024) float32 array took 21 ms one array at a
+# time and 10 ms when run over blocks of rows that stay in L2 (backward: 15 ms
+# vs 5 ms), with bit-identical results. So the CPU kernels run their passes
+# block by block, and attention one sequence at a time; on CuPy one block
+# covers everything (a GPU wants few, large kernels).
 
 #: elements per block: 256 KiB of float32, inside a core's L2 cache with the few
 #: arrays a pass reads beside it (measured best for one thread; threads take blocks
