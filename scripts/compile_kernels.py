@@ -9,38 +9,56 @@ one: that CuPy parses every kernel's parameter lists (``ElementwiseKernel`` and
 ``ReductionKernel`` construction), and that NVRTC compiles every body for
 ``compute_90`` with ``T`` = float and double, each inside a small wrapper that
 declares the parameters as CuPy's generated code does (inputs as const values,
-outputs as references, scalars as doubles; a reduction's map, reduce and
-post-map expressions over a ``_type_reduce a, b``), and the row kernels'
-source (``cupy.RawModule``) as it is. It does not run them: the
-GPU check compares each kernel with NumPy's reference (tests/test_kernels.py).
+outputs as references, ``float64`` parameters as double scalars, ``float32``
+ones as float arrays; a reduction's map, reduce and post-map expressions over a
+``_type_reduce a, b``), the elementwise bodies that also take float16 data
+(``gpu.FLOAT16_SOURCES``) with ``T`` = CuPy's ``float16`` too, and the RawKernels'
+source (``cupy.RawModule``, every RawKernel in it) as it is. It does not run them:
+the GPU check compares each kernel with NumPy's reference (tests/test_kernels.py).
+
+The float16 bodies need CUDA's ``cuda_fp16.h``, from ``$CUDA_PATH/include`` or
+the ``nvidia-cuda-runtime-cu12`` wheel; without it they are skipped, and said so.
 Exit status 0 when all compile, 1 otherwise (with NVRTC's log).
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+#: a parameter's CuPy type -> its C type in the wrappers (float64: a scalar, the others
+#: arrays, as the kernels pass them)
+_C_TYPES = {"T": "T", "float32": "float", "float64": "double"}
+
+
 def _params(spec: str) -> list:
     out = []
     for item in spec.split(","):
         kind, name = item.split()
-        out.append(("double" if kind == "float64" else "T", name))
+        out.append((_C_TYPES[kind], name))
     return out
 
 
 def _arguments(inputs: list, outputs: list) -> str:
-    args = [f"const T* _{n}" if t == "T" else f"double {n}" for t, n in inputs]
+    args = [f"double {n}" if t == "double" else f"const {t}* _{n}" for t, n in inputs]
     return ", ".join(args + [f"T* _{n}" for _, n in outputs] + ["int n"])
+
+
+def _typedef(T: str) -> str:
+    """``T`` for the wrappers; CuPy's float16 is a class in its own header."""
+    return "#include <cupy/float16.cuh>\ntypedef float16 T;" if T == "float16" else \
+        f"typedef {T} T;"
 
 
 def elementwise_source(name: str, inputs: str, outputs: str, body: str, T: str) -> str:
     ins, outs = _params(inputs), _params(outputs)
-    loads = [f"const T {n} = _{n}[i];" for t, n in ins if t == "T"]
+    loads = [f"const {t} {n} = _{n}[i];" for t, n in ins if t != "double"]
     loads += [f"T& {n} = _{n}[i];" for _, n in outs]
-    return (f"typedef {T} T;\nextern \"C\" __global__ void {name}({_arguments(ins, outs)}) {{\n"
+    return (f"{_typedef(T)}\nextern \"C\" __global__ void {name}({_arguments(ins, outs)}) {{\n"
             f"  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= n) return;\n"
             f"  {' '.join(loads)}\n  {body}\n}}\n")
 
@@ -48,13 +66,29 @@ def elementwise_source(name: str, inputs: str, outputs: str, body: str, T: str) 
 def reduction_source(name: str, inputs: str, outputs: str, mapped: str, reduce: str,
                      post: str, T: str) -> str:
     ins, outs = _params(inputs), _params(outputs)
-    loads = [f"const T {n} = _{n}[i];" for t, n in ins if t == "T"]
+    loads = [f"const {t} {n} = _{n}[i];" for t, n in ins if t != "double"]
     out = outs[0][1]
     return (f"typedef {T} T; typedef T _type_reduce;\n"
             f"extern \"C\" __global__ void {name}({_arguments(ins, outs)}) {{\n"
             f"  int i = threadIdx.x; {' '.join(loads)}\n"
             f"  _type_reduce a = ({mapped}); _type_reduce b = a; a = ({reduce});\n"
             f"  T& {out} = _{out}[0]; {post};\n}}\n")
+
+
+def half_include_dirs(cupy) -> list:
+    """``-I`` options for the float16 wrappers (CuPy's headers and CUDA's
+    ``cuda_fp16.h``), or [] when CUDA's headers are not found."""
+    candidates = [Path(os.environ["CUDA_PATH"]) / "include"] if os.environ.get("CUDA_PATH") else []
+    try:
+        import nvidia.cuda_runtime as runtime      # the nvidia-cuda-runtime-cu12 wheel
+        candidates += [Path(d) / "include" for d in runtime.__path__]
+    except ImportError:
+        pass
+    candidates.append(Path("/usr/local/cuda/include"))
+    for cuda in candidates:
+        if (cuda / "cuda_fp16.h").is_file():
+            return [f"-I{Path(cupy.__file__).parent / '_core' / 'include'}", f"-I{cuda}"]
+    return []
 
 
 def main() -> int:
@@ -72,16 +106,24 @@ def main() -> int:
         cupy.ElementwiseKernel(inputs, outputs, body, name)      # parses the parameters
     for name, (inputs, outputs, mapped, reduce, post) in gpu.REDUCTIONS.items():
         cupy.ReductionKernel(inputs, outputs, mapped, reduce, post, "0", name)
-    sources = [(name, T, elementwise_source(name, *spec, T))
+    half = half_include_dirs(cupy)
+    sources = [(name, T, elementwise_source(name, *spec, T), [])
                for name, spec in gpu.SOURCES.items() for T in ("float", "double")]
-    sources += [(name, T, reduction_source(name, *spec, T))
+    if half:
+        sources += [(name, "float16", elementwise_source(name, *gpu.SOURCES[name], "float16"),
+                     half) for name in gpu.FLOAT16_SOURCES]
+    else:
+        print(f"skipped {', '.join(gpu.FLOAT16_SOURCES)} (float16): no cuda_fp16.h; "
+              f"pip install nvidia-cuda-runtime-cu12 or set CUDA_PATH")
+    sources += [(name, T, reduction_source(name, *spec, T), [])
                 for name, spec in gpu.REDUCTIONS.items() for T in ("float", "double")]
-    sources += [("row kernels", T, gpu.ROW_KERNELS.replace("{T}", T))   # RawKernels as they are
+    raw = ", ".join(re.findall(r'__global__ void (\w+)_\{T\}', gpu.ROW_KERNELS))
+    sources += [(f"RawKernels {raw}", T, gpu.ROW_KERNELS.replace("{T}", T), [])  # as they are
                 for T in ("float", "double")]
-    for name, T, source in sources:
-        program = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    for name, T, source, includes in sources:
+        program = nvrtc.createProgram(source, f"{name.split()[0]}.cu", [], [])
         try:
-            nvrtc.compileProgram(program, ["-arch=compute_90", "--std=c++17"])
+            nvrtc.compileProgram(program, ["-arch=compute_90", "--std=c++17", *includes])
             print(f"compiled {name} ({T})")
         except Exception as err:                # NVRTC's error, with its log below
             failures += 1

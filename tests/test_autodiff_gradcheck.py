@@ -93,6 +93,10 @@ CASES = {
                              [_n(r, 5, 3)])],
     "dropout": [lambda r: (lambda a: nn_ops.dropout(a, 0.4, np.random.default_rng(7)),
                            [_n(r, 4, 5)])],
+    # a fresh generator per evaluation: the same mask every time
+    "dropout_add": [lambda r: (lambda x, y: nn_ops.dropout_add(x, y, 0.4,
+                                                              np.random.default_rng(7)),
+                               [_n(r, 4, 5), _n(r, 4, 5)])],
     "rms_norm": [lambda r: (llama_ops.rms_norm, [_n(r, 2, 3, 6), _n(r, 6)]),
                  lambda r: (lambda x: llama_ops.rms_norm(x, eps=1e-6), [_n(r, 4, 5)])],
     "rope": [lambda r: (lambda x: llama_ops.rope(x, *llama_ops.rope_tables(3, 4, 10000.0,
@@ -132,7 +136,9 @@ CASES = {
             [_n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4)])],
     "causal_self_attention": [
         lambda r: (lambda q: nn_ops.causal_self_attention(q, 2, 2), [_n(r, 2 * 5, 3 * 2 * 3)]),
-        lambda r: (lambda q: nn_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)])],
+        lambda r: (lambda q: nn_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)]),
+        lambda r: (lambda q: nn_ops.causal_self_attention(     # dropout on the weights
+            q, 2, 2, 0.3, np.random.default_rng(3)), [_n(r, 2 * 5, 3 * 2 * 3)])],
 }
 
 
@@ -174,3 +180,17 @@ def test_dropout_mask_statistics():
     same = nn_ops.dropout(x, 0.25, np.random.default_rng(0)).data
     assert np.array_equal(y, same)
     assert nn_ops.dropout(x, 0.25, np.random.default_rng(0), training=False) is x
+
+
+def test_dropout_add_is_the_residual_add_of_dropout():
+    """The fused op draws the mask ``dropout`` draws from the same generator state, and
+    adds as ``x + dropout(y)`` does, bit for bit; without dropout it is ``x + y``."""
+    r = np.random.default_rng(1)
+    x, y = ops.as_tensor(r.standard_normal((6, 7))), ops.as_tensor(r.standard_normal((6, 7)))
+    fused = nn_ops.dropout_add(x, y, 0.3, np.random.default_rng(5)).data
+    plain = (x + nn_ops.dropout(y, 0.3, np.random.default_rng(5))).data
+    assert np.array_equal(fused, plain)
+    assert np.array_equal(nn_ops.dropout_add(x, y, 0.3, None, training=False).data,
+                          (x + y).data)
+    with pytest.raises(ValueError, match="one shape"):
+        nn_ops.dropout_add(x, ops.as_tensor(np.ones((6, 1))), 0.3, np.random.default_rng(5))

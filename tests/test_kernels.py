@@ -47,6 +47,23 @@ def test_every_cpu_kernel_matches_its_reference(shape, dtype, n_threads):
             _close(a, c, dtype)
         _close(cpu.rms_norm_backward(g, got[1], got[2], weight),
                reference.rms_norm_backward(g, want[1], want[2], weight), dtype)
+    # the norms' weight and bias gradients, fresh and into given buffers
+    for need in ((True, True), (True, False), (False, True), (False, False)):
+        for out in (False, True):
+            outs = [np.full(shape[1], np.nan, dtype) if out and n else None for n in need]
+            got = cpu.norm_param_grads(g, x, *need, *outs)
+            for a, c, o in zip(got, reference.norm_param_grads(g, x, *need), outs):
+                assert (a is None) == (c is None)
+                if a is not None:
+                    _close(a, c, dtype)
+                    assert o is None or a is o
+    # dropout, with and without the residual
+    drop_u = np.random.default_rng(5).random(shape, dtype=np.float32)
+    for resid in (x, None):
+        np.testing.assert_array_equal(cpu.dropout_add(resid, g, drop_u, 0.3),
+                                      reference.dropout_add(resid, g, drop_u, 0.3))
+    np.testing.assert_array_equal(cpu.dropout_backward(g, drop_u, 0.3),
+                                  reference.dropout_backward(g, drop_u, 0.3))
     # SwiGLU, both gradients and each alone
     u = _rand(shape, dtype, 4)
     (y1, s1), (y2, s2) = cpu.swiglu_forward(x, u), reference.swiglu_forward(x, u)
@@ -84,6 +101,78 @@ def test_attention_softmax_matches_its_reference(T, n, scale, dtype, n_threads):
     _close(d, dwant, dtype)
     np.testing.assert_allclose(d, (g - (g * a).sum(axis=1, keepdims=True)) * a * scale,
                                rtol=10 * TOL[dtype], atol=TOL[dtype])
+
+
+def _model_mask(u, p, dtype):
+    """The dropout mask the models multiplied by before the dropout kernels."""
+    mask = (u >= p).astype(dtype)
+    mask *= 1.0 / (1.0 - p)
+    return mask
+
+
+def _draws(shape, p, seed=6):
+    """Uniform float32 draws, some exactly at float32(p) (kept: NumPy compares in float32)."""
+    u = np.random.default_rng(seed).random(shape, dtype=np.float32)
+    u.reshape(-1)[::7] = np.float32(p)
+    return u
+
+
+def _same_bits(got, want):
+    """Equal values and dtype (a dropped element may be +0 where the mask gave -0)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("module", [cpu, reference], ids=lambda m: m.NAME)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(37, 53), (0, 16), (2, 3, 40), (5,)], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.7])
+def test_dropout_is_the_models_mask_bit_for_bit(module, shape, dtype, p):
+    x, y = _rand(shape, dtype), _rand(shape, dtype, 1)
+    u = _draws(shape, p)
+    mask = _model_mask(u, p, dtype)
+    _same_bits(module.dropout_add(x, y, u, p), x + y * mask)
+    _same_bits(module.dropout_add(None, y, u, p), y * mask)
+    _same_bits(module.dropout_backward(y, u, p), y * mask)
+    assert np.array_equal(y, _rand(shape, dtype, 1))                  # inputs only read
+
+
+@pytest.mark.parametrize("module", [cpu, reference], ids=lambda m: m.NAME)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("T,n", [(7, 3), (16, 1), (33, 0), (64, 20)])
+def test_attention_dropout_is_the_models_mask_bit_for_bit(module, T, n, dtype, n_threads):
+    s, g = _rand((n * T, T), dtype), _rand((n * T, T), dtype, 1)
+    u, p = _draws(s.shape, 0.2), 0.2
+    a, plain = s.copy(), s.copy()
+    module.causal_softmax(plain, T, 0.25)
+    dropped = module.causal_softmax(a, T, 0.25, drop_u=u, drop_p=p)
+    _same_bits(a, plain)                                  # the weights as without dropout
+    _same_bits(dropped, plain * _model_mask(u, p, dtype))
+    into = np.empty_like(a)
+    assert module.causal_softmax(s.copy(), T, 0.25, u, p, dropped=into) is into
+    _same_bits(into, dropped)
+    d, want = g.copy(), g * _model_mask(u, p, dtype)
+    module.softmax_backward(d, a, 0.25, drop_u=u, drop_p=p)
+    module.softmax_backward(want, a, 0.25)
+    _same_bits(d, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(37, 53), (0, 16), (1, 7), (2048, 64)], ids=str)
+def test_norm_param_grads_are_the_models_col_sums_bit_for_bit(shape, dtype):
+    g, xhat = _rand(shape, dtype), _rand(shape, dtype, 1)
+    ones = np.ones(shape[0], dtype=dtype)
+    gw, gb = cpu.norm_param_grads(g, xhat, True, True)
+    _same_bits(gw, ones @ (g * xhat))
+    _same_bits(gb, ones @ g)
+    bucket = np.full(2 * shape[1] + 3, np.nan, dtype)     # views into a gradient bucket
+    out_w, out_b = bucket[:shape[1]], bucket[shape[1] + 3:]
+    got = cpu.norm_param_grads(g, xhat, True, True, out_weight=out_w, out_bias=out_b)
+    assert got[0] is out_w and got[1] is out_b
+    _same_bits(bucket[:shape[1]], gw)
+    _same_bits(bucket[shape[1] + 3:], gb)
+    assert np.isnan(bucket[shape[1]:shape[1] + 3]).all()
+    assert cpu.norm_param_grads(g, xhat, False, False) == (None, None)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -199,21 +288,23 @@ def test_for_rows_raises_a_workers_error_after_all_finish():
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_device_kernels_match_the_references(array_backend, dtype):
     """The kernel set of each array module (on CuPy the compiled kernels; on the strict
-    module the fused blocks) against the reference computed by NumPy, at T=1024 sizes
-    of a 768-wide model (tiny on NumPy and strict, where this is about the plumbing)."""
+    module the fused blocks, one launch each) against the reference computed by NumPy,
+    at T=1024 sizes of a 768-wide model (tiny on NumPy and strict, where this is about
+    the plumbing)."""
     xp = array_backend.xp
     if xp is np:
         pytest.skip("NumPy's kernels are checked against the references above")
     k = kernels_for(xp)
     rows = 1024 if array_backend.name == "cupy" else 37
-    host = [_rand((rows, 3 * 257), dtype, s) for s in range(4)]
+    width = 3 * 257
+    host = [_rand((rows, width), dtype, s) for s in range(4)]
     a, t, g, u = (xp.asarray(h) for h in host)
     tol = TOL[np.dtype(dtype).type]
 
-    def close(got, want):
+    def close(got, want, rtol=tol, atol=tol):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_allclose(xp.asnumpy(got) if hasattr(xp, "asnumpy") else got.get(),
-                                   want, rtol=tol, atol=tol)
+                                   want, rtol=rtol, atol=atol)
     y, tt = k.gelu_forward(a)
     wy, wt = reference.gelu_forward(host[0])
     close(y, wy), close(tt, wt)
@@ -229,8 +320,10 @@ def test_device_kernels_match_the_references(array_backend, dtype):
     k.adam_update(p, g, m, v, 0.9, 0.95, 1e-3, 1.2, 1e-8)
     reference.adam_update(wp, host[2], wm, wv, 0.9, 0.95, 1e-3, 1.2, 1e-8)
     close(p, wp), close(m, wm), close(v, wv)
+    # the norms, with each of their affine parameters and none; then the parameters'
+    # gradients (sums over the rows: their rounding grows with the row count)
     w, b = xp.asarray(host[1][0]), xp.asarray(host[2][0])
-    for weight, bias in ((w, b), (None, None)):
+    for weight, bias in ((w, b), (None, None), (w, None), (None, b)):
         hw = None if weight is None else host[1][0]
         hb = None if bias is None else host[2][0]
         got = k.layer_norm_forward(a, weight, bias, 1e-5)
@@ -245,6 +338,46 @@ def test_device_kernels_match_the_references(array_backend, dtype):
             close(x, y)
         close(k.rms_norm_backward(g, got[1], got[2], weight),
               reference.rms_norm_backward(host[2], want[1], want[2], hw))
+    sum_tol = tol * rows ** 0.5
+    want_w, want_b = reference.norm_param_grads(host[2], host[0], True, True)
+    gw, gb = k.norm_param_grads(g, a, True, True)
+    close(gw, want_w, sum_tol, sum_tol), close(gb, want_b, sum_tol, sum_tol)
+    bucket = xp.zeros(2 * width + 1, dtype=dtype)        # views into a gradient bucket
+    out_w, out_b = bucket[:width], bucket[width + 1:]
+    gw, gb = k.norm_param_grads(g, a, True, True, out_weight=out_w, out_bias=out_b)
+    assert gw is out_w and gb is out_b
+    close(bucket[:width], want_w, sum_tol, sum_tol), close(bucket[width + 1:], want_b,
+                                                            sum_tol, sum_tol)
+    gw, gb = k.norm_param_grads(g, a, False, True)
+    assert gw is None
+    close(gb, want_b, sum_tol, sum_tol)
+    close(k.norm_param_grads(g[:0], a[:0], True, False)[0], np.zeros(width, dtype))
+    # rows with a stride (not C-contiguous): CuPy's norms fall back to 3 and 2 launches
+    view, hview = a[:, 5:], host[0][:, 5:]
+    got = k.layer_norm_forward(view, None, None, 1e-5)
+    want = reference.layer_norm_forward(hview, None, None, 1e-5)
+    for x, y in zip(got, want):
+        close(x, y)
+    close(k.layer_norm_backward(g[:, 5:], got[1], got[2], None),
+          reference.layer_norm_backward(host[2][:, 5:], want[1], want[2], None))
+    got = k.rms_norm_forward(view, None, 1e-6)
+    want = reference.rms_norm_forward(hview, None, 1e-6)
+    for x, y in zip(got, want):
+        close(x, y)
+    close(k.rms_norm_backward(g[:, 5:], got[1], got[2], None),
+          reference.rms_norm_backward(host[2][:, 5:], want[1], want[2], None))
+    # dropout, also of 16-bit data (the draws always float32)
+    u_host = _draws((rows, width), 0.3)
+    drop_u = xp.asarray(u_host)
+    close(k.dropout_add(a, g, drop_u, 0.3), reference.dropout_add(host[0], host[2], u_host, 0.3))
+    close(k.dropout_add(None, g, drop_u, 0.3), reference.dropout_add(None, host[2], u_host, 0.3))
+    close(k.dropout_backward(g, drop_u, 0.3), reference.dropout_backward(host[2], u_host, 0.3))
+    h16 = [h.astype(np.float16) for h in host[:2]]
+    close(k.dropout_add(*(xp.asarray(h) for h in h16), drop_u, 0.3),
+          reference.dropout_add(*h16, u_host, 0.3), 1e-3, 1e-3)
+    close(k.dropout_backward(xp.asarray(h16[1]), drop_u, 0.3),
+          reference.dropout_backward(h16[1], u_host, 0.3), 1e-3, 1e-3)
+    # attention's softmax, without and with dropout of the weights
     T = 64 if array_backend.name == "cupy" else 8
     scores = _rand((3 * T, T), dtype, 5)
     got, want = xp.asarray(scores), scores.copy()
@@ -255,21 +388,40 @@ def test_device_kernels_match_the_references(array_backend, dtype):
     k.softmax_backward(d, got, 0.125)
     reference.softmax_backward(dwant, want, 0.125)
     close(d, dwant)
-    if array_backend.name == "strict":
+    su_host = _draws(scores.shape, 0.25)
+    su = xp.asarray(su_host)
+    got, want = xp.asarray(scores), scores.copy()
+    dropped = k.causal_softmax(got, T, 0.125, drop_u=su, drop_p=0.25)
+    close(dropped, reference.causal_softmax(want, T, 0.125, drop_u=su_host, drop_p=0.25))
+    close(got, want)
+    d, dwant = xp.asarray(scores), scores.copy()
+    k.softmax_backward(d, got, 0.125, drop_u=su, drop_p=0.25)
+    reference.softmax_backward(dwant, want, 0.125, drop_u=su_host, drop_p=0.25)
+    close(d, dwant)
+    if array_backend.name == "strict":                    # one launch per fused kernel
         from mpishard import strict
-        strict.syncs.reset()
-        k.causal_softmax(got, T, 0.125)
-        k.softmax_backward(d, got, 0.125)
-        assert strict.syncs.launches == 2
-        strict.syncs.reset()
-        k.gelu_forward(a)
-        k.adam_update(p, g, m, v, 0.9, 0.95, 1e-3, 1.2, 1e-8)
-        assert strict.syncs.launches == 2                 # one launch per fused kernel
-        strict.syncs.reset()
-        y, h, r = k.layer_norm_forward(a, w, b, 1e-5)
-        k.layer_norm_backward(g, h, r, w)
-        assert strict.syncs.launches == 6                 # 2 reductions + 1 map, each way
-        strict.syncs.reset()
-        y, h, r = k.rms_norm_forward(a, w, 1e-6)
-        k.rms_norm_backward(g, h, r, w)
-        assert strict.syncs.launches == 4
+
+        def one_launch(name, fn, *args, **kwargs):
+            strict.syncs.reset()
+            result = fn(*args, **kwargs)
+            assert dict(strict.syncs.launches_by_op) == {name: 1}, fn.__name__
+            return result
+        one_launch("mpishard_gelu_forward", k.gelu_forward, a)
+        one_launch("mpishard_adam_update", k.adam_update, p, g, m, v, 0.9, 0.95, 1e-3, 1.2,
+                   1e-8)
+        one_launch("mpishard_causal_softmax", k.causal_softmax, got, T, 0.125)
+        one_launch("mpishard_softmax_backward", k.softmax_backward, d, got, 0.125)
+        one_launch("mpishard_causal_softmax", k.causal_softmax, got, T, 0.125, su, 0.25)
+        one_launch("mpishard_causal_softmax", k.causal_softmax, got, T, 0.125, su, 0.25,
+                   dropped)
+        one_launch("mpishard_softmax_backward", k.softmax_backward, d, got, 0.125, su, 0.25)
+        _, h, r = one_launch("mpishard_layer_norm_forward", k.layer_norm_forward, a, w, b, 1e-5)
+        one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g, h, r, w)
+        _, h, r = one_launch("mpishard_rms_norm_forward", k.rms_norm_forward, a, w, 1e-6)
+        one_launch("mpishard_rms_norm_backward", k.rms_norm_backward, g, h, r, w)
+        one_launch("mpishard_norm_param_grads", k.norm_param_grads, g, h, True, True)
+        one_launch("mpishard_norm_param_grads", k.norm_param_grads, g, h, True, True, out_w,
+                   out_b)
+        one_launch("mpishard_dropout_add", k.dropout_add, a, g, drop_u, 0.3)
+        one_launch("mpishard_dropout_add", k.dropout_add, None, g, drop_u, 0.3)
+        one_launch("mpishard_dropout_backward", k.dropout_backward, g, drop_u, 0.3)

@@ -7,7 +7,7 @@ activation checkpointing (:func:`recompute`) is in :mod:`.recompute`.
 """
 from . import llama_fused, llama_ops, moe_ops, nn_ops, ops
 from .gradcheck import gradcheck, numerical_grad
-from .nn_ops import (causal_self_attention, cross_entropy, dropout, embedding, gelu,
+from .nn_ops import (causal_self_attention, cross_entropy, dropout, dropout_add, embedding, gelu,
                      layer_norm, linear, log_softmax, softmax)
 from .ops import (OPS, add, concat, div, exp, getitem, log, masked_fill, matmul, max,
                   mean, mul, neg, permute, pow, relu, reshape, split, sqrt, sub, sum,
@@ -23,6 +23,6 @@ __all__ = [
     "reshape", "transpose", "permute", "getitem", "concat", "split", "exp", "log",
     "tanh", "sqrt", "relu", "where", "masked_fill",
     "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
-    "embedding", "dropout", "causal_self_attention", "recompute",
+    "embedding", "dropout", "dropout_add", "causal_self_attention", "recompute",
     "llama_ops", "rms_norm", "rope", "rope_tables", "swiglu", "rope_qkv",
 ]

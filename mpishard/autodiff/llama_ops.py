@@ -17,8 +17,8 @@ from ..backend import xp_of
 from ..dtypes import is_low_precision
 from ..kernels import kernels_for
 from .graph import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, col_sum, up
-from .tensor import Tensor
+from .rows import cast, check_last_dim, up
+from .tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = ["rms_norm", "rope", "rope_qkv", "swiglu", "rope_tables"]
 
@@ -39,13 +39,18 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
 
     def backward(g):
         g2 = up(g.reshape(-1, n))
-        gw = col_sum(g2 * xhat) if weight is not None and weight.requires_grad else None
+        need_w = weight is not None and weight.requires_grad
+        gw, _ = kernels.norm_param_grads(                  # see [Note: gradient buffers]
+            g2, xhat, need_w, False, grad_buffer(weight, g2.dtype) if need_w else None)
         gx = None
         if x.requires_grad:
             # the weight read again: under ZeRO-3 the forward's array was a gathered copy,
             # released after the forward (holding it would keep its whole unit alive)
             w = up(weight.data) if weight is not None else None
-            gx = cast(kernels.rms_norm_backward(g2, xhat, rstd, w), dtype).reshape(x.shape)
+            into = grad_so_far(x, g2.dtype)               # see [Note: gradient buffers]
+            gx = kernels.rms_norm_backward(g2, xhat, rstd, w, None if into is None
+                                           else into.reshape(-1, n))
+            gx = into if into is not None else cast(gx, dtype).reshape(x.shape)
         return gx, gw
     return make_result(cast(y, dtype).reshape(x.shape), (x, weight), backward, "rms_norm")
 

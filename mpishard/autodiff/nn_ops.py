@@ -29,13 +29,13 @@ from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from ..kernels import kernels_for
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, col_sum, scatter_add, up
+from .rows import cast, check_last_dim, col_sum, draw_uniform, scatter_add, up
 from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
-from .tensor import Tensor
+from .tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = [
     "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
-    "embedding", "dropout", "causal_self_attention",
+    "embedding", "dropout", "dropout_add", "causal_self_attention",
 ]
 
 
@@ -64,8 +64,12 @@ def linear(x, weight, bias=None) -> Tensor:
     def backward(g):
         g2 = cast(g.reshape(-1, n_out), cd)               # (N, out)
         gx = cast(g2 @ cast(weight.data, cd), dtype).reshape(x.shape) if x.requires_grad else None
-        gw = g2.T @ cast(x.data.reshape(-1, n_in), cd) if weight.requires_grad else None
-        gb = col_sum(g2) if bias is not None and bias.requires_grad else None
+        gw = gb = None                                    # see [Note: gradient buffers]
+        if weight.requires_grad:
+            gw = xp_of(g2).matmul(g2.T, cast(x.data.reshape(-1, n_in), cd),
+                                  out=grad_buffer(weight, cd))
+        if bias is not None and bias.requires_grad:
+            gb = col_sum(g2, out=grad_buffer(bias, cd))
         return gx, gw, gb
     return make_result(cast(y, dtype).reshape(out_shape), (x, weight, bias), backward, "linear")
 
@@ -93,12 +97,17 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     def backward(g):
         g2 = up(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
-        gw = col_sum(g2 * xhat) if need_w else None
-        gb = col_sum(g2) if bias is not None and bias.requires_grad else None
+        need_b = bias is not None and bias.requires_grad
+        gw, gb = kernels.norm_param_grads(                # see [Note: gradient buffers]
+            g2, xhat, need_w, need_b, grad_buffer(weight, g2.dtype) if need_w else None,
+            grad_buffer(bias, g2.dtype) if need_b else None)
         gx = None
         if x.requires_grad:
             w = up(weight.data) if weight is not None else None
-            gx = cast(kernels.layer_norm_backward(g2, xhat, rstd, w), dtype).reshape(x.shape)
+            into = grad_so_far(x, g2.dtype)               # see [Note: gradient buffers]
+            gx = kernels.layer_norm_backward(g2, xhat, rstd, w, None if into is None
+                                             else into.reshape(-1, n))
+            gx = into if into is not None else cast(gx, dtype).reshape(x.shape)
         return gx, gw, gb
     return make_result(cast(y, dtype).reshape(x.shape), (x, weight, bias), backward,
                        "layer_norm")
@@ -189,14 +198,37 @@ def dropout(x, p: float, rng, training: bool = True) -> Tensor:
     Args:
         rng: a seeded generator with ``random(shape, dtype=...)`` (NumPy's
             ``Generator`` or CuPy's), so masks are reproducible.
+
+    One draw of float32 uniforms ``u`` (kept for backward: an element stays
+    where ``u >= p``), then one kernel each way.
     """
     x = as_tensor(x)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
-    keep = rng.random(x.shape, dtype=np.float32) >= p
-    scale = 1.0 / (1.0 - p)
-    mask = keep.astype(x.dtype)
-    mask *= scale
-    return make_result(x.data * mask, (x,), lambda g: (g * mask,), "dropout")
+    xp = xp_of(x.data)
+    kernels = kernels_for(xp)
+    u = draw_uniform(rng, x.shape, xp)
+    return make_result(kernels.dropout_add(None, x.data, u, p), (x,),
+                       lambda g: (kernels.dropout_backward(g, u, p),), "dropout")
+
+
+@register_op
+def dropout_add(x, y, p: float, rng, training: bool = True) -> Tensor:
+    """``x + dropout(y, p)``: a residual connection and its branch's dropout in one
+    kernel (the draw of ``u`` as in :func:`dropout`, the same mask for the same
+    generator state). ``x`` and ``y`` have one shape; without dropout it is ``x + y``."""
+    x, y = as_tensor(x), as_tensor(y)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_add: p must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x + y
+    if x.shape != y.shape or x.data.dtype != y.data.dtype:
+        raise ValueError(f"dropout_add: x {tuple(x.shape)} {x.data.dtype} and y "
+                         f"{tuple(y.shape)} {y.data.dtype} must have one shape and dtype")
+    xp = xp_of(y.data)
+    kernels = kernels_for(xp)
+    u = draw_uniform(rng, y.shape, xp)
+    return make_result(kernels.dropout_add(x.data, y.data, u, p), (x, y),
+                       lambda g: (g, kernels.dropout_backward(g, u, p)), "dropout_add")

@@ -14,18 +14,22 @@ from ..kernels.rows import row_dot, row_max, row_sum
 from .tensor import Tensor
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "up", "cast", "check_last_dim",
-           "scatter_add"]
+           "scatter_add", "draw_uniform"]
 
 
-def col_sum(x2d):
+def col_sum(x2d, out=None):
     """Sum over the first axis: a ones-vector matmul on NumPy (BLAS beats its
     reduction there), one reduction kernel on a GPU (where the ones would be one
-    launch more)."""
+    launch more). ``out``: an array of the result's shape and dtype to write into."""
     if isinstance(x2d, np.ndarray):
-        return np.ones(x2d.shape[0], dtype=x2d.dtype) @ x2d
+        return np.matmul(np.ones(x2d.shape[0], dtype=x2d.dtype), x2d, out=out)
     if is_low_precision(x2d.dtype):                  # accumulate in float32
-        return x2d.sum(axis=0, dtype=np.float32).astype(x2d.dtype)
-    return x2d.sum(axis=0)
+        s = x2d.sum(axis=0, dtype=np.float32).astype(x2d.dtype)
+        if out is None:
+            return s
+        out[...] = s
+        return out
+    return x2d.sum(axis=0, out=out)
 
 
 def up(a):
@@ -58,3 +62,16 @@ def check_last_dim(op: str, x: Tensor, n: int, what: str) -> None:
                          f"{what} = {n}")
 
 
+def draw_uniform(rng, shape, xp, out=None):
+    """``rng``'s float32 uniforms in [0, 1) of ``shape`` (into ``out`` if given) as an
+    array of ``xp``: a host generator's draws (NumPy's, driving device arrays in a
+    test) are copied over."""
+    if xp is np or not isinstance(rng, np.random.Generator):
+        if out is None:
+            return rng.random(shape, dtype=np.float32)
+        return rng.random(shape, dtype=np.float32, out=out)
+    u = xp.asarray(rng.random(shape, dtype=np.float32))
+    if out is None:
+        return u
+    out[...] = u
+    return out

@@ -14,7 +14,7 @@ from ..backend import xp_of
 from ..dtypes import is_low_precision, matmul_dtype
 from ..kernels import kernels_for
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, row_dot, row_max, row_sum, up
+from .rows import cast, draw_uniform, row_dot, row_max, row_sum, up
 from .tensor import Tensor
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
@@ -184,7 +184,8 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
 
     packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
     att = xp.empty((B, n_head, T, T), dtype=sd)          # softmax weights, kept
-    drop = xp.empty_like(att) if use_dropout else None
+    # dropout on the weights: float32 uniforms, kept (an element stays where u >= p)
+    drop_u = xp.empty(att.shape, dtype=np.float32) if use_dropout else None
     out = xp.empty((B, T, n_head, hs), dtype=cd)
     for b0 in range(0, B, step):
         b = slice(b0, b0 + step)
@@ -193,32 +194,49 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
         else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
             a[...] = heads(packed, b, 0) @ heads(packed, b, 1).swapaxes(-1, -2)
-        kernels.causal_softmax(a.reshape(-1, T), T, scale)
-        if use_dropout:
-            d = drop[b]
-            d[...] = rng.random(d.shape, dtype=np.float32) >= dropout_p
-            d *= 1.0 / (1.0 - dropout_p)
-            a = a * d
+        if use_dropout:                                  # softmax and dropout: one kernel
+            u = drop_u[b]
+            draw_uniform(rng, u.shape, xp, out=u)
+            used = xp.empty_like(a)
+            kernels.causal_softmax(a.reshape(-1, T), T, scale, drop_u=u.reshape(-1, T),
+                                   drop_p=dropout_p, dropped=used.reshape(-1, T))
+            a = used
+        else:
+            kernels.causal_softmax(a.reshape(-1, T), T, scale)
         out[b] = (cast(a, cd) @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
 
     def backward(g):
         packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
         gy = cast(g, cd).reshape(B, T, n_head, hs)
-        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=cd)
+        # q's, k's and v's gradients: on NumPy each sequence's written into the packed
+        # layout as it is done (in cache); on a GPU the three products straight into one
+        # head-major buffer, then one transposing copy (3 launches fewer than 3 copies)
+        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=cd if xp is np else qkv.dtype)
+        dh = None if xp is np else xp.empty((3, B, n_head, T, hs), dtype=cd)
+
+        def put(which, b, x, y):                          # x @ y: q's, k's or v's part
+            if dh is None:
+                dqkv[b, :, which] = (x @ y).transpose(0, 2, 1, 3)
+            else:
+                xp.matmul(x, y, out=dh[which, b])
+
         for b0 in range(0, B, step):
             b = slice(b0, b0 + step)
             q, k, v = heads(packed, b, 0), heads(packed, b, 1), heads(packed, b, 2)
             gyb = gy[b].transpose(0, 2, 1, 3)            # (nb, nh, T, hs)
             a = att[b]
-            used = a * drop[b] if use_dropout else a
-            dqkv[b, :, 2] = (cast(used, cd).swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)
+            u = drop_u[b].reshape(-1, T) if use_dropout else None
+            used = kernels.dropout_add(None, a.reshape(-1, T), u, dropout_p).reshape(
+                a.shape) if use_dropout else a
+            put(2, b, cast(used, cd).swapaxes(-1, -2), gyb)
             da = cast(gyb @ v.swapaxes(-1, -2), sd)       # (nb, nh, T, T)
-            if use_dropout:
-                da *= drop[b]
-            kernels.softmax_backward(da.reshape(-1, T), a.reshape(-1, T), scale)
+            kernels.softmax_backward(da.reshape(-1, T), a.reshape(-1, T), scale,  # masked
+                                     drop_u=u, drop_p=dropout_p)                    # first
             da = cast(da, cd)
-            dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
-            dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
+            put(0, b, da, k)
+            put(1, b, da.swapaxes(-1, -2), q)
+        if dh is not None:
+            dqkv[...] = dh.transpose(1, 3, 0, 2, 4)       # (B, T, 3, nh, hs), cast once
         return (cast(dqkv, qkv.dtype).reshape(N, width),)
     return make_result(cast(out, qkv.dtype).reshape(N, C), (qkv,), backward,
                        "causal_self_attention")

@@ -39,7 +39,30 @@ import numpy as np
 
 from . import profile as _profile
 
-__all__ = ["Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle"]
+__all__ = ["Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle", "grad_buffer",
+           "grad_so_far"]
+
+# [Note: gradient buffers]
+# Data parallelism averages gradients in flat buckets. Copying each parameter's
+# gradient into its bucket view costs one pass over every gradient (on a GPU,
+# one kernel launch per parameter). So a strategy may set ``p.grad_out`` to the
+# view, and an op whose backward computes a parameter's gradient (a linear
+# layer's weight and bias products, a norm's column sums) asks
+# ``grad_buffer(p, dtype)`` for it: it gets the view when ``p`` has no gradient
+# yet in this step and the view has the dtype the gradient would be kept in,
+# writes the product there (``matmul(..., out=view)``), and returns the view,
+# which ``_accumulate`` keeps as ``p.grad``; the bucket then finds it in place.
+# Later contributions (a tied weight's second use, the next micro-batch) add
+# into ``p.grad`` as before. Every other case (no buffer, a gradient already
+# there, a dtype the gradient is cast to) gets ``None``: the op computes a
+# fresh array as usual.
+#
+# The same holds for the other end: a norm's backward adds its input gradient
+# straight into the gradient that input already has (``grad_so_far``: the
+# residual stream's, handed down by the residual add), in its own kernel,
+# instead of returning a fresh array for ``_accumulate`` to add; it returns that
+# very array, which ``_accumulate`` then leaves as it is. That is the in-place
+# addition ``_accumulate`` would do, done one pass earlier.
 
 
 class _GradMode(threading.local):
@@ -107,10 +130,12 @@ class Tensor:
     ``grad_dtype`` (default ``None``: the data's dtype) is the dtype gradients
     accumulate in; mixed precision sets float32 on 16-bit parameters so that
     every contribution (tied uses, micro-batches) is added in float32.
+    ``grad_out`` (default ``None``) is a buffer the gradient may be computed
+    straight into (see [Note: gradient buffers]).
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "name", "grad_dtype", "_parents",
-                 "_backward", "_op", "_hooks", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "name", "grad_dtype", "grad_out",
+                 "_parents", "_backward", "_op", "_hooks", "__weakref__")
     __array_priority__ = 1000  # so ndarray + Tensor defers to Tensor.__radd__
 
     def __init__(self, data, requires_grad: bool = False, name: str = ""):
@@ -124,6 +149,7 @@ class Tensor:
         self.requires_grad = bool(requires_grad)
         self.name = name
         self.grad_dtype = None
+        self.grad_out = None        # see [Note: gradient buffers]
         self._parents: tuple = ()
         self._backward: Callable | None = None
         self._op = ""
@@ -298,7 +324,30 @@ def run_backward(root: Tensor, grad) -> None:
                     parent._fire_hooks()
 
 
+def grad_buffer(tensor, dtype):
+    """``tensor.grad_out`` when the op computing ``tensor``'s gradient in ``dtype`` may
+    write it straight there (see [Note: gradient buffers]), else ``None``."""
+    out = tensor.grad_out
+    if out is None or tensor.grad is not None or out.dtype != dtype:
+        return None
+    if (tensor.grad_dtype or tensor.data.dtype) != dtype:
+        return None
+    return out
+
+
+def grad_so_far(tensor, dtype):
+    """``tensor.grad`` when an op whose gradient for ``tensor`` comes out in ``dtype`` may
+    add it in place there (see [Note: gradient buffers]; the op then returns
+    ``tensor.grad`` itself), else ``None``."""
+    g = tensor.grad
+    if g is None or g.dtype != dtype or tensor.data.dtype != dtype or not g.flags.c_contiguous:
+        return None
+    return g
+
+
 def _accumulate(tensor: Tensor, g) -> None:
+    if g is tensor.grad:                   # the op added into it (see grad_so_far)
+        return
     if g.shape != tuple(tensor.shape):  # a Parameter's shape holds even while released
         raise RuntimeError(
             f"internal error: gradient of shape {g.shape} for tensor {tensor!r} "

@@ -6,14 +6,18 @@
 
 Every kernel set has the same functions (see :mod:`.reference` for each one's
 math): ``gelu_forward``/``gelu_backward``, ``layer_norm_forward``/``_backward``,
-``rms_norm_forward``/``_backward``, ``swiglu_forward``/``_backward``,
-``softmax_rows`` (in place) and ``adam_update`` (in place).
+``rms_norm_forward``/``_backward``, ``norm_param_grads`` (either norm's weight and
+bias gradients), ``swiglu_forward``/``_backward``, ``dropout_add``/``dropout_backward``
+(on the caller's uniform draws), ``softmax_rows`` (in place), attention's
+``causal_softmax``/``softmax_backward`` (in place, optionally with dropout of the
+weights) and ``adam_update`` (in place).
 
 * :mod:`.cpu` for NumPy arrays: cache-blocked passes, spread over
   ``MPISHARD_THREADS`` threads (default 1, see :mod:`.threads`);
-* :mod:`.gpu` for CuPy and the CuPy-strict test module: the elementwise chains
-  (GELU, SwiGLU, Adam) as one compiled kernel each, the rest as the references
-  (on the strict module each fused kernel counts as one launch);
+* :mod:`.gpu` for CuPy and the CuPy-strict test module: each kernel one compiled
+  kernel launch (elementwise chains, a thread block per row for the norms and
+  attention's softmax), plain row softmax as the reference (on the strict module
+  each fused kernel counts as one launch);
 * :mod:`.reference`: whole-array expressions, the math of every kernel;
 * ``MPISHARD_KERNELS=reference`` selects the references everywhere: the
   fallback when a kernel misbehaves on a new machine (``MPISHARD_KERNELS=auto``,

@@ -4,22 +4,29 @@ blocks of rows, the blocks spread over a few threads (:func:`.threads.for_rows`)
 Each pass writes into preallocated arrays (``out=``), so a kernel allocates only
 its results; each row's arithmetic is the same whatever the blocks and threads,
 so results do not depend on the thread count. Reductions over a row are
-:mod:`.rows`'.
+:mod:`.rows`'. A few run on whole arrays: attention's softmax backward; the norms'
+parameter gradients, as the ones-vector products (BLAS) the models have always
+used, bit for bit; and dropout, three passes that measured about as fast whole as
+blocked (:mod:`.reference`'s).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .reference import GELU_C, GELU_K, scale_and_mask
+from . import reference
+from .reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
 from .rows import row_dot, row_max, row_sum
 from .threads import for_rows
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
-           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-           "swiglu_backward", "softmax_rows", "causal_softmax", "softmax_backward",
-           "adam_update"]
+           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
+           "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
 
 NAME = "cpu"
+
+dropout_add = reference.dropout_add            # whole arrays (see the module docstring)
+dropout_backward = reference.dropout_backward
 
 
 def gelu_forward(a):
@@ -84,13 +91,15 @@ def layer_norm_forward(x2, weight, bias, eps: float):
     return y, xhat, rstd
 
 
-def _norm_backward(g2, xhat, rstd, weight, centred: bool):
-    """Layer norm's input gradient (``centred``) or RMS norm's (without the mean)."""
+def _norm_backward(g2, xhat, rstd, weight, centred: bool, into=None):
+    """Layer norm's input gradient (``centred``) or RMS norm's (without the mean); with
+    ``into``, each row block added into it while in cache."""
     inv_n = 1.0 / g2.shape[1]
-    gx = np.empty_like(g2)
+    gx = np.empty_like(g2) if into is None else None
 
     def block(rows):
-        gb, hb = gx[rows], xhat[rows]
+        gb = gx[rows] if into is None else np.empty_like(g2[rows])
+        hb = xhat[rows]
         if weight is not None:
             np.multiply(g2[rows], weight, out=gb)
         else:
@@ -101,12 +110,14 @@ def _norm_backward(g2, xhat, rstd, weight, centred: bool):
             gb -= mean_g[:, None]
         gb -= hb * mean_gx[:, None]
         gb *= rstd[rows][:, None]
+        if into is not None:
+            into[rows] += gb
     for_rows(block, *g2.shape)
-    return gx
+    return gx if into is None else into
 
 
-def layer_norm_backward(g2, xhat, rstd, weight):
-    return _norm_backward(g2, xhat, rstd, weight, centred=True)
+def layer_norm_backward(g2, xhat, rstd, weight, into=None):
+    return _norm_backward(g2, xhat, rstd, weight, centred=True, into=into)
 
 
 def rms_norm_forward(x2, weight, eps: float):
@@ -130,8 +141,18 @@ def rms_norm_forward(x2, weight, eps: float):
     return y, xhat, rstd
 
 
-def rms_norm_backward(g2, xhat, rstd, weight):
-    return _norm_backward(g2, xhat, rstd, weight, centred=False)
+def rms_norm_backward(g2, xhat, rstd, weight, into=None):
+    return _norm_backward(g2, xhat, rstd, weight, centred=False, into=into)
+
+
+def norm_param_grads(g2, xhat, need_weight: bool, need_bias: bool, out_weight=None,
+                     out_bias=None):
+    """Column sums as ``ones @ rows`` (BLAS beats NumPy's reduction), straight into the
+    buckets' views when given: bit-identical to the models' ``col_sum``."""
+    ones = np.ones(g2.shape[0], dtype=g2.dtype)
+    gw = np.matmul(ones, g2 * xhat, out=out_weight) if need_weight else None
+    gb = np.matmul(ones, g2, out=out_bias) if need_bias else None
+    return gw, gb
 
 
 def swiglu_forward(gate, up):
@@ -169,21 +190,34 @@ def swiglu_backward(gate, up, s2, grad, need_gate: bool = True, need_up: bool = 
     return g_gate, g_up
 
 
+def _softmax(r) -> None:
+    """Softmax over each row of the block ``r``, in place."""
+    r -= row_max(r)[:, None]
+    np.exp(r, out=r)
+    r *= (1.0 / row_sum(r))[:, None]
+
+
 def softmax_rows(a) -> None:
-    def block(rows):
-        r = a[rows]
-        r -= row_max(r)[:, None]
-        np.exp(r, out=r)
-        r *= (1.0 / row_sum(r))[:, None]
-    for_rows(block, *a.shape)
+    for_rows(lambda rows: _softmax(a[rows]), *a.shape)
 
 
-def causal_softmax(a, T: int, scale: float) -> None:
+def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dropped=None):
     scale_and_mask(a, T, scale)
-    softmax_rows(a)
+    if drop_u is None:
+        softmax_rows(a)
+        return None
+    dropped = np.empty_like(a) if dropped is None else dropped
+
+    def block(rows):                    # the dropout while the block's weights are in cache
+        _softmax(a[rows])
+        apply_dropout(a[rows], drop_u[rows], drop_p, out=dropped[rows])
+    for_rows(block, *a.shape)
+    return dropped
 
 
-def softmax_backward(d, p, scale: float) -> None:
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0) -> None:
+    if drop_u is not None:
+        apply_dropout(d, drop_u, drop_p, out=d)
     d -= row_dot(d, p)[:, None]
     d *= p
     if scale != 1.0:

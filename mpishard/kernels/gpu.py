@@ -1,16 +1,26 @@
-"""GPU kernels: the elementwise chains as single CuPy kernels, the rest as the references.
+"""GPU kernels: each op as one compiled CuPy kernel launch, the rest as the references.
 
 A chain of NumPy-style operations on CuPy is one kernel launch per operation,
-each reading and writing the whole array in device memory. The GELU, SwiGLU and
-Adam chains here are each one ``cupy.ElementwiseKernel`` (compiled once per
-dtype, on first use): one read of the inputs, one write of the outputs. Layer
-norm and RMS norm are row reductions (``cupy.ReductionKernel``, one per
-statistic) and one elementwise kernel each way: 3 launches for layer norm and 2
-for RMS norm, forward and backward alike, where the reference takes about 10.
-Attention's softmax is one ``cupy.RawKernel`` each way, a thread block per row
-(scale, causal mask, max, exp, sum and normalise forward; the row dot product
-and the product backward), where the reference takes 7 and 4 launches and a
-mask array; plain row softmax runs as the reference.
+each reading and writing the whole array in device memory. Here each kernel is
+one launch, reading its inputs once and writing its outputs once:
+
+* GELU, SwiGLU, Adam and dropout (``dropout_add``, ``dropout_backward``; also on
+  float16) are each one ``cupy.ElementwiseKernel`` (compiled once per dtype, on
+  first use), where the references take 5 to 12 launches;
+* layer norm and RMS norm, forward and backward, are one ``cupy.RawKernel`` each
+  (:data:`ROW_KERNELS`: a thread block per row, the row's sums as block
+  reductions, then its outputs), where the reference takes about 10; their weight
+  and bias gradients (:func:`norm_param_grads`) are one more, a thread block per 32
+  columns, where the models took a product and two column sums;
+* attention's softmax is one RawKernel each way, a thread block per row (scale,
+  causal mask, max, exp, sum and normalise forward, and the dropout of the
+  weights; the dropout of the gradient, the row dot product and the product
+  backward), where the reference takes 7 and 4 launches and a mask array (and
+  dropout 4 and 2 more); plain row softmax runs as the reference.
+
+The RawKernels take C-contiguous float32 / float64 rows; other inputs fall back
+to the reference (the norms: to a row reduction per statistic and one
+elementwise kernel, 3 launches for layer norm and 2 for RMS norm each way).
 
 On the CuPy-strict test module the same functions run the reference math inside
 ``strict.syncs.fused(name)``, so a test or ``benchmarks/syncs.py`` counts each
@@ -23,120 +33,20 @@ import numpy as np
 
 from ..backend import xp_of
 from . import reference
-from .reference import GELU_C, GELU_K
+from .cuda_sources import FLOAT16_SOURCES, REDUCTIONS, ROW_KERNELS, SOURCES  # noqa: F401
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
-           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-           "swiglu_backward", "softmax_rows", "causal_softmax", "softmax_backward",
-           "adam_update"]
+           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
+           "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
 
 NAME = "gpu"
 
 softmax_rows = reference.softmax_rows
 
-#: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
-SOURCES = {
-    "mpishard_gelu_forward": (
-        "T a", "T y, T t",
-        f"t = tanh((T){GELU_C!r} * (a + (T){GELU_K!r} * a * a * a));"
-        " y = (T)0.5 * a * ((T)1 + t);"),
-    "mpishard_gelu_backward": (
-        "T a, T t, T g", "T gx",
-        f"gx = g * ((T)0.5 * ((T)1 + t) + (T)0.5 * a * ((T)1 - t * t) * (T){GELU_C!r}"
-        f" * ((T)1 + (T)3 * (T){GELU_K!r} * a * a));"),
-    "mpishard_swiglu_forward": (
-        "T g, T u", "T y, T s",
-        "s = (T)1 / ((T)1 + exp(-g)); y = g * s * u;"),
-    "mpishard_swiglu_backward": (
-        "T g, T u, T s, T d", "T dg, T du",
-        "T gu = d * g * s; du = gu; dg = u * (gu + s * (d - gu));"),
-    "mpishard_adam_update": (
-        "T g, float64 b1, float64 b2, float64 step, float64 ib2, float64 eps",
-        "T p, T m, T v",
-        "m = (T)b1 * m + (T)(1.0 - b1) * g; v = (T)b2 * v + (T)(1.0 - b2) * g * g;"
-        " p -= (T)step * (m / (sqrt(v) * (T)ib2 + (T)eps));"),
-    "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
-                            "h = (x - mu) * rstd; y = h * w + b;"),
-    "mpishard_layer_norm_grad": ("T g, T w, T h, T mg, T mgh, T rstd", "T gx",
-                                 "gx = rstd * (g * w - mg - h * mgh);"),
-    "mpishard_rms_apply": ("T x, T rstd, T w", "T y, T h", "h = x * rstd; y = h * w;"),
-    "mpishard_rms_norm_grad": ("T g, T w, T h, T mgh, T rstd", "T gx",
-                               "gx = rstd * (g * w - h * mgh);"),
-}
-#: name -> (inputs, outputs, map, reduce, post-map) of each ReductionKernel (over rows)
-REDUCTIONS = {
-    "mpishard_row_mean": ("T x, float64 inv_n", "T y", "x", "a + b", "y = (T)(a * inv_n)"),
-    "mpishard_row_rstd": ("T x, T mu, float64 inv_n, float64 eps", "T y",
-                          "(x - mu) * (x - mu)", "a + b", "y = (T)(1.0 / sqrt(a * inv_n + eps))"),
-    "mpishard_row_rms_rstd": ("T x, float64 inv_n, float64 eps", "T y", "x * x", "a + b",
-                              "y = (T)(1.0 / sqrt(a * inv_n + eps))"),
-    "mpishard_row_mean_gw": ("T g, T w, float64 inv_n", "T y", "g * w", "a + b",
-                             "y = (T)(a * inv_n)"),
-    "mpishard_row_mean_gwh": ("T g, T w, T h, float64 inv_n", "T y", "g * w * h", "a + b",
-                              "y = (T)(a * inv_n)"),
-}
-#: a thread block per row of T: a sum or max over the block (warp shuffles, then the
-#: warps' results), then the row's passes; ``{T}`` float or double
-ROW_KERNELS = r"""
-typedef {T} T;
-__device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const T w = __shfl_xor_sync(0xffffffff, v, o);
-    v = is_max ? (w > v ? w : v) : v + w;
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  const int warps = (blockDim.x + 31) >> 5;
-  if (warp == 0) {
-    v = lane < warps ? shared[lane] : (is_max ? shared[0] : (T)0);
-    for (int o = 16; o > 0; o >>= 1) {
-      const T w = __shfl_xor_sync(0xffffffff, v, o);
-      v = is_max ? (w > v ? w : v) : v + w;
-    }
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  v = shared[0];
-  __syncthreads();
-  return v;
-}
-
-extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const T scale) {
-  __shared__ T shared[32];
-  const long long row = blockIdx.x;
-  T* r = a + row * n;
-  const int limit = (int)(row % n) + 1;      /* query row % n sees keys 0..row % n */
-  T m = r[0] * scale;
-  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
-    const T v = r[j] * scale;
-    m = v > m ? v : m;
-  }
-  m = mpishard_block_reduce(m, true, shared);
-  T s = 0;
-  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
-    const T e = exp(r[j] * scale - m);
-    r[j] = e;
-    s += e;
-  }
-  s = mpishard_block_reduce(s, false, shared);
-  const T inv = (T)1 / s;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) r[j] = j < limit ? r[j] * inv : (T)0;
-}
-
-extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const int n,
-                                                        const T scale) {
-  __shared__ T shared[32];
-  const long long row = blockIdx.x;
-  T* dr = d + row * n;
-  const T* pr = p + row * n;
-  T s = 0;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) s += dr[j] * pr[j];
-  s = mpishard_block_reduce(s, false, shared);
-  for (int j = threadIdx.x; j < n; j += blockDim.x) dr[j] = (dr[j] - s) * pr[j] * scale;
-}
-"""
 ROW_THREADS = 256
+#: row threads per block of :func:`norm_param_grads` (32 columns each; at most 32)
+PARAM_ROW_THREADS = 32
 _compiled: dict = {}
 
 
@@ -169,35 +79,73 @@ def _row_kernel(xp, name: str, dtype):
     return kernel
 
 
-def causal_softmax(a, T: int, scale: float) -> None:
+def _raw_ready(*arrays, drop_u=None) -> bool:
+    """Whether the RawKernels take these arrays (None: absent): one dtype, float32 or
+    float64, all C-contiguous; dropout draws ``drop_u`` float32 and C-contiguous."""
+    present = [a for a in arrays if a is not None]
+    dtype = present[0].dtype
+    return (dtype.name in ("float32", "float64")
+            and all(a.dtype == dtype and a.flags.c_contiguous for a in present)
+            and (drop_u is None or (drop_u.dtype.name == "float32"
+                                    and drop_u.flags.c_contiguous)))
+
+
+def _flag(a) -> np.int32:
+    return np.int32(a is not None)
+
+
+def _dropout_args(drop_u, drop_p: float, stand_in, dtype) -> tuple:
+    """The row kernels' dropout arguments: the flag, draws, p and 1 / (1 - p) in T (with
+    no dropout: flag 0, ``stand_in`` for the draws)."""
+    return (_flag(drop_u), stand_in if drop_u is None else drop_u, np.float32(drop_p),
+            dtype.type(1.0 / (1.0 - drop_p)))
+
+
+def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dropped=None):
     xp = xp_of(a)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_causal_softmax"):
-            reference.causal_softmax(a, T, scale)
-        return
-    if a.dtype.name not in ("float32", "float64") or not a.flags.c_contiguous:
-        reference.causal_softmax(a, T, scale)
-        return
-    if a.shape[0] == 0:                   # no rows: no blocks to launch
-        return
-    _row_kernel(xp, "mpishard_causal_softmax", a.dtype.name)(
-        (a.shape[0],), (ROW_THREADS,), (a, np.int32(T), a.dtype.type(scale)))
+            return reference.causal_softmax(a, T, scale, drop_u, drop_p, dropped)
+    if not _raw_ready(a, dropped, drop_u=drop_u):
+        return reference.causal_softmax(a, T, scale, drop_u, drop_p, dropped)
+    if drop_u is not None and dropped is None:
+        dropped = xp.empty_like(a)
+    if a.shape[0]:                        # no rows: no blocks to launch
+        _row_kernel(xp, "mpishard_causal_softmax", a.dtype.name)(
+            (a.shape[0],), (ROW_THREADS,),
+            (a, np.int32(T), a.dtype.type(scale), *_dropout_args(drop_u, drop_p, a, a.dtype),
+             a if dropped is None else dropped))
+    return dropped
 
 
-def softmax_backward(d, p, scale: float) -> None:
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0) -> None:
     xp = xp_of(d)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_softmax_backward"):
-            reference.softmax_backward(d, p, scale)
+            reference.softmax_backward(d, p, scale, drop_u, drop_p)
         return
-    if d.dtype != p.dtype or d.dtype.name not in ("float32", "float64") or not (
-            d.flags.c_contiguous and p.flags.c_contiguous):
-        reference.softmax_backward(d, p, scale)
+    if not _raw_ready(d, p, drop_u=drop_u):
+        reference.softmax_backward(d, p, scale, drop_u, drop_p)
         return
-    if d.shape[0] == 0:
-        return
-    _row_kernel(xp, "mpishard_softmax_backward", d.dtype.name)(
-        (d.shape[0],), (ROW_THREADS,), (d, p, np.int32(d.shape[1]), d.dtype.type(scale)))
+    if d.shape[0]:
+        _row_kernel(xp, "mpishard_softmax_backward", d.dtype.name)(
+            (d.shape[0],), (ROW_THREADS,),
+            (d, p, np.int32(d.shape[1]), d.dtype.type(scale),
+             *_dropout_args(drop_u, drop_p, d, d.dtype)))
+
+
+def _norm_forward(x, weight, bias, eps: float, centred: bool):
+    """Layer norm (``centred``) or RMS norm forward: one RawKernel launch."""
+    xp = xp_of(x)
+    y, xhat = xp.empty_like(x), xp.empty_like(x)
+    rstd = xp.empty(x.shape[0], dtype=x.dtype)
+    if x.shape[0]:
+        _row_kernel(xp, "mpishard_norm_forward", x.dtype.name)(
+            (x.shape[0],), (ROW_THREADS,),
+            (x, x if weight is None else weight, x if bias is None else bias, y, xhat, rstd,
+             np.int32(x.shape[1]), x.dtype.type(eps), np.int32(centred), _flag(weight),
+             _flag(bias)))
+    return y, xhat, rstd
 
 
 def _ones_zeros(x, weight, bias):
@@ -207,19 +155,13 @@ def _ones_zeros(x, weight, bias):
 
 
 def layer_norm_forward(x, weight, bias, eps: float):
-    xp, inv_n = xp_of(x), 1.0 / max(x.shape[1], 1)
-    if _is_strict(xp):              # the three kernels' math, one launch each
-        with xp.syncs.fused("mpishard_row_mean"):
-            mu = x.mean(axis=1)
-        with xp.syncs.fused("mpishard_row_rstd"):
-            c = x - mu[:, None]
-            rstd = 1.0 / xp.sqrt((c * c).mean(axis=1) + eps)
-        with xp.syncs.fused("mpishard_norm_apply"):
-            h = c * rstd[:, None]
-            y = h * weight if weight is not None else h.copy()
-            if bias is not None:
-                y = y + bias
-        return y, h, rstd
+    xp = xp_of(x)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_layer_norm_forward"):
+            return reference.layer_norm_forward(x, weight, bias, eps)
+    if _raw_ready(x, weight, bias):
+        return _norm_forward(x, weight, bias, eps, centred=True)
+    inv_n = 1.0 / max(x.shape[1], 1)    # the fallback: 2 row reductions and 1 map
     w, b = _ones_zeros(x, weight, bias)
     mu = _kernel(xp, "mpishard_row_mean")(x, inv_n, axis=1)
     rstd = _kernel(xp, "mpishard_row_rstd")(x, mu[:, None], inv_n, eps, axis=1)
@@ -227,20 +169,27 @@ def layer_norm_forward(x, weight, bias, eps: float):
     return y, h, rstd
 
 
-def _norm_backward(g, xhat, rstd, weight, centred: bool):
-    """Layer norm's input gradient (``centred``: 3 launches) or RMS norm's (2)."""
-    xp, inv_n = xp_of(g), 1.0 / max(g.shape[1], 1)
-    if _is_strict(xp):              # the kernels' math, one launch each
-        with xp.syncs.fused("mpishard_row_mean_gwh"):
-            gh = g * weight if weight is not None else g
-            mgh = (gh * xhat).mean(axis=1)
-        mg = 0.0
-        if centred:
-            with xp.syncs.fused("mpishard_row_mean_gw"):
-                mg = gh.mean(axis=1)[:, None]
-        with xp.syncs.fused("mpishard_layer_norm_grad" if centred
-                            else "mpishard_rms_norm_grad"):
-            return rstd[:, None] * (gh - mg - xhat * mgh[:, None])
+def _norm_backward(g, xhat, rstd, weight, centred: bool, into=None):
+    """Layer norm's input gradient (``centred``) or RMS norm's: one RawKernel launch,
+    also when added ``into`` the gradient so far (the fallback: 3 launches, or 2, and
+    one more to add)."""
+    xp = xp_of(g)
+    if _is_strict(xp):
+        name = "layer_norm_backward" if centred else "rms_norm_backward"
+        with xp.syncs.fused(f"mpishard_{name}"):
+            return getattr(reference, name)(g, xhat, rstd, weight, into)
+    if _raw_ready(g, xhat, rstd, weight, into):
+        gx = xp.empty_like(g) if into is None else into
+        if g.shape[0]:
+            _row_kernel(xp, "mpishard_norm_backward", g.dtype.name)(
+                (g.shape[0],), (ROW_THREADS,),
+                (g, xhat, rstd, g if weight is None else weight, gx, np.int32(g.shape[1]),
+                 np.int32(centred), _flag(weight), _flag(into)))
+        return gx
+    if into is not None:
+        into += _norm_backward(g, xhat, rstd, weight, centred)
+        return into
+    inv_n = 1.0 / max(g.shape[1], 1)
     w, _ = _ones_zeros(g, weight, None)
     mgh = _kernel(xp, "mpishard_row_mean_gwh")(g, w, xhat, inv_n, axis=1)
     if not centred:
@@ -250,27 +199,73 @@ def _norm_backward(g, xhat, rstd, weight, centred: bool):
                                                    rstd[:, None])
 
 
-def layer_norm_backward(g, xhat, rstd, weight):
-    return _norm_backward(g, xhat, rstd, weight, centred=True)
+def layer_norm_backward(g, xhat, rstd, weight, into=None):
+    return _norm_backward(g, xhat, rstd, weight, centred=True, into=into)
 
 
 def rms_norm_forward(x, weight, eps: float):
-    xp, inv_n = xp_of(x), 1.0 / max(x.shape[1], 1)
+    xp = xp_of(x)
     if _is_strict(xp):
-        with xp.syncs.fused("mpishard_row_rms_rstd"):
-            rstd = 1.0 / xp.sqrt((x * x).mean(axis=1) + eps)
-        with xp.syncs.fused("mpishard_rms_apply"):
-            h = x * rstd[:, None]
-            y = h * weight if weight is not None else h.copy()
-        return y, h, rstd
+        with xp.syncs.fused("mpishard_rms_norm_forward"):
+            return reference.rms_norm_forward(x, weight, eps)
+    if _raw_ready(x, weight):
+        return _norm_forward(x, weight, None, eps, centred=False)
+    inv_n = 1.0 / max(x.shape[1], 1)    # the fallback: 1 row reduction and 1 map
     w, _ = _ones_zeros(x, weight, None)
     rstd = _kernel(xp, "mpishard_row_rms_rstd")(x, inv_n, eps, axis=1)
     y, h = _kernel(xp, "mpishard_rms_apply")(x, rstd[:, None], w)
     return y, h, rstd
 
 
-def rms_norm_backward(g, xhat, rstd, weight):
-    return _norm_backward(g, xhat, rstd, weight, centred=False)
+def rms_norm_backward(g, xhat, rstd, weight, into=None):
+    return _norm_backward(g, xhat, rstd, weight, centred=False, into=into)
+
+
+def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=None,
+                     out_bias=None):
+    xp = xp_of(g)
+    if not (need_weight or need_bias):
+        return None, None
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_norm_param_grads"):
+            return reference.norm_param_grads(g, xhat, need_weight, need_bias, out_weight,
+                                              out_bias)
+    if not _raw_ready(g, xhat, out_weight if need_weight else None,
+                      out_bias if need_bias else None):
+        return reference.norm_param_grads(g, xhat, need_weight, need_bias, out_weight,
+                                          out_bias)
+    rows, n = g.shape
+
+    def into(need, out):                # the given buffer, else a fresh one, if needed
+        if not need:
+            return None
+        return xp.empty(n, dtype=g.dtype) if out is None else out
+    gw, gb = into(need_weight, out_weight), into(need_bias, out_bias)
+    if n:
+        _row_kernel(xp, "mpishard_norm_param_grads", g.dtype.name)(
+            (-(-n // 32),), (32, PARAM_ROW_THREADS),
+            (g, xhat, g if gw is None else gw, g if gb is None else gb, np.int64(rows),
+             np.int32(n), _flag(gw), _flag(gb)))
+    return gw, gb
+
+
+def dropout_add(x, y, u, p: float):
+    xp = xp_of(y)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_dropout_add"):
+            return reference.dropout_add(x, y, u, p)
+    scale = 1.0 / (1.0 - p)
+    if x is None:
+        return _kernel(xp, "mpishard_dropout")(y, u, p, scale)
+    return _kernel(xp, "mpishard_dropout_add")(x, y, u, p, scale)
+
+
+def dropout_backward(g, u, p: float):
+    xp = xp_of(g)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_dropout_backward"):
+            return reference.dropout_backward(g, u, p)
+    return _kernel(xp, "mpishard_dropout")(g, u, p, 1.0 / (1.0 - p))
 
 
 def gelu_forward(a):

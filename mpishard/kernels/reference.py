@@ -5,8 +5,16 @@ These are what the tests compare the fast kernels against, and what
 misbehaves on a new machine). They work on any array module (NumPy, CuPy, the
 strict module): inputs are 2-D row arrays (``(rows, width)``) in the compute
 dtype (float32 or float64; the ops cast 16-bit inputs up before calling).
-Every function returns fresh arrays except :func:`softmax_rows` and
-:func:`adam_update`, which work in place as their callers need.
+Every function returns fresh arrays except :func:`softmax_rows`,
+:func:`causal_softmax`, :func:`softmax_backward` and :func:`adam_update`, which
+work in place as their callers need, and :func:`norm_param_grads`, which writes
+into the gradient buckets it is given.
+
+Dropout takes its uniform draws ``u`` (float32, in [0, 1), drawn by the caller
+from its seeded generator) and keeps the elements with ``u >= p`` (NumPy, and the
+GPU kernels, compare a float32 array with a Python float in float32), scaled by
+``1 / (1 - p)`` rounded to the data's dtype: bit for bit the ``data * mask`` the
+models computed with a mask array. Dropout's data may be of any shape, 16-bit too.
 """
 from __future__ import annotations
 
@@ -15,9 +23,9 @@ import math
 from ..backend import xp_of
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
-           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-           "swiglu_backward", "softmax_rows", "causal_softmax", "softmax_backward",
-           "adam_update"]
+           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
+           "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
 
 NAME = "reference"
 
@@ -52,11 +60,21 @@ def layer_norm_forward(x, weight, bias, eps: float):
     return y, xhat, rstd
 
 
-def layer_norm_backward(g, xhat, rstd, weight):
-    """The input's gradient of :func:`layer_norm_forward` for output gradient ``g``."""
+def _added(gx, into):
+    """``gx``, or ``into`` with ``gx`` added (the input's gradient so far, see the norms)."""
+    if into is None:
+        return gx
+    into += gx
+    return into
+
+
+def layer_norm_backward(g, xhat, rstd, weight, into=None):
+    """The input's gradient of :func:`layer_norm_forward` for output gradient ``g``;
+    with ``into`` (the input's gradient so far, ``g``'s shape and dtype) added into
+    it, and ``into`` returned."""
     gh = g * weight if weight is not None else g
-    return rstd[:, None] * (gh - gh.mean(axis=1, keepdims=True)
-                            - xhat * (gh * xhat).mean(axis=1, keepdims=True))
+    return _added(rstd[:, None] * (gh - gh.mean(axis=1, keepdims=True)
+                                   - xhat * (gh * xhat).mean(axis=1, keepdims=True)), into)
 
 
 def rms_norm_forward(x, weight, eps: float):
@@ -67,10 +85,21 @@ def rms_norm_forward(x, weight, eps: float):
     return (xhat * weight if weight is not None else xhat.copy()), xhat, rstd
 
 
-def rms_norm_backward(g, xhat, rstd, weight):
-    """The input's gradient of :func:`rms_norm_forward` for output gradient ``g``."""
+def rms_norm_backward(g, xhat, rstd, weight, into=None):
+    """The input's gradient of :func:`rms_norm_forward` for output gradient ``g`` (``into``
+    as for :func:`layer_norm_backward`)."""
     gh = g * weight if weight is not None else g
-    return rstd[:, None] * (gh - xhat * (gh * xhat).mean(axis=1, keepdims=True))
+    return _added(rstd[:, None] * (gh - xhat * (gh * xhat).mean(axis=1, keepdims=True)), into)
+
+
+def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=None,
+                     out_bias=None):
+    """``(gw, gb)``, the weight's and bias's gradients of either norm: the column sums of
+    ``g * xhat`` and of ``g`` (None where not needed), written into ``out_weight`` /
+    ``out_bias`` (``(C,)``, g's dtype: gradient buckets' views) when given."""
+    gw = (g * xhat).sum(axis=0, out=out_weight) if need_weight else None
+    gb = g.sum(axis=0, out=out_bias) if need_bias else None
+    return gw, gb
 
 
 def swiglu_forward(gate, up):
@@ -85,6 +114,28 @@ def swiglu_backward(gate, up, s, grad, need_gate: bool = True, need_up: bool = T
     g_up = grad * gate * s if need_up else None
     g_gate = grad * up * s * (1.0 + gate * (1.0 - s)) if need_gate else None
     return g_gate, g_up
+
+
+def apply_dropout(y, u, p: float, out=None):
+    """``where(u >= p, y / (1 - p), 0)`` into ``out`` (default a fresh array; ``y`` itself
+    works): ``y`` times the kept mask, then times ``1 / (1 - p)`` rounded to y's dtype,
+    the model's ``y * mask`` bit for bit (see the module docstring)."""
+    out = xp_of(y).multiply(y, u >= p, out=out)
+    out *= y.dtype.type(1.0 / (1.0 - p))
+    return out
+
+
+def dropout_add(x, y, u, p: float):
+    """``x + dropout(y)`` (a residual add; ``x`` None: the dropout alone), in y's dtype."""
+    out = apply_dropout(y, u, p)
+    if x is not None:
+        out += x
+    return out
+
+
+def dropout_backward(g, u, p: float):
+    """The gradient through dropout: ``where(u >= p, g / (1 - p), 0)``, same draws ``u``."""
+    return apply_dropout(g, u, p)
 
 
 def softmax_rows(a) -> None:
@@ -109,15 +160,26 @@ def scale_and_mask(a, T: int, scale: float) -> None:
     rows += causal_bias(T, xp_of(a), a.dtype)
 
 
-def causal_softmax(a, T: int, scale: float) -> None:
-    """Attention weights in place: :func:`scale_and_mask`, then softmax over each row."""
+def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dropped=None):
+    """Attention weights in place: :func:`scale_and_mask`, then softmax over each row.
+
+    With dropout draws ``drop_u`` (float32, a's shape) also the dropped weights,
+    ``where(drop_u >= drop_p, a / (1 - drop_p), 0)``, into ``dropped`` (default a fresh
+    array), which is returned (None without ``drop_u``)."""
     scale_and_mask(a, T, scale)
     softmax_rows(a)
+    if drop_u is None:
+        return None
+    return apply_dropout(a, drop_u, drop_p, out=dropped)
 
 
-def softmax_backward(d, p, scale: float) -> None:
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0) -> None:
     """In place: ``d`` (the weights' gradient) becomes the scores' gradient,
-    ``(d - rowdot(d, p)) p scale`` for softmax weights ``p`` of scaled scores."""
+    ``(d - rowdot(d, p)) p scale`` for softmax weights ``p`` of scaled scores; with the
+    forward's dropout draws ``drop_u``, ``d`` (the dropped weights' gradient) first
+    goes back through the dropout."""
+    if drop_u is not None:
+        apply_dropout(d, drop_u, drop_p, out=d)
     d -= (d * p).sum(axis=1, keepdims=True)
     d *= p
     if scale != 1.0:

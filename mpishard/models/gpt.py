@@ -89,14 +89,16 @@ class CausalSelfAttention(Module):
         self.head_size = C // config.n_head
         self.sequence = None   # set under context parallelism (the plan's ``attention``)
 
-    def forward(self, x, batch_size: int):
+    def forward(self, x, batch_size: int, residual=None):
+        """The attention output; with ``residual``, ``residual +`` it (one fused
+        dropout-and-add kernel, :func:`~mpishard.autodiff.dropout_add`)."""
         qkv = self.c_attn(x)                                       # (B*T, 3 * nh * hs)
         n_head = qkv.shape[-1] // (3 * self.head_size)             # this rank's heads under tp
         attend = nn_ops.causal_self_attention if self.sequence is None else \
             self.sequence.attention
         y = attend(qkv, n_head, batch_size, self.attn_dropout.p, self.attn_dropout.rng,
                    self.training)                                  # (B*T, nh * hs)
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout.add_to(residual, self.c_proj(y))
 
 
 class MLP(Module):
@@ -110,8 +112,9 @@ class MLP(Module):
                              init_std=0.02 / math.sqrt(2 * config.n_layer), dtype=dtype)
         self.dropout = Dropout(config.dropout)
 
-    def forward(self, x):
-        return self.dropout(self.c_proj(nn_ops.gelu(self.c_fc(x))))
+    def forward(self, x, residual=None):
+        """The MLP's output; with ``residual``, ``residual +`` it (fused as in attention)."""
+        return self.dropout.add_to(residual, self.c_proj(nn_ops.gelu(self.c_fc(x))))
 
 
 class Block(Module):
@@ -147,7 +150,9 @@ class Block(Module):
 
     def compute(self, x, batch_size: int):
         """The block's math, ``(B*T, C) -> (B*T, C)``, without the block's own hooks."""
-        x = x + self.attn(self.ln_1(x), batch_size)
+        x = self.attn(self.ln_1(x), batch_size, residual=x)
+        if isinstance(self.mlp, MLP):
+            return self.mlp(self.ln_2(x), residual=x)
         return x + self.mlp(self.ln_2(x))
 
     def _dropout_rngs(self) -> list:

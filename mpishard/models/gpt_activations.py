@@ -10,9 +10,10 @@ float32 for 16-bit activations, else ``c``):
 layer norm (width W) output ``N W c``, normalised input ``N W f``, 1/std ``N f``
 linear (out O)       output ``N O c`` (its input is the previous op's output)
 attention            weights ``B h T^2 f`` (``h`` this rank's heads), output ``N A c``
-                     (``A = h * head_size``); with dropout the mask, ``B h T^2 f``
+                     (``A = h * head_size``); with dropout its float32 draws, ``B h T^2 4``
 GELU (width F)       output ``N F c``, tanh ``N F f``
-residual add         ``N C c``; dropout (``p > 0``): mask and output, ``2 N C c``
+residual add         ``N C c``; with its branch's dropout (``p > 0``, one fused op)
+                     the float32 draws, ``N C 4``; a dropout alone: draws and output
 row-parallel linear  tp > 1: the summed copy after the all-reduce, ``N C c`` more,
                      and the bias added after it, ``N C c`` more
 embeddings           tokens ``N C c`` (tp > 1: rows, mask, product, sum, ids:
@@ -132,7 +133,7 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
     if model.first_stage:
         total += token_rows(model.transformer.wte, N, C, c) + T * C * c + 8 * T + N * C * c
         if cfg.dropout > 0:
-            total += 2 * N * C * c
+            total += N * C * (4 + c)
         if sp > 1:
             total += Ns * C * c                             # this rank's rows, cut
     else:
@@ -166,7 +167,7 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
             gelu = N * _width(mlp.c_fc) * (c + f)
         attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode)
         adds = 2 * Ns * C * c
-        dropouts = (4 * Ns * C * c + B * heads * T * T * f) if cfg.dropout > 0 else 0
+        dropouts = (2 * Ns * C * 4 + B * heads * T * T * 4) if cfg.dropout > 0 else 0
         total += norms + linears + reduced + attention + gelu + adds + dropouts
     if model.last_stage:
         total += Ns * C * (c + f) + Ns * f                  # ln_f

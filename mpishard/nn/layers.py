@@ -83,6 +83,13 @@ class Dropout(Module):
     def forward(self, x):
         return nn_ops.dropout(x, self.p, self.rng, self.training)
 
+    def add_to(self, residual, x):
+        """``residual + self(x)`` as one op (:func:`~mpishard.autodiff.dropout_add`),
+        or ``self(x)`` when ``residual`` is ``None``."""
+        if residual is None:
+            return self(x)
+        return nn_ops.dropout_add(residual, x, self.p, self.rng, self.training)
+
     def extra_repr(self) -> str:
         return f"p={self.p}"
 

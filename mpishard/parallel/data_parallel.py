@@ -3,7 +3,9 @@
     mpiexec -n 4 python -m mpi4py -m mpishard train --strategy ddp
 
 Gradients are averaged over ``mesh.dp`` in flat buckets. Each parameter's
-gradient is copied into its bucket the moment it is final (a grad-ready hook),
+gradient is computed straight into its bucket view where the op allows (a
+linear layer's and a norm's; see [Note: gradient buffers] in
+mpishard/autodiff/tensor.py), else copied there the moment it is final (a grad-ready hook),
 and a bucket's non-blocking all-reduce starts as soon as all its gradients are
 in, so communication overlaps the rest of backward. Buckets are filled in
 reverse registration order (roughly the order backward produces gradients) and
@@ -171,6 +173,8 @@ class DataParallel(Strategy):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
                 p.register_grad_ready_hook(self._on_grad_ready)
+                p.grad_out = bucket.views[i]   # backward writes the gradient there
+                # (see [Note: gradient buffers] in mpishard/autodiff/tensor.py)
         module.register_forward_pre_hook(lambda m, a: self._settle())
 
     def _make_masters(self, groups, xp) -> list:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from ..autodiff.graph import as_tensor, make_result, register_op
 from ..autodiff.nn_ops import check_last_dim
 from ..autodiff.rows import cast, col_sum
-from ..autodiff.tensor import Tensor
+from ..autodiff.tensor import Tensor, grad_buffer
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
 
@@ -187,7 +187,11 @@ def gathered_linear(x, weight, bias, tp) -> Tensor:
         if x.requires_grad:
             gx = cast(g2 @ cast(weight.data, cd), dtype)
             gx = _scattered_sum(gx, tp) if tp.size > 1 else gx
-        gw = g2.T @ cast(full.reshape(-1, n_in), cd) if weight.requires_grad else None
-        gb = col_sum(g2) if bias is not None and bias.requires_grad else None
+        gw = gb = None                                    # as in linear: into the
+        if weight.requires_grad:                          # gradient buffers, if any
+            gw = xp_of(g2).matmul(g2.T, cast(full.reshape(-1, n_in), cd),
+                                  out=grad_buffer(weight, cd))
+        if bias is not None and bias.requires_grad:
+            gb = col_sum(g2, out=grad_buffer(bias, cd))
         return gx, gw, gb
     return make_result(cast(y, dtype), (x, weight, bias), backward, "gathered_linear")

@@ -157,7 +157,8 @@ def _method(name, view: bool = False):
             k: unwrap(v) for k, v in kwargs.items()})
         if not (view and np.may_share_memory(result, self._a)):
             launch(name)
-        return wrap(result)
+        out = kwargs.get("out")
+        return out if isinstance(out, ndarray) else wrap(result)   # CuPy returns ``out``
     method.__name__ = name
     return method
 

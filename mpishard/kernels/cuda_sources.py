@@ -1,0 +1,242 @@
+"""The CUDA source of the GPU kernel set (:mod:`.gpu` compiles and launches it).
+
+* :data:`SOURCES`: the bodies of the ``cupy.ElementwiseKernel`` s, per name
+  (inputs, outputs, body; ``T`` the array dtype);
+* :data:`REDUCTIONS`: the ``cupy.ReductionKernel`` s of the norms' fallback;
+* :data:`ROW_KERNELS`: the ``cupy.RawKernel`` s, one module of CUDA C with
+  ``{T}`` for float or double.
+
+``scripts/compile_kernels.py`` compiles all of it with NVRTC, without a GPU.
+"""
+from __future__ import annotations
+
+from .reference import GELU_C, GELU_K
+
+__all__ = ["SOURCES", "FLOAT16_SOURCES", "REDUCTIONS", "ROW_KERNELS"]
+
+#: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
+SOURCES = {
+    "mpishard_gelu_forward": (
+        "T a", "T y, T t",
+        f"t = tanh((T){GELU_C!r} * (a + (T){GELU_K!r} * a * a * a));"
+        " y = (T)0.5 * a * ((T)1 + t);"),
+    "mpishard_gelu_backward": (
+        "T a, T t, T g", "T gx",
+        f"gx = g * ((T)0.5 * ((T)1 + t) + (T)0.5 * a * ((T)1 - t * t) * (T){GELU_C!r}"
+        f" * ((T)1 + (T)3 * (T){GELU_K!r} * a * a));"),
+    "mpishard_swiglu_forward": (
+        "T g, T u", "T y, T s",
+        "s = (T)1 / ((T)1 + exp(-g)); y = g * s * u;"),
+    "mpishard_swiglu_backward": (
+        "T g, T u, T s, T d", "T dg, T du",
+        "T gu = d * g * s; du = gu; dg = u * (gu + s * (d - gu));"),
+    "mpishard_adam_update": (
+        "T g, float64 b1, float64 b2, float64 step, float64 ib2, float64 eps",
+        "T p, T m, T v",
+        "m = (T)b1 * m + (T)(1.0 - b1) * g; v = (T)b2 * v + (T)(1.0 - b2) * g * g;"
+        " p -= (T)step * (m / (sqrt(v) * (T)ib2 + (T)eps));"),
+    # kept where u >= p (compared in float32, as NumPy does), times the scale in T
+    "mpishard_dropout": (
+        "T y, float32 u, float64 p, float64 scale", "T z",
+        "z = u >= (float)p ? (T)(y * (T)scale) : (T)0;"),
+    "mpishard_dropout_add": (
+        "T x, T y, float32 u, float64 p, float64 scale", "T z",
+        "z = x + (u >= (float)p ? (T)(y * (T)scale) : (T)0);"),
+    # the norms' fallback for inputs the row kernels do not take (see the docstring)
+    "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
+                            "h = (x - mu) * rstd; y = h * w + b;"),
+    "mpishard_layer_norm_grad": ("T g, T w, T h, T mg, T mgh, T rstd", "T gx",
+                                 "gx = rstd * (g * w - mg - h * mgh);"),
+    "mpishard_rms_apply": ("T x, T rstd, T w", "T y, T h", "h = x * rstd; y = h * w;"),
+    "mpishard_rms_norm_grad": ("T g, T w, T h, T mgh, T rstd", "T gx",
+                               "gx = rstd * (g * w - h * mgh);"),
+}
+#: the kernels of :data:`SOURCES` that also run on float16 (dropout, on a 16-bit model's
+#: activations and gradients; the others get float32 or float64)
+FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add")
+#: name -> (inputs, outputs, map, reduce, post-map) of each ReductionKernel (over rows),
+#: the norms' fallback
+REDUCTIONS = {
+    "mpishard_row_mean": ("T x, float64 inv_n", "T y", "x", "a + b", "y = (T)(a * inv_n)"),
+    "mpishard_row_rstd": ("T x, T mu, float64 inv_n, float64 eps", "T y",
+                          "(x - mu) * (x - mu)", "a + b", "y = (T)(1.0 / sqrt(a * inv_n + eps))"),
+    "mpishard_row_rms_rstd": ("T x, float64 inv_n, float64 eps", "T y", "x * x", "a + b",
+                              "y = (T)(1.0 / sqrt(a * inv_n + eps))"),
+    "mpishard_row_mean_gw": ("T g, T w, float64 inv_n", "T y", "g * w", "a + b",
+                             "y = (T)(a * inv_n)"),
+    "mpishard_row_mean_gwh": ("T g, T w, T h, float64 inv_n", "T y", "g * w * h", "a + b",
+                              "y = (T)(a * inv_n)"),
+}
+#: the RawKernels, ``{T}`` float or double. All but the last take a thread block per
+#: row: a sum or max over the block (warp shuffles, then the warps' results), then the
+#: row's passes. An absent optional array is passed as a flag 0 and any valid pointer.
+ROW_KERNELS = r"""
+typedef {T} T;
+__device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const T w = __shfl_xor_sync(0xffffffff, v, o);
+    v = is_max ? (w > v ? w : v) : v + w;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  if (warp == 0) {
+    v = lane < warps ? shared[lane] : (is_max ? shared[0] : (T)0);
+    for (int o = 16; o > 0; o >>= 1) {
+      const T w = __shfl_xor_sync(0xffffffff, v, o);
+      v = is_max ? (w > v ? w : v) : v + w;
+    }
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  v = shared[0];
+  __syncthreads();
+  return v;
+}
+
+/* Softmax of a row of scaled, causally masked scores, in place; with has_drop also
+   the dropped weights: kept where du >= dp, times dscale. */
+extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const T scale,
+                                                      const int has_drop, const float* du,
+                                                      const float dp, const T dscale,
+                                                      T* dropped) {
+  __shared__ T shared[32];
+  const long long row = blockIdx.x;
+  T* r = a + row * n;
+  const int limit = (int)(row % n) + 1;      /* query row % n sees keys 0..row % n */
+  T m = r[0] * scale;
+  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
+    const T v = r[j] * scale;
+    m = v > m ? v : m;
+  }
+  m = mpishard_block_reduce(m, true, shared);
+  T s = 0;
+  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
+    const T e = exp(r[j] * scale - m);
+    r[j] = e;
+    s += e;
+  }
+  s = mpishard_block_reduce(s, false, shared);
+  const T inv = (T)1 / s;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const T v = j < limit ? r[j] * inv : (T)0;
+    r[j] = v;
+    if (has_drop) dropped[row * n + j] = du[row * n + j] >= dp ? v * dscale : (T)0;
+  }
+}
+
+/* The scores' gradient from the weights' d, in place: (d - rowdot(d, p)) p scale; with
+   has_drop, d first goes back through the forward's dropout (written back to d). */
+extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const int n,
+                                                        const T scale, const int has_drop,
+                                                        const float* du, const float dp,
+                                                        const T dscale) {
+  __shared__ T shared[32];
+  const long long row = blockIdx.x;
+  T* dr = d + row * n;
+  const T* pr = p + row * n;
+  T s = 0;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    T v = dr[j];
+    if (has_drop) {
+      v = du[row * n + j] >= dp ? v * dscale : (T)0;
+      dr[j] = v;
+    }
+    s += v * pr[j];
+  }
+  s = mpishard_block_reduce(s, false, shared);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) dr[j] = (dr[j] - s) * pr[j] * scale;
+}
+
+/* Layer norm (centred) or RMS norm of a row: the mean (layer norm), the mean square of
+   x - mean, rstd = 1 / sqrt(that + eps), xhat = (x - mean) rstd, y = xhat w + b (w and
+   b where has_w, has_b). */
+extern "C" __global__ void mpishard_norm_forward_{T}(const T* x, const T* w, const T* b,
+                                                    T* y, T* xhat, T* rstd, const int n,
+                                                    const T eps, const int centred,
+                                                    const int has_w, const int has_b) {
+  __shared__ T shared[32];
+  const long long row = blockIdx.x;
+  const T* xr = x + row * n;
+  T mean = 0;
+  if (centred) {
+    T s = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s += xr[j];
+    mean = mpishard_block_reduce(s, false, shared) / (T)n;
+  }
+  T ss = 0;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const T c = xr[j] - mean;
+    ss += c * c;
+  }
+  const T r = (T)1 / sqrt(mpishard_block_reduce(ss, false, shared) / (T)n + eps);
+  if (threadIdx.x == 0) rstd[row] = r;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const T h = (xr[j] - mean) * r;
+    T v = has_w ? h * w[j] : h;
+    if (has_b) v += b[j];
+    xhat[row * n + j] = h;
+    y[row * n + j] = v;
+  }
+}
+
+/* The input's gradient of a row of either norm, for output gradient g:
+   rstd (gh - mean(gh) - xhat mean(gh xhat)) with gh = g w, the first mean for
+   layer norm only; with add, added into dx (the input's gradient so far). */
+extern "C" __global__ void mpishard_norm_backward_{T}(const T* g, const T* xhat,
+                                                     const T* rstd, const T* w, T* dx,
+                                                     const int n, const int centred,
+                                                     const int has_w, const int add) {
+  __shared__ T shared[32];
+  const long long row = blockIdx.x;
+  const T* gr = g + row * n;
+  const T* hr = xhat + row * n;
+  T sum_gh = 0, sum_ghx = 0;                 /* gh = g w, as the reference's */
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const T gh = has_w ? gr[j] * w[j] : gr[j];
+    sum_gh += gh;
+    sum_ghx += gh * hr[j];
+  }
+  T mean_gh = 0;
+  if (centred) mean_gh = mpishard_block_reduce(sum_gh, false, shared) / (T)n;
+  const T mean_ghx = mpishard_block_reduce(sum_ghx, false, shared) / (T)n;
+  const T r = rstd[row];
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const T gh = has_w ? gr[j] * w[j] : gr[j];
+    const T v = r * (gh - mean_gh - hr[j] * mean_ghx);
+    dx[row * n + j] = add ? dx[row * n + j] + v : v;      /* add: into the gradient so far */
+  }
+}
+
+/* The norms' weight and bias gradients: column sums of g xhat (gw, where need_w) and of
+   g (gb, where need_b) over rows x n. A block of 32 columns x blockDim.y (at most 32)
+   row threads, each summing every blockDim.y-th row of its column, then the partial
+   sums added in a fixed order: deterministic, no atomics. */
+extern "C" __global__ void mpishard_norm_param_grads_{T}(const T* g, const T* xhat, T* gw,
+                                                        T* gb, const long long rows,
+                                                        const int n, const int need_w,
+                                                        const int need_b) {
+  __shared__ T part_w[32][32], part_b[32][32];
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  T sw = 0, sb = 0;
+  if (col < n) {
+    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
+      const T v = g[i * n + col];
+      if (need_w) sw += v * xhat[i * n + col];
+      sb += v;
+    }
+  }
+  part_w[threadIdx.y][threadIdx.x] = sw;
+  part_b[threadIdx.y][threadIdx.x] = sb;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < n) {
+    for (int k = 1; k < blockDim.y; ++k) {
+      sw += part_w[k][threadIdx.x];
+      sb += part_b[k][threadIdx.x];
+    }
+    if (need_w) gw[col] = sw;
+    if (need_b) gb[col] = sb;
+  }
+}
+"""
