@@ -79,7 +79,8 @@ CASES = {
                lambda r: (nn_ops.linear, [_n(r, 3, 4), _n(r, 2, 4)])],
     "layer_norm": [lambda r: (nn_ops.layer_norm, [_n(r, 2, 3, 6), _n(r, 6), _n(r, 6)]),
                    lambda r: (lambda x, w: nn_ops.layer_norm(x, w), [_n(r, 4, 5), _n(r, 5)])],
-    "gelu": [lambda r: (nn_ops.gelu, [_n(r, 3, 5) * 2])],
+    "gelu": [lambda r: (nn_ops.gelu, [_n(r, 3, 5) * 2]),
+             lambda r: (nn_ops.gelu, [_n(r, 3, 5) * 2, _n(r, 5)])],     # with a bias
     "softmax": [lambda r: (lambda a: nn_ops.softmax(a, axis=-1), [_n(r, 2, 3, 4)]),
                 lambda r: (lambda a: nn_ops.softmax(a, axis=1), [_n(r, 2, 3, 4)])],
     "log_softmax": [lambda r: (lambda a: nn_ops.log_softmax(a), [_n(r, 3, 5)]),
@@ -96,7 +97,12 @@ CASES = {
     # a fresh generator per evaluation: the same mask every time
     "dropout_add": [lambda r: (lambda x, y: nn_ops.dropout_add(x, y, 0.4,
                                                               np.random.default_rng(7)),
-                               [_n(r, 4, 5), _n(r, 4, 5)])],
+                               [_n(r, 4, 5), _n(r, 4, 5)]),
+                    lambda r: (lambda x, y, b: nn_ops.dropout_add(   # a bias in the kernel
+                        x, y, 0.4, np.random.default_rng(7), bias=b),
+                        [_n(r, 4, 5), _n(r, 4, 5), _n(r, 5)]),
+                    lambda r: (lambda y, b: nn_ops.dropout_add(      # no residual, no draws
+                        None, y, 0.0, None, bias=b), [_n(r, 4, 5), _n(r, 5)])],
     "rms_norm": [lambda r: (llama_ops.rms_norm, [_n(r, 2, 3, 6), _n(r, 6)]),
                  lambda r: (lambda x: llama_ops.rms_norm(x, eps=1e-6), [_n(r, 4, 5)])],
     "rope": [lambda r: (lambda x: llama_ops.rope(x, *llama_ops.rope_tables(3, 4, 10000.0,

@@ -123,6 +123,49 @@ def _same_bits(got, want):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(37, 53), (0, 16), (300, 301)], ids=str)
+def test_fused_biases_and_added_gradients_are_the_models_math_bit_for_bit(shape, dtype,
+                                                                         n_threads):
+    """The CPU kernels that take a linear layer's bias (GELU, dropout and the residual
+    add) or add into a gradient (the norms' backward) give what the unfused model
+    computed: the bias added to the product first, the bias's gradient a ones-vector
+    product, the gradient added after; bit for bit."""
+    a, g, x = _rand(shape, dtype), _rand(shape, dtype, 1), _rand(shape, dtype, 2)
+    bias = _rand(shape[1:], dtype, 3)
+    ones = np.ones(shape[0], dtype)
+    y, t = cpu.gelu_forward(a, bias)
+    want_y, want_t = cpu.gelu_forward(a + bias)
+    _same_bits(y, want_y), _same_bits(t, want_t)
+    out = np.full(shape[1], np.nan, dtype)
+    gx, gb = cpu.bias_gelu_backward(a, bias, t, g, out_bias=out)
+    want = cpu.gelu_backward(a + bias, t, g)
+    _same_bits(gx, want), _same_bits(gb, ones @ want)
+    assert gb is out
+    (rx, rb), (wx, wb) = cpu.bias_gelu_backward(a, bias, t, g), \
+        reference.bias_gelu_backward(a, bias, t, g)
+    _close(rx, wx, dtype), _close(rb, wb, dtype) if shape[0] < 100 else None
+    u, p = _draws(shape, 0.3), 0.3
+    mask = _model_mask(u, p, dtype)
+    for module in (cpu, reference):
+        _same_bits(module.dropout_add(x, a, u, p, bias), x + (a + bias) * mask)
+        _same_bits(module.dropout_add(None, a, u, p, bias), (a + bias) * mask)
+        _same_bits(module.dropout_add(x, a, None, 0.0, bias), x + (a + bias))
+        gy, gb = module.bias_dropout_backward(g, u, p)
+        _same_bits(gy, g * mask), _same_bits(gb, ones @ (g * mask))
+        gy, gb = module.bias_dropout_backward(g, None, 0.0, out_bias=out)
+        assert gy is g and gb is out
+        _same_bits(gb, ones @ g)
+    # the norms' input gradient added into the gradient so far
+    w = _rand(shape[1:], dtype, 4)
+    _, xhat, rstd = cpu.layer_norm_forward(a, w, bias, 1e-5)
+    for fn in (cpu.layer_norm_backward, cpu.rms_norm_backward,
+               reference.layer_norm_backward, reference.rms_norm_backward):
+        so_far = x.copy()
+        assert fn(g, xhat, rstd, w, into=so_far) is so_far
+        _same_bits(so_far, x + fn(g, xhat, rstd, w))
+
+
 @pytest.mark.parametrize("module", [cpu, reference], ids=lambda m: m.NAME)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
 @pytest.mark.parametrize("shape", [(37, 53), (0, 16), (2, 3, 40), (5,)], ids=str)
@@ -398,6 +441,31 @@ def test_device_kernels_match_the_references(array_backend, dtype):
     k.softmax_backward(d, got, 0.125, drop_u=su, drop_p=0.25)
     reference.softmax_backward(dwant, want, 0.125, drop_u=su_host, drop_p=0.25)
     close(d, dwant)
+    # a linear layer's bias inside GELU, dropout and the residual add; the norms'
+    # input gradient added into the gradient so far
+    bias = xp.asarray(host[3][0])
+    y, tt = k.gelu_forward(a, bias)
+    wy, wt = reference.gelu_forward(host[0], host[3][0])
+    close(y, wy), close(tt, wt)
+    gx, gbias = k.bias_gelu_backward(a, bias, tt, g)
+    wx, wb = reference.bias_gelu_backward(host[0], host[3][0], wt, host[2])
+    close(gx, wx), close(gbias, wb, sum_tol, sum_tol)
+    for du, dp in ((drop_u, 0.3), (None, 0.0)):
+        hu = None if du is None else u_host
+        close(k.dropout_add(a, g, du, dp, bias),
+              reference.dropout_add(host[0], host[2], hu, dp, host[3][0]))
+        close(k.dropout_add(None, g, du, dp, bias),
+              reference.dropout_add(None, host[2], hu, dp, host[3][0]))
+        gy, gbias = k.bias_dropout_backward(g, du, dp)
+        wy, wb = reference.bias_dropout_backward(host[2], hu, dp)
+        close(gy, wy), close(gbias, wb, sum_tol, sum_tol)
+    _, h, r = k.layer_norm_forward(a, w, b, 1e-5)
+    hh, hr = xp.asnumpy(h) if hasattr(xp, "asnumpy") else h.get(), \
+        xp.asnumpy(r) if hasattr(xp, "asnumpy") else r.get()
+    for name in ("layer_norm_backward", "rms_norm_backward"):
+        so_far = xp.asarray(host[1])
+        assert getattr(k, name)(g, h, r, w, into=so_far) is so_far
+        close(so_far, host[1] + getattr(reference, name)(host[2], hh, hr, host[1][0]))
     if array_backend.name == "strict":                    # one launch per fused kernel
         from mpishard import strict
 
@@ -425,3 +493,11 @@ def test_device_kernels_match_the_references(array_backend, dtype):
         one_launch("mpishard_dropout_add", k.dropout_add, a, g, drop_u, 0.3)
         one_launch("mpishard_dropout_add", k.dropout_add, None, g, drop_u, 0.3)
         one_launch("mpishard_dropout_backward", k.dropout_backward, g, drop_u, 0.3)
+        one_launch("mpishard_gelu_forward", k.gelu_forward, a, bias)
+        one_launch("mpishard_bias_gelu_backward", k.bias_gelu_backward, a, bias, tt, g)
+        one_launch("mpishard_dropout_add", k.dropout_add, a, g, drop_u, 0.3, bias)
+        one_launch("mpishard_dropout_add", k.dropout_add, a, g, None, 0.0, bias)
+        one_launch("mpishard_bias_dropout_backward", k.bias_dropout_backward, g, drop_u, 0.3)
+        one_launch("mpishard_bias_dropout_backward", k.bias_dropout_backward, g, None, 0.0)
+        one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g, h, r, w,
+                   into=xp.asarray(host[1]))

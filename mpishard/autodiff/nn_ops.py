@@ -116,20 +116,30 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
 # -- activations -----------------------------------------------------------
 
 @register_op
-def gelu(x) -> Tensor:
-    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+def gelu(x, bias=None) -> Tensor:
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``;
+    with ``bias`` (a linear layer's, left out of its output: see
+    :func:`mpishard.nn.unbiased`), of ``x + bias``, the add in GELU's kernel and the
+    bias's gradient in its backward's."""
     x = as_tensor(x)
     xp = xp_of(x.data)
     a2 = x.data.reshape(-1, x.shape[-1]) if x.ndim else x.data.reshape(1, 1)
     a2 = up(a2)                                         # see [Note: 16-bit inputs]
     kernels = kernels_for(xp)
-    y2, t2 = kernels.gelu_forward(a2)                   # t2 = tanh(u), kept for backward
+    if bias is not None:
+        bias = as_tensor(bias)
+        check_last_dim("gelu", x, bias.shape[0], "bias size")
+    y2, t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))  # t2 kept
 
     def backward(g):
         a2 = up(x.data.reshape(t2.shape))
         g2 = up(g.reshape(t2.shape))
-        return (cast(kernels.gelu_backward(a2, t2, g2), x.dtype).reshape(x.shape),)
-    return make_result(cast(y2, x.dtype).reshape(x.shape), (x,), backward, "gelu")
+        if bias is None:
+            return (cast(kernels.gelu_backward(a2, t2, g2), x.dtype).reshape(x.shape),)
+        gx, gb = kernels.bias_gelu_backward(                # see [Note: gradient buffers]
+            a2, up(bias.data), t2, g2, grad_buffer(bias, g2.dtype))
+        return cast(gx, x.dtype).reshape(x.shape), gb if bias.requires_grad else None
+    return make_result(cast(y2, x.dtype).reshape(x.shape), (x, bias), backward, "gelu")
 
 
 # -- embedding -------------------------------------------------------------
@@ -215,20 +225,45 @@ def dropout(x, p: float, rng, training: bool = True) -> Tensor:
 
 
 @register_op
-def dropout_add(x, y, p: float, rng, training: bool = True) -> Tensor:
-    """``x + dropout(y, p)``: a residual connection and its branch's dropout in one
-    kernel (the draw of ``u`` as in :func:`dropout`, the same mask for the same
-    generator state). ``x`` and ``y`` have one shape; without dropout it is ``x + y``."""
-    x, y = as_tensor(x), as_tensor(y)
+def dropout_add(x, y, p: float, rng, training: bool = True, bias=None) -> Tensor:
+    """``x + dropout(y + bias, p)``: a residual connection, its branch's dropout and the
+    branch's last bias (a linear layer's, left out of its output: see
+    :func:`mpishard.nn.unbiased`) in one kernel each way, the draw of ``u`` as in
+    :func:`dropout` (the same mask for the same generator state). ``x`` (None: no
+    residual) and ``y`` have one shape; ``bias`` (None: none) is a row of it."""
+    y = as_tensor(y)
+    x = None if x is None else as_tensor(x)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_add: p must be in [0, 1), got {p}")
-    if not training or p == 0.0:
-        return x + y
-    if x.shape != y.shape or x.data.dtype != y.data.dtype:
+    drop = training and p > 0.0
+    if bias is None:
+        if x is None:
+            return dropout(y, p, rng, training)
+        if not drop:
+            return x + y
+    if x is not None and (x.shape != y.shape or x.data.dtype != y.data.dtype):
         raise ValueError(f"dropout_add: x {tuple(x.shape)} {x.data.dtype} and y "
                          f"{tuple(y.shape)} {y.data.dtype} must have one shape and dtype")
     xp = xp_of(y.data)
     kernels = kernels_for(xp)
-    u = draw_uniform(rng, y.shape, xp)
-    return make_result(kernels.dropout_add(x.data, y.data, u, p), (x, y),
-                       lambda g: (g, kernels.dropout_backward(g, u, p)), "dropout_add")
+    u = draw_uniform(rng, y.shape, xp) if drop else None
+    if bias is None:
+        return make_result(kernels.dropout_add(x.data, y.data, u, p), (x, y),
+                           lambda g: (g, kernels.dropout_backward(g, u, p)), "dropout_add")
+    bias = as_tensor(bias)
+    check_last_dim("dropout_add", y, bias.shape[0], "bias size")
+    n = y.shape[-1]
+    out = kernels.dropout_add(None if x is None else x.data.reshape(-1, n),
+                              y.data.reshape(-1, n), u if u is None else u.reshape(-1, n),
+                              p, bias.data)
+
+    def backward(g):
+        g2 = g.reshape(-1, n)
+        gy, gb = kernels.bias_dropout_backward(           # see [Note: gradient buffers]
+            g2, u if u is None else u.reshape(-1, n), p,
+            grad_buffer(bias, np.float32 if g2.dtype.itemsize < 4 else g2.dtype))
+        gy = gy.reshape(y.shape)
+        if x is not None and gy is g:                     # no dropout: both get g
+            gy = gy.copy()
+        return g, gy, gb if bias.requires_grad else None
+    return make_result(out.reshape(y.shape), (x, y, bias), backward, "dropout_add")

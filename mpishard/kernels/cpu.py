@@ -21,19 +21,21 @@ from .threads import for_rows
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
 
 NAME = "cpu"
 
 dropout_add = reference.dropout_add            # whole arrays (see the module docstring)
 dropout_backward = reference.dropout_backward
+bias_dropout_backward = reference.bias_dropout_backward
 
 
-def gelu_forward(a):
+def gelu_forward(a, bias=None):
     t2, y2 = np.empty_like(a), np.empty_like(a)
 
     def block(rows):
-        x, t, y = a[rows], t2[rows], y2[rows]
+        x, t, y = a[rows] if bias is None else a[rows] + bias, t2[rows], y2[rows]
         np.multiply(x, x, out=t)
         t *= x
         t *= GELU_K
@@ -47,11 +49,11 @@ def gelu_forward(a):
     return y2, t2
 
 
-def gelu_backward(a, t2, g2):
+def gelu_backward(a, t2, g2, bias=None):
     out2 = np.empty_like(a)
 
     def block(rows):
-        x, t, out = a[rows], t2[rows], out2[rows]
+        x, t, out = a[rows] if bias is None else a[rows] + bias, t2[rows], out2[rows]
         s = np.multiply(t, t)
         np.multiply(x, x, out=out)
         out *= 3.0 * GELU_K * GELU_C
@@ -65,6 +67,11 @@ def gelu_backward(a, t2, g2):
         out *= g2[rows]
     for_rows(block, *a.shape)
     return out2
+
+
+def bias_gelu_backward(a, bias, t2, g2, out_bias=None):
+    gx = gelu_backward(a, t2, g2, bias)           # a + bias again, block by block
+    return gx, reference.col_sums(gx, out_bias)
 
 
 def layer_norm_forward(x2, weight, bias, eps: float):

@@ -42,6 +42,19 @@ SOURCES = {
     "mpishard_dropout_add": (
         "T x, T y, float32 u, float64 p, float64 scale", "T z",
         "z = x + (u >= (float)p ? (T)(y * (T)scale) : (T)0);"),
+    # a linear layer's bias added in the consumer's kernel: GELU, dropout, residual add
+    "mpishard_bias_gelu_forward": (
+        "T a, T b", "T y, T t",
+        f"T x = a + b; t = tanh((T){GELU_C!r} * (x + (T){GELU_K!r} * x * x * x));"
+        " y = (T)0.5 * x * ((T)1 + t);"),
+    "mpishard_bias_dropout": (
+        "T y, T b, float32 u, float64 p, float64 scale", "T z",
+        "z = u >= (float)p ? (T)((T)(y + b) * (T)scale) : (T)0;"),
+    "mpishard_bias_dropout_add": (
+        "T x, T y, T b, float32 u, float64 p, float64 scale", "T z",
+        "z = x + (u >= (float)p ? (T)((T)(y + b) * (T)scale) : (T)0);"),
+    "mpishard_bias_add": ("T x, T y, T b", "T z", "z = x + (T)(y + b);"),
+    "mpishard_add_bias": ("T y, T b", "T z", "z = y + b;"),
     # the norms' fallback for inputs the row kernels do not take (see the docstring)
     "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
                             "h = (x - mu) * rstd; y = h * w + b;"),
@@ -53,7 +66,8 @@ SOURCES = {
 }
 #: the kernels of :data:`SOURCES` that also run on float16 (dropout, on a 16-bit model's
 #: activations and gradients; the others get float32 or float64)
-FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add")
+FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add", "mpishard_bias_dropout",
+                   "mpishard_bias_dropout_add", "mpishard_bias_add", "mpishard_add_bias")
 #: name -> (inputs, outputs, map, reduce, post-map) of each ReductionKernel (over rows),
 #: the norms' fallback
 REDUCTIONS = {
@@ -70,7 +84,9 @@ REDUCTIONS = {
 #: the RawKernels, ``{T}`` float or double. All but the last take a thread block per
 #: row: a sum or max over the block (warp shuffles, then the warps' results), then the
 #: row's passes. An absent optional array is passed as a flag 0 and any valid pointer.
-ROW_KERNELS = r"""
+ROW_KERNELS = f"""
+#define MPISHARD_GELU_C {GELU_C!r}
+#define MPISHARD_GELU_K {GELU_K!r}""" + r"""
 typedef {T} T;
 __device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -238,5 +254,66 @@ extern "C" __global__ void mpishard_norm_param_grads_{T}(const T* g, const T* xh
     if (need_w) gw[col] = sw;
     if (need_b) gb[col] = sb;
   }
+}
+
+/* The column-sum kernels' end: thread (x, y) holds the partial sum s of its rows of
+   column col; the block adds them in a fixed order (deterministic, no atomics) and row
+   thread 0 writes the column's total to out[col]. */
+__device__ void mpishard_column_total(T s, const int col, const int n, T* out) {
+  __shared__ T part[32][32];
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < n) {
+    for (int k = 1; k < blockDim.y; ++k) s += part[k][threadIdx.x];
+    out[col] = s;
+  }
+}
+
+/* GELU's backward with its input's bias b (a linear layer's, added in the forward's
+   kernel): gx = g gelu'(a + b) per element, and gb, the column sums of gx (b's
+   gradient). Blocks of 32 columns x blockDim.y row threads, as norm_param_grads. */
+extern "C" __global__ void mpishard_bias_gelu_backward_{T}(const T* a, const T* b,
+                                                          const T* t, const T* g, T* gx,
+                                                          T* gb, const long long rows,
+                                                          const int n) {
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  T s = 0;
+  if (col < n) {
+    const T bc = b[col];
+    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
+      const long long k = i * n + col;
+      const T x = a[k] + bc, th = t[k];
+      const T v = g[k] * ((T)0.5 * ((T)1 + th) + (T)0.5 * x * ((T)1 - th * th)
+                          * (T)MPISHARD_GELU_C * ((T)1 + (T)3 * (T)MPISHARD_GELU_K * x * x));
+      gx[k] = v;
+      s += v;
+    }
+  }
+  mpishard_column_total(s, col, n, gb);
+}
+
+/* The gradient through a dropout with a bias before it: gy = g / (1 - p) where
+   du >= dp, else 0 (with has_drop; else gy is g, not written), and gb, the column
+   sums of gy (the bias's gradient). Blocks as above. */
+extern "C" __global__ void mpishard_bias_dropout_backward_{T}(const T* g, const int has_drop,
+                                                             const float* du,
+                                                             const float dp,
+                                                             const T dscale, T* gy, T* gb,
+                                                             const long long rows,
+                                                             const int n) {
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  T s = 0;
+  if (col < n) {
+    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
+      const long long k = i * n + col;
+      T v = g[k];
+      if (has_drop) {
+        v = du[k] >= dp ? v * dscale : (T)0;
+        gy[k] = v;
+      }
+      s += v;
+    }
+  }
+  mpishard_column_total(s, col, n, gb);
 }
 """

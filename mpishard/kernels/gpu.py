@@ -38,6 +38,7 @@ from .cuda_sources import FLOAT16_SOURCES, REDUCTIONS, ROW_KERNELS, SOURCES  # n
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
 
 NAME = "gpu"
@@ -249,15 +250,62 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
     return gw, gb
 
 
-def dropout_add(x, y, u, p: float):
+def dropout_add(x, y, u, p: float, bias=None):
     xp = xp_of(y)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_dropout_add"):
-            return reference.dropout_add(x, y, u, p)
+            return reference.dropout_add(x, y, u, p, bias)
+    if u is None and bias is None:
+        return reference.dropout_add(x, y, u, p)
     scale = 1.0 / (1.0 - p)
+    if bias is None:
+        if x is None:
+            return _kernel(xp, "mpishard_dropout")(y, u, p, scale)
+        return _kernel(xp, "mpishard_dropout_add")(x, y, u, p, scale)
+    if u is None:                               # the bias and the residual, no dropout
+        return _kernel(xp, "mpishard_add_bias")(y, bias) if x is None else \
+            _kernel(xp, "mpishard_bias_add")(x, y, bias)
     if x is None:
-        return _kernel(xp, "mpishard_dropout")(y, u, p, scale)
-    return _kernel(xp, "mpishard_dropout_add")(x, y, u, p, scale)
+        return _kernel(xp, "mpishard_bias_dropout")(y, bias, u, p, scale)
+    return _kernel(xp, "mpishard_bias_dropout_add")(x, y, bias, u, p, scale)
+
+
+def _column_blocks(n: int) -> tuple:
+    """Grid and block of the column-sum RawKernels: 32 columns per block."""
+    return (-(-n // 32),), (32, PARAM_ROW_THREADS)
+
+
+def bias_dropout_backward(g, u, p: float, out_bias=None):
+    xp = xp_of(g)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_bias_dropout_backward"):
+            return reference.bias_dropout_backward(g, u, p, out_bias)
+    if not _raw_ready(g, out_bias, drop_u=u):
+        return reference.bias_dropout_backward(g, u, p, out_bias)
+    rows, n = g.shape
+    gy = g if u is None else xp.empty_like(g)
+    gb = xp.empty(n, dtype=g.dtype) if out_bias is None else out_bias
+    if n:
+        _row_kernel(xp, "mpishard_bias_dropout_backward", g.dtype.name)(
+            *_column_blocks(n), (g, *_dropout_args(u, p, g, g.dtype), gy, gb,
+                                 np.int64(rows), np.int32(n)))
+    return gy, gb
+
+
+def bias_gelu_backward(a, bias, t, g, out_bias=None):
+    xp = xp_of(a)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_bias_gelu_backward"):
+            return reference.bias_gelu_backward(a, bias, t, g, out_bias)
+    if not _raw_ready(a, bias, t, g, out_bias):
+        return reference.bias_gelu_backward(a, bias, t, g, out_bias)
+    rows, n = g.shape
+    gx = xp.empty_like(g)
+    gb = xp.empty(n, dtype=g.dtype) if out_bias is None else out_bias
+    if n:
+        _row_kernel(xp, "mpishard_bias_gelu_backward", g.dtype.name)(
+            *_column_blocks(n), (a, bias, t, g, gx, gb, np.int64(rows), np.int32(n)))
+    return gx, gb
 
 
 def dropout_backward(g, u, p: float):
@@ -268,11 +316,13 @@ def dropout_backward(g, u, p: float):
     return _kernel(xp, "mpishard_dropout")(g, u, p, 1.0 / (1.0 - p))
 
 
-def gelu_forward(a):
+def gelu_forward(a, bias=None):
     xp = xp_of(a)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_gelu_forward"):
-            return reference.gelu_forward(a)
+            return reference.gelu_forward(a, bias)
+    if bias is not None:
+        return _kernel(xp, "mpishard_bias_gelu_forward")(a, bias)
     return _kernel(xp, "mpishard_gelu_forward")(a)
 
 

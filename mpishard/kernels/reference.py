@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..backend import xp_of
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
 
 NAME = "reference"
@@ -33,10 +36,13 @@ GELU_C = math.sqrt(2.0 / math.pi)
 GELU_K = 0.044715
 
 
-def gelu_forward(a):
+def gelu_forward(a, bias=None):
     """GELU, tanh approximation: ``(y, t)`` with ``t = tanh(c (a + k a^3))`` kept for
-    backward and ``y = 0.5 a (1 + t)``."""
+    backward and ``y = 0.5 a (1 + t)``; with ``bias`` (a row of ``a``'s width), of
+    ``a + bias`` (a linear layer's output and its bias, added here)."""
     xp = xp_of(a)
+    if bias is not None:
+        a = a + bias
     t = xp.tanh(GELU_C * (a + GELU_K * a * a * a))
     return 0.5 * a * (1.0 + t), t
 
@@ -45,6 +51,24 @@ def gelu_backward(a, t, g):
     """``g * d gelu / da = g (0.5 (1 + t) + 0.5 a (1 - t^2) c (1 + 3k a^2))``."""
     return g * (0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * GELU_C
                 * (1.0 + 3.0 * GELU_K * a * a))
+
+
+def bias_gelu_backward(a, bias, t, g, out_bias=None):
+    """``(gx, gb)`` of :func:`gelu_forward` with ``bias``: the gradient of ``a`` (and of
+    ``a + bias``) and its column sums, the bias's gradient (into ``out_bias`` if given)."""
+    gx = gelu_backward(a + bias, t, g)
+    return gx, col_sums(gx, out_bias)
+
+
+def col_sums(a, out=None):
+    """Column sums of rows ``a`` (a bias's gradient), accumulated in float32 at least,
+    into ``out`` if given; a ones-vector product on NumPy, as the linear layers' bias
+    gradients (bit for bit)."""
+    if a.dtype.itemsize < 4:
+        a = a.astype("float32")
+    if isinstance(a, np.ndarray):
+        return np.matmul(np.ones(a.shape[0], dtype=a.dtype), a, out=out)
+    return a.sum(axis=0, out=out)
 
 
 def layer_norm_forward(x, weight, bias, eps: float):
@@ -125,9 +149,13 @@ def apply_dropout(y, u, p: float, out=None):
     return out
 
 
-def dropout_add(x, y, u, p: float):
-    """``x + dropout(y)`` (a residual add; ``x`` None: the dropout alone), in y's dtype."""
-    out = apply_dropout(y, u, p)
+def dropout_add(x, y, u, p: float, bias=None):
+    """``x + dropout(y)`` (a residual add; ``x`` None: the dropout alone), in y's dtype;
+    with ``bias``, of ``y + bias`` (a linear layer's output and its bias, added here);
+    ``u`` None: no dropout (``x + y + bias``)."""
+    if bias is not None:
+        y = y + bias
+    out = apply_dropout(y, u, p) if u is not None else (y if bias is not None else y.copy())
     if x is not None:
         out += x
     return out
@@ -136,6 +164,14 @@ def dropout_add(x, y, u, p: float):
 def dropout_backward(g, u, p: float):
     """The gradient through dropout: ``where(u >= p, g / (1 - p), 0)``, same draws ``u``."""
     return apply_dropout(g, u, p)
+
+
+def bias_dropout_backward(g, u, p: float, out_bias=None):
+    """``(gy, gb)`` of :func:`dropout_add` with a bias: the gradient through the dropout
+    (``g`` itself when ``u`` is None) and its column sums, the bias's gradient (float32
+    at least, into ``out_bias`` if given)."""
+    gy = g if u is None else apply_dropout(g, u, p)
+    return gy, col_sums(gy, out_bias)
 
 
 def softmax_rows(a) -> None:

@@ -23,7 +23,8 @@ from ..autodiff import nn_ops
 from ..autodiff.recompute import recompute
 from ..autodiff.tensor import Tensor, is_grad_enabled
 from ..backend import Backend, xp_of
-from ..nn import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict
+from ..nn import (CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict,
+                  unbiased)
 from ..nn.init import materialize
 from .generate import generate
 from .gpt_activations import gpt_activation_bytes
@@ -98,7 +99,7 @@ class CausalSelfAttention(Module):
             self.sequence.attention
         y = attend(qkv, n_head, batch_size, self.attn_dropout.p, self.attn_dropout.rng,
                    self.training)                                  # (B*T, nh * hs)
-        return self.resid_dropout.add_to(residual, self.c_proj(y))
+        return self.resid_dropout.add_to(residual, *unbiased(self.c_proj, y))
 
 
 class MLP(Module):
@@ -114,7 +115,8 @@ class MLP(Module):
 
     def forward(self, x, residual=None):
         """The MLP's output; with ``residual``, ``residual +`` it (fused as in attention)."""
-        return self.dropout.add_to(residual, self.c_proj(nn_ops.gelu(self.c_fc(x))))
+        h = nn_ops.gelu(*unbiased(self.c_fc, x))            # the biases added in the
+        return self.dropout.add_to(residual, *unbiased(self.c_proj, h))  # next kernels
 
 
 class Block(Module):

@@ -14,8 +14,11 @@ attention            weights ``B h T^2 f`` (``h`` this rank's heads), output ``N
 GELU (width F)       output ``N F c``, tanh ``N F f``
 residual add         ``N C c``; with its branch's dropout (``p > 0``, one fused op)
                      the float32 draws, ``N C 4``; a dropout alone: draws and output
-row-parallel linear  tp > 1: the summed copy after the all-reduce, ``N C c`` more,
-                     and the bias added after it, ``N C c`` more
+row-parallel linear  tp > 1: the summed copy after the all-reduce, ``N C c`` more; its
+                     bias is added in the next op's kernel (as every linear's before
+                     a GELU or a residual's dropout), but under sequence parallelism
+                     in an add of its own (the bias's use is summed over tp in a
+                     forward hook), its output ``N C c`` more
 embeddings           tokens ``N C c`` (tp > 1: rows, mask, product, sum, ids:
                      ``3 N C c + N c + 8 N``), positions ``T C c + 8 T``, sum ``N C c``
 loss                 logits ``N V c``; exp-shifted logits ``N V f`` (+ their float32
@@ -63,6 +66,11 @@ _OBJECTS_CP_PER_BLOCK = {"ring": 3072, "all-to-all": 4096}
 def _width(linear) -> int:
     """This rank's output features of a (possibly column-parallel) linear layer."""
     return int(linear.weight.shape[0])
+
+
+def _biased(linear, sp: int) -> int:
+    """1, or 2 where a row-parallel layer's bias is added apart (see the table)."""
+    return 1 + (sp > 1 and linear.bias is not None)
 
 
 def _row_parallel(linear) -> bool:
@@ -157,12 +165,11 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
                 linears += 4 * M * C * c                    # (see llama_activations.py)
             if "shared_expert" in mlp._modules:             # a GPT MLP every row goes through
                 linears += 2 * N * C * c + N * H * c + N * H * (c + f)
-            reduced = Ns * C * c * (1 + (attn.c_proj.bias is not None)) \
-                * _row_parallel(attn.c_proj)
+            reduced = Ns * C * c * _biased(attn.c_proj, sp) * _row_parallel(attn.c_proj)
             gelu = M * H * c
         else:
             linears = N * qkv * c + N * C * c + N * _width(mlp.c_fc) * c + N * C * c
-            reduced = Ns * C * c * sum((1 + (lin.bias is not None)) * _row_parallel(lin)
+            reduced = Ns * C * c * sum(_biased(lin, sp) * _row_parallel(lin)
                                        for lin in (attn.c_proj, mlp.c_proj))
             gelu = N * _width(mlp.c_fc) * (c + f)
         attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode)

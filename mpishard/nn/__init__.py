@@ -1,6 +1,6 @@
 """Modules, parameters, layers and parallel plans (no communication here: see mpishard.parallel)."""
 from .init import materialize, seed_dropout
-from .layers import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear
+from .layers import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, unbiased
 from .module import Module, ModuleDict, ModuleList, StateDictError
 from .parameter import (Constant, FlatPlacement, Normal, Parameter, ShardSpec, init_array,
                         rng_for)
@@ -11,7 +11,7 @@ __all__ = [
     "Module", "ModuleList", "ModuleDict", "StateDictError", "Parameter", "ShardSpec",
     "FlatPlacement",
     "Normal", "Constant", "init_array", "rng_for", "materialize", "seed_dropout",
-    "Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss",
+    "Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss", "unbiased",
     "ParallelPlan", "PipelinePlan", "ColumnParallel", "RowParallel", "VocabParallel",
     "VocabParallelLoss", "plan_of",
 ]

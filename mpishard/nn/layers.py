@@ -11,7 +11,7 @@ from ..autodiff import nn_ops
 from .module import Module
 from .parameter import Constant, Normal, Parameter
 
-__all__ = ["Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss"]
+__all__ = ["Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss", "unbiased"]
 
 
 class Linear(Module):
@@ -33,6 +33,10 @@ class Linear(Module):
 
     def forward(self, x):
         return nn_ops.linear(x, self.weight, self.bias)
+
+    def forward_unbiased(self, x):
+        """The output without the bias (see :func:`unbiased`)."""
+        return nn_ops.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
@@ -83,12 +87,12 @@ class Dropout(Module):
     def forward(self, x):
         return nn_ops.dropout(x, self.p, self.rng, self.training)
 
-    def add_to(self, residual, x):
-        """``residual + self(x)`` as one op (:func:`~mpishard.autodiff.dropout_add`),
-        or ``self(x)`` when ``residual`` is ``None``."""
-        if residual is None:
+    def add_to(self, residual, x, bias=None):
+        """``residual + self(x + bias)`` as one op (:func:`~mpishard.autodiff.dropout_add`;
+        ``residual`` or ``bias`` may be None), or ``self(x)`` when both are."""
+        if residual is None and bias is None:
             return self(x)
-        return nn_ops.dropout_add(residual, x, self.p, self.rng, self.training)
+        return nn_ops.dropout_add(residual, x, self.p, self.rng, self.training, bias=bias)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -105,3 +109,16 @@ class CrossEntropyLoss(Module):
 
     def forward(self, logits, targets):
         return nn_ops.cross_entropy(logits, targets, ignore_index=self.ignore_index)
+
+
+def unbiased(linear, x):
+    """``(output, bias)``: ``linear``'s output for ``x`` without its bias, and the bias,
+    for the next op to add in its own kernel (GELU, a residual's dropout and add: one
+    launch fewer each way on a GPU, one pass fewer on a CPU); ``(linear(x), None)``
+    when the layer has no bias, no ``forward_unbiased``, or forward hooks (which see
+    the biased output)."""
+    split = getattr(linear, "forward_unbiased", None)
+    if (split is None or getattr(linear, "bias", None) is None or linear._forward_hooks
+            or linear._forward_pre_hooks):
+        return linear(x), None
+    return split(x), linear.bias

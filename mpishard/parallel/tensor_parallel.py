@@ -102,10 +102,15 @@ class ColumnParallelLinear(Module):
         self.bias = _split_param((out_features,), self.blocks, 0, Constant(0.0), False, dtype) \
             if bias else None
 
-    def forward(self, x):
+    def forward(self, x, bias=True):
+        b = self.bias if bias else None
         if self.sequence_parallel:   # x holds this rank's rows: gathered (twice, see the op)
-            return gathered_linear(x, self.weight, self.bias, self.tp)
-        return nn_ops.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+            return gathered_linear(x, self.weight, b, self.tp)
+        return nn_ops.linear(copy_to_tp(x, self.tp), self.weight, b)
+
+    def forward_unbiased(self, x):
+        """The output without this rank's bias shard (see :func:`mpishard.nn.unbiased`)."""
+        return self.forward(x, bias=False)
 
 
 class RowParallelLinear(Module):
@@ -127,10 +132,14 @@ class RowParallelLinear(Module):
         self.bias = Parameter((out_features,), Constant(0.0), False, dtype) if bias else None
 
     def forward(self, x_local):
-        partial = nn_ops.linear(x_local, self.weight)
-        y = reduce_scatter_to_sp(partial, self.tp) if self.sequence_parallel else \
-            reduce_from_tp(partial, self.tp)
+        y = self.forward_unbiased(x_local)
         return y + self.bias if self.bias is not None else y
+
+    def forward_unbiased(self, x_local):
+        """The reduced output before the bias (see :func:`mpishard.nn.unbiased`)."""
+        partial = nn_ops.linear(x_local, self.weight)
+        return reduce_scatter_to_sp(partial, self.tp) if self.sequence_parallel else \
+            reduce_from_tp(partial, self.tp)
 
 
 class VocabParallelEmbedding(Module):
