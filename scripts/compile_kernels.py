@@ -117,7 +117,8 @@ def main() -> int:
               f"pip install nvidia-cuda-runtime-cu12 or set CUDA_PATH")
     sources += [(name, T, reduction_source(name, *spec, T), [])
                 for name, spec in gpu.REDUCTIONS.items() for T in ("float", "double")]
-    raw = ", ".join(re.findall(r'__global__ void (\w+)_\{T\}', gpu.ROW_KERNELS))
+    name = r'__global__ void (?:__launch_bounds__\(\d+\)[^\n]*\n)?(\w+)_\{T\}'
+    raw = ", ".join(re.findall(name, gpu.ROW_KERNELS))
     sources += [(f"RawKernels {raw}", T, gpu.ROW_KERNELS.replace("{T}", T), [])  # as they are
                 for T in ("float", "double")]
     for name, T, source, includes in sources:

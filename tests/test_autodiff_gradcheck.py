@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mpishard.autodiff import OPS, gradcheck
+from mpishard.autodiff import OPS, Tensor, gradcheck
 from mpishard.autodiff import llama_fused, llama_ops, moe_ops, nn_ops, ops
 
 TOL = 1e-6
@@ -200,3 +200,20 @@ def test_dropout_add_is_the_residual_add_of_dropout():
                           (x + y).data)
     with pytest.raises(ValueError, match="one shape"):
         nn_ops.dropout_add(x, ops.as_tensor(np.ones((6, 1))), 0.3, np.random.default_rng(5))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_dropout_add_gives_each_input_its_own_gradient(p):
+    """Without dropout both inputs get the output's gradient: as two arrays, so adding
+    ``y``'s other use into one cannot change the other (``y`` used twice here)."""
+    r = np.random.default_rng(2)
+    x = Tensor(r.standard_normal((3, 4)), requires_grad=True)
+    z = Tensor(r.standard_normal((3, 4)), requires_grad=True)
+    b = Tensor(r.standard_normal(4), requires_grad=True)
+    y = z * 2.0
+    out = nn_ops.dropout_add(x, y, p, np.random.default_rng(4), bias=b)
+    (y.sum() + out.sum()).backward()
+    np.testing.assert_array_equal(x.grad, np.ones((3, 4)))
+    kept = (out.data - x.data) != 0
+    np.testing.assert_allclose(z.grad, 2.0 * (1.0 + kept / (1.0 - p)), rtol=1e-12)
+    np.testing.assert_allclose(b.grad, (kept / (1.0 - p)).sum(axis=0), rtol=1e-12)

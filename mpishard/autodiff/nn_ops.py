@@ -129,6 +129,9 @@ def gelu(x, bias=None) -> Tensor:
     if bias is not None:
         bias = as_tensor(bias)
         check_last_dim("gelu", x, bias.shape[0], "bias size")
+        if bias.data.dtype != x.data.dtype:
+            raise ValueError(f"gelu: bias dtype {bias.data.dtype} differs from x's "
+                             f"{x.data.dtype}")
     y2, t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))  # t2 kept
 
     def backward(g):
@@ -252,6 +255,9 @@ def dropout_add(x, y, p: float, rng, training: bool = True, bias=None) -> Tensor
                            lambda g: (g, kernels.dropout_backward(g, u, p)), "dropout_add")
     bias = as_tensor(bias)
     check_last_dim("dropout_add", y, bias.shape[0], "bias size")
+    if bias.data.dtype != y.data.dtype:
+        raise ValueError(f"dropout_add: bias dtype {bias.data.dtype} differs from y's "
+                         f"{y.data.dtype}")
     n = y.shape[-1]
     out = kernels.dropout_add(None if x is None else x.data.reshape(-1, n),
                               y.data.reshape(-1, n), u if u is None else u.reshape(-1, n),
@@ -263,7 +269,7 @@ def dropout_add(x, y, p: float, rng, training: bool = True, bias=None) -> Tensor
             g2, u if u is None else u.reshape(-1, n), p,
             grad_buffer(bias, np.float32 if g2.dtype.itemsize < 4 else g2.dtype))
         gy = gy.reshape(y.shape)
-        if x is not None and gy is g:                     # no dropout: both get g
-            gy = gy.copy()
+        if x is not None and u is None:                   # no dropout: both get g (a view
+            gy = gy.copy()                                # of it: each its own array)
         return g, gy, gb if bias.requires_grad else None
     return make_result(out.reshape(y.shape), (x, y, bias), backward, "dropout_add")

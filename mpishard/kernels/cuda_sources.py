@@ -229,10 +229,10 @@ extern "C" __global__ void mpishard_norm_backward_{T}(const T* g, const T* xhat,
    g (gb, where need_b) over rows x n. A block of 32 columns x blockDim.y (at most 32)
    row threads, each summing every blockDim.y-th row of its column, then the partial
    sums added in a fixed order: deterministic, no atomics. */
-extern "C" __global__ void mpishard_norm_param_grads_{T}(const T* g, const T* xhat, T* gw,
-                                                        T* gb, const long long rows,
-                                                        const int n, const int need_w,
-                                                        const int need_b) {
+extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
+mpishard_norm_param_grads_{T}(
+    const T* g, const T* xhat, T* gw, T* gb, const long long rows, const int n,
+    const int need_w, const int need_b) {
   __shared__ T part_w[32][32], part_b[32][32];
   const int col = blockIdx.x * 32 + threadIdx.x;
   T sw = 0, sb = 0;
@@ -272,10 +272,10 @@ __device__ void mpishard_column_total(T s, const int col, const int n, T* out) {
 /* GELU's backward with its input's bias b (a linear layer's, added in the forward's
    kernel): gx = g gelu'(a + b) per element, and gb, the column sums of gx (b's
    gradient). Blocks of 32 columns x blockDim.y row threads, as norm_param_grads. */
-extern "C" __global__ void mpishard_bias_gelu_backward_{T}(const T* a, const T* b,
-                                                          const T* t, const T* g, T* gx,
-                                                          T* gb, const long long rows,
-                                                          const int n) {
+extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
+mpishard_bias_gelu_backward_{T}(
+    const T* a, const T* b, const T* t, const T* g, T* gx, T* gb, const long long rows,
+    const int n) {
   const int col = blockIdx.x * 32 + threadIdx.x;
   T s = 0;
   if (col < n) {
@@ -295,12 +295,10 @@ extern "C" __global__ void mpishard_bias_gelu_backward_{T}(const T* a, const T* 
 /* The gradient through a dropout with a bias before it: gy = g / (1 - p) where
    du >= dp, else 0 (with has_drop; else gy is g, not written), and gb, the column
    sums of gy (the bias's gradient). Blocks as above. */
-extern "C" __global__ void mpishard_bias_dropout_backward_{T}(const T* g, const int has_drop,
-                                                             const float* du,
-                                                             const float dp,
-                                                             const T dscale, T* gy, T* gb,
-                                                             const long long rows,
-                                                             const int n) {
+extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
+mpishard_bias_dropout_backward_{T}(
+    const T* g, const int has_drop, const float* du, const float dp, const T dscale,
+    T* gy, T* gb, const long long rows, const int n) {
   const int col = blockIdx.x * 32 + threadIdx.x;
   T s = 0;
   if (col < n) {

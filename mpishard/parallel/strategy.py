@@ -172,6 +172,8 @@ class Strategy:
         if self.mixed:  # every gradient contribution is added in reduce_dtype, not 16 bits
             for p in params:
                 p.grad_dtype = self.reduce_dtype
+        for p in params:   # no gradient buffers of an earlier wrapper (DDP sets its own)
+            p.grad_out = None
 
     # -- forward / modes ----------------------------------------------------
     def __call__(self, *args, **kwargs):
