@@ -7,8 +7,11 @@ units, communication buffers, activations) and the bus bytes each of its mesh
 communicators and the tied-parameter group moved with :func:`plan_layout`'s
 figures for its pipeline stage. Even splits: every tp rank holds the same sizes.
 The layouts cover dp x tp x pp, then context parallelism (ring, all-to-all),
-hybrid sharding (dp_replicate x dp_shard) and sequence parallelism.
+hybrid sharding (dp_replicate x dp_shard), sequence parallelism, and dropout
+(its kept draws, with and without sequence parallelism).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -21,7 +24,8 @@ from mpishard.parallel import Layout, ParallelModel, plan_layout
 CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
 LLAMA = LlamaConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
                     intermediate_size=96)
-MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA)}
+MODELS = {"gpt": (GPT, CFG), "llama": (Llama, LLAMA),
+          "gpt-dropout": (GPT, dataclasses.replace(CFG, dropout=0.1))}
 B, T = 4, 32
 LAYOUTS = [  # model, dp, tp, pp, strategy, precision, micro-batches, schedule, checkpointing
     ("gpt", 4, 1, 1, "ddp", None, 1, "1f1b", False),
@@ -48,6 +52,9 @@ AXES = [  # model, Layout fields beyond dp x tp x pp's (dp, tp, pp default to 1)
                  activation_checkpointing=True)),     # (a larger batch: measured to 5%)
     ("llama", dict(cp=2, tp=2, cp_mode="all-to-all", sequence_parallel=True,
                    strategy="zero3", micro_batches=2)),
+    # dropout's kept draws, fused with the residual add (and the bias outside sp)
+    ("gpt-dropout", dict(dp=2, tp=2, strategy="ddp", micro_batches=2)),
+    ("gpt-dropout", dict(dp=2, tp=2, sequence_parallel=True, strategy="zero3")),
 ]
 
 
