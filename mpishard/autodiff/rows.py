@@ -1,7 +1,7 @@
 """The NumPy idioms the fused ops are built from, measured to be fast on CPUs.
 
-Row reductions (:mod:`mpishard.kernels.rows`, re-exported here), bias gradients
-as a ones-vector matmul, 16-bit inputs cast up, scatter-add. On CuPy each falls
+Row reductions and column sums (bias gradients as a ones-vector matmul;
+:mod:`mpishard.kernels.rows`, re-exported here), 16-bit inputs cast up, scatter-add. On CuPy each falls
 back to the plain call (a GPU wants few, large kernels).
 """
 from __future__ import annotations
@@ -10,26 +10,11 @@ import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import is_low_precision
-from ..kernels.rows import row_dot, row_max, row_sum
+from ..kernels.rows import col_sum, row_dot, row_max, row_sum
 from .tensor import Tensor
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "up", "cast", "check_last_dim",
            "scatter_add", "draw_uniform"]
-
-
-def col_sum(x2d, out=None):
-    """Sum over the first axis: a ones-vector matmul on NumPy (BLAS beats its
-    reduction there), one reduction kernel on a GPU (where the ones would be one
-    launch more). ``out``: an array of the result's shape and dtype to write into."""
-    if isinstance(x2d, np.ndarray):
-        return np.matmul(np.ones(x2d.shape[0], dtype=x2d.dtype), x2d, out=out)
-    if is_low_precision(x2d.dtype):                  # accumulate in float32
-        s = x2d.sum(axis=0, dtype=np.float32).astype(x2d.dtype)
-        if out is None:
-            return s
-        out[...] = s
-        return out
-    return x2d.sum(axis=0, out=out)
 
 
 def up(a):

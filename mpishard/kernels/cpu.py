@@ -15,7 +15,7 @@ import numpy as np
 
 from . import reference
 from .reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
-from .rows import row_dot, row_max, row_sum
+from .rows import col_sum, row_dot, row_max, row_sum
 from .threads import for_rows
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
@@ -71,7 +71,7 @@ def gelu_backward(a, t2, g2, bias=None):
 
 def bias_gelu_backward(a, bias, t2, g2, out_bias=None):
     gx = gelu_backward(a, t2, g2, bias)           # a + bias again, block by block
-    return gx, reference.col_sums(gx, out_bias)
+    return gx, col_sum(gx, out_bias)
 
 
 def layer_norm_forward(x2, weight, bias, eps: float):
@@ -154,11 +154,10 @@ def rms_norm_backward(g2, xhat, rstd, weight, into=None):
 
 def norm_param_grads(g2, xhat, need_weight: bool, need_bias: bool, out_weight=None,
                      out_bias=None):
-    """Column sums as ``ones @ rows`` (BLAS beats NumPy's reduction), straight into the
-    buckets' views when given: bit-identical to the models' ``col_sum``."""
-    ones = np.ones(g2.shape[0], dtype=g2.dtype)
-    gw = np.matmul(ones, g2 * xhat, out=out_weight) if need_weight else None
-    gb = np.matmul(ones, g2, out=out_bias) if need_bias else None
+    """Column sums as ``ones @ rows`` (:func:`.rows.col_sum`), straight into the buckets'
+    views when given."""
+    gw = col_sum(g2 * xhat, out_weight) if need_weight else None
+    gb = col_sum(g2, out_bias) if need_bias else None
     return gw, gb
 
 

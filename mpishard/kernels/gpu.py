@@ -244,7 +244,7 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
     gw, gb = into(need_weight, out_weight), into(need_bias, out_bias)
     if n:
         _row_kernel(xp, "mpishard_norm_param_grads", g.dtype.name)(
-            (-(-n // 32),), (32, PARAM_ROW_THREADS),
+            *_column_blocks(n),
             (g, xhat, g if gw is None else gw, g if gb is None else gb, np.int64(rows),
              np.int32(n), _flag(gw), _flag(gb)))
     return gw, gb

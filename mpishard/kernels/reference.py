@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ..backend import xp_of
+from .rows import col_sum
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
@@ -57,18 +56,7 @@ def bias_gelu_backward(a, bias, t, g, out_bias=None):
     """``(gx, gb)`` of :func:`gelu_forward` with ``bias``: the gradient of ``a`` (and of
     ``a + bias``) and its column sums, the bias's gradient (into ``out_bias`` if given)."""
     gx = gelu_backward(a + bias, t, g)
-    return gx, col_sums(gx, out_bias)
-
-
-def col_sums(a, out=None):
-    """Column sums of rows ``a`` (a bias's gradient), accumulated in float32 at least,
-    into ``out`` if given; a ones-vector product on NumPy, as the linear layers' bias
-    gradients (bit for bit)."""
-    if a.dtype.itemsize < 4:
-        a = a.astype("float32")
-    if isinstance(a, np.ndarray):
-        return np.matmul(np.ones(a.shape[0], dtype=a.dtype), a, out=out)
-    return a.sum(axis=0, out=out)
+    return gx, col_sum(gx, out_bias)
 
 
 def layer_norm_forward(x, weight, bias, eps: float):
@@ -171,7 +159,7 @@ def bias_dropout_backward(g, u, p: float, out_bias=None):
     (``g`` itself when ``u`` is None) and its column sums, the bias's gradient (float32
     at least, into ``out_bias`` if given)."""
     gy = g if u is None else apply_dropout(g, u, p)
-    return gy, col_sums(gy, out_bias)
+    return gy, col_sum(gy, out_bias)
 
 
 def softmax_rows(a) -> None:
