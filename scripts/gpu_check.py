@@ -50,7 +50,7 @@ TOTAL_LIMIT_S = 420      # the whole check, on a fresh machine
 RUNNER_SLACK_S = 10      # the runner's own start, JSON writes, mpiexec start-up
 KILL_GRACE_S = 8         # SIGINT 4 s, SIGTERM 2 s, SIGKILL 2 s: inside each part's limit
 
-TEST_FILES = ["tests/test_array_modules.py", "tests/test_kernels.py",
+TEST_FILES = ["tests/test_array_modules.py", "tests/test_kernels.py", "tests/test_gemm.py",
               "tests/test_comm_staging.py", "tests/test_comm_float16.py",
               "tests/test_mixed_precision.py"]
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",

@@ -38,6 +38,7 @@ import numpy as np
 from ..backend import xp_of
 from ..dtypes import is_low_precision, matmul_dtype
 from ..kernels import kernels_for
+from ..kernels.gemm import batched_matmul
 from .graph import as_tensor, make_result, register_op
 from .rows import cast, check_last_dim, up
 from .tensor import Tensor
@@ -160,12 +161,9 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
         nb = v[b].shape[0]
         a = att[b]
         qg = q_rot[b].reshape(nb, Hkv, G * T, hs)
-        if sd == cd:
-            xp.matmul(qg, k_rot[b].swapaxes(-1, -2), out=a)
-        else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
-            a[...] = qg @ k_rot[b].swapaxes(-1, -2)
+        batched_matmul(qg, k_rot[b], trans_b=True, out=a)  # 16-bit in: float32 scores
         kernels.causal_softmax(a.reshape(-1, T), T, 1.0)   # the scale is in q_turn
-        y = cast(a, cd) @ v[b]                           # (nb, Hkv, G*T, hs)
+        y = batched_matmul(cast(a, cd), v[b])            # (nb, Hkv, G*T, hs)
         out[b] = y.reshape(nb, H, T, hs).transpose(0, 2, 1, 3)
 
     def backward(g):
@@ -177,13 +175,15 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
             nb = v[b].shape[0]
             gyb = xp.ascontiguousarray(gy[b].transpose(0, 2, 1, 3)).reshape(nb, Hkv, G * T, hs)
             a = att[b]
-            heads(dqkv, b, (H + Hkv) * hs, Hkv, hs)[...] = cast(a, cd).swapaxes(-1, -2) @ gyb
-            da = cast(gyb @ v[b].swapaxes(-1, -2), sd)  # (nb, Hkv, G*T, T)
+            heads(dqkv, b, (H + Hkv) * hs, Hkv, hs)[...] = batched_matmul(
+                cast(a, cd), gyb, trans_a=True, out_dtype=rd)
+            da = batched_matmul(gyb, v[b], trans_b=True, out_dtype=sd)  # (nb, Hkv, G*T, T)
             kernels.softmax_backward(da.reshape(-1, T), a.reshape(-1, T), 1.0)
             da = cast(da, cd)
-            g_q = up(da @ k_rot[b]).reshape(nb, H, T, hs)
+            g_q = batched_matmul(da, k_rot[b], out_dtype=rd).reshape(nb, H, T, hs)
             xp.multiply(g_q.view(zd), q_back, out=heads(dz, b, 0, H, h))
-            g_k = up(da.swapaxes(-1, -2) @ q_rot[b].reshape(nb, Hkv, G * T, hs))
+            g_k = batched_matmul(da, q_rot[b].reshape(nb, Hkv, G * T, hs), trans_a=True,
+                                 out_dtype=rd)
             xp.multiply(g_k.view(zd), k_back, out=heads(dz, b, H * h, Hkv, h))
         g2 = cast(dqkv, cd)
         gx = cast(g2 @ _stacked(weights, orders, cd), dtype).reshape(x.shape) \

@@ -13,6 +13,7 @@ import numpy as np
 from ..backend import xp_of
 from ..dtypes import is_low_precision, matmul_dtype
 from ..kernels import kernels_for
+from .attention_device import device_attention
 from .ops import as_tensor, make_result, register_op
 from .rows import cast, draw_uniform, row_dot, row_max, row_sum, up
 from .tensor import Tensor
@@ -160,8 +161,9 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     Written out as ``softmax(q k^T / sqrt(hs) + causal mask) v`` with the
     softmax backward fused in; the T x T weights are kept for backward. On
     NumPy it runs one sequence at a time so each (nh, T, T) block stays in
-    cache (see [Note: cache blocking] in mpishard/kernels/threads.py); on CuPy all
-    at once.
+    cache (see [Note: cache blocking] in mpishard/kernels/threads.py); on CuPy
+    the whole batch at once, each product one strided-batched GEMM
+    (mpishard/autodiff/attention_device.py).
     """
     qkv = as_tensor(qkv)
     xp = xp_of(qkv.data)
@@ -173,27 +175,30 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     C = width // 3
     hs = C // n_head
     scale = 1.0 / math.sqrt(hs)
-    step = 1 if xp is np else B
     cd = matmul_dtype(qkv.data)                           # see [Note: 16-bit inputs]
     sd = np.dtype(np.float32) if is_low_precision(qkv.dtype) else cd  # softmax dtype
     kernels = kernels_for(xp)
     use_dropout = training and dropout_p > 0.0
+    if xp is not np:                                      # whole-batch products, flags
+        out, device_backward = device_attention(qkv.data, n_head, B, scale, cd, sd, kernels,
+                                                dropout_p, rng, use_dropout)
+        return make_result(out, (qkv,), lambda g: (device_backward(g),),
+                           "causal_self_attention")
 
-    def heads(packed, b, which):                          # (nb, nh, T, hs) view
+    def heads(packed, b, which):                          # (1, nh, T, hs) view
         return packed[b, :, which].transpose(0, 2, 1, 3)
 
+    # NumPy: one sequence at a time; products in float32 for 16-bit inputs, so the
+    # softmax's dtype is the products'
     packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
     att = xp.empty((B, n_head, T, T), dtype=sd)          # softmax weights, kept
     # dropout on the weights: float32 uniforms, kept (an element stays where u >= p)
     drop_u = xp.empty(att.shape, dtype=np.float32) if use_dropout else None
     out = xp.empty((B, T, n_head, hs), dtype=cd)
-    for b0 in range(0, B, step):
-        b = slice(b0, b0 + step)
+    for b0 in range(B):
+        b = slice(b0, b0 + 1)
         a = att[b]
-        if sd == cd:
-            xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
-        else:  # 16-bit scores from the GPU's 16-bit product, softmax in float32
-            a[...] = heads(packed, b, 0) @ heads(packed, b, 1).swapaxes(-1, -2)
+        xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
         if use_dropout:                                  # softmax and dropout: one kernel
             u = drop_u[b]
             draw_uniform(rng, u.shape, xp, out=u)
@@ -203,40 +208,28 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             a = used
         else:
             kernels.causal_softmax(a.reshape(-1, T), T, scale)
-        out[b] = (cast(a, cd) @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
+        out[b] = (a @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
 
     def backward(g):
         packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
         gy = cast(g, cd).reshape(B, T, n_head, hs)
-        # q's, k's and v's gradients: on NumPy each sequence's written into the packed
-        # layout as it is done (in cache); on a GPU the three products straight into one
-        # head-major buffer, then one transposing copy (3 launches fewer than 3 copies)
-        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=cd if xp is np else qkv.dtype)
-        dh = None if xp is np else xp.empty((3, B, n_head, T, hs), dtype=cd)
-
-        def put(which, b, x, y):                          # x @ y: q's, k's or v's part
-            if dh is None:
-                dqkv[b, :, which] = (x @ y).transpose(0, 2, 1, 3)
-            else:
-                xp.matmul(x, y, out=dh[which, b])
-
-        for b0 in range(0, B, step):
-            b = slice(b0, b0 + step)
+        # q's, k's and v's gradients, each sequence's written into the packed layout as
+        # it is done (in cache)
+        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=cd)
+        for b0 in range(B):
+            b = slice(b0, b0 + 1)
             q, k, v = heads(packed, b, 0), heads(packed, b, 1), heads(packed, b, 2)
-            gyb = gy[b].transpose(0, 2, 1, 3)            # (nb, nh, T, hs)
+            gyb = gy[b].transpose(0, 2, 1, 3)            # (1, nh, T, hs)
             a = att[b]
             u = drop_u[b].reshape(-1, T) if use_dropout else None
             used = kernels.dropout_add(None, a.reshape(-1, T), u, dropout_p).reshape(
                 a.shape) if use_dropout else a
-            put(2, b, cast(used, cd).swapaxes(-1, -2), gyb)
-            da = cast(gyb @ v.swapaxes(-1, -2), sd)       # (nb, nh, T, T)
+            dqkv[b, :, 2] = (used.swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)
+            da = gyb @ v.swapaxes(-1, -2)                # (1, nh, T, T)
             kernels.softmax_backward(da.reshape(-1, T), a.reshape(-1, T), scale,  # masked
                                      drop_u=u, drop_p=dropout_p)                    # first
-            da = cast(da, cd)
-            put(0, b, da, k)
-            put(1, b, da.swapaxes(-1, -2), q)
-        if dh is not None:
-            dqkv[...] = dh.transpose(1, 3, 0, 2, 4)       # (B, T, 3, nh, hs), cast once
+            dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
+            dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
         return (cast(dqkv, qkv.dtype).reshape(N, width),)
     return make_result(cast(out, qkv.dtype).reshape(N, C), (qkv,), backward,
                        "causal_self_attention")

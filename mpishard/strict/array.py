@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attributes import Flags as _Flags, Pointer as _Pointer
+from .copies import hidden_copies
 from .indexing import advanced as _advanced, data_dependent as _data_dependent
 from .syncs import syncs
 
@@ -104,8 +105,12 @@ def _rebuild(host: np.ndarray) -> "ndarray":
 
 def matmul(a, b, out=None, name: str = "matmul"):
     """``a @ b``; float16 operands multiply in float32 and round once (as cuBLAS).
-    One launch (named ``name``)."""
+    One launch (named ``name``), and the copies CuPy's ``matmul`` makes around its
+    cuBLAS call (:func:`hidden_copies`), each counted as a ``"matmul-copy"``."""
     launch(name)
+    copies = hidden_copies(a, b, out)
+    if copies:
+        launch("matmul-copy", copies)
     with quiet():
         if a.dtype == np.float16 and b.dtype == np.float16:
             result = np.matmul(a.astype(np.float32), b.astype(np.float32))

@@ -1,0 +1,82 @@
+"""Causal attention on a GPU: whole-batch products over head-major q, k and v.
+
+:func:`mpishard.autodiff.softmax_ops.causal_self_attention` hands its work here
+on CuPy (and on the CuPy-strict test module); NumPy keeps its per-sequence loop.
+
+The packed ``[q | k | v]`` rows are copied once into one head-major buffer
+``(3, B, n_head, T, hs)``, so that each of q, k and v is a stack of matrices
+with a single stride between them, which is what a strided-batched GEMM takes.
+Every product then runs as one ``batched_matmul`` (mpishard/kernels/gemm.py) with
+its transposed operand (``k.T``, ``p.T``, ``v.T``, ``q.T``) passed as a flag:
+CuPy's own ``matmul`` would copy each strided or transposed operand first (a
+whole T x T array for ``p.T``) and run float16 products in float32. The scores
+and their gradient come out of the 16-bit product straight in float32 for the
+float32 softmax. Backward copies q, k, v into the head-major layout again (as
+many launches as keeping the buffer, without its memory between forward and
+backward), and the output's gradient once; the three gradients land in one
+head-major buffer and go back to the packed layout in one copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import xp_of
+from ..kernels.gemm import batched_matmul
+from .rows import cast, draw_uniform
+
+__all__ = ["device_attention"]
+
+
+def _head_major(xp, data, B: int, T: int, n_head: int, hs: int, dtype):
+    """The packed ``(B*T, 3*C)`` rows as one ``(3, B, n_head, T, hs)`` buffer (one copy,
+    cast to ``dtype`` on the way)."""
+    hm = xp.empty((3, B, n_head, T, hs), dtype=dtype)
+    hm[...] = data.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    return hm
+
+
+def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernels,
+                     dropout_p: float, rng, use_dropout: bool):
+    """Forward on the whole batch; returns ``(out, backward)``: the ``(B*T, C)`` output
+    in ``qkv_data``'s dtype and the function from its gradient to ``qkv``'s.
+    ``cd``: the products' dtype; ``sd``: the softmax's (float32 for 16-bit)."""
+    xp = xp_of(qkv_data)
+    N, width = qkv_data.shape
+    T, C = N // B, width // 3
+    hs = C // n_head
+    hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd)
+    att = batched_matmul(hm[0], hm[1], trans_b=True, out_dtype=sd)   # (B, nh, T, T), kept
+    rows = att.reshape(-1, T)
+    drop_u = None
+    if use_dropout:                                   # softmax and dropout: one kernel
+        drop_u = draw_uniform(rng, att.shape, xp, out=xp.empty(att.shape, dtype=np.float32))
+        used = xp.empty_like(att)
+        kernels.causal_softmax(rows, T, scale, drop_u=drop_u.reshape(-1, T), drop_p=dropout_p,
+                               dropped=used.reshape(-1, T))
+    else:
+        kernels.causal_softmax(rows, T, scale)
+        used = att
+    y = batched_matmul(cast(used, cd), hm[2])         # (B, nh, T, hs)
+    del hm, used
+    out = xp.empty((B, T, n_head, hs), dtype=qkv_data.dtype)
+    out[...] = y.transpose(0, 2, 1, 3)
+
+    def backward(g):
+        q, k, v = _head_major(xp, qkv_data, B, T, n_head, hs, cd)
+        gy = xp.empty((B, n_head, T, hs), dtype=cd)
+        gy[...] = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+        dh = xp.empty((3, B, n_head, T, hs), dtype=cd)   # q's, k's and v's gradients
+        u = drop_u.reshape(-1, T) if use_dropout else None
+        p = (kernels.dropout_add(None, att.reshape(-1, T), u, dropout_p).reshape(att.shape)
+             if use_dropout else att)
+        batched_matmul(cast(p, cd), gy, trans_a=True, out=dh[2])
+        da = batched_matmul(gy, v, trans_b=True, out_dtype=sd)        # (B, nh, T, T)
+        kernels.softmax_backward(da.reshape(-1, T), att.reshape(-1, T), scale,  # masked
+                                 drop_u=u, drop_p=dropout_p)                     # first
+        da = cast(da, cd)
+        batched_matmul(da, k, out=dh[0])
+        batched_matmul(da, q, trans_a=True, out=dh[1])
+        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=qkv_data.dtype)
+        dqkv[...] = dh.transpose(1, 3, 0, 2, 4)        # packed again, cast once
+        return dqkv.reshape(N, width)
+    return out.reshape(N, C), backward
