@@ -164,3 +164,29 @@ def test_batched_matmul_on_the_device(array_backend):
             scale = np.abs(want).max()
             np.testing.assert_allclose(got.get().astype(np.float64) / scale, want / scale,
                                        rtol=0, atol=tol)
+
+
+def test_a_16bit_linear_weight_gradient_comes_out_in_float32_on_the_device():
+    """Under mixed precision (``grad_dtype`` float32) a device linear layer's weight
+    gradient is one cuBLAS call, float16 in and float32 out, straight into the
+    strategy's buffer: the float32 product of the float16 operands, never rounded to
+    16 bits (the strict module computes it as cuBLAS does)."""
+    from mpishard import strict
+    from mpishard.autodiff import Tensor, linear
+
+    r = np.random.default_rng(7)
+    x16 = r.standard_normal((37, 24)).astype(np.float16)
+    w16 = r.standard_normal((11, 24)).astype(np.float16)
+    g16 = r.standard_normal((37, 11)).astype(np.float16)
+    x = Tensor(strict.asarray(x16), requires_grad=False)
+    w = Tensor(strict.asarray(w16), requires_grad=True)
+    w.grad_dtype = np.dtype(np.float32)
+    w.grad_out = strict.zeros((11, 24), dtype=np.float32)
+    y, g = linear(x, w), strict.asarray(g16)
+    strict.syncs.reset()
+    y.backward(g)
+    assert w.grad is w.grad_out
+    assert strict.syncs.launches_by_op == {"cublas_gemm_strided_batched": 1}
+    want = g16.astype(np.float32).T @ x16.astype(np.float32)
+    np.testing.assert_allclose(w.grad.get(), want, rtol=1e-6, atol=1e-5)
+    assert not np.array_equal(want.astype(np.float16).astype(np.float32), want)

@@ -155,3 +155,62 @@ def test_a_gpt_step_launches_more_with_more_blocks_and_the_same_each_step():
     one, two = _gpt_step_launches(1), _gpt_step_launches(2)
     assert one[1] == one[2] and two[1] == two[2], (one, two)    # after a warm-up step
     assert two[1] > one[1] > 0, (one, two)
+
+
+def test_the_copies_cupys_matmul_makes_are_counted():
+    """A transposed 2-D operand is a flag to cuBLAS; a strided one, and every transposed
+    or float16 operand of a batched product, is copied first (CuPy 14's matmul)."""
+    a = strict.ones((6, 4), dtype=np.float32)
+    assert launches(lambda: a.T @ a) == {"matmul": 1}
+    assert launches(lambda: a[:, ::2].T @ a[:, ::2]) == {"matmul": 1, "matmul-copy": 2}
+    b = strict.ones((2, 6, 4), dtype=np.float32)
+    assert launches(lambda: b @ b.swapaxes(-1, -2)) == {"matmul": 1, "matmul-copy": 1}
+    h = strict.ones((2, 6, 4), dtype=np.float16)
+    # float16: both operands cast to float32, the result cast back
+    assert launches(lambda: h @ h.swapaxes(-1, -2)) == {"matmul": 1, "matmul-copy": 3}
+    out = strict.empty((2, 6, 6), dtype=np.float32)
+    assert launches(lambda: strict.matmul(h, h.swapaxes(-1, -2), out=out)) == {
+        "matmul": 1, "matmul-copy": 2}                # a float32 out is written directly
+
+
+def _block_launches(strategy: str, precision=None) -> tuple:
+    """Launches per GPT block in ``train_step`` (forward, backward, gradient reduction)
+    under ``strategy`` at world size 1, from a 1- and a 2-block model, and the
+    operations of the 2-block one."""
+    from mpishard.comm import Mesh
+    from mpishard.comm.testing import make_test_comm
+    from mpishard.parallel import ParallelModel
+
+    per_step, by_op = [], None
+    for n_layer in (1, 2):
+        cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, n_embd=16,
+                        dropout=0.1)
+        comm = make_test_comm("self")
+        try:
+            run = ParallelModel(GPT(cfg, seed=0, backend=Backend.resolve("strict"),
+                                    materialize_now=False), Mesh(comm, dp=1),
+                                strategy=strategy, precision=precision)
+            opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
+            rng = np.random.default_rng(0)
+            for step in range(2):
+                x, y = (rng.integers(0, cfg.vocab_size, (2, cfg.block_size)) for _ in range(2))
+                strict.syncs.reset()
+                run.train_step(x, y)
+                counted = strict.syncs.launches
+                by_op = dict(strict.syncs.launches_by_op)
+                run.step(opt, max_norm=1.0)
+        finally:
+            comm.free()
+        per_step.append(counted)
+    return per_step[1] - per_step[0], by_op
+
+
+@pytest.mark.parametrize("precision", [None, "float16"])
+def test_zero1_computes_gradients_into_its_buffers_like_ddp(precision):
+    """ZeRO-1's full gradient buffer takes the gradients straight from backward (no copy
+    per parameter), as DDP's buckets do; no product goes through CuPy's copies; under
+    float16 the weights' gradients come out of the 16-bit products in float32."""
+    ddp, ddp_ops = _block_launches("ddp", precision)
+    zero1, zero1_ops = _block_launches("zero1", precision)
+    assert zero1 == ddp, (ddp_ops, zero1_ops)
+    assert "matmul-copy" not in zero1_ops and "matmul-copy" not in ddp_ops

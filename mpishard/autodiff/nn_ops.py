@@ -28,6 +28,7 @@ import numpy as np
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from ..kernels import kernels_for
+from ..kernels.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul
 from .ops import as_tensor, make_result, register_op
 from .rows import cast, check_last_dim, col_sum, draw_uniform, scatter_add, up
 from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
@@ -66,12 +67,26 @@ def linear(x, weight, bias=None) -> Tensor:
         gx = cast(g2 @ cast(weight.data, cd), dtype).reshape(x.shape) if x.requires_grad else None
         gw = gb = None                                    # see [Note: gradient buffers]
         if weight.requires_grad:
-            gw = xp_of(g2).matmul(g2.T, cast(x.data.reshape(-1, n_in), cd),
-                                  out=grad_buffer(weight, cd))
-        if bias is not None and bias.requires_grad:
-            gb = col_sum(g2, out=grad_buffer(bias, cd))
+            x2 = cast(x.data.reshape(-1, n_in), cd)
+            if xp_of(g2) is np:
+                gw = np.matmul(g2.T, x2, out=grad_buffer(weight, cd))
+            else:  # cuBLAS, g2's transpose a flag; 16-bit in, float32 out under mixed precision
+                gd = _product_grad_dtype(weight, cd)
+                gw = batched_matmul(g2, x2, trans_a=True, out=grad_buffer(weight, gd),
+                                    out_dtype=gd)
+        if bias is not None and bias.requires_grad:    # 16-bit rows summed in float32
+            sd = np.dtype(np.float32) if cd.itemsize < 4 else cd
+            gb = col_sum(g2, out=grad_buffer(bias, sd))
         return gx, gw, gb
     return make_result(cast(y, dtype).reshape(out_shape), (x, weight, bias), backward, "linear")
+
+
+def _product_grad_dtype(weight, cd) -> np.dtype:
+    """The dtype a device product computes ``weight``'s gradient in: its ``grad_dtype``
+    (float32 under mixed precision, where the gradient is added in float32) when cuBLAS
+    takes that output for ``cd`` inputs, else ``cd``."""
+    gd = np.dtype(weight.grad_dtype or cd)
+    return gd if (cd.name, gd.name) in SUPPORTED_PRODUCTS else cd
 
 
 # -- layer norm ------------------------------------------------------------

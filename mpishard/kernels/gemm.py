@@ -64,10 +64,10 @@ def _out_shape(a, b, trans_a: bool, trans_b: bool) -> tuple:
 
 def batched_matmul(a, b, trans_a: bool = False, trans_b: bool = False, out=None,
                    out_dtype=None):
-    """``op(a) @ op(b)`` over the leading axes, ``op`` a transpose of the last two
-    axes where ``trans_a`` / ``trans_b``; into ``out`` when given, else a new array of
-    ``out_dtype`` (default ``a``'s). ``a`` and ``b`` have the same leading axes and
-    dtype. See the module docstring for the backends."""
+    """``op(a) @ op(b)`` over the leading axes (none: one 2-D product), ``op`` a
+    transpose of the last two axes where ``trans_a`` / ``trans_b``; into ``out`` when
+    given, else a new array of ``out_dtype`` (default ``a``'s). ``a`` and ``b`` have the
+    same leading axes and dtype. See the module docstring for the backends."""
     xp = xp_of(a)
     if out is None:
         out = xp.empty(_out_shape(a, b, trans_a, trans_b), dtype=out_dtype or a.dtype)
@@ -83,6 +83,8 @@ def batched_matmul(a, b, trans_a: bool = False, trans_b: bool = False, out=None,
             out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
             return out
         with xp.syncs.fused("cublas_gemm_strided_batched"):
+            if out.dtype.itemsize > a.dtype.itemsize:   # accumulated and kept in float32
+                a, b = a.astype(out.dtype), b.astype(out.dtype)
             out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
         return out
     if args is None:
@@ -121,7 +123,7 @@ def cublas_arguments(a, b, trans_a: bool, trans_b: bool, out) -> dict | None:
     the module docstring)."""
     if (a.dtype != b.dtype or (a.dtype.name, out.dtype.name) not in SUPPORTED
             or a.shape[:-2] != b.shape[:-2] or out.shape != _out_shape(a, b, trans_a, trans_b)
-            or a.ndim < 3):
+            or a.ndim < 2):
         return None
     sa, sb, sc = _matrix_strides(a), _matrix_strides(b), _matrix_strides(out)
     if sa is None or sb is None or sc is None:

@@ -106,6 +106,7 @@ class ZeroUnit:
         self.keep_full_grads = keep_full_grads
         self.target = None
         self.grad_shard = self.grad_full = None
+        self.grad_views: list = []      # stage 1: the parameters' views of grad_full
         self.aliased = False
         self.ready = 0
         self.reductions = 0
@@ -120,6 +121,10 @@ class ZeroUnit:
         if self.keep_full_grads:
             self.grad_full = self.ledger.zeros("grads", (layout.padded,), self.reduce_dtype,
                                                f"grads {layout.label}", xp=self.xp)
+            self.grad_views = layout.views(self.grad_full)
+            for p, view in zip(layout.params, self.grad_views):
+                p.grad_out = view   # backward writes the gradient there (see [Note:
+                # gradient buffers] in mpishard/autodiff/tensor.py)
             if self.dp.size == 1 and self.replicate is None and self.scale == 1.0 and \
                     self.reduce_dtype == layout.dtype:
                 self.grad_shard, self.aliased = self.grad_full, True
@@ -143,11 +148,12 @@ class ZeroUnit:
         else:
             flat = self.ledger.empty("comm", (layout.padded,), rd,
                                      f"grad bucket {layout.label}", xp=self.xp)
-        layout.flatten([p.grad for p in layout.params], flat)
-        full_grads = layout.views(flat) if self.grad_full is not None else [None] * len(
-            layout.params)
-        for p, g in zip(layout.params, full_grads):
-            p.grad = g
+        if self.grad_full is not None:
+            self._stage_full()
+        else:
+            layout.flatten([p.grad for p in layout.params], flat)
+            for p in layout.params:
+                p.grad = None
         first = self.reductions == 0
         if self.aliased:  # the full buffer is the shard: nothing to reduce or send
             self.reductions += 1
@@ -159,6 +165,18 @@ class ZeroUnit:
                                      f"grad shard {layout.label} (received)", xp=self.xp)
         self.reductions += 1
         return Reduction(self, self.dp.ireduce_scatter(flat, recv, op="avg"), flat, recv, first)
+
+    def _stage_full(self) -> None:
+        """Stage 1: each gradient into its view of the full buffer, unless backward
+        computed it there (``grad_out``); zeros for a parameter with none. The views
+        become the parameters' ``grad``: a next micro-batch adds into them. (The padding
+        after the last parameter is never written: zero since allocation.)"""
+        for p, view in zip(self.layout.params, self.grad_views):
+            if p.grad is None:
+                view[...] = 0
+            elif p.grad is not view:
+                view[...] = p.grad
+            p.grad = view
 
     def finish_step(self) -> None:
         """All of this step's reductions are done: hand the shard to the optimizer."""
