@@ -21,9 +21,10 @@ row-parallel linear  tp > 1: the summed copy after the all-reduce, ``N C c`` mor
                      forward hook), its output ``N C c`` more
 embeddings           tokens ``N C c`` (tp > 1: rows, mask, product, sum, ids:
                      ``3 N C c + N c + 8 N``), positions ``T C c + 8 T``, sum ``N C c``
-loss                 logits ``N V c``; exp-shifted logits ``N V f`` (+ their float32
-                     copy ``N V 4`` for 16-bit logits on one rank), ``~18 N`` of
-                     per-row indices, flags and sums
+loss                 logits ``N V c`` and ``(9 + 2 f) N`` of per-row target ids,
+                     flags, maxima and sums of exponentials (backward recomputes the
+                     softmax block by block); vocabulary-parallel (tp > 1): the
+                     exp-shifted logits ``N V f`` too and ``~18 N`` per row
 a later stage        the received activations, ``N C c``
 ===================  ===============================================================
 
@@ -189,11 +190,10 @@ def token_rows(table, N: int, C: int, c: int) -> int:
 
 
 def head_and_loss(lm_head, N: int, c: int, f: int) -> int:
-    """Logits and exp-shifted logits, their float32 copy for 16-bit whole-vocabulary
-    logits, and the loss's per-row ids, flags and sums."""
+    """Logits, and the loss's per-row target ids, flags, maxima and sums of
+    exponentials (whole-vocabulary cross-entropy recomputes its softmax in backward);
+    vocabulary-parallel: exp-shifted logits too, and its per-row ids, flags and sums."""
     vocab = _width(lm_head)
-    split_vocab = vocab != int(lm_head.out_features)
-    total = N * vocab * c + N * vocab * f
-    if c == 2 and not split_vocab:
-        total += N * vocab * 4
-    return total + N * (18 + f)
+    if vocab != int(lm_head.out_features):              # split over tp
+        return N * vocab * c + N * vocab * f + N * (18 + f)
+    return N * vocab * c + N * (9 + 2 * f)
