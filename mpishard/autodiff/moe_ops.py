@@ -57,7 +57,9 @@ def expert_swiglu(x, offsets, gate_up, down) -> Tensor:
                          f"E experts of width F over M sorted rows")
     xp = xp_of(x.data)
     dtype, cd = x.dtype, matmul_dtype(x.data)
-    h = xp.empty((x.shape[0], F2), dtype=cd)             # gate and up projections, kept
+    # gate and up projections, kept in the activations' dtype (as a dense layer's output:
+    # 16-bit on NumPy too, where the products run in float32)
+    h = xp.empty((x.shape[0], F2), dtype=dtype)
     y = xp.empty((x.shape[0], C), dtype=cd)
     runs = [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offsets, offsets[1:])) if b > a]
     for e, rows in runs:
@@ -153,7 +155,7 @@ def expert_gelu(x, offsets, fc, fc_bias, proj, proj_bias) -> Tensor:
                          f"{tuple(proj.shape)} and {len(offsets)} offsets do not fit")
     xp = xp_of(x.data)
     dtype, cd = x.dtype, matmul_dtype(x.data)
-    h = xp.empty((x.shape[0], H), dtype=cd)             # pre-activations, kept
+    h = xp.empty((x.shape[0], H), dtype=dtype)          # pre-activations, kept (as above)
     y = xp.empty((x.shape[0], C), dtype=cd)
     runs = [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offsets, offsets[1:])) if b > a]
     for e, rows in runs:

@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gpt_activation_bytes", "split_of", "attention_bytes", "token_rows", "head_and_loss"]
+__all__ = ["gpt_activation_bytes", "split_of", "attention_bytes", "token_rows", "head_and_loss",
+           "routing_indices"]
 
 #: the graph's Python objects (tensors, closures): measured, bytes
 _OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 8 << 10, 1536
@@ -62,6 +63,8 @@ _OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 8 
 #: context-parallel attention's per block
 _OBJECTS_SP_BASE, _OBJECTS_SP_PER_BLOCK = 3584, 3840
 _OBJECTS_CP_PER_BLOCK = {"ring": 3072, "all-to-all": 4096}
+#: a mixture-of-experts block's graph has more (the router's and the dispatch's steps)
+_OBJECTS_MOE_PER_BLOCK = 11 << 10
 
 
 def _width(linear) -> int:
@@ -164,8 +167,11 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
                 linears += 3 * N * E * c                    # sigmoid's steps
             if mlp.dispatch is not None:                    # expert parallel, even routing
                 linears += 4 * M * C * c                    # (see llama_activations.py)
+            linears += routing_indices(N, E, k, c) + _OBJECTS_MOE_PER_BLOCK
             if "shared_expert" in mlp._modules:             # a GPT MLP every row goes through
                 linears += 2 * N * C * c + N * H * c + N * H * (c + f)
+                if cfg.bias or cfg.dropout > 0:             # its output's bias or dropout
+                    linears += N * C * c
             reduced = Ns * C * c * _biased(attn.c_proj, sp) * _row_parallel(attn.c_proj)
             gelu = M * H * c
         else:
@@ -175,7 +181,10 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
             gelu = N * _width(mlp.c_fc) * (c + f)
         attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode)
         adds = 2 * Ns * C * c
-        dropouts = (2 * Ns * C * 4 + B * heads * T * T * 4) if cfg.dropout > 0 else 0
+        # the residual branches' draws: attention's and the MLP's (a mixture of experts'
+        # output has none; its shared expert, a GPT MLP, has its own), and the weights'
+        branches = 2 if not hasattr(mlp, "experts") or "shared_expert" in mlp._modules else 1
+        dropouts = (branches * Ns * C * 4 + B * heads * T * T * 4) if cfg.dropout > 0 else 0
         total += norms + linears + reduced + attention + gelu + adds + dropouts
     if model.last_stage:
         total += Ns * C * (c + f) + Ns * f                  # ln_f
@@ -187,6 +196,13 @@ def token_rows(table, N: int, C: int, c: int) -> int:
     """The looked-up token rows (vocabulary-parallel: the masked lookup and its mask too)."""
     split_vocab = int(table.weight.shape[0]) != int(table.num_embeddings)
     return 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
+
+
+def routing_indices(N: int, E: int, k: int, c: int) -> int:
+    """What a mixture of experts' routing keeps beside its activations: each pair's
+    token and slot ids and the rows' expert ranking (int64: ``2 N k + N E``), the row
+    ids ``N`` (int64) and the sum of each row's top-k probabilities ``N c``."""
+    return 8 * (2 * N * k + N * E + N) + N * c
 
 
 def head_and_loss(lm_head, N: int, c: int, f: int) -> int:

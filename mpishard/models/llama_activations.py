@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from .gpt_activations import (_objects, _row_parallel, _width, attention_bytes, head_and_loss,
-                              split_of, token_rows)
+                              routing_indices, split_of, token_rows)
 
 __all__ = ["llama_activation_bytes"]
 
@@ -57,8 +57,8 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
         router = 2 * N * E * c if mlp.router == "softmax" else 5 * N * E * c   # sigmoid's steps
         exchanged = 4 * M * C * c if mlp.dispatch is not None else 0
         return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
-            + M * c + N * C * c + exchanged + (_mlp_bytes(shared, N, Ns, C, c, f) + N * C * c
-                                   if shared is not None else 0)
+            + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + (
+                _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c if shared is not None else 0)
     F = _width(mlp.gate_proj)
     return N * C * c + Ns * C * c * _row_parallel(mlp.down_proj) \
         + 2 * N * F * c + N * F * (c + f)                                 # down; gate, up, SwiGLU
