@@ -27,24 +27,29 @@ from .rows import cast, draw_uniform
 __all__ = ["device_attention"]
 
 
-def _head_major(xp, data, B: int, T: int, n_head: int, hs: int, dtype):
-    """The packed ``(B*T, 3*C)`` rows as one ``(3, B, n_head, T, hs)`` buffer (one copy,
-    cast to ``dtype`` on the way)."""
+def _head_major(xp, data, B: int, T: int, n_head: int, hs: int, dtype, bias=None):
+    """The packed ``(B*T, 3*C)`` rows as one ``(3, B, n_head, T, hs)`` buffer: one copy,
+    cast to ``dtype`` on the way, with ``bias`` (``(3*C,)``) added in the same kernel."""
     hm = xp.empty((3, B, n_head, T, hs), dtype=dtype)
-    hm[...] = data.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    rows = data.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    if bias is None:
+        hm[...] = rows
+    else:
+        xp.add(rows, bias.reshape(3, 1, n_head, 1, hs), out=hm)
     return hm
 
 
 def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernels,
-                     dropout_p: float, rng, use_dropout: bool):
+                     dropout_p: float, rng, use_dropout: bool, bias=None):
     """Forward on the whole batch; returns ``(out, backward)``: the ``(B*T, C)`` output
     in ``qkv_data``'s dtype and the function from its gradient to ``qkv``'s.
-    ``cd``: the products' dtype; ``sd``: the softmax's (float32 for 16-bit)."""
+    ``cd``: the products' dtype; ``sd``: the softmax's (float32 for 16-bit); ``bias``:
+    c_attn's, when ``qkv_data`` is its output without it."""
     xp = xp_of(qkv_data)
     N, width = qkv_data.shape
     T, C = N // B, width // 3
     hs = C // n_head
-    hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd)
+    hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
     att = batched_matmul(hm[0], hm[1], trans_b=True, out_dtype=sd)   # (B, nh, T, T), kept
     rows = att.reshape(-1, T)
     drop_u = None
@@ -62,7 +67,7 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     out[...] = y.transpose(0, 2, 1, 3)
 
     def backward(g):
-        q, k, v = _head_major(xp, qkv_data, B, T, n_head, hs, cd)
+        q, k, v = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
         gy = xp.empty((B, n_head, T, hs), dtype=cd)
         gy[...] = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
         dh = xp.empty((3, B, n_head, T, hs), dtype=cd)   # q's, k's and v's gradients

@@ -15,8 +15,8 @@ from ..dtypes import is_low_precision, matmul_dtype
 from ..kernels import kernels_for
 from .attention_device import device_attention
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, draw_uniform, row_dot, row_max, row_sum, up
-from .tensor import Tensor
+from .rows import cast, col_sum, draw_uniform, row_dot, row_max, row_sum, up
+from .tensor import Tensor, grad_buffer
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
            "at_least_one"]
@@ -178,7 +178,7 @@ def at_least_one(count):
 
 @register_op
 def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 0.0,
-                          rng=None, training: bool = True) -> Tensor:
+                          rng=None, training: bool = True, bias=None) -> Tensor:
     """Multi-head causal attention on packed ``[q | k | v]`` rows.
 
     Args:
@@ -187,6 +187,9 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
         n_head: number of heads in ``qkv`` (local heads under tensor parallelism).
         batch_size: ``B``; ``T`` is ``rows // B``.
         dropout_p, rng, training: dropout on the attention weights.
+        bias: ``c_attn``'s bias ``(3*C,)`` when ``qkv`` is its output without it (see
+            :func:`mpishard.nn.unbiased`): added on the way into the heads' layout
+            (on a GPU in the same copy), its gradient the column sum of ``qkv``'s.
 
     Returns:
         ``(B*T, C)``: the heads' outputs side by side, ready for ``c_proj``.
@@ -212,18 +215,41 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     sd = np.dtype(np.float32) if is_low_precision(qkv.dtype) else cd  # softmax dtype
     kernels = kernels_for(xp)
     use_dropout = training and dropout_p > 0.0
+    if bias is not None:
+        bias = as_tensor(bias)
+        if tuple(bias.shape) != (width,) or bias.data.dtype != qkv.data.dtype:
+            raise ValueError(f"causal_self_attention: bias of shape {tuple(bias.shape)} and "
+                             f"dtype {bias.data.dtype} for qkv {tuple(qkv.shape)} "
+                             f"{qkv.data.dtype}; pass c_attn's bias, ({width},)")
+
+    def bias_grad(dqkv):                                  # see [Note: gradient buffers]
+        if bias is None or not bias.requires_grad:
+            return None
+        return col_sum(dqkv, out=grad_buffer(bias, np.dtype(np.float32)
+                                             if dqkv.dtype.itemsize < 4 else dqkv.dtype))
+    parents = (qkv,) if bias is None else (qkv, bias)
     if xp is not np:                                      # whole-batch products, flags
         out, device_backward = device_attention(qkv.data, n_head, B, scale, cd, sd, kernels,
-                                                dropout_p, rng, use_dropout)
-        return make_result(out, (qkv,), lambda g: (device_backward(g),),
-                           "causal_self_attention")
+                                                dropout_p, rng, use_dropout,
+                                                None if bias is None else bias.data)
+
+        def backward_device(g):
+            dqkv = device_backward(g)
+            return (dqkv, bias_grad(dqkv))[:len(parents)]
+        return make_result(out, parents, backward_device, "causal_self_attention")
+
+    def packed_rows():                                    # (B, T, 3, nh, hs), biased
+        rows = cast(qkv.data, cd)
+        if bias is not None:
+            rows = rows + cast(bias.data, cd)
+        return rows.reshape(B, T, 3, n_head, hs)
 
     def heads(packed, b, which):                          # (1, nh, T, hs) view
         return packed[b, :, which].transpose(0, 2, 1, 3)
 
     # NumPy: one sequence at a time; products in float32 for 16-bit inputs, so the
     # softmax's dtype is the products'
-    packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
+    packed = packed_rows()
     att = xp.empty((B, n_head, T, T), dtype=sd)          # softmax weights, kept
     # dropout on the weights: float32 uniforms, kept (an element stays where u >= p)
     drop_u = xp.empty(att.shape, dtype=np.float32) if use_dropout else None
@@ -243,8 +269,10 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             kernels.causal_softmax(a.reshape(-1, T), T, scale)
         out[b] = (a @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
 
+    del packed
+
     def backward(g):
-        packed = cast(qkv.data, cd).reshape(B, T, 3, n_head, hs)
+        packed = packed_rows()
         gy = cast(g, cd).reshape(B, T, n_head, hs)
         # q's, k's and v's gradients, each sequence's written into the packed layout as
         # it is done (in cache)
@@ -263,6 +291,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
                                      drop_u=u, drop_p=dropout_p)                    # first
             dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
             dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
-        return (cast(dqkv, qkv.dtype).reshape(N, width),)
-    return make_result(cast(out, qkv.dtype).reshape(N, C), (qkv,), backward,
+        dqkv = dqkv.reshape(N, width)
+        return (cast(dqkv, qkv.dtype), bias_grad(dqkv))[:len(parents)]
+    return make_result(cast(out, qkv.dtype).reshape(N, C), parents, backward,
                        "causal_self_attention")

@@ -93,12 +93,15 @@ class CausalSelfAttention(Module):
     def forward(self, x, batch_size: int, residual=None):
         """The attention output; with ``residual``, ``residual +`` it (one fused
         dropout-and-add kernel, :func:`~mpishard.autodiff.dropout_add`)."""
-        qkv = self.c_attn(x)                                       # (B*T, 3 * nh * hs)
+        if self.sequence is None:  # c_attn's bias added in attention's first kernel
+            qkv, bias = unbiased(self.c_attn, x)                   # (B*T, 3 * nh * hs)
+            extra = {"bias": bias} if bias is not None else {}
+            attend = nn_ops.causal_self_attention
+        else:
+            qkv, extra, attend = self.c_attn(x), {}, self.sequence.attention
         n_head = qkv.shape[-1] // (3 * self.head_size)             # this rank's heads under tp
-        attend = nn_ops.causal_self_attention if self.sequence is None else \
-            self.sequence.attention
         y = attend(qkv, n_head, batch_size, self.attn_dropout.p, self.attn_dropout.rng,
-                   self.training)                                  # (B*T, nh * hs)
+                   self.training, **extra)                         # (B*T, nh * hs)
         return self.resid_dropout.add_to(residual, *unbiased(self.c_proj, y))
 
 
