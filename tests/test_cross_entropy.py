@@ -73,3 +73,29 @@ def test_every_target_ignored_is_nan_and_a_zero_gradient():
     assert np.isnan(loss.data)
     loss.backward()
     assert not x.grad.any()
+
+
+def test_the_vocabulary_parallel_loss_keeps_no_logits_either():
+    """On one tensor-parallel rank it is the whole-vocabulary loss; its forward keeps
+    per-row values only (backward recomputes the exponentials)."""
+    from mpishard.comm.testing import make_test_comm
+    from mpishard.parallel import vocab_parallel_cross_entropy
+
+    N, V = 256, 4096
+    r = np.random.default_rng(1)
+    x = r.standard_normal((N, V)).astype(np.float32)
+    t = r.integers(0, V, N)
+    t[::5] = -100
+    tp = make_test_comm("self")
+    try:
+        lt = Tensor(x, requires_grad=True)
+        ledger = MemoryLedger()
+        with ledger.measure_activations() as kept:
+            loss = vocab_parallel_cross_entropy(lt, t, tp, 0)
+        assert kept.nbytes < 64 * N, kept.nbytes
+        loss.backward()
+    finally:
+        tp.free()
+    want_loss, want_grad = _loss_and_grad(x, t)
+    np.testing.assert_allclose(float(loss.data), float(want_loss), rtol=1e-6)
+    np.testing.assert_allclose(lt.grad, want_grad, rtol=1e-5, atol=1e-9)

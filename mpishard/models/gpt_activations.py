@@ -23,8 +23,8 @@ embeddings           tokens ``N C c`` (tp > 1: rows, mask, product, sum, ids:
                      ``3 N C c + N c + 8 N``), positions ``T C c + 8 T``, sum ``N C c``
 loss                 logits ``N V c`` and ``(9 + 2 f) N`` of per-row target ids,
                      flags, maxima and sums of exponentials (backward recomputes the
-                     softmax block by block); vocabulary-parallel (tp > 1): the
-                     exp-shifted logits ``N V f`` too and ``~18 N`` per row
+                     softmax block by block); vocabulary-parallel (tp > 1): ``(18 +
+                     2 f) N`` (row ids and its own target flags too)
 a later stage        the received activations, ``N C c``
 ===================  ===============================================================
 
@@ -207,9 +207,9 @@ def routing_indices(N: int, E: int, k: int, c: int) -> int:
 
 def head_and_loss(lm_head, N: int, c: int, f: int) -> int:
     """Logits, and the loss's per-row target ids, flags, maxima and sums of
-    exponentials (whole-vocabulary cross-entropy recomputes its softmax in backward);
-    vocabulary-parallel: exp-shifted logits too, and its per-row ids, flags and sums."""
+    exponentials (both cross-entropies recompute their softmax in backward; the
+    vocabulary-parallel one keeps row ids and its own target flags too)."""
     vocab = _width(lm_head)
     if vocab != int(lm_head.out_features):              # split over tp
-        return N * vocab * c + N * vocab * f + N * (18 + f)
+        return N * vocab * c + N * (18 + 2 * f)
     return N * vocab * c + N * (9 + 2 * f)

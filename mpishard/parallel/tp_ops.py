@@ -83,12 +83,16 @@ def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
     Megatron-LM's recipe: all-reduce the row maxima (max), the sums of
     exponentials (sum) and the target logits (sum, from the rank that holds
     each target); the gradient ``softmax - onehot`` needs no communication.
+    Forward keeps the row maxima and sums, not the exponentiated logits:
+    backward recomputes them (the same operations, so the same values).
     """
     logits = as_tensor(logits)
     t = targets.data if isinstance(targets, Tensor) else targets
-    x = logits.data.reshape(-1, logits.shape[-1])                   # (N, V_local)
-    if is_low_precision(x.dtype):  # 16-bit logits: the softmax runs in float32
-        x = x.astype(np.float32)
+
+    def float_logits():                                             # (N, V_local)
+        x = logits.data.reshape(-1, logits.shape[-1])
+        return x.astype(np.float32) if is_low_precision(x.dtype) else x  # softmax in float32
+    x = float_logits()
     xp = xp_of(x)
     n_local = x.shape[1]
     t = t.reshape(-1)
@@ -111,8 +115,12 @@ def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
     else:
         loss = per_row.sum() * float("nan")
 
+    del e
+
     def backward(g):
-        p = e * (1.0 / sums)[:, None]                               # local softmax columns
+        p = float_logits() - row_max[:, None]
+        xp.exp(p, out=p)
+        p *= (1.0 / sums)[:, None]                                  # local softmax columns
         p[rows, local_t] -= mine.astype(p.dtype)
         p *= valid[:, None]
         p *= g / at_least_one(n_valid)
