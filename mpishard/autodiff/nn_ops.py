@@ -29,8 +29,9 @@ from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from ..kernels import kernels_for
 from ..kernels.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul
+from ..kernels.rows import col_sum_dtype
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, col_sum, draw_uniform, scatter_add, up
+from .rows import bias_grad, cast, check_last_dim, draw_uniform, scatter_add, up
 from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
 from .tensor import Tensor, grad_buffer, grad_so_far
 
@@ -66,17 +67,12 @@ def linear(x, weight, bias=None) -> Tensor:
         g2 = cast(g.reshape(-1, n_out), cd)               # (N, out)
         gx = cast(g2 @ cast(weight.data, cd), dtype).reshape(x.shape) if x.requires_grad else None
         gw = gb = None                                    # see [Note: gradient buffers]
-        if weight.requires_grad:
-            x2 = cast(x.data.reshape(-1, n_in), cd)
-            if xp_of(g2) is np:
-                gw = np.matmul(g2.T, x2, out=grad_buffer(weight, cd))
-            else:  # cuBLAS, g2's transpose a flag; 16-bit in, float32 out under mixed precision
-                gd = _product_grad_dtype(weight, cd)
-                gw = batched_matmul(g2, x2, trans_a=True, out=grad_buffer(weight, gd),
-                                    out_dtype=gd)
-        if bias is not None and bias.requires_grad:    # 16-bit rows summed in float32
-            sd = np.dtype(np.float32) if cd.itemsize < 4 else cd
-            gb = col_sum(g2, out=grad_buffer(bias, sd))
+        if weight.requires_grad:  # on a GPU one cuBLAS call, g2's transpose a flag, 16-bit
+            gd = _product_grad_dtype(weight, cd)         # in, float32 out if mixed
+            gw = batched_matmul(g2, cast(x.data.reshape(-1, n_in), cd), trans_a=True,
+                                out=grad_buffer(weight, gd), out_dtype=gd)
+        if bias is not None:
+            gb = bias_grad(bias, g2)
         return gx, gw, gb
     return make_result(cast(y, dtype).reshape(out_shape), (x, weight, bias), backward, "linear")
 
@@ -282,7 +278,7 @@ def dropout_add(x, y, p: float, rng, training: bool = True, bias=None) -> Tensor
         g2 = g.reshape(-1, n)
         gy, gb = kernels.bias_dropout_backward(           # see [Note: gradient buffers]
             g2, u if u is None else u.reshape(-1, n), p,
-            grad_buffer(bias, np.float32 if g2.dtype.itemsize < 4 else g2.dtype))
+            grad_buffer(bias, col_sum_dtype(g2.dtype)))
         gy = gy.reshape(y.shape)
         if x is not None and u is None:                   # no dropout: both get g (a view
             gy = gy.copy()                                # of it: each its own array)

@@ -10,11 +10,20 @@ import numpy as np
 
 from ..backend import xp_of
 from ..dtypes import is_low_precision
-from ..kernels.rows import col_sum, row_dot, row_max, row_sum
-from .tensor import Tensor
+from ..kernels.rows import col_sum, col_sum_dtype, row_dot, row_max, row_sum
+from .tensor import Tensor, grad_buffer
 
-__all__ = ["row_sum", "row_dot", "row_max", "col_sum", "up", "cast", "check_last_dim",
-           "scatter_add", "draw_uniform"]
+__all__ = ["row_sum", "row_dot", "row_max", "col_sum", "bias_grad", "up", "cast",
+           "check_last_dim", "scatter_add", "draw_uniform"]
+
+
+def bias_grad(bias, g2):
+    """The gradient of a ``bias`` added to rows whose gradient is ``g2``: its column sums
+    (16-bit summed in float32), into its gradient buffer when it has one (see [Note:
+    gradient buffers] in tensor.py); ``None`` without a bias or when it needs none."""
+    if bias is None or not bias.requires_grad:
+        return None
+    return col_sum(g2, out=grad_buffer(bias, col_sum_dtype(g2.dtype)))
 
 
 def up(a):

@@ -15,8 +15,8 @@ from ..dtypes import is_low_precision, matmul_dtype
 from ..kernels import kernels_for
 from .attention_device import device_attention
 from .ops import as_tensor, make_result, register_op
-from .rows import cast, col_sum, draw_uniform, row_dot, row_max, row_sum, up
-from .tensor import Tensor, grad_buffer
+from .rows import bias_grad, cast, draw_uniform, row_dot, row_max, row_sum, up
+from .tensor import Tensor
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
            "at_least_one"]
@@ -119,7 +119,7 @@ def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
     t1 = t.reshape(-1)
     valid = t1 != ignore_index
     safe_t = xp.where(valid, t1, 0)
-    fd = up(x2[:0]).dtype                               # the float dtype of the math
+    fd = np.dtype(np.float32) if is_low_precision(x2.dtype) else x2.dtype  # of the math
     row_m, row_s = xp.empty(N, dtype=fd), xp.empty(N, dtype=fd)
     per_row = xp.empty(N, dtype=fd)
 
@@ -222,11 +222,6 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
                              f"dtype {bias.data.dtype} for qkv {tuple(qkv.shape)} "
                              f"{qkv.data.dtype}; pass c_attn's bias, ({width},)")
 
-    def bias_grad(dqkv):                                  # see [Note: gradient buffers]
-        if bias is None or not bias.requires_grad:
-            return None
-        return col_sum(dqkv, out=grad_buffer(bias, np.dtype(np.float32)
-                                             if dqkv.dtype.itemsize < 4 else dqkv.dtype))
     parents = (qkv,) if bias is None else (qkv, bias)
     if xp is not np:                                      # whole-batch products, flags
         out, device_backward = device_attention(qkv.data, n_head, B, scale, cd, sd, kernels,
@@ -235,7 +230,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
 
         def backward_device(g):
             dqkv = device_backward(g)
-            return (dqkv, bias_grad(dqkv))[:len(parents)]
+            return (dqkv, bias_grad(bias, dqkv))[:len(parents)]
         return make_result(out, parents, backward_device, "causal_self_attention")
 
     def packed_rows():                                    # (B, T, 3, nh, hs), biased
@@ -292,6 +287,6 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             dqkv[b, :, 0] = (da @ k).transpose(0, 2, 1, 3)
             dqkv[b, :, 1] = (da.swapaxes(-1, -2) @ q).transpose(0, 2, 1, 3)
         dqkv = dqkv.reshape(N, width)
-        return (cast(dqkv, qkv.dtype), bias_grad(dqkv))[:len(parents)]
+        return (cast(dqkv, qkv.dtype), bias_grad(bias, dqkv))[:len(parents)]
     return make_result(cast(out, qkv.dtype).reshape(N, C), parents, backward,
                        "causal_self_attention")

@@ -9,7 +9,7 @@ product of more than two dimensions C-contiguous first, so a transposed view is
 copied (for ``p.T`` a whole T x T array), and it casts float16 operands to float32
 and runs the product in float32 without tensor cores, then copies the result back
 to float16 (read from ``cupy/_core/_routines_linalg.pyx``; the strict module counts
-these copies, see ``hidden_copies`` in mpishard/strict/array.py). Here, on CuPy, one
+these copies, see mpishard/strict/copies.py). Here, on CuPy, one
 ``cublasGemmStridedBatchedEx`` call does the product: the transposes are cuBLAS's
 ``op`` flags, 16-bit inputs run on tensor cores with float32 accumulation, and the
 result may be float32 (attention's scores, for a float32 softmax) or the inputs'
@@ -35,6 +35,7 @@ import os
 import numpy as np
 
 from ..backend import xp_of
+from .gpu import _is_strict
 
 __all__ = ["batched_matmul", "cublas_arguments"]
 
@@ -50,10 +51,6 @@ SUPPORTED = {("float16", "float16"), ("float16", "float32"), ("float32", "float3
 
 def _op(x, trans: bool):
     return x.swapaxes(-1, -2) if trans else x
-
-
-def _is_strict(xp) -> bool:
-    return getattr(xp, "NAME", None) == "strict"
 
 
 def _out_shape(a, b, trans_a: bool, trans_b: bool) -> tuple:
@@ -78,19 +75,14 @@ def batched_matmul(a, b, trans_a: bool = False, trans_b: bool = False, out=None,
             out[...] = np.matmul(_op(a, trans_a), _op(b, trans_b))
         return out
     args = cublas_arguments(a, b, trans_a, trans_b, out)
-    if _is_strict(xp):
-        if args is None:                         # what CuPy's matmul would do
-            out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
-            return out
+    if args is None:                             # CuPy's matmul (on strict: its copies too)
+        out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
+    elif _is_strict(xp):                         # the one cuBLAS call it is on a GPU
         with xp.syncs.fused("cublas_gemm_strided_batched"):
             if out.dtype.itemsize > a.dtype.itemsize:   # accumulated and kept in float32
                 a, b = a.astype(out.dtype), b.astype(out.dtype)
             out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
-        return out
-    if args is None:
-        out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
-        return out
-    if out.size:
+    elif out.size:
         _call_cublas(args, a, b, out)
     return out
 

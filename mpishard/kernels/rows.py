@@ -9,7 +9,7 @@ import numpy as np
 
 from ..backend import xp_of
 
-__all__ = ["row_sum", "row_dot", "row_max", "col_sum"]
+__all__ = ["row_sum", "row_dot", "row_max", "col_sum", "col_sum_dtype"]
 
 
 def row_sum(x2d):
@@ -31,10 +31,17 @@ def row_max(x2d):
     return x2d.max(axis=1)
 
 
+def col_sum_dtype(dtype) -> np.dtype:
+    """The dtype :func:`col_sum` sums rows of ``dtype`` in and returns: float32 for
+    16-bit rows, else their own."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
 def col_sum(x2d, out=None):
     """Sum over the first axis of a 2-D array, into ``out`` if given; 16-bit rows are
-    summed (and returned) in float32."""
-    if x2d.dtype.itemsize < 4:
+    summed (and returned) in float32 (:func:`col_sum_dtype`)."""
+    if x2d.dtype != col_sum_dtype(x2d.dtype):
         x2d = x2d.astype(np.float32)
     if isinstance(x2d, np.ndarray):
         return np.matmul(np.ones(x2d.shape[0], dtype=x2d.dtype), x2d, out=out)

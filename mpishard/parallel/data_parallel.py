@@ -105,12 +105,19 @@ class _Bucket:
 
     def stage(self, i: int) -> None:
         """Copy ``params[i]``'s gradient into the bucket; its ``grad`` becomes the bucket view."""
-        p, view = self.params[i], self.views[i]
-        if p.grad is None:
-            view[...] = 0
-        elif p.grad is not view:
-            view[...] = p.grad
-        p.grad = view
+        stage_grad(self.params[i], self.views[i])
+
+
+def stage_grad(p, view) -> None:
+    """``p``'s gradient into ``view`` (its slot in a strategy's gradient buffer), unless
+    backward computed it there already (``grad_out``, see [Note: gradient buffers] in
+    mpishard/autodiff/tensor.py); zeros when it has none. ``view`` becomes ``p.grad``,
+    so a next micro-batch adds into it."""
+    if p.grad is None:
+        view[...] = 0
+    elif p.grad is not view:
+        view[...] = p.grad
+    p.grad = view
 
 
 @register_strategy("ddp", "data parallel: every rank holds the whole model; gradients "

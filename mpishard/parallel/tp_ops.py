@@ -24,10 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..autodiff.graph import as_tensor, make_result, register_op
+from ..autodiff.rows import up
 from ..autodiff.softmax_ops import at_least_one, valid_count
 from ..autodiff.tensor import Tensor
 from ..backend import xp_of
-from ..dtypes import is_low_precision
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "vocab_parallel_cross_entropy"]
 
@@ -89,9 +89,8 @@ def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int,
     logits = as_tensor(logits)
     t = targets.data if isinstance(targets, Tensor) else targets
 
-    def float_logits():                                             # (N, V_local)
-        x = logits.data.reshape(-1, logits.shape[-1])
-        return x.astype(np.float32) if is_low_precision(x.dtype) else x  # softmax in float32
+    def float_logits():                       # (N, V_local); 16-bit: the softmax in float32
+        return up(logits.data.reshape(-1, logits.shape[-1]))
     x = float_logits()
     xp = xp_of(x)
     n_local = x.shape[1]

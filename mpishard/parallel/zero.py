@@ -34,7 +34,7 @@ from ..nn.init import seed_dropout
 from ..nn.parameter import init_array
 from ..nn.plan import plan_of
 from ..optim.clip import grad_sq_sum
-from .data_parallel import check_replicas_equal
+from .data_parallel import check_replicas_equal, stage_grad
 from .expert_parallel import expert_units, is_expert_param
 from .pieces import unit_pieces
 from .zero_plan import zero_plan_memory
@@ -148,8 +148,9 @@ class ZeroUnit:
         else:
             flat = self.ledger.empty("comm", (layout.padded,), rd,
                                      f"grad bucket {layout.label}", xp=self.xp)
-        if self.grad_full is not None:
-            self._stage_full()
+        if self.grad_full is not None:  # stage 1: into the views (padding: zero since made)
+            for p, view in zip(layout.params, self.grad_views):
+                stage_grad(p, view)
         else:
             layout.flatten([p.grad for p in layout.params], flat)
             for p in layout.params:
@@ -165,18 +166,6 @@ class ZeroUnit:
                                      f"grad shard {layout.label} (received)", xp=self.xp)
         self.reductions += 1
         return Reduction(self, self.dp.ireduce_scatter(flat, recv, op="avg"), flat, recv, first)
-
-    def _stage_full(self) -> None:
-        """Stage 1: each gradient into its view of the full buffer, unless backward
-        computed it there (``grad_out``); zeros for a parameter with none. The views
-        become the parameters' ``grad``: a next micro-batch adds into them. (The padding
-        after the last parameter is never written: zero since allocation.)"""
-        for p, view in zip(self.layout.params, self.grad_views):
-            if p.grad is None:
-                view[...] = 0
-            elif p.grad is not view:
-                view[...] = p.grad
-            p.grad = view
 
     def finish_step(self) -> None:
         """All of this step's reductions are done: hand the shard to the optimizer."""
