@@ -198,6 +198,39 @@ def test_attention_dropout_is_the_models_mask_bit_for_bit(module, T, n, dtype, n
     module.softmax_backward(d, a, 0.25, drop_u=u, drop_p=p)
     module.softmax_backward(want, a, 0.25)
     _same_bits(d, want)
+    again, d2 = np.full_like(a, np.nan), g.copy()   # the dropped weights on the way
+    module.softmax_backward(d2, a, 0.25, drop_u=u, drop_p=p, dropped=again)
+    _same_bits(again, dropped)
+    _same_bits(d2, want)
+
+
+def _packed_by_hand(h, dtype):
+    """The packed rows of a head-major (3, B, nh, T, hs) buffer, one element at a time."""
+    _, B, nh, T, hs = h.shape
+    out = np.empty((B * T, 3 * nh * hs), dtype=dtype)
+    for w, b, head, t in np.ndindex(3, B, nh, T):
+        out[b * T + t, (w * nh + head) * hs:(w * nh + head + 1) * hs] = h[w, b, head, t]
+    return out
+
+
+@pytest.mark.parametrize("module", [cpu, reference], ids=lambda m: m.NAME)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("B,nh,T,hs", [(2, 3, 5, 7), (1, 1, 1, 1), (3, 2, 0, 4), (1, 4, 9, 16)])
+def test_unpack_heads_is_the_packed_layout_with_column_sums(module, B, nh, T, hs, dtype):
+    h = _rand((3, B, nh, T, hs), dtype)
+    want = _packed_by_hand(h, dtype)
+    rows, sums = module.unpack_heads(h)
+    assert sums is None
+    _same_bits(rows, want)
+    sum_dtype = np.float32 if dtype == np.float16 else dtype
+    into = np.full(3 * nh * hs, np.nan, dtype=sum_dtype)
+    rows, sums = module.unpack_heads(h, True, into)
+    assert sums is into
+    _same_bits(rows, want)
+    _same_bits(sums, np.ones(B * T, dtype=sum_dtype) @ want.astype(sum_dtype))
+    rows, sums = module.unpack_heads(h, True, dtype=np.float64)      # cast on the way
+    _same_bits(rows, want.astype(np.float64))
+    assert sums.dtype == np.float64 and sums.shape == (3 * nh * hs,)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -441,6 +474,20 @@ def test_device_kernels_match_the_references(array_backend, dtype):
     k.softmax_backward(d, got, 0.125, drop_u=su, drop_p=0.25)
     reference.softmax_backward(dwant, want, 0.125, drop_u=su_host, drop_p=0.25)
     close(d, dwant)
+    # attention's gradients from the head-major layout, with c_attn's bias gradient
+    heads = _rand((3, 2, 3, T, 8), dtype, 7)
+    want_rows, want_sums = reference.unpack_heads(heads, True)
+    got_rows, got_sums = k.unpack_heads(xp.asarray(heads), True)
+    close(got_rows, want_rows), close(got_sums, want_sums, sum_tol, sum_tol)
+    into = xp.asarray(np.full(want_sums.shape, np.nan, dtype=dtype))
+    assert k.unpack_heads(xp.asarray(heads), True, into)[1] is into
+    close(into, want_sums, sum_tol, sum_tol)
+    close(k.unpack_heads(xp.asarray(heads))[0], want_rows)
+    d, again = xp.asarray(scores), xp.asarray(np.full_like(scores, np.nan))
+    k.softmax_backward(d, got, 0.125, drop_u=su, drop_p=0.25, dropped=again)
+    close(d, dwant)
+    close(again, reference.causal_softmax(scores.copy(), T, 0.125, drop_u=su_host,
+                                          drop_p=0.25))
     # a linear layer's bias inside GELU, dropout and the residual add; the norms'
     # input gradient added into the gradient so far
     bias = xp.asarray(host[3][0])
@@ -483,6 +530,10 @@ def test_device_kernels_match_the_references(array_backend, dtype):
         one_launch("mpishard_causal_softmax", k.causal_softmax, got, T, 0.125, su, 0.25,
                    dropped)
         one_launch("mpishard_softmax_backward", k.softmax_backward, d, got, 0.125, su, 0.25)
+        one_launch("mpishard_softmax_backward", k.softmax_backward, d, got, 0.125, su, 0.25,
+                   again)
+        one_launch("mpishard_unpack_heads", k.unpack_heads, xp.asarray(heads), True)
+        one_launch("mpishard_unpack_heads", k.unpack_heads, xp.asarray(heads), True, into)
         _, h, r = one_launch("mpishard_layer_norm_forward", k.layer_norm_forward, a, w, b, 1e-5)
         one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g, h, r, w)
         _, h, r = one_launch("mpishard_rms_norm_forward", k.rms_norm_forward, a, w, 1e-6)

@@ -214,3 +214,16 @@ def test_zero1_computes_gradients_into_its_buffers_like_ddp(precision):
     zero1, zero1_ops = _block_launches("zero1", precision)
     assert zero1 == ddp, (ddp_ops, zero1_ops)
     assert "matmul-copy" not in zero1_ops and "matmul-copy" not in ddp_ops
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_gpt_block_takes_at_most_40_launches(strategy):
+    """The fusion budget (benchmarks/syncs.py reports the same figure at a larger size):
+    a block's forward, backward and gradient reduction in float32 with dropout on, 40
+    launches at most, each of the block's fused kernels among them once or twice."""
+    per_block, by_op = _block_launches(strategy)
+    assert per_block <= 40, (per_block, by_op)
+    for kernel in ("mpishard_causal_softmax", "mpishard_softmax_backward",
+                   "mpishard_unpack_heads", "mpishard_bias_gelu_backward"):
+        assert by_op.get(kernel) == 2, (kernel, by_op)           # 2 blocks, once each
+    assert "mpishard_dropout_add" in by_op and "matmul-copy" not in by_op

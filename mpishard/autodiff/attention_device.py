@@ -13,8 +13,10 @@ whole T x T array for ``p.T``) and run float16 products in float32. The scores
 and their gradient come out of the 16-bit product straight in float32 for the
 float32 softmax. Backward copies q, k, v into the head-major layout again (as
 many launches as keeping the buffer, without its memory between forward and
-backward), and the output's gradient once; the three gradients land in one
-head-major buffer and go back to the packed layout in one copy.
+backward), and the output's gradient once; the softmax's backward kernel writes
+the dropped weights again on its way (the values' gradient needs them, and they
+are not kept); the three gradients land in one head-major buffer and go back to
+the packed layout in one kernel that also sums c_attn's bias gradient.
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ def _head_major(xp, data, B: int, T: int, n_head: int, hs: int, dtype, bias=None
 def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernels,
                      dropout_p: float, rng, use_dropout: bool, bias=None):
     """Forward on the whole batch; returns ``(out, backward)``: the ``(B*T, C)`` output
-    in ``qkv_data``'s dtype and the function from its gradient to ``qkv``'s.
+    in ``qkv_data``'s dtype and the function from its gradient to ``(qkv's, bias's)``
+    (``backward(g, need_bias, bias_out)``: the bias's gradient, with ``need_bias``, into
+    ``bias_out`` if given; else None).
     ``cd``: the products' dtype; ``sd``: the softmax's (float32 for 16-bit); ``bias``:
     c_attn's, when ``qkv_data`` is its output without it."""
     xp = xp_of(qkv_data)
@@ -66,22 +70,22 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     out = xp.empty((B, T, n_head, hs), dtype=qkv_data.dtype)
     out[...] = y.transpose(0, 2, 1, 3)
 
-    def backward(g):
+    def backward(g, need_bias: bool = False, bias_out=None):
         q, k, v = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
         gy = xp.empty((B, n_head, T, hs), dtype=cd)
         gy[...] = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
         dh = xp.empty((3, B, n_head, T, hs), dtype=cd)   # q's, k's and v's gradients
         u = drop_u.reshape(-1, T) if use_dropout else None
-        p = (kernels.dropout_add(None, att.reshape(-1, T), u, dropout_p).reshape(att.shape)
-             if use_dropout else att)
-        batched_matmul(cast(p, cd), gy, trans_a=True, out=dh[2])
+        p = xp.empty_like(att) if use_dropout else att    # the dropped weights, again
         da = batched_matmul(gy, v, trans_b=True, out_dtype=sd)        # (B, nh, T, T)
         kernels.softmax_backward(da.reshape(-1, T), att.reshape(-1, T), scale,  # masked
-                                 drop_u=u, drop_p=dropout_p)                     # first
+                                 drop_u=u, drop_p=dropout_p,                     # first
+                                 dropped=p.reshape(-1, T) if use_dropout else None)
+        batched_matmul(cast(p, cd), gy, trans_a=True, out=dh[2])
+        del p
         da = cast(da, cd)
         batched_matmul(da, k, out=dh[0])
         batched_matmul(da, q, trans_a=True, out=dh[1])
-        dqkv = xp.empty((B, T, 3, n_head, hs), dtype=qkv_data.dtype)
-        dqkv[...] = dh.transpose(1, 3, 0, 2, 4)        # packed again, cast once
-        return dqkv.reshape(N, width)
+        # packed again (cast once), with c_attn's bias gradient: one kernel
+        return kernels.unpack_heads(dh, need_bias, bias_out, qkv_data.dtype)
     return out.reshape(N, C), backward

@@ -13,10 +13,11 @@ import numpy as np
 from ..backend import xp_of
 from ..dtypes import is_low_precision, matmul_dtype
 from ..kernels import kernels_for
+from ..kernels.rows import col_sum_dtype
 from .attention_device import device_attention
 from .ops import as_tensor, make_result, register_op
 from .rows import bias_grad, cast, draw_uniform, row_dot, row_max, row_sum, up
-from .tensor import Tensor
+from .tensor import Tensor, grad_buffer
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
            "at_least_one"]
@@ -228,9 +229,11 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
                                                 dropout_p, rng, use_dropout,
                                                 None if bias is None else bias.data)
 
-        def backward_device(g):
-            dqkv = device_backward(g)
-            return (dqkv, bias_grad(bias, dqkv))[:len(parents)]
+        def backward_device(g):                           # bias gradient: in the same
+            need = bias is not None and bias.requires_grad   # kernel as the unpacking
+            dqkv, dbias = device_backward(
+                g, need, grad_buffer(bias, col_sum_dtype(qkv.dtype)) if need else None)
+            return (dqkv, dbias)[:len(parents)]
         return make_result(out, parents, backward_device, "causal_self_attention")
 
     def packed_rows():                                    # (B, T, 3, nh, hs), biased

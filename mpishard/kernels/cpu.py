@@ -22,13 +22,15 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
-           "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
+           "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
+           "adam_update"]
 
 NAME = "cpu"
 
 dropout_add = reference.dropout_add            # whole arrays (see the module docstring)
 dropout_backward = reference.dropout_backward
 bias_dropout_backward = reference.bias_dropout_backward
+unpack_heads = reference.unpack_heads          # one copy (a GPU's layout; NumPy has none)
 
 
 def gelu_forward(a, bias=None):
@@ -221,8 +223,11 @@ def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dr
     return dropped
 
 
-def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0) -> None:
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0,
+                     dropped=None) -> None:
     if drop_u is not None:
+        if dropped is not None:
+            apply_dropout(p, drop_u, drop_p, out=dropped)
         apply_dropout(d, drop_u, drop_p, out=d)
     d -= row_dot(d, p)[:, None]
     d *= p

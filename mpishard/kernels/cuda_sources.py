@@ -143,11 +143,15 @@ extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const 
 }
 
 /* The scores' gradient from the weights' d, in place: (d - rowdot(d, p)) p scale; with
-   has_drop, d first goes back through the forward's dropout (written back to d). */
+   has_drop, d first goes back through the forward's dropout (written back to d), and
+   with has_dropped the dropped weights (p kept where du >= dp, times dscale) are
+   written to dropped on the way, for the values' gradient. */
 extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const int n,
                                                         const T scale, const int has_drop,
                                                         const float* du, const float dp,
-                                                        const T dscale) {
+                                                        const T dscale,
+                                                        const int has_dropped,
+                                                        T* dropped) {
   __shared__ T shared[32];
   const long long row = blockIdx.x;
   T* dr = d + row * n;
@@ -155,11 +159,14 @@ extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const
   T s = 0;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     T v = dr[j];
+    const T pj = pr[j];
     if (has_drop) {
-      v = du[row * n + j] >= dp ? v * dscale : (T)0;
+      const bool kept = du[row * n + j] >= dp;
+      v = kept ? v * dscale : (T)0;
       dr[j] = v;
+      if (has_dropped) dropped[row * n + j] = kept ? pj * dscale : (T)0;
     }
-    s += v * pr[j];
+    s += v * pj;
   }
   s = mpishard_block_reduce(s, false, shared);
   for (int j = threadIdx.x; j < n; j += blockDim.x) dr[j] = (dr[j] - s) * pr[j] * scale;
@@ -313,5 +320,29 @@ mpishard_bias_dropout_backward_{T}(
     }
   }
   mpishard_column_total(s, col, n, gb);
+}
+
+/* Attention's q, k and v gradients from the head-major (3, B, nh, Tn, hs) buffer h
+   back to packed rows (B Tn, n = 3 nh hs), column (w nh + head) hs + j, with has_sum
+   their column sums (c_attn's bias gradient) into sums. Blocks as above: a warp's
+   32 columns are 32 neighbouring elements of a head on both sides. */
+extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
+mpishard_unpack_heads_{T}(
+    const T* h, T* rows, const int has_sum, T* sums, const long long B, const int Tn,
+    const int nh, const int hs) {
+  const int n = 3 * nh * hs;
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  T s = 0;
+  if (col < n) {
+    const int j = col % hs, wh = col / hs;
+    const long long base = ((long long)(wh / nh) * B * nh + wh % nh) * Tn * hs + j;
+    for (long long i = threadIdx.y; i < B * Tn; i += blockDim.y) {
+      const long long b = i / Tn, t = i % Tn;
+      const T v = h[base + (b * nh * Tn + t) * hs];
+      rows[i * n + col] = v;
+      s += v;
+    }
+  }
+  if (has_sum) mpishard_column_total(s, col, n, sums);
 }
 """

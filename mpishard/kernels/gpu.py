@@ -39,7 +39,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
-           "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
+           "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
+           "adam_update"]
 
 NAME = "gpu"
 
@@ -119,20 +120,23 @@ def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dr
     return dropped
 
 
-def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0) -> None:
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0,
+                     dropped=None) -> None:
     xp = xp_of(d)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_softmax_backward"):
-            reference.softmax_backward(d, p, scale, drop_u, drop_p)
+            reference.softmax_backward(d, p, scale, drop_u, drop_p, dropped)
         return
-    if not _raw_ready(d, p, drop_u=drop_u):
-        reference.softmax_backward(d, p, scale, drop_u, drop_p)
+    if not _raw_ready(d, p, dropped, drop_u=drop_u):
+        reference.softmax_backward(d, p, scale, drop_u, drop_p, dropped)
         return
     if d.shape[0]:
         _row_kernel(xp, "mpishard_softmax_backward", d.dtype.name)(
             (d.shape[0],), (ROW_THREADS,),
             (d, p, np.int32(d.shape[1]), d.dtype.type(scale),
-             *_dropout_args(drop_u, drop_p, d, d.dtype)))
+             *_dropout_args(drop_u, drop_p, d, d.dtype),
+             np.int32(drop_u is not None and dropped is not None),
+             d if dropped is None else dropped))
 
 
 def _norm_forward(x, weight, bias, eps: float, centred: bool):
@@ -306,6 +310,25 @@ def bias_gelu_backward(a, bias, t, g, out_bias=None):
         _row_kernel(xp, "mpishard_bias_gelu_backward", g.dtype.name)(
             *_column_blocks(n), (a, bias, t, g, gx, gb, np.int64(rows), np.int32(n)))
     return gx, gb
+
+
+def unpack_heads(h, need_sum: bool = False, out_sum=None, dtype=None):
+    xp = xp_of(h)
+    if not (_raw_ready(h, out_sum if need_sum else None)      # 16-bit: the copy, the
+            and (dtype is None or np.dtype(dtype) == h.dtype)):  # cast, the sums
+        return reference.unpack_heads(h, need_sum, out_sum, dtype)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_unpack_heads"):
+            return reference.unpack_heads(h, need_sum, out_sum, dtype)
+    _, B, nh, T, hs = h.shape
+    n = 3 * nh * hs
+    rows = xp.empty((B * T, n), dtype=h.dtype)
+    sums = (xp.empty(n, dtype=h.dtype) if out_sum is None else out_sum) if need_sum else None
+    if n:                                 # no rows: the sums are zeros
+        _row_kernel(xp, "mpishard_unpack_heads", h.dtype.name)(
+            *_column_blocks(n), (h, rows, _flag(sums), h if sums is None else sums,
+                                 np.int64(B), np.int32(T), np.int32(nh), np.int32(hs)))
+    return rows, sums
 
 
 def dropout_backward(g, u, p: float):

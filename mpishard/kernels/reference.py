@@ -27,7 +27,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
-           "softmax_rows", "causal_softmax", "softmax_backward", "adam_update"]
+           "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
+           "adam_update"]
 
 NAME = "reference"
 
@@ -197,17 +198,35 @@ def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dr
     return apply_dropout(a, drop_u, drop_p, out=dropped)
 
 
-def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0) -> None:
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0,
+                     dropped=None) -> None:
     """In place: ``d`` (the weights' gradient) becomes the scores' gradient,
     ``(d - rowdot(d, p)) p scale`` for softmax weights ``p`` of scaled scores; with the
     forward's dropout draws ``drop_u``, ``d`` (the dropped weights' gradient) first
-    goes back through the dropout."""
+    goes back through the dropout, and with ``dropped`` (p's shape and dtype, not p)
+    the dropped weights, ``causal_softmax``'s ``dropped`` again, are written there on
+    the way (the values' gradient needs them; on a GPU no launch of their own)."""
     if drop_u is not None:
+        if dropped is not None:
+            apply_dropout(p, drop_u, drop_p, out=dropped)
         apply_dropout(d, drop_u, drop_p, out=d)
     d -= (d * p).sum(axis=1, keepdims=True)
     d *= p
     if scale != 1.0:
         d *= scale
+
+
+def unpack_heads(h, need_sum: bool = False, out_sum=None, dtype=None):
+    """``(rows, sums)``: attention's head-major ``(3, B, nh, T, hs)`` q, k and v gradients
+    as packed ``(B*T, 3*nh*hs)`` rows (column ``(w*nh + head)*hs + j``) in ``dtype``
+    (default h's), and with ``need_sum`` their column sums, c_attn's bias gradient (as
+    :func:`.rows.col_sum`: 16-bit summed in float32, into ``out_sum`` if given), else
+    None."""
+    _, B, nh, T, hs = h.shape
+    rows = xp_of(h).empty((B, T, 3, nh, hs), dtype=h.dtype if dtype is None else dtype)
+    rows[...] = h.transpose(1, 3, 0, 2, 4)
+    rows = rows.reshape(B * T, 3 * nh * hs)
+    return rows, (col_sum(rows, out_sum) if need_sum else None)
 
 
 def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
