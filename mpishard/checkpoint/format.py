@@ -253,6 +253,12 @@ class _Validator:
         mesh = self.obj(d.get("mesh"), "mesh")
         for axis in ("dp", "tp", "pp"):
             self.integer(mesh.get(axis), f"mesh.{axis}", 1)
+        for axis in ("cp", "ep", "dp_replicate", "dp_shard"):   # written when the mesh has them
+            if axis in mesh:
+                self.integer(mesh[axis], f"mesh.{axis}", 1)
+        if ("dp_replicate" in mesh) != ("dp_shard" in mesh):  # hybrid sharding: both
+            missing = "dp_shard" if "dp_replicate" in mesh else "dp_replicate"
+            self.schema(f"mesh.{missing}", "present beside its hybrid twin", None)
         strategy = self.obj(d.get("strategy"), "strategy")
         self.text(strategy.get("name"), "strategy.name")
         for key in ("steps", "skipped_steps"):
