@@ -54,7 +54,7 @@ $(STAMP): pyproject.toml
 # the test and benchmark references on top (make demo does not need them)
 $(REFERENCE_STAMP): $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH)'
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),reference]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),reference,mkl]'
 	touch $(REFERENCE_STAMP)
 
 demo: $(STAMP)

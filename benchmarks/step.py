@@ -2,12 +2,15 @@
 
     python benchmarks/step.py                 # GPT and Llama config S, 1 and 2 BLAS threads
     python benchmarks/step.py --rounds 5 --steps 6 --models llama
+    python benchmarks/step.py --blas mkl      # mpishard on MKL's products only
 
 Times a full step (forward, backward, AdamW) of GPT config S (vocab 256, block
 128, 4 layers, 4 heads, width 256, batch 16, float32) against a PyTorch nanoGPT,
 and of Llama config S (the same shape with 2 key/value heads and a SwiGLU MLP
 of width 768) against ``transformers``' ``LlamaForCausalLM`` (eager attention),
-the torch side when it is installed. Each measurement runs in
+the torch side when it is installed. mpishard runs with NumPy's BLAS and, where MKL
+loads (``pip install mkl``), also with ``MPISHARD_BLAS=mkl`` (the ``-mkl`` rows; torch's
+products are MKL's too). Each measurement runs in
 a fresh worker process with the thread count fixed by environment variables
 before NumPy/torch load; workers for mpishard and torch alternate round by
 round so both see the same machine load. Prints progress on stderr and one
@@ -116,6 +119,7 @@ def _torch_step_fn(seed: int, threads: int):
 
 
 def worker(impl: str, threads: int, steps: int, warmup: int) -> dict:
+    impl = impl.removesuffix("-mkl")                   # MPISHARD_BLAS=mkl is in the env
     step = {"mpishard": lambda: _mpishard_step_fn(0),
             "torch": lambda: _torch_step_fn(0, threads),
             "mpishard-llama": lambda: _mpishard_step_fn(0, "llama"),
@@ -135,6 +139,9 @@ def _run_worker(impl: str, threads: int, steps: int, warmup: int) -> dict:
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
+    env["MPISHARD_BLAS"] = "mkl" if impl.endswith("-mkl") else "numpy"
+    if impl.endswith("-mkl"):         # MKL's threads take the products; OpenBLAS's would
+        env["OPENBLAS_NUM_THREADS"] = "1"                      # only spin against them
     cmd = [sys.executable, __file__, "--worker", impl, "--threads", str(threads),
            "--steps", str(steps), "--warmup", str(warmup)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
@@ -144,6 +151,14 @@ def _run_worker(impl: str, threads: int, steps: int, warmup: int) -> dict:
 def _transformers_available() -> bool:
     import importlib.util
     return importlib.util.find_spec("transformers") is not None
+
+
+def _mkl_available() -> bool:
+    """Whether MKL loads here (mpishard's ``MPISHARD_BLAS=mkl``), asked in a subprocess."""
+    probe = ("import os; os.environ['MPISHARD_BLAS'] = 'mkl'; "
+             "from mpishard.kernels.cpu_blas import mkl_library; mkl_library()")
+    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode == 0
 
 
 def _torch_available() -> bool:
@@ -162,8 +177,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per round")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
     parser.add_argument("--models", default="gpt,llama", help="gpt, llama or both")
-    parser.add_argument("--worker", choices=["mpishard", "torch", "mpishard-llama", "torch-llama"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--blas", default="auto",
+                        help="mpishard's BLAS: numpy, mkl, or auto (both when MKL loads)")
+    parser.add_argument("--worker", choices=["mpishard", "torch", "mpishard-llama",
+                                             "torch-llama", "mpishard-mkl",
+                                             "mpishard-llama-mkl"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -175,6 +193,10 @@ def main(argv=None) -> dict:
     impls = [i for m in models for i in ((["mpishard"] + (["torch"] if with_torch else []))
              if m == "gpt" else (["mpishard-llama"] + (["torch-llama"] if with_torch
                                                          and _transformers_available() else [])))]
+    blas = {"auto": ["numpy"] + (["mkl"] if _mkl_available() else []),
+            "numpy": ["numpy"], "mkl": ["mkl"]}[args.blas]
+    impls = [v for i in impls for v in (
+        [i] if i.startswith("torch") else [i] * ("numpy" in blas) + [i + "-mkl"] * ("mkl" in blas))]
     if not with_torch:
         print("torch not importable: timing mpishard alone "
               "(pip install torch==2.13.0 for the side-by-side)", file=sys.stderr)
@@ -200,6 +222,13 @@ def main(argv=None) -> dict:
         if "torch" in entry and "mpishard" in entry:
             entry["ratio_mpishard_over_torch"] = round(
                 entry["mpishard"]["median_step_s"] / entry["torch"]["median_step_s"], 3)
+        if "torch" in entry and "mpishard-mkl" in entry:
+            entry["ratio_mpishard_mkl_over_torch"] = round(
+                entry["mpishard-mkl"]["median_step_s"] / entry["torch"]["median_step_s"], 3)
+        if "torch-llama" in entry and "mpishard-llama-mkl" in entry:
+            entry["ratio_llama_mpishard_mkl_over_transformers"] = round(
+                entry["mpishard-llama-mkl"]["median_step_s"]
+                / entry["torch-llama"]["median_step_s"], 3)
         if "torch-llama" in entry and "mpishard-llama" in entry:
             entry["ratio_llama_mpishard_over_transformers"] = round(
                 entry["mpishard-llama"]["median_step_s"] / entry["torch-llama"]["median_step_s"], 3)

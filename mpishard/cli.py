@@ -54,6 +54,7 @@ def _cmd_info(args) -> int:
     from .comm import Communicator, format_rank_reports, rank_report
     from .comm.gpu import loaded_libmpi
     from .kernels import describe as describe_kernels
+    from .kernels.cpu_blas import describe as describe_blas
 
     world = Communicator.from_env(MPI.COMM_WORLD)
     reports = world.gather_obj(rank_report(world))
@@ -68,6 +69,7 @@ def _cmd_info(args) -> int:
     print(f"MPI        {MPI.Get_library_version().strip().splitlines()[0]}")
     print(f"libmpi     {loaded_libmpi() or 'unknown'}")
     print(f"kernels    {describe_kernels()}")
+    print(f"CPU BLAS   {describe_blas()}")
     print(f"world size {world.size}")
     print(format_rank_reports(reports))
     return 0

@@ -28,7 +28,7 @@ import numpy as np
 from ..backend import xp_of
 from ..dtypes import matmul_dtype
 from ..kernels import kernels_for
-from ..kernels.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul
+from ..kernels.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
 from ..kernels.rows import col_sum_dtype
 from .ops import as_tensor, make_result, register_op
 from .rows import bias_grad, cast, check_last_dim, draw_uniform, scatter_add, up
@@ -57,7 +57,7 @@ def linear(x, weight, bias=None) -> Tensor:
                          f"{weight.data.dtype} (weight {tuple(weight.shape)})")
     dtype, cd = x.dtype, matmul_dtype(x.data)           # see [Note: 16-bit inputs]
     x2 = cast(x.data.reshape(-1, n_in), cd)               # (N, in)
-    y = x2 @ cast(weight.data, cd).T                      # (N, out)
+    y = matmul(x2, cast(weight.data, cd).T)                # (N, out)
     if bias is not None:
         bias = as_tensor(bias)
         y += bias.data
@@ -65,7 +65,8 @@ def linear(x, weight, bias=None) -> Tensor:
 
     def backward(g):
         g2 = cast(g.reshape(-1, n_out), cd)               # (N, out)
-        gx = cast(g2 @ cast(weight.data, cd), dtype).reshape(x.shape) if x.requires_grad else None
+        gx = (cast(matmul(g2, cast(weight.data, cd)), dtype).reshape(x.shape)
+              if x.requires_grad else None)
         gw = gb = None                                    # see [Note: gradient buffers]
         if weight.requires_grad:  # on a GPU one cuBLAS call, g2's transpose a flag, 16-bit
             gd = _product_grad_dtype(weight, cd)         # in, float32 out if mixed

@@ -25,11 +25,10 @@ weights) and ``adam_update`` (in place).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import cpu, gpu, reference
+from .choice import env_choice
 
 __all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "describe", "cpu", "gpu", "reference"]
 
@@ -40,11 +39,8 @@ _CHOICES = ("auto", "reference")
 
 def kernel_choice() -> str:
     """``MPISHARD_KERNELS``: ``"auto"`` (the default) or ``"reference"``."""
-    value = os.environ.get("MPISHARD_KERNELS", "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise ValueError(f"MPISHARD_KERNELS={value!r}: use one of {', '.join(_CHOICES)} "
-                         f"('reference' runs the plain reference kernels everywhere)")
-    return value
+    return env_choice("MPISHARD_KERNELS", _CHOICES,
+                      "'reference' runs the plain reference kernels everywhere")
 
 
 def describe() -> str:

@@ -25,7 +25,8 @@ stride between its matrices (its batch axes must collapse into one); otherwise,
 or for other dtypes, the product falls back to ``xp.matmul`` on the views.
 
 On NumPy the product is ``numpy.matmul`` on the views (its BLAS takes the
-transposes itself); on the CuPy-strict test module it counts as the one launch
+transposes itself), or MKL's for 2-D products under ``MPISHARD_BLAS=mkl``
+(mpishard/kernels/cpu_blas.py); on the CuPy-strict test module it counts as the one launch
 it is on a GPU.
 """
 from __future__ import annotations
@@ -35,9 +36,10 @@ import os
 import numpy as np
 
 from ..backend import xp_of
+from .cpu_blas import matmul as cpu_matmul
 from .gpu import _is_strict
 
-__all__ = ["batched_matmul", "cublas_arguments"]
+__all__ = ["batched_matmul", "matmul", "cublas_arguments"]
 
 # cuBLAS / CUDA enums (cublas_api.h, library_types.h; also in CuPy's cupy_backends)
 OP_N, OP_T = 0, 1
@@ -70,9 +72,9 @@ def batched_matmul(a, b, trans_a: bool = False, trans_b: bool = False, out=None,
         out = xp.empty(_out_shape(a, b, trans_a, trans_b), dtype=out_dtype or a.dtype)
     if xp is np:
         if out.dtype == a.dtype:
-            np.matmul(_op(a, trans_a), _op(b, trans_b), out=out)
+            cpu_matmul(_op(a, trans_a), _op(b, trans_b), out=out)
         else:
-            out[...] = np.matmul(_op(a, trans_a), _op(b, trans_b))
+            out[...] = cpu_matmul(_op(a, trans_a), _op(b, trans_b))
         return out
     args = cublas_arguments(a, b, trans_a, trans_b, out)
     if args is None:                             # CuPy's matmul (on strict: its copies too)
@@ -160,3 +162,9 @@ def _call_cublas(args: dict, a, b, out) -> None:
          beta.ctypes.data,
          _pointer(out), args["Ctype"], args["ldc"], args["strideC"],
          args["batchCount"], args["computeType"], args["algo"])
+
+
+def matmul(a, b):
+    """``a @ b``: on NumPy through the CPU's BLAS choice (:func:`.cpu_blas.matmul`),
+    elsewhere the array module's own operator."""
+    return cpu_matmul(a, b) if isinstance(a, np.ndarray) else a @ b
