@@ -233,6 +233,17 @@ def test_unpack_heads_is_the_packed_layout_with_column_sums(module, B, nh, T, hs
     assert sums.dtype == np.float64 and sums.shape == (3 * nh * hs,)
 
 
+@pytest.mark.parametrize("module", [cpu, reference], ids=lambda m: m.NAME)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(37, 53), (0,), (1,), (3, 0, 2), (4097,)], ids=str)
+def test_sq_sum_is_the_float64_dot_into_its_slot(module, shape, dtype):
+    x = _rand(shape, dtype)
+    slots = np.full(3, np.nan)
+    assert module.sq_sum(x, slots[1:2]).base is slots
+    flat = x.reshape(-1).astype(np.float64)
+    assert slots[1] == np.dot(flat, flat) and np.isnan(slots[[0, 2]]).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(37, 53), (0, 16), (1, 7), (2048, 64)], ids=str)
 def test_norm_param_grads_are_the_models_col_sums_bit_for_bit(shape, dtype):
@@ -474,6 +485,11 @@ def test_device_kernels_match_the_references(array_backend, dtype):
     k.softmax_backward(d, got, 0.125, drop_u=su, drop_p=0.25)
     reference.softmax_backward(dwant, want, 0.125, drop_u=su_host, drop_p=0.25)
     close(d, dwant)
+    # a gradient's sum of squares (the clipping norm) into its slot
+    slots = xp.asarray(np.zeros(2))
+    assert k.sq_sum(g, slots[1:2]) is not None
+    flat = host[2].reshape(-1).astype(np.float64)
+    close(slots[1:2], np.array([np.dot(flat, flat)]), 1e-12, 0)
     # attention's gradients from the head-major layout, with c_attn's bias gradient
     heads = _rand((3, 2, 3, T, 8), dtype, 7)
     want_rows, want_sums = reference.unpack_heads(heads, True)
@@ -533,6 +549,7 @@ def test_device_kernels_match_the_references(array_backend, dtype):
         one_launch("mpishard_softmax_backward", k.softmax_backward, d, got, 0.125, su, 0.25,
                    again)
         one_launch("mpishard_unpack_heads", k.unpack_heads, xp.asarray(heads), True)
+        one_launch("mpishard_sq_sum", k.sq_sum, g, slots[0:1])
         one_launch("mpishard_unpack_heads", k.unpack_heads, xp.asarray(heads), True, into)
         _, h, r = one_launch("mpishard_layer_norm_forward", k.layer_norm_forward, a, w, b, 1e-5)
         one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g, h, r, w)

@@ -155,3 +155,25 @@ def test_bad_arguments():
         Adam(_params(), betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="nesterov"):
         SGD(_params(), nesterov=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_the_device_norm_is_one_kernel_per_gradient_and_one_read(dtype):
+    """On a device (the CuPy-strict module) each gradient's sum of squares is one fused
+    kernel into its own slot, read back once; the sum is NumPy's to rounding, with
+    non-finite gradients, empty ones and Nones among them."""
+    from mpishard import strict
+    from mpishard.optim.clip import grad_sq_sum
+
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(s).astype(dtype) for s in ((3, 5), (7,), (0,), (2, 3, 4))]
+    want = grad_sq_sum(host + [None])
+    device = [strict.asarray(h) for h in host] + [None]
+    strict.syncs.reset()
+    got = grad_sq_sum(device)
+    assert got == pytest.approx(want, rel=1e-12)
+    fused = 3 if dtype != np.float16 else 0         # 16-bit: the copy, the product, the set
+    assert strict.syncs.launches_by_op.get("mpishard_sq_sum", 0) == fused
+    assert strict.syncs.count == 1
+    device[1][2] = np.inf
+    assert grad_sq_sum(device) == math.inf

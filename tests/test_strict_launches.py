@@ -173,10 +173,11 @@ def test_the_copies_cupys_matmul_makes_are_counted():
         "matmul": 1, "matmul-copy": 2}                # a float32 out is written directly
 
 
-def _block_launches(strategy: str, precision=None) -> tuple:
-    """Launches per GPT block in ``train_step`` (forward, backward, gradient reduction)
-    under ``strategy`` at world size 1, from a 1- and a 2-block model, and the
-    operations of the 2-block one."""
+def _block_launches(strategy: str, precision=None, optimizer: bool = False) -> tuple:
+    """Launches per GPT block in ``train_step`` (forward, backward, gradient reduction;
+    with ``optimizer``, in ``step`` instead: clipping and AdamW) under ``strategy`` at
+    world size 1, from a 1- and a 2-block model, and the operations of the 2-block
+    one's ``train_step``."""
     from mpishard.comm import Mesh
     from mpishard.comm.testing import make_test_comm
     from mpishard.parallel import ParallelModel
@@ -198,10 +199,12 @@ def _block_launches(strategy: str, precision=None) -> tuple:
                 run.train_step(x, y)
                 counted = strict.syncs.launches
                 by_op = dict(strict.syncs.launches_by_op)
-                run.step(opt, max_norm=1.0)
+                strict.syncs.reset()
+                run.step(opt, max_norm=1e-3 if optimizer else 1.0)    # clipping: every
+                in_step = strict.syncs.launches                        # gradient scaled
         finally:
             comm.free()
-        per_step.append(counted)
+        per_step.append(in_step if optimizer else counted)
     return per_step[1] - per_step[0], by_op
 
 
@@ -227,3 +230,11 @@ def test_a_gpt_block_takes_at_most_40_launches(strategy):
                    "mpishard_unpack_heads", "mpishard_bias_gelu_backward"):
         assert by_op.get(kernel) == 2, (kernel, by_op)           # 2 blocks, once each
     assert "mpishard_dropout_add" in by_op and "matmul-copy" not in by_op
+
+
+def test_clipping_and_adamw_take_three_launches_per_parameter():
+    """Per parameter of a block (12): its sum of squares (one fused kernel), the
+    clipping's scaling and the fused Adam update; and the decay of its 4 weight
+    matrices, one in-place kernel each (no copy back)."""
+    per_block, _ = _block_launches("ddp", optimizer=True)
+    assert per_block == 12 * 3 + 4, per_block

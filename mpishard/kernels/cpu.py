@@ -23,13 +23,14 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
-           "adam_update"]
+           "adam_update", "sq_sum"]
 
 NAME = "cpu"
 
 dropout_add = reference.dropout_add            # whole arrays (see the module docstring)
 dropout_backward = reference.dropout_backward
 bias_dropout_backward = reference.bias_dropout_backward
+sq_sum = reference.sq_sum                      # BLAS's dot of the float64 copy
 unpack_heads = reference.unpack_heads          # one copy (a GPU's layout; NumPy has none)
 
 

@@ -80,6 +80,8 @@ REDUCTIONS = {
                              "y = (T)(a * inv_n)"),
     "mpishard_row_mean_gwh": ("T g, T w, T h, float64 inv_n", "T y", "g * w * h", "a + b",
                               "y = (T)(a * inv_n)"),
+    # a gradient's sum of squares in float64 (the clipping norm), no float64 copy
+    "mpishard_sq_sum": ("T x", "float64 y", "(double)x * (double)x", "a + b", "y = a"),
 }
 #: the RawKernels, ``{T}`` float or double. All but the last take a thread block per
 #: row: a sum or max over the block (warp shuffles, then the warps' results), then the

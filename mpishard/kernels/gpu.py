@@ -40,7 +40,7 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
-           "adam_update"]
+           "adam_update", "sq_sum"]
 
 NAME = "gpu"
 
@@ -329,6 +329,16 @@ def unpack_heads(h, need_sum: bool = False, out_sum=None, dtype=None):
             *_column_blocks(n), (h, rows, _flag(sums), h if sums is None else sums,
                                  np.int64(B), np.int32(T), np.int32(nh), np.int32(hs)))
     return rows, sums
+
+
+def sq_sum(x, out):
+    xp = xp_of(x)
+    if x.dtype.name not in ("float32", "float64"):  # 16-bit: the copy, the product
+        return reference.sq_sum(x, out)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_sq_sum"):
+            return reference.sq_sum(x, out)
+    return _kernel(xp, "mpishard_sq_sum")(x.reshape(-1), axis=0, keepdims=True, out=out)
 
 
 def dropout_backward(g, u, p: float):

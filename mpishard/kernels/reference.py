@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..backend import xp_of
 from .rows import col_sum
 
@@ -28,7 +30,7 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
-           "adam_update"]
+           "adam_update", "sq_sum"]
 
 NAME = "reference"
 
@@ -240,3 +242,13 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
     v *= beta2
     v += (1.0 - beta2) * grad * grad
     param -= step_size * (m / (xp.sqrt(v) * inv_bias2 + eps))
+
+
+def sq_sum(x, out):
+    """``out`` (a float64 array of one element, e.g. a slice of a larger one) = the sum
+    of ``x``'s squares, in float64 (the gradient clipping's norm); returns ``out``."""
+    flat = x.reshape(-1)
+    if flat.dtype != np.float64:
+        flat = flat.astype(np.float64)
+    out[...] = xp_of(x).dot(flat, flat)
+    return out

@@ -10,7 +10,8 @@ from typing import Iterable
 
 import numpy as np
 
-from ..backend import xp_of
+from ..backend import to_numpy, xp_of
+from ..kernels import kernels_for
 
 __all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficient"]
 
@@ -18,23 +19,32 @@ __all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficien
 def grad_sq_sum(grads: Iterable) -> float:
     """Sum of squares of every element of ``grads``, accumulated in float64.
 
-    Device arrays are summed on the device and read back once, at the end (one
-    host sync, whatever the number of arrays); the float64 additions run in the
-    same order either way, so the result is the same bit for bit.
+    Host arrays: each one's float64 copy dotted with itself. Device arrays: each
+    one's sum of squares in one fused kernel (float64 accumulation, no float64
+    copy) into its own slot of a small device array, read back once at the end
+    (one host sync, whatever the number of arrays) and added on the host in the
+    arrays' order, as the host arrays' are.
     """
-    total, device = 0.0, None
+    total, device = 0.0, []
     for g in grads:
         if g is None or g.size == 0:
             continue
-        flat = g.reshape(-1)
-        if flat.dtype != np.float64:
-            flat = flat.astype(np.float64)
-        if isinstance(flat, np.ndarray):
+        if isinstance(g, np.ndarray):
+            flat = g.reshape(-1)
+            if flat.dtype != np.float64:
+                flat = flat.astype(np.float64)
             total += float(np.dot(flat, flat))
         else:
-            sq = xp_of(flat).dot(flat, flat)
-            device = sq if device is None else device + sq
-    return total if device is None else total + float(device)
+            device.append(g)
+    if device:
+        xp = xp_of(device[0])
+        kernels, sums = kernels_for(xp), xp.empty(len(device), dtype=np.float64)
+        for i, g in enumerate(device):
+            kernels.sq_sum(g, sums[i:i + 1])          # a view (an index is a copy on
+                                                       # the strict module)
+        for value in to_numpy(sums).tolist():
+            total += value
+    return total
 
 
 def global_grad_norm(params: Iterable) -> float:

@@ -114,7 +114,8 @@ class Optimizer:
 
 def _decay(param, decay_ranges: tuple, factor: float) -> None:
     for start, stop in decay_ranges:
-        param[start:stop] *= factor
+        view = param[start:stop]      # in place on the view: on a GPU one kernel, where
+        view *= factor                # param[a:b] *= f also copies the result back
 
 
 def _add_l2(grad, param, decay_ranges: tuple, weight_decay: float):
