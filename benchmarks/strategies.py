@@ -47,7 +47,8 @@ from other users one round took ~6 minutes). Much of a torch job is start-up,
 importing torch in N + 1 processes (~30 s under that load, ~2 s for an
 mpishard job). Settings such as
 ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` (MPICH: sleep instead of spinning while
-waiting) pass through to the workers. Without torch the torch columns are
+waiting) pass through to the workers, and so does ``MPISHARD_BLAS`` (``mkl``: the
+mpishard ranks' products on MKL, recorded as ``machine.blas``). Without torch the torch columns are
 skipped (``pip install torch==2.13.0`` adds them).
 """
 from __future__ import annotations
@@ -243,6 +244,8 @@ def _worker_env() -> dict:
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONDONTWRITEBYTECODE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    if "MPISHARD_BLAS" in os.environ:           # a compute setting, not a launch one
+        env["MPISHARD_BLAS"] = os.environ["MPISHARD_BLAS"]
     return env
 
 
@@ -359,7 +362,8 @@ def _machine(load_before) -> dict:
             "load_avg_1min_after": round(os.getloadavg()[0], 2),
             "python": sys.version.split()[0], "numpy": installed("numpy"),
             "mpi4py": installed("mpi4py"), "torch": installed("torch"),
-            "mpiexec": _mpiexec_version() if _mpiexec().exists() else None}
+            "mpiexec": _mpiexec_version() if _mpiexec().exists() else None,
+            "blas": os.environ.get("MPISHARD_BLAS", "numpy")}
 
 
 def _table(result: dict) -> str:
