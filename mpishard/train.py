@@ -25,6 +25,7 @@ from .checkpoint import (CheckpointError, StopSignals, load_checkpoint, load_mod
 from .comm import Communicator, Mesh, node_local_rank
 from .config import ConfigError, TrainConfig
 from .data import DataError
+from .kernels import check_settings as check_kernel_settings
 from .log import RankLogger
 from .optim import SGD, Adam, AdamW, CosineSchedule
 from .parallel import Layout, ParallelModel, plan_layout
@@ -54,6 +55,7 @@ class Trainer:
         self.cfg, self.world = cfg, world
         self.log = RankLogger(world.rank, cfg.run.log_dir or None)
         self.notes = check_run_files(cfg, world)                 # see [Note: run safety]
+        agreed(world, _kernel_settings)                          # MPISHARD_KERNELS, _BLAS
         self.recipe = recipe_for(cfg)
         self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
         p = cfg.parallel
@@ -267,6 +269,15 @@ def stop_reason(stop, stopped: bool, run) -> str:
     saved = ("checkpoint saved, stopping" if run.checkpoint_dir else
              "stopping (no --checkpoint-dir, nothing saved)")
     return f"{stop.received or 'signal on another rank'}; {saved}"
+
+
+def _kernel_settings() -> None:
+    """The kernel layer's environment switches, checked before anything is built (MKL
+    loaded here when asked for: a node without it stops every rank alike)."""
+    try:
+        check_kernel_settings()
+    except (ValueError, RuntimeError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def agreed(world: Communicator, local_work):

@@ -137,3 +137,15 @@ def test_train_measures_activations_and_checkpointing_shrinks_them():
                     if "activations kept for backward" in l)
         mib[on] = float(line.split("backward: ")[1].split(" MiB")[0])
     assert mib["true"] > 0 and mib["false"] >= 2 * mib["true"], mib
+
+
+def test_train_refuses_a_bad_kernel_switch_before_building_anything(tmp_path):
+    """A bad MPISHARD_BLAS (or an MKL that does not load) stops every rank alike at the
+    start, with the value and the fix, not at the first matrix product."""
+    for env, text in (({"MPISHARD_BLAS": "acml"}, "MPISHARD_BLAS='acml'"),
+                      ({"MPISHARD_BLAS": "mkl",
+                        "MPISHARD_MKL_LIB": str(tmp_path / "libmkl_rt.so.3")}, "pip install mkl")):
+        out = mpishard("train", *FAST, "--steps", "1", "--metrics", str(tmp_path / "m.jsonl"),
+                       n=2, env=env)
+        assert out.returncode != 0 and text in out.stderr, out.stderr[-2000:]
+        assert not (tmp_path / "m.jsonl").exists()

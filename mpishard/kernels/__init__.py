@@ -30,7 +30,8 @@ import numpy as np
 from . import cpu, gpu, reference
 from .choice import env_choice
 
-__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "describe", "cpu", "gpu", "reference"]
+__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "check_settings", "describe", "cpu", "gpu",
+           "reference"]
 
 #: the functions every kernel set provides
 KERNEL_NAMES = tuple(name for name in reference.__all__ if name != "NAME")
@@ -41,6 +42,16 @@ def kernel_choice() -> str:
     """``MPISHARD_KERNELS``: ``"auto"`` (the default) or ``"reference"``."""
     return env_choice("MPISHARD_KERNELS", _CHOICES,
                       "'reference' runs the plain reference kernels everywhere")
+
+
+def check_settings() -> None:
+    """Raise now (ValueError, or RuntimeError when MKL is asked for and does not load)
+    for a bad ``MPISHARD_KERNELS`` or ``MPISHARD_BLAS``, rather than at the first op
+    that reads it."""
+    from .cpu_blas import blas_choice, mkl_library
+    kernel_choice()
+    if blas_choice() == "mkl":
+        mkl_library()
 
 
 def describe() -> str:
