@@ -100,6 +100,7 @@ def main() -> int:
               f"nvidia-cuda-nvrtc-cu12", file=sys.stderr)
         return 1
     from mpishard.kernels import gpu
+    from mpishard.kernels.cuda_sources import row_kernel_source
 
     failures = 0
     for name, (inputs, outputs, body) in gpu.SOURCES.items():
@@ -117,10 +118,15 @@ def main() -> int:
               f"pip install nvidia-cuda-runtime-cu12 or set CUDA_PATH")
     sources += [(name, T, reduction_source(name, *spec, T), [])
                 for name, spec in gpu.REDUCTIONS.items() for T in ("float", "double")]
-    name = r'__global__ void (?:__launch_bounds__\(\d+\)[^\n]*\n)?(\w+)_\{T\}'
+    name = r'__global__ void (?:__launch_bounds__\(\d+\)[^\n]*\n)?(\w+)_\{N\}'
     raw = ", ".join(re.findall(name, gpu.ROW_KERNELS))
-    sources += [(f"RawKernels {raw}", T, gpu.ROW_KERNELS.replace("{T}", T), [])  # as they are
+    sources += [(f"RawKernels {raw}", T, row_kernel_source(T), [])  # as gpu.py builds them
                 for T in ("float", "double")]
+    if half:                                    # the norms' float16 rows, computed in float
+        sources.append((f"RawKernels {raw}", "float, float16 rows",
+                        row_kernel_source("float", "__half"), half))
+    else:
+        print("skipped the RawKernels on float16 rows: no cuda_fp16.h")
     for name, T, source, includes in sources:
         program = nvrtc.createProgram(source, f"{name.split()[0]}.cu", [], [])
         try:

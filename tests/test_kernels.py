@@ -485,6 +485,39 @@ def test_device_kernels_match_the_references(array_backend, dtype):
     k.softmax_backward(d, got, 0.125, drop_u=su, drop_p=0.25)
     reference.softmax_backward(dwant, want, 0.125, drop_u=su_host, drop_p=0.25)
     close(d, dwant)
+    # GELU on float16 rows (one kernel each way on a GPU), against float32 math
+    h16 = [h.astype(np.float16) for h in host[:3]] + [host[3][0].astype(np.float16)]
+    a16, t16, g16, b16 = (xp.asarray(h) for h in h16)
+    for bias, hb in ((None, None), (b16, h16[3])):
+        y, t32 = k.gelu16_forward(a16, bias)
+        wy, wt = reference.gelu16_forward(h16[0], hb)
+        assert y.dtype == np.float16 and t32.dtype == np.float32
+        close(y, wy, 1e-3, 1e-3), close(t32, wt, 1e-6, 1e-6)
+        for need in (False, True):
+            gx, gb = k.gelu16_backward(a16, bias, t32, g16, need and bias is not None)
+            wx, wb = reference.gelu16_backward(h16[0], hb, wt, h16[2], need and hb is not None)
+            close(gx, wx, 1e-3, 1e-3)
+            assert (gb is None) == (wb is None)
+            if gb is not None:
+                close(gb, wb, 1e-4 * rows, 1e-4 * rows)
+    # the layer norm on float16 rows (statistics and parameter gradients float32)
+    w16 = xp.asarray(host[1][0].astype(np.float16))
+    y, h16k, r16k = k.layer_norm_forward(a16, w16, b16, 1e-5)
+    h, r = h16k, r16k
+    wy, wh, wr = reference.layer_norm_forward(h16[0].astype(np.float32),
+                                              host[1][0].astype(np.float16).astype(np.float32),
+                                              h16[3].astype(np.float32), 1e-5)
+    assert (y.dtype, h.dtype, r.dtype) == (np.float16, np.float32, np.float32)
+    close(y, wy.astype(np.float16), 2e-3, 2e-3), close(h, wh, 1e-4, 1e-4), close(r, wr, 1e-4, 0)
+    w32 = host[1][0].astype(np.float16).astype(np.float32)
+    gx = k.layer_norm_backward(g16, h, r, w16)
+    hh = xp.asnumpy(h) if hasattr(xp, "asnumpy") else h.get()
+    hr = xp.asnumpy(r) if hasattr(xp, "asnumpy") else r.get()
+    close(gx, reference.layer_norm_backward(h16[2].astype(np.float32), hh, hr, w32)
+          .astype(np.float16), 2e-3, 2e-3)
+    gw, gb = k.norm_param_grads(g16, h, True, True)
+    ww, wb = reference.norm_param_grads(h16[2].astype(np.float32), hh, True, True)
+    close(gw, ww, 1e-4 * rows, 1e-4 * rows), close(gb, wb, 1e-4 * rows, 1e-4 * rows)
     # a gradient's sum of squares (the clipping norm) into its slot
     slots = xp.asarray(np.zeros(2))
     assert k.sq_sum(g, slots[1:2]) is not None
@@ -550,6 +583,12 @@ def test_device_kernels_match_the_references(array_backend, dtype):
                    again)
         one_launch("mpishard_unpack_heads", k.unpack_heads, xp.asarray(heads), True)
         one_launch("mpishard_sq_sum", k.sq_sum, g, slots[0:1])
+        one_launch("mpishard_gelu16_forward", k.gelu16_forward, a16, b16)
+        one_launch("mpishard_layer_norm_forward", k.layer_norm_forward, a16, w16, b16, 1e-5)
+        one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g16, h16k, r16k,
+                   w16)
+        one_launch("mpishard_norm_param_grads", k.norm_param_grads, g16, h16k, True, True)
+        one_launch("mpishard_gelu16_backward", k.gelu16_backward, a16, None, t32, g16, False)
         one_launch("mpishard_unpack_heads", k.unpack_heads, xp.asarray(heads), True, into)
         _, h, r = one_launch("mpishard_layer_norm_forward", k.layer_norm_forward, a, w, b, 1e-5)
         one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g, h, r, w)
@@ -569,3 +608,64 @@ def test_device_kernels_match_the_references(array_backend, dtype):
         one_launch("mpishard_bias_dropout_backward", k.bias_dropout_backward, g, None, 0.0)
         one_launch("mpishard_layer_norm_backward", k.layer_norm_backward, g, h, r, w,
                    into=xp.asarray(host[1]))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float16_gelu_on_a_device_is_the_cast_up_math_bit_for_bit(with_bias):
+    """On the strict module (as on a GPU) float16 GELU runs the 16-bit kernels instead of
+    casting up, computing and casting down: the same values, one launch forward and one
+    backward (and the bias's column sums)."""
+    from mpishard import strict
+    from mpishard.autodiff import Tensor
+    from mpishard.autodiff.nn_ops import gelu
+
+    rng = np.random.default_rng(0)
+    a, g = (rng.standard_normal((37, 53)).astype(np.float16) for _ in range(2))
+    b = rng.standard_normal(53).astype(np.float16)
+    x = Tensor(strict.asarray(a), requires_grad=True)
+    bias = Tensor(strict.asarray(b), requires_grad=True) if with_bias else None
+    strict.syncs.reset()
+    y = gelu(x, bias)
+    assert dict(strict.syncs.launches_by_op) == {"mpishard_gelu16_forward": 1}
+    y.backward(strict.asarray(g))
+    a32, b32 = a.astype(np.float32), b.astype(np.float32) if with_bias else None
+    wy, wt = reference.gelu_forward(a32, b32)
+    _same_bits(y.data.get(), wy.astype(np.float16))
+    wx = reference.gelu_backward(a32 if b32 is None else a32 + b32, wt, g.astype(np.float32))
+    _same_bits(x.grad.get(), wx.astype(np.float16))
+    if with_bias:
+        np.testing.assert_allclose(bias.grad.get(), wx.sum(axis=0).astype(np.float16),
+                                   rtol=2e-3, atol=1e-3)
+
+
+def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
+    """On the strict module (as on a GPU) a float16 layer norm runs its kernels on the
+    float16 rows (see [Note: float16 rows] in mpishard/kernels/gpu_norms.py): the values of
+    casting up, the float32 kernels and casting down, one launch each, no casts."""
+    from mpishard import strict
+    from mpishard.autodiff import Tensor
+    from mpishard.autodiff.nn_ops import layer_norm
+
+    rng = np.random.default_rng(1)
+    a, g = (rng.standard_normal((37, 53)).astype(np.float16) for _ in range(2))
+    w, b = (rng.standard_normal(53).astype(np.float16) for _ in range(2))
+    x = Tensor(strict.asarray(a), requires_grad=True)
+    weight, bias = (Tensor(strict.asarray(v), requires_grad=True) for v in (w, b))
+    for p in (weight, bias):              # as mixed precision's: float32 gradients
+        p.grad_dtype = np.dtype(np.float32)
+    strict.syncs.reset()
+    y = layer_norm(x, weight, bias)
+    assert dict(strict.syncs.launches_by_op) == {"mpishard_layer_norm_forward": 1}
+    dy = strict.asarray(g)
+    strict.syncs.reset()
+    y.backward(dy)
+    assert dict(strict.syncs.launches_by_op) == {"mpishard_layer_norm_backward": 1,
+                                                 "mpishard_norm_param_grads": 1}
+    a32, w32, b32, g32 = (v.astype(np.float32) for v in (a, w, b, g))
+    wy, wh, wr = reference.layer_norm_forward(a32, w32, b32, 1e-5)
+    _same_bits(y.data.get(), wy.astype(np.float16))
+    _same_bits(x.grad.get(), reference.layer_norm_backward(g32, wh, wr, w32)
+               .astype(np.float16))
+    ww, wb = reference.norm_param_grads(g32, wh, True, True)
+    _same_bits(weight.grad.get(), ww)
+    _same_bits(bias.grad.get(), wb)

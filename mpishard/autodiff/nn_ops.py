@@ -101,22 +101,28 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
         bias = as_tensor(bias)
     dtype = x.dtype
     kernels = kernels_for(xp)
-    x2 = up(x.data.reshape(-1, n))                      # (N, C); see [Note: 16-bit inputs]
+    # float16 rows straight into a GPU's kernels (see [Note: float16 rows] in
+    # mpishard/kernels/gpu_norms.py), else cast up (see [Note: 16-bit inputs])
+    native = (dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)
+              and all(t is None or t.data.dtype == dtype for t in (weight, bias)))
+    lift = (lambda a: a) if native else up
+    x2 = lift(x.data.reshape(-1, n))                    # (N, C)
     y, xhat, rstd = kernels.layer_norm_forward(         # xhat, rstd kept for backward
-        x2, up(weight.data) if weight is not None else None,
-        up(bias.data) if bias is not None else None, eps)
+        x2, lift(weight.data) if weight is not None else None,
+        lift(bias.data) if bias is not None else None, eps)
 
     def backward(g):
-        g2 = up(g.reshape(-1, n))
+        g2 = lift(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
         need_b = bias is not None and bias.requires_grad
         gw, gb = kernels.norm_param_grads(                # see [Note: gradient buffers]
-            g2, xhat, need_w, need_b, grad_buffer(weight, g2.dtype) if need_w else None,
-            grad_buffer(bias, g2.dtype) if need_b else None)
+            g2, xhat, need_w, need_b, grad_buffer(weight, xhat.dtype) if need_w else None,
+            grad_buffer(bias, xhat.dtype) if need_b else None)
         gx = None
         if x.requires_grad:
-            w = up(weight.data) if weight is not None else None
-            into = grad_so_far(x, g2.dtype)               # see [Note: gradient buffers]
+            w = lift(weight.data) if weight is not None else None
+            into = None if native else grad_so_far(x, xhat.dtype)  # [Note: gradient
+            #                        buffers]; float16 rows: added after, as when cast
             gx = kernels.layer_norm_backward(g2, xhat, rstd, w, None if into is None
                                              else into.reshape(-1, n))
             gx = into if into is not None else cast(gx, dtype).reshape(x.shape)
@@ -136,7 +142,6 @@ def gelu(x, bias=None) -> Tensor:
     x = as_tensor(x)
     xp = xp_of(x.data)
     a2 = x.data.reshape(-1, x.shape[-1]) if x.ndim else x.data.reshape(1, 1)
-    a2 = up(a2)                                         # see [Note: 16-bit inputs]
     kernels = kernels_for(xp)
     if bias is not None:
         bias = as_tensor(bias)
@@ -144,6 +149,9 @@ def gelu(x, bias=None) -> Tensor:
         if bias.data.dtype != x.data.dtype:
             raise ValueError(f"gelu: bias dtype {bias.data.dtype} differs from x's "
                              f"{x.data.dtype}")
+    if x.data.dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False):
+        return _gelu16(x, bias, a2, kernels)              # one kernel each way
+    a2 = up(a2)                                         # see [Note: 16-bit inputs]
     y2, t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))  # t2 kept
 
     def backward(g):
@@ -155,6 +163,21 @@ def gelu(x, bias=None) -> Tensor:
             a2, up(bias.data), t2, g2, grad_buffer(bias, g2.dtype))
         return cast(gx, x.dtype).reshape(x.shape), gb if bias.requires_grad else None
     return make_result(cast(y2, x.dtype).reshape(x.shape), (x, bias), backward, "gelu")
+
+
+def _gelu16(x, bias, a2, kernels) -> Tensor:
+    """:func:`gelu` of float16 ``x`` on a GPU: float16 in and out, float32 inside (the
+    same values as casting up, computing and casting down), its tanh kept in float32."""
+    y2, t2 = kernels.gelu16_forward(a2, None if bias is None else bias.data)
+
+    def backward(g):
+        need_b = bias is not None and bias.requires_grad
+        gx, gb = kernels.gelu16_backward(                   # see [Note: gradient buffers]
+            x.data.reshape(t2.shape), None if bias is None else bias.data, t2,
+            g.reshape(t2.shape), need_b,
+            grad_buffer(bias, np.dtype(np.float32)) if need_b else None)
+        return (gx.reshape(x.shape),) if bias is None else (gx.reshape(x.shape), gb)
+    return make_result(y2.reshape(x.shape), (x, bias), backward, "gelu")
 
 
 # -- embedding -------------------------------------------------------------

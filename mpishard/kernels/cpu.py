@@ -23,7 +23,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
-           "adam_update", "sq_sum"]
+           "adam_update", "sq_sum",
+           "gelu16_forward", "gelu16_backward"]
 
 NAME = "cpu"
 
@@ -31,7 +32,9 @@ dropout_add = reference.dropout_add            # whole arrays (see the module do
 dropout_backward = reference.dropout_backward
 bias_dropout_backward = reference.bias_dropout_backward
 sq_sum = reference.sq_sum                      # BLAS's dot of the float64 copy
-unpack_heads = reference.unpack_heads          # one copy (a GPU's layout; NumPy has none)
+unpack_heads = reference.unpack_heads
+gelu16_forward = reference.gelu16_forward      # the ops cast 16-bit rows up on NumPy
+gelu16_backward = reference.gelu16_backward    # (NATIVE_FLOAT16 is the GPU's)          # one copy (a GPU's layout; NumPy has none)
 
 
 def gelu_forward(a, bias=None):

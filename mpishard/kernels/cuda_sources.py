@@ -4,7 +4,8 @@
   (inputs, outputs, body; ``T`` the array dtype);
 * :data:`REDUCTIONS`: the ``cupy.ReductionKernel`` s of the norms' fallback;
 * :data:`ROW_KERNELS`: the ``cupy.RawKernel`` s, one module of CUDA C with
-  ``{T}`` for float or double.
+  ``{T}`` for float or double (``{S}``, the norms' rows in memory, the same or
+  ``__half``; :func:`row_kernel_source` fills them in).
 
 ``scripts/compile_kernels.py`` compiles all of it with NVRTC, without a GPU.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from .reference import GELU_C, GELU_K
 
-__all__ = ["SOURCES", "FLOAT16_SOURCES", "REDUCTIONS", "ROW_KERNELS"]
+__all__ = ["SOURCES", "FLOAT16_SOURCES", "REDUCTIONS", "ROW_KERNELS", "row_kernel_source"]
 
 #: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
 SOURCES = {
@@ -55,6 +56,28 @@ SOURCES = {
         "z = x + (u >= (float)p ? (T)((T)(y + b) * (T)scale) : (T)0);"),
     "mpishard_bias_add": ("T x, T y, T b", "T z", "z = x + (T)(y + b);"),
     "mpishard_add_bias": ("T y, T b", "T z", "z = y + b;"),
+    # GELU on float16 rows, computed in float32 term for term as the kernels above with
+    # T = float (the tanh kept in float32; y and gx rounded to float16 once, as a cast
+    # would), so no float32 copies of a, b, g and gx around them
+    "mpishard_gelu16_forward": (
+        "T a", "T y, float32 t",
+        f"const float x = (float)a; t = tanh((float){GELU_C!r} * (x + (float){GELU_K!r}"
+        " * x * x * x)); y = (T)((float)0.5 * x * ((float)1 + t));"),
+    "mpishard_bias_gelu16_forward": (
+        "T a, T b", "T y, float32 t",
+        f"const float x = (float)a + (float)b; t = tanh((float){GELU_C!r} * (x +"
+        f" (float){GELU_K!r} * x * x * x)); y = (T)((float)0.5 * x * ((float)1 + t));"),
+    "mpishard_gelu16_backward": (
+        "T a, float32 t, T g", "T gx",
+        f"const float x = (float)a; gx = (T)((float)g * ((float)0.5 * ((float)1 + t) +"
+        f" (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} * ((float)1 + (float)3"
+        f" * (float){GELU_K!r} * x * x)));"),
+    # with the float32 gradient too, for the bias's column sums
+    "mpishard_bias_gelu16_backward": (
+        "T a, T b, float32 t, T g", "T gx, float32 gf",
+        f"const float x = (float)a + (float)b; gf = (float)g * ((float)0.5 * ((float)1 + t)"
+        f" + (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} * ((float)1 +"
+        f" (float)3 * (float){GELU_K!r} * x * x)); gx = (T)gf;"),
     # the norms' fallback for inputs the row kernels do not take (see the docstring)
     "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
                             "h = (x - mu) * rstd; y = h * w + b;"),
@@ -67,7 +90,9 @@ SOURCES = {
 #: the kernels of :data:`SOURCES` that also run on float16 (dropout, on a 16-bit model's
 #: activations and gradients; the others get float32 or float64)
 FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add", "mpishard_bias_dropout",
-                   "mpishard_bias_dropout_add", "mpishard_bias_add", "mpishard_add_bias")
+                   "mpishard_bias_dropout_add", "mpishard_bias_add", "mpishard_add_bias",
+                   "mpishard_gelu16_forward", "mpishard_bias_gelu16_forward",
+                   "mpishard_gelu16_backward", "mpishard_bias_gelu16_backward")
 #: name -> (inputs, outputs, map, reduce, post-map) of each ReductionKernel (over rows),
 #: the norms' fallback
 REDUCTIONS = {
@@ -90,6 +115,7 @@ ROW_KERNELS = f"""
 #define MPISHARD_GELU_C {GELU_C!r}
 #define MPISHARD_GELU_K {GELU_K!r}""" + r"""
 typedef {T} T;
+typedef {S} S;   /* the norms' rows in memory: T, or __half (computed in float) */
 __device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
   for (int o = 16; o > 0; o >>= 1) {
     const T w = __shfl_xor_sync(0xffffffff, v, o);
@@ -115,7 +141,7 @@ __device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
 
 /* Softmax of a row of scaled, causally masked scores, in place; with has_drop also
    the dropped weights: kept where du >= dp, times dscale. */
-extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const T scale,
+extern "C" __global__ void mpishard_causal_softmax_{N}(T* a, const int n, const T scale,
                                                       const int has_drop, const float* du,
                                                       const float dp, const T dscale,
                                                       T* dropped) {
@@ -148,7 +174,7 @@ extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const 
    has_drop, d first goes back through the forward's dropout (written back to d), and
    with has_dropped the dropped weights (p kept where du >= dp, times dscale) are
    written to dropped on the way, for the values' gradient. */
-extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const int n,
+extern "C" __global__ void mpishard_softmax_backward_{N}(T* d, const T* p, const int n,
                                                         const T scale, const int has_drop,
                                                         const float* du, const float dp,
                                                         const T dscale,
@@ -177,49 +203,49 @@ extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const
 /* Layer norm (centred) or RMS norm of a row: the mean (layer norm), the mean square of
    x - mean, rstd = 1 / sqrt(that + eps), xhat = (x - mean) rstd, y = xhat w + b (w and
    b where has_w, has_b). */
-extern "C" __global__ void mpishard_norm_forward_{T}(const T* x, const T* w, const T* b,
-                                                    T* y, T* xhat, T* rstd, const int n,
+extern "C" __global__ void mpishard_norm_forward_{N}(const S* x, const S* w, const S* b,
+                                                    S* y, T* xhat, T* rstd, const int n,
                                                     const T eps, const int centred,
                                                     const int has_w, const int has_b) {
   __shared__ T shared[32];
   const long long row = blockIdx.x;
-  const T* xr = x + row * n;
+  const S* xr = x + row * n;
   T mean = 0;
   if (centred) {
     T s = 0;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) s += xr[j];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s += (T)xr[j];
     mean = mpishard_block_reduce(s, false, shared) / (T)n;
   }
   T ss = 0;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T c = xr[j] - mean;
+    const T c = (T)xr[j] - mean;
     ss += c * c;
   }
   const T r = (T)1 / sqrt(mpishard_block_reduce(ss, false, shared) / (T)n + eps);
   if (threadIdx.x == 0) rstd[row] = r;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T h = (xr[j] - mean) * r;
-    T v = has_w ? h * w[j] : h;
-    if (has_b) v += b[j];
+    const T h = ((T)xr[j] - mean) * r;
+    T v = has_w ? h * (T)w[j] : h;
+    if (has_b) v += (T)b[j];
     xhat[row * n + j] = h;
-    y[row * n + j] = v;
+    y[row * n + j] = (S)v;
   }
 }
 
 /* The input's gradient of a row of either norm, for output gradient g:
    rstd (gh - mean(gh) - xhat mean(gh xhat)) with gh = g w, the first mean for
    layer norm only; with add, added into dx (the input's gradient so far). */
-extern "C" __global__ void mpishard_norm_backward_{T}(const T* g, const T* xhat,
-                                                     const T* rstd, const T* w, T* dx,
+extern "C" __global__ void mpishard_norm_backward_{N}(const S* g, const T* xhat,
+                                                     const T* rstd, const S* w, S* dx,
                                                      const int n, const int centred,
                                                      const int has_w, const int add) {
   __shared__ T shared[32];
   const long long row = blockIdx.x;
-  const T* gr = g + row * n;
+  const S* gr = g + row * n;
   const T* hr = xhat + row * n;
   T sum_gh = 0, sum_ghx = 0;                 /* gh = g w, as the reference's */
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T gh = has_w ? gr[j] * w[j] : gr[j];
+    const T gh = has_w ? (T)gr[j] * (T)w[j] : (T)gr[j];
     sum_gh += gh;
     sum_ghx += gh * hr[j];
   }
@@ -228,10 +254,10 @@ extern "C" __global__ void mpishard_norm_backward_{T}(const T* g, const T* xhat,
   const T mean_ghx = mpishard_block_reduce(sum_ghx, false, shared) / (T)n;
   const T r = rstd[row];
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T gh = has_w ? gr[j] * w[j] : gr[j];
+    const T gh = has_w ? (T)gr[j] * (T)w[j] : (T)gr[j];
     const T v = r * (gh - mean_gh - hr[j] * mean_ghx);
-    dx[row * n + j] = add ? dx[row * n + j] + v : v;      /* add: into the gradient so far */
-  }
+    dx[row * n + j] = (S)(add ? (T)dx[row * n + j] + v : v);  /* add: into the gradient */
+  }                                                            /* so far */
 }
 
 /* The norms' weight and bias gradients: column sums of g xhat (gw, where need_w) and of
@@ -239,15 +265,15 @@ extern "C" __global__ void mpishard_norm_backward_{T}(const T* g, const T* xhat,
    row threads, each summing every blockDim.y-th row of its column, then the partial
    sums added in a fixed order: deterministic, no atomics. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_norm_param_grads_{T}(
-    const T* g, const T* xhat, T* gw, T* gb, const long long rows, const int n,
+mpishard_norm_param_grads_{N}(
+    const S* g, const T* xhat, T* gw, T* gb, const long long rows, const int n,
     const int need_w, const int need_b) {
   __shared__ T part_w[32][32], part_b[32][32];
   const int col = blockIdx.x * 32 + threadIdx.x;
   T sw = 0, sb = 0;
   if (col < n) {
     for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
-      const T v = g[i * n + col];
+      const T v = (T)g[i * n + col];
       if (need_w) sw += v * xhat[i * n + col];
       sb += v;
     }
@@ -282,7 +308,7 @@ __device__ void mpishard_column_total(T s, const int col, const int n, T* out) {
    kernel): gx = g gelu'(a + b) per element, and gb, the column sums of gx (b's
    gradient). Blocks of 32 columns x blockDim.y row threads, as norm_param_grads. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_bias_gelu_backward_{T}(
+mpishard_bias_gelu_backward_{N}(
     const T* a, const T* b, const T* t, const T* g, T* gx, T* gb, const long long rows,
     const int n) {
   const int col = blockIdx.x * 32 + threadIdx.x;
@@ -305,7 +331,7 @@ mpishard_bias_gelu_backward_{T}(
    du >= dp, else 0 (with has_drop; else gy is g, not written), and gb, the column
    sums of gy (the bias's gradient). Blocks as above. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_bias_dropout_backward_{T}(
+mpishard_bias_dropout_backward_{N}(
     const T* g, const int has_drop, const float* du, const float dp, const T dscale,
     T* gy, T* gb, const long long rows, const int n) {
   const int col = blockIdx.x * 32 + threadIdx.x;
@@ -329,7 +355,7 @@ mpishard_bias_dropout_backward_{T}(
    their column sums (c_attn's bias gradient) into sums. Blocks as above: a warp's
    32 columns are 32 neighbouring elements of a head on both sides. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_unpack_heads_{T}(
+mpishard_unpack_heads_{N}(
     const T* h, T* rows, const int has_sum, T* sums, const long long B, const int Tn,
     const int nh, const int hs) {
   const int n = 3 * nh * hs;
@@ -348,3 +374,13 @@ mpishard_unpack_heads_{T}(
   if (has_sum) mpishard_column_total(s, col, n, sums);
 }
 """
+
+
+def row_kernel_source(T: str, S: str | None = None) -> str:
+    """:data:`ROW_KERNELS` for compute type ``T`` (``"float"`` or ``"double"``) and row
+    storage ``S`` (default ``T``; ``"__half"`` for float16 rows with ``T`` float), each
+    kernel named ``<name>_<T>`` (``<name>_float_h`` with ``__half``)."""
+    S = S or T
+    code = ROW_KERNELS.replace("{T}", T).replace("{S}", S).replace(
+        "{N}", T if S == T else f"{T}_h")
+    return ("#include <cuda_fp16.h>\n" + code) if S == "__half" else code

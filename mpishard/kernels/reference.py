@@ -30,7 +30,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
-           "adam_update", "sq_sum"]
+           "adam_update", "sq_sum",
+           "gelu16_forward", "gelu16_backward"]
 
 NAME = "reference"
 
@@ -60,6 +61,26 @@ def bias_gelu_backward(a, bias, t, g, out_bias=None):
     ``a + bias``) and its column sums, the bias's gradient (into ``out_bias`` if given)."""
     gx = gelu_backward(a + bias, t, g)
     return gx, col_sum(gx, out_bias)
+
+
+def gelu16_forward(a, bias=None):
+    """:func:`gelu_forward` of 16-bit rows ``a`` (and ``bias``), computed in float32:
+    ``(y, t)``, ``y`` in a's dtype, ``t`` float32."""
+    y, t = gelu_forward(_up(a), None if bias is None else _up(bias))
+    return y.astype(a.dtype), t
+
+
+def gelu16_backward(a, bias, t, g, need_bias: bool, out_bias=None):
+    """``(gx, gb)`` of :func:`gelu16_forward`: the 16-bit gradient of ``a`` computed in
+    float32 from the float32 ``t``, and with ``need_bias`` the bias's gradient, the
+    column sums of the float32 gradient (into ``out_bias`` if given; else None)."""
+    x = _up(a) if bias is None else _up(a) + _up(bias)
+    gx = gelu_backward(x, t, _up(g))
+    return gx.astype(a.dtype), (col_sum(gx, out_bias) if need_bias else None)
+
+
+def _up(a):
+    return a.astype(np.float32) if a.dtype.itemsize < 4 else a
 
 
 def layer_norm_forward(x, weight, bias, eps: float):
