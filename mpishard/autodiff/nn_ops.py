@@ -86,6 +86,13 @@ def _product_grad_dtype(weight, cd) -> np.dtype:
     return gd if (cd.name, gd.name) in SUPPORTED_PRODUCTS else cd
 
 
+def _native_float16(kernels, dtype) -> bool:
+    """Whether ``kernels`` take float16 rows of ``dtype`` themselves (a GPU's GELU and
+    layer norm; see [Note: float16 rows] in mpishard/kernels/gpu_norms.py) instead of
+    the op casting them up and down."""
+    return dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)
+
+
 # -- layer norm ------------------------------------------------------------
 
 @register_op
@@ -103,8 +110,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     kernels = kernels_for(xp)
     # float16 rows straight into a GPU's kernels (see [Note: float16 rows] in
     # mpishard/kernels/gpu_norms.py), else cast up (see [Note: 16-bit inputs])
-    native = (dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)
-              and all(t is None or t.data.dtype == dtype for t in (weight, bias)))
+    native = _native_float16(kernels, dtype) and all(
+        t is None or t.data.dtype == dtype for t in (weight, bias))
     lift = (lambda a: a) if native else up
     x2 = lift(x.data.reshape(-1, n))                    # (N, C)
     y, xhat, rstd = kernels.layer_norm_forward(         # xhat, rstd kept for backward
@@ -149,7 +156,7 @@ def gelu(x, bias=None) -> Tensor:
         if bias.data.dtype != x.data.dtype:
             raise ValueError(f"gelu: bias dtype {bias.data.dtype} differs from x's "
                              f"{x.data.dtype}")
-    if x.data.dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False):
+    if _native_float16(kernels, x.data.dtype):
         return _gelu16(x, bias, a2, kernels)              # one kernel each way
     a2 = up(a2)                                         # see [Note: 16-bit inputs]
     y2, t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))  # t2 kept

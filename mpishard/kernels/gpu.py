@@ -213,9 +213,7 @@ def gelu16_backward(a, bias, t, g, need_bias: bool, out_bias=None):
         return reference.gelu16_backward(a, bias, t, g, need_bias, out_bias)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_gelu16_backward"):     # gx, and with a bias the
-            x = a.astype(np.float32)                          # float32 gradient too
-            gf = reference.gelu_backward(x if bias is None else x + bias.astype(np.float32),
-                                         t, g.astype(np.float32))
+            gf = reference.gelu16_grad32(a, bias, t, g)       # float32 gradient too
             gx = gf.astype(a.dtype)
         return gx, (gf.sum(axis=0, out=out_bias) if need_bias else None)   # the sums
     if bias is None:

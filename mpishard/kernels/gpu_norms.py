@@ -7,6 +7,7 @@ import numpy as np
 
 from ..backend import xp_of
 from . import reference
+from .reference import up32
 from .gpu_launch import (ROW_THREADS, _column_blocks, _flag, _is_strict, _kernel, _raw_ready,
                          _row_kernel)
 
@@ -20,10 +21,6 @@ def _rows16(rows, *float32s) -> bool:
             and rows[0] is not None
             and all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous)
                     for a in float32s))
-
-
-def _up32(a):
-    return None if a is None else a.astype(np.float32)
 
 
 # [Note: float16 rows]
@@ -76,12 +73,12 @@ def layer_norm_forward(x, weight, bias, eps: float):
     if x.dtype == np.float16:                                   # see [Note: float16 rows]
         if _is_strict(xp) and _rows16((x, weight, bias)):
             with xp.syncs.fused("mpishard_layer_norm_forward"):
-                y, h, r = reference.layer_norm_forward(_up32(x), _up32(weight),
-                                                       _up32(bias), eps)
+                y, h, r = reference.layer_norm_forward(up32(x), up32(weight),
+                                                       up32(bias), eps)
                 return y.astype(np.float16), h, r
         if _rows16((x, weight, bias)):
             return _norm_forward16(x, weight, bias, eps, centred=True)
-        y, h, r = layer_norm_forward(_up32(x), _up32(weight), _up32(bias), eps)
+        y, h, r = layer_norm_forward(up32(x), up32(weight), up32(bias), eps)
         return y.astype(np.float16), h, r
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_layer_norm_forward"):
@@ -105,12 +102,12 @@ def _norm_backward(g, xhat, rstd, weight, centred: bool, into=None):
         into += _norm_backward(g, xhat, rstd, weight, centred)
         return into
     if g.dtype == np.float16 and not _rows16((g, weight), xhat, rstd):  # cast up, down
-        return _norm_backward(_up32(g), xhat, rstd, _up32(weight), centred).astype(np.float16)
+        return _norm_backward(up32(g), xhat, rstd, up32(weight), centred).astype(np.float16)
     if g.dtype == np.float16:
         if _is_strict(xp):
             name = "layer_norm_backward" if centred else "rms_norm_backward"
             with xp.syncs.fused(f"mpishard_{name}"):
-                return getattr(reference, name)(_up32(g), xhat, rstd, _up32(weight)) \
+                return getattr(reference, name)(up32(g), xhat, rstd, up32(weight)) \
                     .astype(np.float16)
         gx = xp.empty_like(g)
         if g.shape[0]:
@@ -174,10 +171,10 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
     rows16 = g.dtype == np.float16 and _rows16(
         (g,), xhat, out_weight if need_weight else None, out_bias if need_bias else None)
     if g.dtype == np.float16 and not rows16:                    # cast up
-        return norm_param_grads(_up32(g), xhat, need_weight, need_bias, out_weight, out_bias)
+        return norm_param_grads(up32(g), xhat, need_weight, need_bias, out_weight, out_bias)
     if rows16 and _is_strict(xp):                               # see [Note: float16 rows]
         with xp.syncs.fused("mpishard_norm_param_grads"):
-            return reference.norm_param_grads(_up32(g), xhat, need_weight, need_bias,
+            return reference.norm_param_grads(up32(g), xhat, need_weight, need_bias,
                                               out_weight, out_bias)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_norm_param_grads"):

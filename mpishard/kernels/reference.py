@@ -66,21 +66,27 @@ def bias_gelu_backward(a, bias, t, g, out_bias=None):
 def gelu16_forward(a, bias=None):
     """:func:`gelu_forward` of 16-bit rows ``a`` (and ``bias``), computed in float32:
     ``(y, t)``, ``y`` in a's dtype, ``t`` float32."""
-    y, t = gelu_forward(_up(a), None if bias is None else _up(bias))
+    y, t = gelu_forward(up32(a), up32(bias))
     return y.astype(a.dtype), t
+
+
+def gelu16_grad32(a, bias, t, g):
+    """The float32 gradient of :func:`gelu16_forward`'s ``a`` (and of ``a + bias``)."""
+    x = up32(a) if bias is None else up32(a) + up32(bias)
+    return gelu_backward(x, t, up32(g))
 
 
 def gelu16_backward(a, bias, t, g, need_bias: bool, out_bias=None):
     """``(gx, gb)`` of :func:`gelu16_forward`: the 16-bit gradient of ``a`` computed in
     float32 from the float32 ``t``, and with ``need_bias`` the bias's gradient, the
     column sums of the float32 gradient (into ``out_bias`` if given; else None)."""
-    x = _up(a) if bias is None else _up(a) + _up(bias)
-    gx = gelu_backward(x, t, _up(g))
+    gx = gelu16_grad32(a, bias, t, g)
     return gx.astype(a.dtype), (col_sum(gx, out_bias) if need_bias else None)
 
 
-def _up(a):
-    return a.astype(np.float32) if a.dtype.itemsize < 4 else a
+def up32(a):
+    """``a`` in float32 if it is 16-bit, else ``a`` itself (None stays None)."""
+    return a if a is None or a.dtype.itemsize >= 4 else a.astype(np.float32)
 
 
 def layer_norm_forward(x, weight, bias, eps: float):
