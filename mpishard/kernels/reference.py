@@ -18,6 +18,7 @@ models computed with a mask array. Dropout's data may be of any shape, 16-bit to
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -201,8 +202,22 @@ def softmax_rows(a) -> None:
 
 
 def causal_bias(T: int, xp, dtype):
-    """``(T, T)``: 0 on and below the diagonal, -inf above (a query sees no later key)."""
+    """``(T, T)``: 0 on and below the diagonal, -inf above (a query sees no later key).
+
+    NumPy's is made once per ``(T, dtype)`` and handed out read-only: attention adds it
+    to every sequence's scores, and building it (a fill and a ``triu``) cost more than
+    the add itself. Other array modules build it afresh (a device's memory, and the
+    strict module's launch count, stay as they were)."""
+    if xp is np:
+        return _numpy_causal_bias(T, np.dtype(dtype))
     return xp.triu(xp.full((T, T), -float("inf"), dtype=dtype), 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _numpy_causal_bias(T: int, dtype: np.dtype):
+    bias = np.triu(np.full((T, T), -float("inf"), dtype=dtype), 1)
+    bias.setflags(write=False)
+    return bias
 
 
 def scale_and_mask(a, T: int, scale: float) -> None:
