@@ -1,0 +1,325 @@
+"""CUDA C kernels run on the host, for tests on machines without a GPU.
+
+    from cuda_host import HostModule, host_compiler
+    kernel = HostModule(code).get_function("my_kernel")   # as cupy.RawModule's
+    kernel((blocks,), (threads,), (array, np.int32(n), np.float32(x)))
+
+A CuPy ``RawKernel`` written for a GPU has indices, block reductions, warp
+shuffles and barriers that no CPU test exercises: on the CuPy-strict module the
+kernel set runs its reference math instead. Here ``g++`` compiles the same CUDA
+source as C++20 against a small shim (:data:`SHIM`) and runs it:
+
+* each launch starts one host thread per CUDA thread of a block; the threads walk
+  the grid's blocks one at a time together, meeting at a barrier between blocks,
+  so ``__shared__`` variables (static storage) belong to the one block running;
+* ``__syncthreads()`` is a barrier of the block's threads, ``__shfl_*_sync`` an
+  exchange through a per-warp slot between two barriers of the warp's 32 lanes
+  (lanes numbered as on a GPU: x fastest, 32 to a warp), ``atomicAdd`` takes a lock;
+* ``__half`` is the compiler's IEEE binary16 ``_Float16`` (``numpy.float16``'s
+  format), converted with round-to-nearest-even like ``__float2half_rn``;
+* arguments are checked as CuPy would pass them, and more strictly: a NumPy
+  scalar's dtype must be the parameter's (a Python ``int`` is an int64, a
+  ``float`` a float64, as in CuPy), because a mismatch on a GPU reads garbage
+  rather than failing; an array of another dtype than its pointer's element type
+  (the kernels' stand-in for an absent optional array, behind a flag 0) is passed
+  as a NULL pointer, so a kernel that reads it anyway crashes the test instead of
+  reading garbage (``HostKernel.null_pointers`` names them).
+
+What it proves: the kernel's arithmetic, indexing, shared memory and barriers give
+the reference results for the launch shapes the caller uses. What it does not:
+speed, the device's own rounding of ``exp`` and ``tanh`` (the host libm's here),
+memory races that a barrier-exact schedule hides, or anything of the GPU's memory
+model. Compiled libraries are cached by the hash of their source under the system
+temporary directory.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["HostModule", "HostKernel", "host_compiler", "SHIM"]
+
+SHIM = r"""
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <math.h>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <pthread.h>
+#include <vector>
+
+struct dim3 { unsigned int x = 1, y = 1, z = 1; };
+namespace emu {
+inline dim3 grid_dim, block_dim;
+inline thread_local dim3 thread_idx, block_idx;
+inline thread_local int lane = 0, warp = 0;
+inline std::barrier<>* block_barrier = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline unsigned char warp_slots[32][32][8];
+inline std::mutex atomic_lock;
+}
+#define threadIdx (emu::thread_idx)
+#define blockIdx (emu::block_idx)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __restrict__
+#define warpSize 32
+
+inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barriers[emu::warp]->arrive_and_wait(); }
+
+template <class V> V emu_exchange(V v, int src, bool keep) {
+  std::memcpy(emu::warp_slots[emu::warp][emu::lane], &v, sizeof(V));
+  emu::warp_barriers[emu::warp]->arrive_and_wait();
+  V r = v;
+  if (!keep) std::memcpy(&r, emu::warp_slots[emu::warp][src], sizeof(V));
+  emu::warp_barriers[emu::warp]->arrive_and_wait();
+  return r;
+}
+template <class V> V __shfl_xor_sync(unsigned, V v, int m, int w = 32) {
+  return emu_exchange(v, emu::lane ^ m, false);
+}
+template <class V> V __shfl_down_sync(unsigned, V v, unsigned d, int w = 32) {
+  const int start = (emu::lane / w) * w, src = emu::lane + (int)d;
+  return emu_exchange(v, src, src >= start + w);
+}
+template <class V> V __shfl_up_sync(unsigned, V v, unsigned d, int w = 32) {
+  const int start = (emu::lane / w) * w, src = emu::lane - (int)d;
+  return emu_exchange(v, src, src < start);
+}
+template <class V> V __shfl_sync(unsigned, V v, int src, int w = 32) {
+  return emu_exchange(v, (emu::lane / w) * w + (src % w), false);
+}
+template <class V> V atomicAdd(V* p, V v) {
+  std::lock_guard<std::mutex> g(emu::atomic_lock);
+  V old = *p; *p = old + v; return old;
+}
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+using std::max;
+using std::min;
+
+namespace emu {
+struct Start { std::function<void()>* body; unsigned linear; };
+inline void* run_thread(void* arg) {
+  Start* s = static_cast<Start*>(arg);
+  const unsigned bx = block_dim.x, by = block_dim.y;
+  thread_idx.x = s->linear % bx;
+  thread_idx.y = (s->linear / bx) % by;
+  thread_idx.z = s->linear / (bx * by);
+  lane = s->linear % 32;
+  warp = s->linear / 32;
+  for (unsigned z = 0; z < grid_dim.z; ++z)
+    for (unsigned y = 0; y < grid_dim.y; ++y)
+      for (unsigned x = 0; x < grid_dim.x; ++x) {
+        block_idx.x = x; block_idx.y = y; block_idx.z = z;
+        (*s->body)();
+        block_barrier->arrive_and_wait();     /* the block's shared memory is free again */
+      }
+  return nullptr;
+}
+inline int launch(dim3 grid, dim3 block, std::function<void()> body) {
+  grid_dim = grid;
+  block_dim = block;
+  const unsigned n = block.x * block.y * block.z;
+  if (n == 0 || n > 1024) return 1;
+  std::barrier<> bar(n);
+  block_barrier = &bar;
+  warp_barriers.clear();
+  for (unsigned w = 0; w * 32 < n; ++w)
+    warp_barriers.emplace_back(new std::barrier<>(std::min(32u, n - 32 * w)));
+  std::vector<Start> starts(n);
+  std::vector<pthread_t> threads(n);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 1 << 18);
+  for (unsigned i = 0; i < n; ++i) {
+    starts[i] = Start{&body, i};
+    if (pthread_create(&threads[i], &attr, run_thread, &starts[i]) != 0) return 2;
+  }
+  for (unsigned i = 0; i < n; ++i) pthread_join(threads[i], nullptr);
+  pthread_attr_destroy(&attr);
+  return 0;
+}
+}
+"""
+
+FP16_HEADER = r"""
+#pragma once
+typedef _Float16 __half;
+inline float __half2float(__half h) { return (float)h; }
+inline __half __float2half(float f) { return (__half)f; }
+inline __half __float2half_rn(float f) { return (__half)f; }
+"""
+
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?'
+                     r'(?:/\*.*?\*/\s*)?(\w+)\s*\(([^)]*)\)', re.S)
+_TYPEDEF = re.compile(r"typedef\s+([\w ]+?)\s+(\w+)\s*;")
+#: a scalar parameter's C type -> (ctypes type, NumPy dtype CuPy passes for it)
+_SCALARS = {
+    "int": (ctypes.c_int32, np.int32), "unsigned int": (ctypes.c_uint32, np.uint32),
+    "unsigned": (ctypes.c_uint32, np.uint32), "long long": (ctypes.c_int64, np.int64),
+    "long long int": (ctypes.c_int64, np.int64), "float": (ctypes.c_float, np.float32),
+    "double": (ctypes.c_double, np.float64), "bool": (ctypes.c_bool, np.bool_),
+    "size_t": (ctypes.c_uint64, np.uint64),
+}
+#: a pointer's element C type -> the dtype its array must have
+_ELEMENTS = {"float": np.float32, "double": np.float64, "__half": np.float16,
+             "int": np.int32, "long long": np.int64, "unsigned char": np.uint8,
+             "bool": np.bool_, "unsigned int": np.uint32}
+_lock = threading.Lock()
+
+
+def host_compiler() -> str | None:
+    """The C++ compiler the emulation uses (``$CXX``, else ``g++``), or None."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cache_dir() -> Path:
+    path = Path(tempfile.gettempdir()) / f"mpishard-cuda-host-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _resolve(ctype: str, typedefs: dict) -> str:
+    ctype = " ".join(ctype.replace("const", " ").split())
+    seen = 0
+    while ctype in typedefs and seen < 8:
+        ctype, seen = typedefs[ctype], seen + 1
+    return ctype
+
+
+def _parse_params(params: str, typedefs: dict) -> list:
+    """``[(name, element C type or None, scalar C type or None)]`` of a kernel's
+    parameter list."""
+    out = []
+    for raw in (p.strip() for p in params.split(",")):
+        if not raw:
+            continue
+        m = re.match(r"(.*?)(\w+)\s*$", raw.replace("__restrict__", ""))
+        ctype, name = m.group(1).strip(), m.group(2)
+        if "*" in ctype:
+            out.append((name, _resolve(ctype.replace("*", " "), typedefs), None))
+        else:
+            out.append((name, None, _resolve(ctype, typedefs)))
+    return out
+
+
+class HostKernel:
+    """One ``extern "C" __global__`` kernel of a :class:`HostModule`, called as a
+    ``cupy.RawKernel``: ``kernel(grid, block, args)``."""
+
+    def __init__(self, lib, name: str, params: list):
+        self.name, self.params = name, params
+        #: parameters last passed as NULL (an array of another dtype stood in for them)
+        self.null_pointers: list = []
+        self._fn = getattr(lib, f"emu_launch_{name}")
+        self._fn.restype = ctypes.c_int
+        argtypes = [ctypes.c_uint32] * 6
+        for _, element, scalar in params:
+            argtypes.append(ctypes.c_void_p if element is not None else _SCALARS[scalar][0])
+        self._fn.argtypes = argtypes
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        if shared_mem:
+            raise NotImplementedError("dynamic shared memory is not emulated")
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} "
+                            f"parameters")
+        values, self.null_pointers = [], []
+        for (name, element, scalar), arg in zip(self.params, args):
+            if element is not None:
+                if not isinstance(arg, np.ndarray):
+                    raise TypeError(f"{self.name}: {name} is a pointer, got {type(arg)}")
+                want = _ELEMENTS.get(element)
+                if want is not None and arg.dtype != want:      # a stand-in for an absent
+                    self.null_pointers.append(name)             # array: it must not be read
+                    values.append(None)
+                    continue
+                values.append(arg.ctypes.data)
+            else:
+                want = np.dtype(_SCALARS[scalar][1])
+                got = (np.dtype(np.int64) if isinstance(arg, (int, np.integer)) and
+                       not isinstance(arg, np.generic) else
+                       np.dtype(np.float64) if isinstance(arg, float) and
+                       not isinstance(arg, np.generic) else np.asarray(arg).dtype)
+                if got != want:
+                    raise TypeError(f"{self.name}: {name} is {scalar}, got {got} (CuPy "
+                                    f"would pass its {got.itemsize} bytes)")
+                values.append(arg.item() if isinstance(arg, np.generic) else arg)
+        with _lock:
+            rc = self._fn(*[int(v) for v in grid], *[int(v) for v in block], *values)
+        if rc:
+            raise RuntimeError(f"{self.name}: launch of grid {grid} x block {block} failed "
+                               f"(code {rc}: at most 1,024 threads a block)")
+
+
+class HostModule:
+    """CUDA C ``code`` compiled for the host (see the module docstring), as
+    ``cupy.RawModule(code=code)``."""
+
+    def __init__(self, code: str, options: tuple = ()):
+        compiler = host_compiler()
+        if compiler is None:
+            raise RuntimeError("no C++ compiler (g++) to emulate CUDA kernels with; "
+                               "install g++ or set CXX")
+        typedefs = {alias: target.strip() for target, alias in _TYPEDEF.findall(code)}
+        self.kernels = {name: _parse_params(params, typedefs)
+                        for name, params in _KERNEL.findall(code)}
+        wrappers = []
+        for name, params in _KERNEL.findall(code):
+            names = ", ".join(p[0] for p in self.kernels[name])
+            sep = ", " if params.strip() else ""
+            wrappers.append(
+                f'extern "C" int emu_launch_{name}(unsigned emu_gx, unsigned emu_gy, '
+                f"unsigned emu_gz, unsigned emu_bx, unsigned emu_by, unsigned emu_bz"
+                f"{sep}{params}) {{\n"
+                f"  return emu::launch(dim3{{emu_gx, emu_gy, emu_gz}}, "
+                f"dim3{{emu_bx, emu_by, emu_bz}}, [=]() {{ {name}({names}); }});\n}}\n")
+        source = SHIM + "\n" + code + "\n" + "".join(wrappers)
+        key = hashlib.sha256((source + FP16_HEADER + " ".join(options)).encode()).hexdigest()[:24]
+        lib_path = _cache_dir() / f"{key}.so"
+        if not lib_path.exists():
+            work = Path(tempfile.mkdtemp(dir=_cache_dir()))
+            (work / "cuda_fp16.h").write_text(FP16_HEADER)
+            (work / "kernels.cpp").write_text(source)
+            tmp_lib = work / "kernels.so"
+            cmd = [compiler, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",
+                   "-fno-fast-math", "-ffp-contract=off", "-w", f"-I{work}", *options,
+                   str(work / "kernels.cpp"), "-o", str(tmp_lib)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"the host compiler rejected the kernels:\n{done.stderr[-4000:]}")
+            os.replace(tmp_lib, lib_path)
+            shutil.rmtree(work, ignore_errors=True)
+        self._lib = ctypes.CDLL(str(lib_path))
+
+    def get_function(self, name: str) -> HostKernel:
+        if name not in self.kernels:
+            raise KeyError(f"no kernel {name!r} in the module (it has {sorted(self.kernels)})")
+        return HostKernel(self._lib, name, self.kernels[name])
