@@ -55,7 +55,7 @@ class Trainer:
         self.cfg, self.world = cfg, world
         self.log = RankLogger(world.rank, cfg.run.log_dir or None)
         self.notes = check_run_files(cfg, world)                 # see [Note: run safety]
-        agreed(world, _kernel_settings)                          # MPISHARD_KERNELS, _BLAS
+        agreed(world, _kernel_settings)              # MPISHARD_KERNELS, _ATTENTION, _BLAS
         self.recipe = recipe_for(cfg)
         self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
         p = cfg.parallel
@@ -71,7 +71,7 @@ class Trainer:
         self.backend = agreed(world, lambda: Backend.resolve(
             cfg.run.backend, local_rank=local_rank, memory_budget=cfg.run.memory_budget or None))
         self.sampler = self.recipe.train_sampler(self.mesh.dp_rank, self.mesh.dp.size)
-        self.plan = agreed(world, lambda: plan_layout(self.recipe.model(Backend()),
+        self.plan = agreed(world, lambda: plan_layout(self.recipe.model(self.backend),
                                                       layout_of(cfg, self.mesh.dp.size,
                                                                 self.recipe)))
 

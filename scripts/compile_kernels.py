@@ -6,7 +6,9 @@
 The CuPy kernel set (mpishard/kernels/gpu.py) is CUDA source that CuPy compiles
 on first use, on a GPU. This checks on any machine what can be checked without
 one: that CuPy parses every kernel's parameter lists (``ElementwiseKernel`` and
-``ReductionKernel`` construction), and that NVRTC compiles every body for
+``ReductionKernel`` construction), and that NVRTC compiles every body (and the
+fused attention's kernels, mpishard/kernels/cuda_attention.py, for head sizes 64,
+128 and 24) for
 ``compute_90`` with ``T`` = float and double, each inside a small wrapper that
 declares the parameters as CuPy's generated code does (inputs as const values,
 outputs as references, ``float64`` parameters as double scalars, ``float32``
@@ -100,6 +102,7 @@ def main() -> int:
               f"nvidia-cuda-nvrtc-cu12", file=sys.stderr)
         return 1
     from mpishard.kernels import gpu
+    from mpishard.kernels.cuda_attention import flash_source
     from mpishard.kernels.cuda_sources import row_kernel_source
 
     failures = 0
@@ -127,6 +130,14 @@ def main() -> int:
                         row_kernel_source("float", "__half"), half))
     else:
         print("skipped the RawKernels on float16 rows: no cuda_fp16.h")
+    # fused attention (MPISHARD_ATTENTION=fused), one module per head size, as
+    # gpu_attention.py builds them
+    for hs in (64, 128, 24):
+        sources += [(f"flash attention hs={hs}", S, flash_source(T, S, hs), [])
+                    for T, S in (("float", "float"), ("double", "double"))]
+        if half:
+            sources.append((f"flash attention hs={hs}", "float16 rows",
+                            flash_source("float", "__half", hs), half))
     for name, T, source, includes in sources:
         program = nvrtc.createProgram(source, f"{name.split()[0]}.cu", [], [])
         try:

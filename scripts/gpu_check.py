@@ -26,7 +26,8 @@ producing kernel, then the collective at once, and a control that must see the
 race); a GPT step at a real size (2 layers, T=1024, C=768) on CuPy against
 NumPy; float16 against float32 (cosines > 0.999); a subset of the test suite on
 CuPy; collectives over two ranks through host staging; training end to end;
-the benchmark (GPT-2 small; ZeRO-3 memory at two ranks against the planner).
+the benchmark (GPT-2 small); fused attention against the batched products
+(benchmarks/attention.py); ZeRO-3 memory at two ranks against the planner.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = str(ROOT / "scripts" / "gpu_parts.py")
-TOTAL_LIMIT_S = 420      # the whole check, on a fresh machine
+TOTAL_LIMIT_S = 455      # the whole check, on a fresh machine
 RUNNER_SLACK_S = 10      # the runner's own start, JSON writes, mpiexec start-up
 KILL_GRACE_S = 8         # SIGINT 4 s, SIGTERM 2 s, SIGKILL 2 s: inside each part's limit
 
@@ -105,6 +106,10 @@ def plan_parts(backend: str = "cupy") -> list:
              [str(ROOT / "scripts/gpu_train_check.py"), "--backend", backend], 45),
         Part("bench_single", "GPT-2 small, 1 rank: tokens/s, MFU; loss falls, <= 1 float16 skip",
              bench, 55),
+        Part("attention", "fused attention (MPISHARD_ATTENTION=fused) against the batched "
+             "products at GPT-2 small's shape: equal, ms each way, bytes kept",
+             [str(ROOT / "benchmarks/attention.py"),
+              *(["--backend", "strict", "--tiny"] if backend == "numpy" else [])], 35),
         Part("bench_zero3_2ranks", "ZeRO-3 at 2 ranks: CuPy pool bytes within 10% of the planner",
              bench + ["--part", "zero3"], 45, 2),
     ]
@@ -255,6 +260,8 @@ def highlights(parts: list) -> dict:
             found["single"] = [{k: run.get(k) for k in ("precision", "tokens_per_s", "mfu",
                                                         "step_s_median", "skipped_steps")}
                                for run in result.get("runs", [])]
+        elif name == "attention":
+            found[name] = [{k: v for k, v in run.items()} for run in result.get("runs", [])]
         elif name == "bench_zero3_2ranks":
             found[name] = [{"precision": run["precision"],
                             "plan_model_state_bytes": run["plan"]["model_state_bytes"],

@@ -173,7 +173,8 @@ def test_the_copies_cupys_matmul_makes_are_counted():
         "matmul": 1, "matmul-copy": 2}                # a float32 out is written directly
 
 
-def _block_launches(strategy: str, precision=None, optimizer: bool = False) -> tuple:
+def _block_launches(strategy: str, precision=None, optimizer: bool = False,
+                    dropout: float = 0.1) -> tuple:
     """Launches per GPT block in ``train_step`` (forward, backward, gradient reduction;
     with ``optimizer``, in ``step`` instead: clipping and AdamW) under ``strategy`` at
     world size 1, from a 1- and a 2-block model, and the operations of the 2-block
@@ -185,7 +186,7 @@ def _block_launches(strategy: str, precision=None, optimizer: bool = False) -> t
     per_step, by_op = [], None
     for n_layer in (1, 2):
         cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=n_layer, n_head=2, n_embd=16,
-                        dropout=0.1)
+                        dropout=dropout)
         comm = make_test_comm("self")
         try:
             run = ParallelModel(GPT(cfg, seed=0, backend=Backend.resolve("strict"),

@@ -17,12 +17,19 @@ backward), and the output's gradient once; the softmax's backward kernel writes
 the dropped weights again on its way (the values' gradient needs them, and they
 are not kept); the three gradients land in one head-major buffer and go back to
 the packed layout in one kernel that also sums c_attn's bias gradient.
+
+With ``MPISHARD_ATTENTION=fused`` and no dropout of the weights
+(:func:`mpishard.kernels.fused_attention`), the products and the softmax are instead
+the flash-style kernels of mpishard/kernels/gpu_attention.py: forward keeps the
+head-major output and one log-sum-exp per query row, never the ``T x T`` weights,
+and backward recomputes the weights a tile at a time.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..backend import xp_of
+from ..kernels import fused_attention
 from ..kernels.gemm import batched_matmul
 from .rows import cast, draw_uniform
 
@@ -53,6 +60,8 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     N, width = qkv_data.shape
     T, C = N // B, width // 3
     hs = C // n_head
+    if fused_attention(xp, hs, use_dropout):
+        return _fused_attention(xp, qkv_data, n_head, B, scale, cd, kernels, bias)
     hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
     att = batched_matmul(hm[0], hm[1], trans_b=True, out_dtype=sd)   # (B, nh, T, T), kept
     rows = att.reshape(-1, T)
@@ -87,5 +96,28 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
         batched_matmul(da, k, out=dh[0])
         batched_matmul(da, q, trans_a=True, out=dh[1])
         # packed again (cast once), with c_attn's bias gradient: one kernel
+        return kernels.unpack_heads(dh, need_bias, bias_out, qkv_data.dtype)
+    return out.reshape(N, C), backward
+
+
+def _fused_attention(xp, qkv_data, n_head: int, B: int, scale: float, cd, kernels, bias=None):
+    """:func:`device_attention` on the fused kernels (no dropout): keeps the head-major
+    output ``y`` and the rows' log-sum-exp ``lse``, which backward needs beside q, k and
+    v (copied into the head-major layout again)."""
+    N, width = qkv_data.shape
+    T, C = N // B, width // 3
+    hs = C // n_head
+    hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
+    y, lse = kernels.flash_attention_forward(hm, scale)          # (B, nh, T, hs), (B, nh, T)
+    del hm
+    out = xp.empty((B, T, n_head, hs), dtype=qkv_data.dtype)
+    out[...] = y.transpose(0, 2, 1, 3)
+
+    def backward(g, need_bias: bool = False, bias_out=None):
+        hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
+        gy = xp.empty((B, n_head, T, hs), dtype=cd)
+        gy[...] = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+        dh = kernels.flash_attention_backward(hm, y, gy, lse, scale)
+        del hm, gy
         return kernels.unpack_heads(dh, need_bias, bias_out, qkv_data.dtype)
     return out.reshape(N, C), backward

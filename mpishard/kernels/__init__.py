@@ -21,7 +21,11 @@ weights) and ``adam_update`` (in place).
 * :mod:`.reference`: whole-array expressions, the math of every kernel;
 * ``MPISHARD_KERNELS=reference`` selects the references everywhere: the
   fallback when a kernel misbehaves on a new machine (``MPISHARD_KERNELS=auto``,
-  the default, picks per backend).
+  the default, picks per backend);
+* ``MPISHARD_ATTENTION=fused`` runs a GPU's causal attention (without dropout of the
+  weights) as the flash-style kernels of :mod:`.gpu_attention`, which keep no
+  ``T x T`` array; ``batched`` (the default) keeps the weights and runs the products
+  on cuBLAS. NumPy always keeps its per-sequence loop (:func:`fused_attention`).
 """
 from __future__ import annotations
 
@@ -30,12 +34,13 @@ import numpy as np
 from . import cpu, gpu, reference
 from .choice import env_choice
 
-__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "check_settings", "describe", "cpu", "gpu",
-           "reference"]
+__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "attention_choice",
+           "fused_attention", "check_settings", "describe", "cpu", "gpu", "reference"]
 
 #: the functions every kernel set provides
 KERNEL_NAMES = tuple(name for name in reference.__all__ if name != "NAME")
 _CHOICES = ("auto", "reference")
+_ATTENTION_CHOICES = ("batched", "fused")
 
 
 def kernel_choice() -> str:
@@ -44,12 +49,30 @@ def kernel_choice() -> str:
                       "'reference' runs the plain reference kernels everywhere")
 
 
+def attention_choice() -> str:
+    """``MPISHARD_ATTENTION``: ``"batched"`` (the default) or ``"fused"``."""
+    return env_choice("MPISHARD_ATTENTION", _ATTENTION_CHOICES,
+                      "'fused' runs a GPU's attention as flash-style kernels that keep no "
+                      "T x T weights")
+
+
+def fused_attention(xp, head_size: int, dropout: bool) -> bool:
+    """Whether causal attention on array module ``xp`` runs the fused kernels: asked for
+    (:func:`attention_choice`), on a device (CuPy, or the strict module that stands in
+    for it), without dropout of the weights (its draws would be a ``T x T`` array) and
+    with a head size the kernels take. The op and the activation plan both ask this."""
+    from .gpu_attention import MAX_HEAD_SIZE
+    return (xp is not np and not dropout and 0 < head_size <= MAX_HEAD_SIZE
+            and attention_choice() == "fused")
+
+
 def check_settings() -> None:
     """Raise now (ValueError, or RuntimeError when MKL is asked for and does not load)
-    for a bad ``MPISHARD_KERNELS`` or ``MPISHARD_BLAS``, rather than at the first op
-    that reads it."""
+    for a bad ``MPISHARD_KERNELS``, ``MPISHARD_ATTENTION`` or ``MPISHARD_BLAS``, rather
+    than at the first op that reads it."""
     from .cpu_blas import blas_choice, mkl_library
     kernel_choice()
+    attention_choice()
     if blas_choice() == "mkl":
         mkl_library()
 
@@ -61,7 +84,8 @@ def describe() -> str:
         return "reference everywhere (MPISHARD_KERNELS=reference)"
     n = thread_count()
     return (f"cpu on NumPy ({n} thread{'s' if n > 1 else ''} per rank, MPISHARD_THREADS), "
-            f"gpu on CuPy (compiled kernels)")
+            f"gpu on CuPy (compiled kernels; attention {attention_choice()}, "
+            f"MPISHARD_ATTENTION)")
 
 
 def kernels_for(xp):

@@ -24,7 +24,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
            "adam_update", "sq_sum",
-           "gelu16_forward", "gelu16_backward"]
+           "gelu16_forward", "gelu16_backward",
+           "flash_attention_forward", "flash_attention_backward"]
 
 NAME = "cpu"
 
@@ -32,9 +33,13 @@ dropout_add = reference.dropout_add            # whole arrays (see the module do
 dropout_backward = reference.dropout_backward
 bias_dropout_backward = reference.bias_dropout_backward
 sq_sum = reference.sq_sum                      # BLAS's dot of the float64 copy
-unpack_heads = reference.unpack_heads
+unpack_heads = reference.unpack_heads          # one copy (a GPU's layout; NumPy has none)
 gelu16_forward = reference.gelu16_forward      # the ops cast 16-bit rows up on NumPy
-gelu16_backward = reference.gelu16_backward    # (NATIVE_FLOAT16 is the GPU's)          # one copy (a GPU's layout; NumPy has none)
+gelu16_backward = reference.gelu16_backward    # (NATIVE_FLOAT16 is the GPU's)
+# NumPy's attention runs one sequence at a time, its T x T weights in cache: the fused
+# attention (a GPU's, see gpu_attention.py) is only ever the reference here
+flash_attention_forward = reference.flash_attention_forward
+flash_attention_backward = reference.flash_attention_backward
 
 
 def gelu_forward(a, bias=None):

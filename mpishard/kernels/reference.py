@@ -32,7 +32,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "bias_gelu_backward", "bias_dropout_backward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
            "adam_update", "sq_sum",
-           "gelu16_forward", "gelu16_backward"]
+           "gelu16_forward", "gelu16_backward",
+           "flash_attention_forward", "flash_attention_backward"]
 
 NAME = "reference"
 
@@ -294,3 +295,50 @@ def sq_sum(x, out):
         flat = flat.astype(np.float64)
     out[...] = xp_of(x).dot(flat, flat)
     return out
+
+
+def flash_attention_forward(hm, scale: float):
+    """Causal attention of head-major ``hm`` (``(3, B, heads, T, hs)``: q, k, v) as the
+    fused kernels compute it: ``(y, lse)``, the output ``(B, heads, T, hs)`` in hm's
+    dtype and each query row's log-sum-exp of its scaled, masked scores (float32 for
+    16-bit rows), all that backward keeps. Here the ``T x T`` scores are made whole;
+    the GPU's kernels walk them a tile at a time (mpishard/kernels/cuda_attention.py)."""
+    xp = xp_of(hm)
+    q, k, v = (up32(hm[i]) for i in range(3))
+    T = q.shape[-2]
+    if T == 0:
+        return xp.empty(hm.shape[1:], dtype=hm.dtype), xp.empty(hm.shape[1:-1], dtype=q.dtype)
+    s = xp.matmul(q * q.dtype.type(scale), k.swapaxes(-1, -2))       # (B, heads, T, T)
+    s += causal_bias(T, xp, s.dtype)
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    xp.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    y = xp.matmul(s / total, v)
+    return y.astype(hm.dtype), (m + xp.log(total))[..., 0]
+
+
+def flash_attention_backward(hm, y, gy, lse, scale: float):
+    """The gradients of :func:`flash_attention_forward`'s q, k and v, head-major
+    ``(3, B, heads, T, hs)`` in hm's dtype, from its output ``y``, the output's gradient
+    ``gy`` (``(B, heads, T, hs)``) and ``lse``: the weights recomputed as
+    ``exp(s - lse)``, ``D = rowsum(gy y)``, ``ds = p (gy v^T - D)``, ``dq = scale ds k``,
+    ``dk = scale ds^T q``, ``dv = p^T gy``."""
+    xp = xp_of(hm)
+    q, k, v = (up32(hm[i]) for i in range(3))
+    g, yy = up32(gy), up32(y)
+    T, sc = q.shape[-2], q.dtype.type(scale)
+    if T == 0:
+        return xp.empty(hm.shape, dtype=hm.dtype)
+    s = xp.matmul(q * sc, k.swapaxes(-1, -2))
+    s += causal_bias(T, xp, s.dtype)
+    s -= lse[..., None]
+    p = xp.exp(s, out=s)                                              # the weights again
+    ds = xp.matmul(g, v.swapaxes(-1, -2))
+    ds -= (g * yy).sum(axis=-1, keepdims=True)
+    ds *= p
+    dh = xp.empty(hm.shape, dtype=hm.dtype)
+    dh[0] = xp.matmul(ds, k) * sc
+    dh[1] = xp.matmul(ds.swapaxes(-1, -2), q) * sc
+    dh[2] = xp.matmul(p.swapaxes(-1, -2), g)
+    return dh

@@ -10,7 +10,10 @@ float32 for 16-bit activations, else ``c``):
 layer norm (width W) output ``N W c``, normalised input ``N W f``, 1/std ``N f``
 linear (out O)       output ``N O c`` (its input is the previous op's output)
 attention            weights ``B h T^2 f`` (``h`` this rank's heads), output ``N A c``
-                     (``A = h * head_size``); with dropout its float32 draws, ``B h T^2 4``
+                     (``A = h * head_size``); with dropout its float32 draws, ``B h T^2 4``;
+                     a GPU's fused kernels (``MPISHARD_ATTENTION=fused``, no dropout):
+                     instead of the weights the head-major output ``N A c`` and a
+                     log-sum-exp per row ``B h T f``
 GELU (width F)       output ``N F c``, tanh ``N F f``
 residual add         ``N C c``; with its branch's dropout (``p > 0``, one fused op)
                      the float32 draws, ``N C 4``; a dropout alone: draws and output
@@ -53,6 +56,8 @@ under checkpointing) and the gradients, which this does not count.
 from __future__ import annotations
 
 import numpy as np
+
+from ..kernels import fused_attention
 
 __all__ = ["gpt_activation_bytes", "split_of", "attention_bytes", "token_rows", "head_and_loss",
            "routing_indices"]
@@ -107,10 +112,14 @@ def split_of(model, cp=None, cp_mode=None, sp=None) -> tuple:
 
 
 def attention_bytes(B: int, h: int, T: int, hs: int, c: int, f: int, cp: int = 1,
-                    cp_mode: str = "ring") -> int:
+                    cp_mode: str = "ring", fused: bool = False) -> int:
     """What one attention of ``h`` heads of ``hs`` over ``T`` local rows of ``B``
-    sequences keeps (weights or their context-parallel stand-ins, and its output)."""
+    sequences keeps (weights or their context-parallel stand-ins, and its output);
+    ``fused``: a GPU's flash-style kernels (:func:`mpishard.kernels.fused_attention`),
+    which keep their head-major output and a log-sum-exp per row instead of weights."""
     N, A = B * T, h * hs
+    if cp == 1 and fused:
+        return N * A * c + B * h * T * f + N * A * c
     if cp == 1:
         return B * h * T * T * f + N * A * c
     if cp_mode == "ring":                                   # output, log-sum-exp
@@ -179,7 +188,8 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
             reduced = Ns * C * c * sum(_biased(lin, sp) * _row_parallel(lin)
                                        for lin in (attn.c_proj, mlp.c_proj))
             gelu = N * _width(mlp.c_fc) * (c + f)
-        attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode)
+        fused = fused_attention(model.backend.xp, attn.head_size, cfg.dropout > 0)
+        attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode, fused)
         adds = 2 * Ns * C * c
         # the residual branches' draws: attention's and the MLP's (a mixture of experts'
         # output has none; its shared expert, a GPT MLP, has its own), and the weights'

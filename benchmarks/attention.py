@@ -1,0 +1,150 @@
+"""Causal attention on a GPU: the fused kernels against the batched products, side by side.
+
+    python benchmarks/attention.py --json runs/attention.json    # CuPy, GPT-2 small's shape
+    python benchmarks/attention.py --backend strict --tiny        # anywhere: the plumbing
+
+Runs the attention op as a GPT block calls it (``causal_self_attention`` on the
+packed ``(B*T, 3C)`` output of ``c_attn``, with its bias, no dropout) forward and
+backward, once with ``MPISHARD_ATTENTION=batched`` (cuBLAS products, the float32
+``T x T`` weights kept) and once with ``fused`` (the flash-style kernels, one
+log-sum-exp per row kept), alternating, for float32 and float16 inputs, at GPT-2
+small's shape (batch 8, 12 heads of 64, T = 1024; ``--tiny``: 2 x 2 heads of 8, T
+= 40). Per path and dtype: the median milliseconds forward and backward with the
+device synchronised around each, TFLOP/s counting the products as nanoGPT does
+(``4 B T^2 C`` forward, twice that backward: full ``T x T``, so a causal kernel
+that skips the masked half shows as twice its real rate), and the bytes the
+forward keeps (the ledger's measurement: the CuPy pool's bytes in use, or
+tracemalloc on the strict module); then the largest difference between the two
+paths' outputs and gradients, relative to the largest value. Exit status 1 when
+that exceeds 1e-4 in float32 or 2e-2 in float16 (the two paths compute the same
+thing in another order), or when the fused path keeps no less; it prints what and
+writes ``failures`` in the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mpishard.autodiff import Tensor  # noqa: E402
+from mpishard.autodiff.softmax_ops import causal_self_attention  # noqa: E402
+from mpishard.backend import Backend  # noqa: E402
+
+TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
+
+
+def _sync(backend) -> None:
+    if backend.name == "cupy":
+        backend.xp.cuda.Device(backend.device).synchronize()
+
+
+def _host(a) -> np.ndarray:
+    return np.asarray(a.get() if hasattr(a, "get") else a, dtype=np.float64)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def run_path(backend, choice: str, qkv, bias, g, heads: int, B: int, repeats: int) -> dict:
+    """Forward and backward ``repeats`` times with ``MPISHARD_ATTENTION=choice``."""
+    os.environ["MPISHARD_ATTENTION"] = choice
+    fwd, bwd, kept = [], [], None
+    out = grad = None
+    for _ in range(repeats):
+        x, b = Tensor(qkv, requires_grad=True), Tensor(bias, requires_grad=True)
+        _sync(backend)
+        t0 = time.perf_counter()
+        with backend.ledger.measure_activations() as measured:
+            y = causal_self_attention(x, heads, B, bias=b)
+        _sync(backend)
+        t1 = time.perf_counter()
+        y.backward(g)
+        _sync(backend)
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+        backend.ledger.release_activations()
+        kept = measured.nbytes if kept is None else min(kept, measured.nbytes)
+        out, grad = y.data, x.grad
+    return {"forward_ms": 1e3 * statistics.median(fwd[1:] or fwd),
+            "backward_ms": 1e3 * statistics.median(bwd[1:] or bwd),
+            "kept_bytes": int(kept), "out": out, "grad": grad}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("cupy", "strict"), default="cupy")
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (the plumbing)")
+    parser.add_argument("--repeats", type=int, default=4, help="runs per path (the first "
+                        "one, compiling, is left out of the medians)")
+    parser.add_argument("--dtypes", default="float32,float16")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+    if args.backend == "cupy":
+        try:
+            backend = Backend.resolve("cupy")
+        except Exception as err:                       # no CuPy, no GPU
+            print(f"SKIPPED: no CuPy GPU here ({err})")
+            if args.json:
+                Path(args.json).write_text(json.dumps({"status": "skipped",
+                                                       "reason": str(err)}) + "\n")
+            return 0
+    else:
+        backend = Backend.resolve("strict")
+    B, heads, T, hs = (2, 2, 40, 8) if args.tiny else (8, 12, 1024, 64)
+    C = heads * hs
+    report = {"backend": backend.name, "shape": {"B": B, "heads": heads, "T": T, "hs": hs},
+              "runs": [], "failures": []}
+    flops = 4 * B * T * T * C                              # the two products, forward
+    for dtype in args.dtypes.split(","):
+        r = np.random.default_rng(0)
+        qkv, bias, g = (backend.asarray(r.standard_normal(shape).astype(dtype))
+                        for shape in ((B * T, 3 * C), (3 * C,), (B * T, C)))
+        paths = {}
+        for choice in ("batched", "fused", "batched", "fused")[:2 if args.tiny else 4]:
+            run = run_path(backend, choice, qkv, bias, g, heads, B, args.repeats)
+            paths.setdefault(choice, []).append(run)
+        runs = {}
+        for choice, rs in paths.items():
+            fwd = statistics.median(x["forward_ms"] for x in rs)
+            bwd = statistics.median(x["backward_ms"] for x in rs)
+            runs[choice] = {"forward_ms": fwd, "backward_ms": bwd,
+                            "forward_tflops": flops / fwd / 1e9,
+                            "backward_tflops": 2 * flops / bwd / 1e9,
+                            "kept_bytes": min(x["kept_bytes"] for x in rs)}
+        a, f = paths["batched"][-1], paths["fused"][-1]
+        diff = {}
+        for what in ("out", "grad"):
+            want, got = _host(a[what]), _host(f[what])
+            diff[what] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+        report["runs"].append({"dtype": dtype, **runs, "max_rel_diff": diff})
+        print(f"{dtype}: " + "; ".join(
+            f"{c} fwd {v['forward_ms']:.2f} ms ({v['forward_tflops']:.1f} TFLOP/s), bwd "
+            f"{v['backward_ms']:.2f} ms ({v['backward_tflops']:.1f} TFLOP/s), keeps "
+            f"{_size(v['kept_bytes'])}" for c, v in runs.items())
+            + f"; fused vs batched: out {diff['out']:.1e}, grad {diff['grad']:.1e}", flush=True)
+        if max(diff.values()) > TOLERANCE[dtype]:
+            report["failures"].append(f"{dtype}: fused and batched differ by {diff} (more "
+                                      f"than {TOLERANCE[dtype]})")
+        if runs["fused"]["kept_bytes"] >= runs["batched"]["kept_bytes"]:
+            report["failures"].append(f"{dtype}: fused attention keeps "
+                                      f"{runs['fused']['kept_bytes']} bytes, batched "
+                                      f"{runs['batched']['kept_bytes']}")
+    for failure in report["failures"]:
+        print(f"FAILED: {failure}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
