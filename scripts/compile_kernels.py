@@ -7,8 +7,8 @@ The CuPy kernel set (mpishard/kernels/gpu.py) is CUDA source that CuPy compiles
 on first use, on a GPU. This checks on any machine what can be checked without
 one: that CuPy parses every kernel's parameter lists (``ElementwiseKernel`` and
 ``ReductionKernel`` construction), and that NVRTC compiles every body (and the
-fused attention's kernels, mpishard/kernels/cuda_attention.py, for head sizes 64,
-128 and 24) for
+multi-tensor kernels, mpishard/kernels/cuda_multi.py, and the fused attention's,
+mpishard/kernels/cuda_attention.py, for head sizes 64, 128 and 24) for
 ``compute_90`` with ``T`` = float and double, each inside a small wrapper that
 declares the parameters as CuPy's generated code does (inputs as const values,
 outputs as references, ``float64`` parameters as double scalars, ``float32``
@@ -103,6 +103,7 @@ def main() -> int:
         return 1
     from mpishard.kernels import gpu
     from mpishard.kernels.cuda_attention import flash_source
+    from mpishard.kernels.cuda_multi import multi_source
     from mpishard.kernels.cuda_sources import row_kernel_source
 
     failures = 0
@@ -130,6 +131,8 @@ def main() -> int:
                         row_kernel_source("float", "__half"), half))
     else:
         print("skipped the RawKernels on float16 rows: no cuda_fp16.h")
+    sources += [("multi-tensor Adam and sums of squares", T, multi_source(T), [])
+                for T in ("float", "double")]
     # fused attention (MPISHARD_ATTENTION=fused), one module per head size, as
     # gpu_attention.py builds them
     for hs in (64, 128, 24):

@@ -190,7 +190,7 @@ _SCALARS = {
 #: a pointer's element C type -> the dtype its array must have
 _ELEMENTS = {"float": np.float32, "double": np.float64, "__half": np.float16,
              "int": np.int32, "long long": np.int64, "unsigned char": np.uint8,
-             "bool": np.bool_, "unsigned int": np.uint32}
+             "bool": np.bool_, "unsigned int": np.uint32, "unsigned long long": np.uint64}
 _lock = threading.Lock()
 
 

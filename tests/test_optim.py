@@ -158,10 +158,11 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
-def test_the_device_norm_is_one_kernel_per_gradient_and_one_read(dtype):
-    """On a device (the CuPy-strict module) each gradient's sum of squares is one fused
-    kernel into its own slot, read back once; the sum is NumPy's to rounding, with
-    non-finite gradients, empty ones and Nones among them."""
+def test_the_device_norm_is_two_kernels_for_all_gradients_and_one_read(dtype):
+    """On a device (the CuPy-strict module) all the gradients' sums of squares are two
+    multi-tensor kernels (the chunks' sums, then each gradient's) into their slots,
+    read back once; the sum is NumPy's to rounding, with non-finite gradients, empty
+    ones and Nones among them. 16-bit gradients: one by one (a copy, a product, a set)."""
     from mpishard import strict
     from mpishard.optim.clip import grad_sq_sum
 
@@ -172,8 +173,10 @@ def test_the_device_norm_is_one_kernel_per_gradient_and_one_read(dtype):
     strict.syncs.reset()
     got = grad_sq_sum(device)
     assert got == pytest.approx(want, rel=1e-12)
-    fused = 3 if dtype != np.float16 else 0         # 16-bit: the copy, the product, the set
-    assert strict.syncs.launches_by_op.get("mpishard_sq_sum", 0) == fused
+    fused = 1 if dtype != np.float16 else 0         # 16-bit: the copy, the product, the set
+    assert strict.syncs.launches_by_op.get("mpishard_multi_sq_sum", 0) == fused
+    assert strict.syncs.launches_by_op.get("mpishard_multi_sq_total", 0) == fused
+    assert strict.syncs.launches == 2 or dtype == np.float16
     assert strict.syncs.count == 1
     device[1][2] = np.inf
     assert grad_sq_sum(device) == math.inf

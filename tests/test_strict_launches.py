@@ -178,7 +178,7 @@ def _block_launches(strategy: str, precision=None, optimizer: bool = False,
     """Launches per GPT block in ``train_step`` (forward, backward, gradient reduction;
     with ``optimizer``, in ``step`` instead: clipping and AdamW) under ``strategy`` at
     world size 1, from a 1- and a 2-block model, and the operations of the 2-block
-    one's ``train_step``."""
+    one's ``train_step`` (or ``step``)."""
     from mpishard.comm import Mesh
     from mpishard.comm.testing import make_test_comm
     from mpishard.parallel import ParallelModel
@@ -203,6 +203,8 @@ def _block_launches(strategy: str, precision=None, optimizer: bool = False,
                 strict.syncs.reset()
                 run.step(opt, max_norm=1e-3 if optimizer else 1.0)    # clipping: every
                 in_step = strict.syncs.launches                        # gradient scaled
+                if optimizer:
+                    by_op = dict(strict.syncs.launches_by_op)
         finally:
             comm.free()
         per_step.append(in_step if optimizer else counted)
@@ -233,9 +235,16 @@ def test_a_gpt_block_takes_at_most_40_launches(strategy):
     assert "mpishard_dropout_add" in by_op and "matmul-copy" not in by_op
 
 
-def test_clipping_and_adamw_take_three_launches_per_parameter():
-    """Per parameter of a block (12): its sum of squares (one fused kernel), the
-    clipping's scaling and the fused Adam update; and the decay of its 4 weight
-    matrices, one in-place kernel each (no copy back)."""
-    per_block, _ = _block_launches("ddp", optimizer=True)
-    assert per_block == 12 * 3 + 4, per_block
+@pytest.mark.parametrize("strategy,precision", [("ddp", None), ("zero1", None),
+                                                ("zero3", None), ("ddp", "float16")])
+def test_clipping_and_adamw_take_three_launches_whatever_the_blocks(strategy, precision):
+    """The gradients' sums of squares (two multi-tensor kernels: the chunks', then each
+    gradient's), the loss scale's and the clipping's factor, the decoupled weight
+    decay and Adam's update (one multi-tensor kernel, the factor and the decay inside)
+    take the same launches for 1 and 2 blocks: none per block (there were 40: three
+    per parameter and the 4 weight matrices' decay)."""
+    per_block, by_op = _block_launches(strategy, precision, optimizer=True)
+    assert per_block == 0, (per_block, by_op)
+    assert by_op.get("mpishard_multi_adam") == 1, by_op
+    assert by_op.get("mpishard_multi_sq_sum") == 1 and by_op.get("mpishard_multi_sq_total") == 1
+    assert "mpishard_adam_update" not in by_op and "mpishard_sq_sum" not in by_op

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference
-from .reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
+from .reference import GELU_C, GELU_K, apply_dropout, for_each_target, scale_and_mask
 from .rows import col_sum, row_dot, row_max, row_sum
 from .threads import for_rows
 
@@ -25,7 +25,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
            "adam_update", "sq_sum",
            "gelu16_forward", "gelu16_backward",
-           "flash_attention_forward", "flash_attention_backward"]
+           "flash_attention_forward", "flash_attention_backward",
+           "multi_adam_update", "multi_sq_sum"]
 
 NAME = "cpu"
 
@@ -40,6 +41,7 @@ gelu16_backward = reference.gelu16_backward    # (NATIVE_FLOAT16 is the GPU's)
 # attention (a GPU's, see gpu_attention.py) is only ever the reference here
 flash_attention_forward = reference.flash_attention_forward
 flash_attention_backward = reference.flash_attention_backward
+multi_sq_sum = reference.multi_sq_sum
 
 
 def gelu_forward(a, bias=None):
@@ -275,3 +277,11 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
                  width)
     if full < p1.size:
         span(full, p1.size)
+
+
+def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
+                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
+                      decay: float = 1.0) -> None:
+    """The reference's loop over the targets, each updated by :func:`adam_update`."""
+    for_each_target(targets, grad_scale, decay, lambda p, g, m, v: adam_update(
+        p, g, m, v, beta1, beta2, step_size, inv_bias2, eps))

@@ -41,6 +41,7 @@ from .gpu_launch import (PARAM_ROW_THREADS, ROW_THREADS, _column_blocks,  # noqa
                          _compiled, _dropout_args, _flag, _is_strict, _kernel, _raw_ready,
                          _row_kernel)
 from .gpu_attention import flash_attention_backward, flash_attention_forward
+from .gpu_multi import multi_adam_update, multi_sq_sum
 from .gpu_norms import (layer_norm_backward, layer_norm_forward, norm_param_grads,
                         rms_norm_backward, rms_norm_forward)
 
@@ -51,7 +52,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
            "adam_update", "sq_sum",
            "gelu16_forward", "gelu16_backward",
-           "flash_attention_forward", "flash_attention_backward"]
+           "flash_attention_forward", "flash_attention_backward",
+           "multi_adam_update", "multi_sq_sum"]
 
 NAME = "gpu"
 #: whether :func:`gelu16_forward` / :func:`gelu16_backward` take float16 rows in one

@@ -33,7 +33,8 @@ __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
            "adam_update", "sq_sum",
            "gelu16_forward", "gelu16_backward",
-           "flash_attention_forward", "flash_attention_backward"]
+           "flash_attention_forward", "flash_attention_backward",
+           "multi_adam_update", "multi_sq_sum"]
 
 NAME = "reference"
 
@@ -285,6 +286,40 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
     v *= beta2
     v += (1.0 - beta2) * grad * grad
     param -= step_size * (m / (xp.sqrt(v) * inv_bias2 + eps))
+
+
+def for_each_target(targets, grad_scale: float, decay: float, update) -> None:
+    """The multi-tensor step's math, one target at a time: for each ``(param, grad, m, v,
+    decay_ranges)`` the gradient times ``grad_scale`` (where not 1), the decay ranges of
+    ``param`` times ``decay`` (where not 1; in place on each view), then
+    ``update(param, grad, m, v)``."""
+    for param, grad, m, v, ranges in targets:
+        if grad_scale != 1.0:
+            grad = grad * grad_scale
+        if decay != 1.0:
+            for start, stop in ranges:
+                view = param[start:stop]
+                view *= decay
+        update(param, grad, m, v)
+
+
+def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
+                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
+                      decay: float = 1.0) -> None:
+    """One AdamW step over many flat targets ``(param, grad, m, v, decay_ranges)``: each
+    gradient times ``grad_scale`` (the loss scale's and the clipping's factor), each
+    param's decay ranges times ``decay`` (decoupled weight decay), then
+    :func:`adam_update` (a GPU does all targets in one launch)."""
+    for_each_target(targets, grad_scale, decay, lambda p, g, m, v: adam_update(
+        p, g, m, v, beta1, beta2, step_size, inv_bias2, eps))
+
+
+def multi_sq_sum(arrays, out):
+    """``out[i]`` (float64) = the sum of squares of ``arrays[i]``, for every i (a GPU
+    does all arrays in two launches); returns ``out``."""
+    for i, a in enumerate(arrays):
+        sq_sum(a, out[i:i + 1])        # a view (an index is a copy on the strict module)
+    return out
 
 
 def sq_sum(x, out):

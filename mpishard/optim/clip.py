@@ -19,11 +19,11 @@ __all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficien
 def grad_sq_sum(grads: Iterable) -> float:
     """Sum of squares of every element of ``grads``, accumulated in float64.
 
-    Host arrays: each one's float64 copy dotted with itself. Device arrays: each
-    one's sum of squares in one fused kernel (float64 accumulation, no float64
-    copy) into its own slot of a small device array, read back once at the end
-    (one host sync, whatever the number of arrays) and added on the host in the
-    arrays' order, as the host arrays' are.
+    Host arrays: each one's float64 copy dotted with itself. Device arrays: all
+    their sums of squares in one multi-tensor call (on a GPU two launches, float64
+    accumulation, no float64 copy) into the slots of a small device array, read
+    back once at the end (one host sync, whatever the number of arrays) and added
+    on the host in the arrays' order, as the host arrays' are.
     """
     total, device = 0.0, []
     for g in grads:
@@ -38,10 +38,7 @@ def grad_sq_sum(grads: Iterable) -> float:
             device.append(g)
     if device:
         xp = xp_of(device[0])
-        kernels, sums = kernels_for(xp), xp.empty(len(device), dtype=np.float64)
-        for i, g in enumerate(device):
-            kernels.sq_sum(g, sums[i:i + 1])          # a view (an index is a copy on
-                                                       # the strict module)
+        sums = kernels_for(xp).multi_sq_sum(device, xp.empty(len(device), dtype=np.float64))
         for value in to_numpy(sums).tolist():
             total += value
     return total

@@ -68,9 +68,20 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self) -> None:
-        """Apply one update to every target that has a gradient."""
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Apply one update to every target that has a gradient, each gradient taken
+        times ``grad_scale`` (a strategy's unscaling and clipping factor, applied here
+        rather than to the gradients in place: on a GPU inside the update's kernel)."""
         self.step_count += 1
+        for i, param, grad in self._flat_targets():
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            if grad.dtype != param.dtype:
+                grad = grad.astype(param.dtype)
+            self._update(i, param, grad, tuple(self.params[i].decay_ranges))
+
+    def _flat_targets(self):
+        """``(index, param, grad)`` of the targets to update, flat (views)."""
         for i, p in enumerate(self.params):
             if p.grad is None or p.data.size == 0:
                 continue
@@ -78,11 +89,7 @@ class Optimizer:
                 raise ValueError(f"{type(self).__name__}: target {i} is not a contiguous "
                                  f"array (shape {tuple(p.data.shape)}); updates must "
                                  f"happen in place")
-            param = p.data.reshape(-1)
-            grad = p.grad.reshape(-1)
-            if grad.dtype != param.dtype:
-                grad = grad.astype(param.dtype)
-            self._update(i, param, grad, tuple(p.decay_ranges))
+            yield i, p.data.reshape(-1), p.grad.reshape(-1)
 
     def _update(self, i: int, param, grad, decay_ranges: tuple) -> None:
         raise NotImplementedError
@@ -110,12 +117,6 @@ class Optimizer:
                     value = to_numpy(value)
                 self._state(i, name, p.data)[...] = xp.asarray(
                     value, dtype=p.data.dtype).reshape(-1)
-
-
-def _decay(param, decay_ranges: tuple, factor: float) -> None:
-    for start, stop in decay_ranges:
-        view = param[start:stop]      # in place on the view: on a GPU one kernel, where
-        view *= factor                # param[a:b] *= f also copies the result back
 
 
 def _add_l2(grad, param, decay_ranges: tuple, weight_decay: float):
@@ -170,18 +171,32 @@ class Adam(Optimizer):
         self.beta1, self.beta2 = float(b1), float(b2)
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
-    def _update(self, i, param, grad, decay_ranges):
-        b1, b2, lr = self.beta1, self.beta2, self.lr
-        if self.weight_decay and decay_ranges:
-            if self.decoupled:
-                _decay(param, decay_ranges, 1.0 - lr * self.weight_decay)
-            else:
-                grad = _add_l2(grad, param, decay_ranges, self.weight_decay)
-        m = self._state(i, "exp_avg", param)
-        v = self._state(i, "exp_avg_sq", param)
-        t = self.step_count
-        kernels_for(xp_of(param)).adam_update(param, grad, m, v, b1, b2, lr / (1.0 - b1 ** t),
-                                              1.0 / math.sqrt(1.0 - b2 ** t), self.eps)
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Every target's update as one multi-tensor call per array module and dtype (on
+        a GPU one kernel launch for all targets: the gradients' scaling, the decoupled
+        weight decay and Adam's update together); a gradient of another dtype than its
+        target, or plain Adam's L2 decay, is prepared on the way, target by target."""
+        self.step_count += 1
+        b1, b2, lr, t = self.beta1, self.beta2, self.lr, self.step_count
+        decay = 1.0 - lr * self.weight_decay if self.decoupled and self.weight_decay else 1.0
+        groups: dict = {}
+        for i, param, grad in self._flat_targets():
+            ranges = tuple(self.params[i].decay_ranges)
+            scale = grad_scale
+            if grad.dtype != param.dtype or (self.weight_decay and not self.decoupled):
+                grad = grad * grad_scale if grad_scale != 1.0 else grad
+                grad = grad.astype(param.dtype, copy=False)
+                if self.weight_decay and not self.decoupled and ranges:
+                    grad = _add_l2(grad, param, ranges, self.weight_decay)
+                scale = 1.0                               # applied here
+            m = self._state(i, "exp_avg", param)
+            v = self._state(i, "exp_avg_sq", param)
+            key = (id(xp_of(param)), param.dtype.name, scale)
+            groups.setdefault(key, []).append((param, grad, m, v, ranges))
+        for (_, _, scale), targets in groups.items():
+            kernels_for(xp_of(targets[0][0])).multi_adam_update(
+                targets, b1, b2, lr / (1.0 - b1 ** t), 1.0 / math.sqrt(1.0 - b2 ** t),
+                self.eps, scale, decay)
 
 
 class AdamW(Adam):

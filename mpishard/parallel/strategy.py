@@ -62,6 +62,7 @@ from ..backend import MemoryLedger
 from ..dtypes import resolve_dtype
 from ..nn.init import materialize
 from ..optim.clip import clip_coefficient
+from ..optim.optimizers import Optimizer
 from .pieces import gather_full_params, replicated_pieces
 from .precision import LossScaler, Precision
 
@@ -322,15 +323,23 @@ class Strategy:
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """Divide out the loss scale and clip to ``max_norm`` (``None``: no clipping),
         as one scaling of the gradients; returns the unscaled norm before clipping."""
+        norm, factor = self.grad_factor(max_norm)
+        if factor != 1.0:
+            self.scale_grads(factor)
+        return norm
+
+    def grad_factor(self, max_norm: float | None) -> tuple:
+        """``(norm, factor)``: the unscaled global gradient norm, and what to multiply
+        the gradients by to divide out the loss scale and clip to ``max_norm`` (1.0
+        when the norm is not finite: the step is skipped)."""
         scale = self.scaler.scale
         norm = self.grad_norm() / scale
+        factor = 1.0
         if math.isfinite(norm):
             factor = 1.0 / scale
             if max_norm is not None:
                 factor *= clip_coefficient(norm, max_norm)
-            if factor != 1.0:
-                self.scale_grads(factor)
-        return norm
+        return norm, factor
 
     def _check_optimizer(self, optimizer) -> None:
         """Refuse an optimizer whose targets are not this strategy's (once per optimizer).
@@ -358,12 +367,17 @@ class Strategy:
         """
         self._check_optimizer(optimizer)
         self.reduce_grads()
-        norm = self.clip_grad_norm(max_norm)
+        norm, factor = self.grad_factor(max_norm)
         skipped = not math.isfinite(norm)
         if skipped:
             self.skipped_steps += 1
         else:
-            optimizer.step()
+            if isinstance(optimizer, Optimizer):   # the factor inside the update
+                optimizer.step(grad_scale=factor)
+            else:
+                if factor != 1.0:
+                    self.scale_grads(factor)
+                optimizer.step()
             self.after_update()
         self.scaler.update(overflow=skipped)
         self.zero_grad()

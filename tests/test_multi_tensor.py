@@ -1,0 +1,95 @@
+"""Multi-tensor kernels: an optimizer step and the gradients' sums of squares over all
+targets in one launch (mpishard/kernels/gpu_multi.py, cuda_multi.py).
+
+The chunk table covers every element once and never crosses a weight-decay
+boundary; the CUDA kernels, compiled for the host (tests/cuda_host.py) and
+launched by the kernel set's own code on NumPy arrays, compute the reference
+(float32 and float64, several targets of odd sizes, an empty one, decay ranges,
+a gradient scale, chunks made small so that targets span several).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuda_host import HostModule, host_compiler
+from mpishard.kernels import gpu_multi, reference
+from mpishard.kernels.cuda_multi import multi_source
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(1, 9), st.data())
+def test_the_chunk_table_covers_each_element_once(sizes, chunk, data):
+    ranges = []
+    for size in sizes:
+        cuts = sorted(set(data.draw(st.lists(st.integers(0, size), max_size=4))))
+        ranges.append(tuple(zip(cuts[::2], cuts[1::2])))
+    gpu_multi.CHUNK, saved = chunk, gpu_multi.CHUNK
+    try:
+        table, first = gpu_multi.chunk_table(sizes, ranges)
+    finally:
+        gpu_multi.CHUNK = saved
+    assert first[0] == 0 and first[-1] == len(table) and list(first) == sorted(first)
+    for t, size in enumerate(sizes):
+        rows = table[first[t]:first[t + 1]]
+        assert (rows[:, 0] == t).all()
+        covered = [e for _, a, b, _ in rows for e in range(a, b)]
+        assert covered == list(range(size))                    # in order, once each
+        assert all(0 < b - a <= chunk for _, a, b, _ in rows)
+        decayed = {e for a, b in ranges[t] for e in range(a, b)}
+        for _, a, b, flag in rows:
+            assert {e in decayed for e in range(a, b)} == {bool(flag)}
+
+
+@pytest.fixture
+def host_multi(monkeypatch):
+    if host_compiler() is None:
+        pytest.skip("no g++ to compile CUDA C for the host")
+    modules = {}
+
+    def multi_kernel(xp, name, dtype):
+        T = "double" if np.dtype(dtype) == np.float64 else "float"
+        if T not in modules:
+            modules[T] = HostModule(multi_source(T))
+        return modules[T].get_function(f"{name}_{T}")
+    monkeypatch.setattr(gpu_multi, "_multi_kernel", multi_kernel)
+    monkeypatch.setattr(gpu_multi, "CHUNK", 512)        # several chunks per target
+    gpu_multi._tables.clear()
+    yield
+    gpu_multi._tables.clear()
+
+
+def _targets(dtype, seed=0):
+    r = np.random.default_rng(seed)
+    sizes = [1300, 7, 0, 513, 2048]
+    ranges = [((0, 1024),), (), ((0, 0),), ((1, 5), (100, 513)), ((0, 2048),)]
+    return [(r.standard_normal(n).astype(dtype), r.standard_normal(n).astype(dtype),
+             r.standard_normal(n).astype(dtype), np.abs(r.standard_normal(n)).astype(dtype),
+             rg) for n, rg in zip(sizes, ranges)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-14), (np.float32, 2e-6)])
+@pytest.mark.parametrize("grad_scale,decay", [(1.0, 1.0), (0.37, 0.999)])
+def test_the_adam_kernel_is_the_reference(host_multi, dtype, tol, grad_scale, decay):
+    got, want = _targets(dtype), _targets(dtype)
+    for step in range(2):                # the second step reuses the cached tables
+        gpu_multi.multi_adam_update(got, 0.9, 0.95, 1e-2, 1.3, 1e-8, grad_scale, decay)
+        reference.multi_adam_update(want, 0.9, 0.95, 1e-2, 1.3, 1e-8, grad_scale, decay)
+        for g, w in zip(got, want):
+            for a, b in zip(g[:4], w[:4]):
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    assert len(gpu_multi._tables) == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_sum_of_squares_kernels_are_the_reference(host_multi, dtype):
+    arrays = [t[1] for t in _targets(dtype, 1)]
+    got = gpu_multi.multi_sq_sum(arrays, np.full(len(arrays), np.nan))
+    want = reference.multi_sq_sum(arrays, np.empty(len(arrays)))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert got[2] == 0.0                                   # the empty one
+    strided = [np.random.default_rng(2).standard_normal((4, 6)).astype(dtype)[:, ::2]]
+    got = gpu_multi.multi_sq_sum(strided, np.empty(1))      # not contiguous: the reference
+    np.testing.assert_allclose(got, reference.multi_sq_sum(strided, np.empty(1)))
