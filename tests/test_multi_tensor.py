@@ -93,3 +93,26 @@ def test_the_sum_of_squares_kernels_are_the_reference(host_multi, dtype):
     strided = [np.random.default_rng(2).standard_normal((4, 6)).astype(dtype)[:, ::2]]
     got = gpu_multi.multi_sq_sum(strided, np.empty(1))      # not contiguous: the reference
     np.testing.assert_allclose(got, reference.multi_sq_sum(strided, np.empty(1)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_multi_tensor_kernels_on_each_array_module(array_backend, dtype):
+    """The kernel set of each array module (on CuPy the compiled kernels, on the strict
+    module their launches) against the reference on NumPy."""
+    from mpishard.kernels import kernels_for
+    xp = array_backend.xp
+    k = kernels_for(xp)
+    host, want = _targets(dtype, 3), _targets(dtype, 3)
+    dev = [tuple(xp.asarray(a) for a in t[:4]) + (t[4],) for t in host]
+    k.multi_adam_update(dev, 0.9, 0.95, 1e-2, 1.3, 1e-8, 0.5, 0.99)
+    reference.multi_adam_update(want, 0.9, 0.95, 1e-2, 1.3, 1e-8, 0.5, 0.99)
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    for d, w in zip(dev, want):
+        for a, b in zip(d[:4], w[:4]):
+            np.testing.assert_allclose(a.get() if hasattr(a, "get") else a, b, rtol=tol,
+                                       atol=tol)
+    grads = [xp.asarray(t[1]) for t in host]
+    got = k.multi_sq_sum(grads, xp.empty(len(grads), dtype=np.float64))
+    np.testing.assert_allclose(got.get() if hasattr(got, "get") else got,
+                               reference.multi_sq_sum([t[1] for t in host],
+                                                      np.empty(len(host))), rtol=1e-12)
