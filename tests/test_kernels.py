@@ -638,6 +638,19 @@ def test_float16_gelu_on_a_device_is_the_cast_up_math_bit_for_bit(with_bias):
                                    rtol=2e-3, atol=1e-3)
 
 
+def _launches_each_way(forward, g) -> tuple:
+    """``(y, forward's launches, backward's)`` of ``y = forward()`` on the strict module,
+    backward from the host gradient ``g``."""
+    from mpishard import strict
+    strict.syncs.reset()
+    y = forward()
+    launched = dict(strict.syncs.launches_by_op)
+    dy = strict.asarray(g)
+    strict.syncs.reset()
+    y.backward(dy)
+    return y, launched, dict(strict.syncs.launches_by_op)
+
+
 def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     """On the strict module (as on a GPU) a float16 layer norm runs its kernels on the
     float16 rows (see [Note: float16 rows] in mpishard/kernels/gpu_norms.py): the values of
@@ -653,14 +666,9 @@ def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     weight, bias = (Tensor(strict.asarray(v), requires_grad=True) for v in (w, b))
     for p in (weight, bias):              # as mixed precision's: float32 gradients
         p.grad_dtype = np.dtype(np.float32)
-    strict.syncs.reset()
-    y = layer_norm(x, weight, bias)
-    assert dict(strict.syncs.launches_by_op) == {"mpishard_layer_norm_forward": 1}
-    dy = strict.asarray(g)
-    strict.syncs.reset()
-    y.backward(dy)
-    assert dict(strict.syncs.launches_by_op) == {"mpishard_layer_norm_backward": 1,
-                                                 "mpishard_norm_param_grads": 1}
+    y, forward, backward = _launches_each_way(lambda: layer_norm(x, weight, bias), g)
+    assert forward == {"mpishard_layer_norm_forward": 1}
+    assert backward == {"mpishard_layer_norm_backward": 1, "mpishard_norm_param_grads": 1}
     a32, w32, b32, g32 = (v.astype(np.float32) for v in (a, w, b, g))
     wy, wh, wr = reference.layer_norm_forward(a32, w32, b32, 1e-5)
     _same_bits(y.data.get(), wy.astype(np.float16))
@@ -669,3 +677,26 @@ def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     ww, wb = reference.norm_param_grads(g32, wh, True, True)
     _same_bits(weight.grad.get(), ww)
     _same_bits(bias.grad.get(), wb)
+
+
+def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
+    """RMS norm (Llama's) the same way: its kernels on the float16 rows, one launch each
+    way and one for the weight's gradient, the values of casting up and down."""
+    from mpishard import strict
+    from mpishard.autodiff import Tensor
+    from mpishard.autodiff.llama_ops import rms_norm
+
+    rng = np.random.default_rng(2)
+    a, g = (rng.standard_normal((37, 53)).astype(np.float16) for _ in range(2))
+    w = rng.standard_normal(53).astype(np.float16)
+    x = Tensor(strict.asarray(a), requires_grad=True)
+    weight = Tensor(strict.asarray(w), requires_grad=True)
+    weight.grad_dtype = np.dtype(np.float32)             # as mixed precision's
+    y, forward, backward = _launches_each_way(lambda: rms_norm(x, weight, 1e-6), g)
+    assert forward == {"mpishard_rms_norm_forward": 1}
+    assert backward == {"mpishard_rms_norm_backward": 1, "mpishard_norm_param_grads": 1}
+    a32, w32, g32 = (v.astype(np.float32) for v in (a, w, g))
+    wy, wh, wr = reference.rms_norm_forward(a32, w32, 1e-6)
+    _same_bits(y.data.get(), wy.astype(np.float16))
+    _same_bits(x.grad.get(), reference.rms_norm_backward(g32, wh, wr, w32).astype(np.float16))
+    _same_bits(weight.grad.get(), reference.norm_param_grads(g32, wh, True, False)[0])

@@ -120,7 +120,7 @@ def test_norm_kernels(shape, dtype):
 @pytest.mark.parametrize("shape", [(5, 33), (1, 300), (3, 769)], ids=str)
 def test_norm_kernels_on_float16_rows(shape):
     """The __half build: float16 rows in and out, float32 statistics, the values of the
-    float32 kernels on rows cast up, cast down once."""
+    float32 kernels on rows cast up, cast down once; layer norm, then RMS norm."""
     x, g = _rand(shape, np.float16), _rand(shape, np.float16, 1)
     w, b = _rand(shape[1:], np.float16, 2), _rand(shape[1:], np.float16, 3)
     up = reference.up32
@@ -137,6 +137,16 @@ def test_norm_kernels_on_float16_rows(shape):
     ww, wb = reference.norm_param_grads(up(g), wxhat, True, True)
     assert gw.dtype == gb.dtype == np.float32
     _close(gw, ww, np.float32, shape[0] ** 0.5), _close(gb, wb, np.float32, shape[0] ** 0.5)
+    y, xhat, rstd = gpu.rms_norm_forward(x, w, 1e-6)                 # not centred
+    wy, wxhat, wrstd = reference.rms_norm_forward(up(x), up(w), 1e-6)
+    assert y.dtype == np.float16 and xhat.dtype == rstd.dtype == np.float32
+    np.testing.assert_allclose(y.astype(np.float32), wy, rtol=1e-3, atol=1e-3)
+    _close(xhat, wxhat, np.float32), _close(rstd, wrstd, np.float32)
+    gx = gpu.rms_norm_backward(g, xhat, rstd, w)
+    assert gx.dtype == np.float16
+    np.testing.assert_allclose(gx.astype(np.float32),
+                               reference.rms_norm_backward(up(g), wxhat, wrstd, up(w)),
+                               rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,7 +17,7 @@ from ..backend import xp_of
 from ..dtypes import is_low_precision
 from ..kernels import kernels_for
 from .graph import as_tensor, make_result, register_op
-from .rows import cast, check_last_dim, up
+from .rows import cast, check_last_dim, native_float16, up
 from .tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = ["rms_norm", "rope", "rope_qkv", "swiglu", "rope_tables"]
@@ -32,22 +32,27 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
         weight = as_tensor(weight)
         check_last_dim("rms_norm", x, weight.shape[0], "the weight's width")
     xp, dtype = xp_of(x.data), x.dtype
-    x2 = up(x.data.reshape(-1, n))                      # (N, n), float32 for 16-bit
     kernels = kernels_for(xp)
+    # float16 rows straight into a GPU's kernels (see [Note: float16 rows] in
+    # mpishard/kernels/gpu_norms.py), else cast up (float32 for 16-bit)
+    native = native_float16(kernels, dtype) and (weight is None or weight.dtype == dtype)
+    lift = (lambda a: a) if native else up
+    x2 = lift(x.data.reshape(-1, n))                    # (N, n)
     y, xhat, rstd = kernels.rms_norm_forward(           # xhat, rstd kept for backward
-        x2, up(weight.data) if weight is not None else None, eps)
+        x2, lift(weight.data) if weight is not None else None, eps)
 
     def backward(g):
-        g2 = up(g.reshape(-1, n))
+        g2 = lift(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
         gw, _ = kernels.norm_param_grads(                  # see [Note: gradient buffers]
-            g2, xhat, need_w, False, grad_buffer(weight, g2.dtype) if need_w else None)
+            g2, xhat, need_w, False, grad_buffer(weight, xhat.dtype) if need_w else None)
         gx = None
         if x.requires_grad:
             # the weight read again: under ZeRO-3 the forward's array was a gathered copy,
             # released after the forward (holding it would keep its whole unit alive)
-            w = up(weight.data) if weight is not None else None
-            into = grad_so_far(x, g2.dtype)               # see [Note: gradient buffers]
+            w = lift(weight.data) if weight is not None else None
+            into = None if native else grad_so_far(x, xhat.dtype)  # [Note: gradient
+            #                        buffers]; float16 rows: added after, as when cast
             gx = kernels.rms_norm_backward(g2, xhat, rstd, w, None if into is None
                                            else into.reshape(-1, n))
             gx = into if into is not None else cast(gx, dtype).reshape(x.shape)

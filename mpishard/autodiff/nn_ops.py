@@ -31,7 +31,8 @@ from ..kernels import kernels_for
 from ..kernels.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
 from ..kernels.rows import col_sum_dtype
 from .ops import as_tensor, make_result, register_op
-from .rows import bias_grad, cast, check_last_dim, draw_uniform, scatter_add, up
+from .rows import (bias_grad, cast, check_last_dim, draw_uniform, native_float16,
+                   scatter_add, up)
 from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
 from .tensor import Tensor, grad_buffer, grad_so_far
 
@@ -86,13 +87,6 @@ def _product_grad_dtype(weight, cd) -> np.dtype:
     return gd if (cd.name, gd.name) in SUPPORTED_PRODUCTS else cd
 
 
-def _native_float16(kernels, dtype) -> bool:
-    """Whether ``kernels`` take float16 rows of ``dtype`` themselves (a GPU's GELU and
-    layer norm; see [Note: float16 rows] in mpishard/kernels/gpu_norms.py) instead of
-    the op casting them up and down."""
-    return dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)
-
-
 # -- layer norm ------------------------------------------------------------
 
 @register_op
@@ -110,7 +104,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     kernels = kernels_for(xp)
     # float16 rows straight into a GPU's kernels (see [Note: float16 rows] in
     # mpishard/kernels/gpu_norms.py), else cast up (see [Note: 16-bit inputs])
-    native = _native_float16(kernels, dtype) and all(
+    native = native_float16(kernels, dtype) and all(
         t is None or t.data.dtype == dtype for t in (weight, bias))
     lift = (lambda a: a) if native else up
     x2 = lift(x.data.reshape(-1, n))                    # (N, C)
@@ -156,7 +150,7 @@ def gelu(x, bias=None) -> Tensor:
         if bias.data.dtype != x.data.dtype:
             raise ValueError(f"gelu: bias dtype {bias.data.dtype} differs from x's "
                              f"{x.data.dtype}")
-    if _native_float16(kernels, x.data.dtype):
+    if native_float16(kernels, x.data.dtype):
         return _gelu16(x, bias, a2, kernels)              # one kernel each way
     a2 = up(a2)                                         # see [Note: 16-bit inputs]
     y2, t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))  # t2 kept

@@ -14,7 +14,7 @@ from ..kernels.rows import col_sum, col_sum_dtype, row_dot, row_max, row_sum
 from .tensor import Tensor, grad_buffer
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "bias_grad", "up", "cast",
-           "check_last_dim", "scatter_add", "draw_uniform"]
+           "check_last_dim", "scatter_add", "draw_uniform", "native_float16"]
 
 
 def bias_grad(bias, g2):
@@ -69,3 +69,10 @@ def draw_uniform(rng, shape, xp, out=None):
         return u
     out[...] = u
     return out
+
+
+def native_float16(kernels, dtype) -> bool:
+    """Whether ``kernels`` take float16 rows of ``dtype`` themselves (a GPU's GELU, layer
+    norm and RMS norm; see [Note: float16 rows] in mpishard/kernels/gpu_norms.py)
+    instead of the op casting them up and down."""
+    return dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)

@@ -29,7 +29,8 @@ def _rows16(rows, *float32s) -> bool:
 # float32. The norms' RawKernels read and write the float16 rows themselves (the
 # module built with S = __half, computing in float): the values of casting the rows
 # up, running the float32 kernel and casting its results down, without the 7 cast
-# launches per layer norm around it. The ops use this where NATIVE_FLOAT16 says so;
+# launches per layer norm around it (RMS norm: the same kernels, not centred). The ops
+# use this where NATIVE_FLOAT16 says so;
 # on the strict module the same math runs as the reference on the cast rows, one
 # launch per kernel.
 
@@ -68,18 +69,27 @@ def _norm_forward16(x, weight, bias, eps: float, centred: bool):
     return y, xhat, rstd
 
 
+def _forward16(x, weight, bias, eps: float, centred: bool):
+    """Either norm's forward of float16 rows (see [Note: float16 rows]): the __half
+    kernel (on the strict module the reference on the cast rows, one launch), or for
+    rows it does not take the float32 path on rows cast up, cast down after."""
+    xp = xp_of(x)
+    name = "layer_norm_forward" if centred else "rms_norm_forward"
+    args = (weight, bias) if centred else (weight,)
+    if _is_strict(xp) and _rows16((x, *args)):
+        with xp.syncs.fused(f"mpishard_{name}"):
+            y, h, r = getattr(reference, name)(up32(x), *(up32(a) for a in args), eps)
+            return y.astype(np.float16), h, r
+    if _rows16((x, *args)):
+        return _norm_forward16(x, weight, bias, eps, centred)
+    y, h, r = globals()[name](up32(x), *(up32(a) for a in args), eps)
+    return y.astype(np.float16), h, r
+
+
 def layer_norm_forward(x, weight, bias, eps: float):
     xp = xp_of(x)
     if x.dtype == np.float16:                                   # see [Note: float16 rows]
-        if _is_strict(xp) and _rows16((x, weight, bias)):
-            with xp.syncs.fused("mpishard_layer_norm_forward"):
-                y, h, r = reference.layer_norm_forward(up32(x), up32(weight),
-                                                       up32(bias), eps)
-                return y.astype(np.float16), h, r
-        if _rows16((x, weight, bias)):
-            return _norm_forward16(x, weight, bias, eps, centred=True)
-        y, h, r = layer_norm_forward(up32(x), up32(weight), up32(bias), eps)
-        return y.astype(np.float16), h, r
+        return _forward16(x, weight, bias, eps, centred=True)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_layer_norm_forward"):
             return reference.layer_norm_forward(x, weight, bias, eps)
@@ -147,6 +157,8 @@ def layer_norm_backward(g, xhat, rstd, weight, into=None):
 
 def rms_norm_forward(x, weight, eps: float):
     xp = xp_of(x)
+    if x.dtype == np.float16:                                   # see [Note: float16 rows]
+        return _forward16(x, weight, None, eps, centred=False)
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_rms_norm_forward"):
             return reference.rms_norm_forward(x, weight, eps)
