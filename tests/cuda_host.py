@@ -25,11 +25,14 @@ source as C++20 against a small shim (:data:`SHIM`) and runs it:
   as a NULL pointer, so a kernel that reads it anyway crashes the test instead of
   reading garbage (``HostKernel.null_pointers`` names them).
 
-What it proves: the kernel's arithmetic, indexing, shared memory and barriers give
-the reference results for the launch shapes the caller uses. What it does not:
-speed, the device's own rounding of ``exp`` and ``tanh`` (the host libm's here),
-memory races that a barrier-exact schedule hides, or anything of the GPU's memory
-model. Compiled libraries are cached by the hash of their source under the system
+A warp shuffle in a warp of fewer than 32 threads (undefined on a GPU) fails the
+launch. What it proves: the kernel's arithmetic, indexing, shared memory and
+barriers give the reference results for the launch shapes the caller uses. What
+it does not: speed, register and shared-memory limits, the device's own rounding
+(``exp``, ``tanh``, and multiply-adds NVRTC contracts into FMAs, which this build
+does not), memory races that a barrier-exact schedule hides, reads of shared
+memory before any write (here zeros, or the last block's values; on a GPU
+garbage), or anything of the GPU's memory model. Compiled libraries are cached by the hash of their source under the system
 temporary directory.
 """
 from __future__ import annotations
@@ -69,6 +72,8 @@ inline thread_local dim3 thread_idx, block_idx;
 inline thread_local int lane = 0, warp = 0;
 inline std::barrier<>* block_barrier = nullptr;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline std::vector<unsigned> warp_lanes;
+inline std::atomic<bool> partial_shuffle{false};
 inline unsigned char warp_slots[32][32][8];
 inline std::mutex atomic_lock;
 }
@@ -89,6 +94,7 @@ inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barriers[emu::warp]->arrive_and_wait(); }
 
 template <class V> V emu_exchange(V v, int src, bool keep) {
+  if (emu::warp_lanes[emu::warp] < 32) emu::partial_shuffle = true;  /* undefined on a GPU */
   std::memcpy(emu::warp_slots[emu::warp][emu::lane], &v, sizeof(V));
   emu::warp_barriers[emu::warp]->arrive_and_wait();
   V r = v;
@@ -150,8 +156,12 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body) {
   std::barrier<> bar(n);
   block_barrier = &bar;
   warp_barriers.clear();
-  for (unsigned w = 0; w * 32 < n; ++w)
+  warp_lanes.clear();
+  partial_shuffle = false;
+  for (unsigned w = 0; w * 32 < n; ++w) {
     warp_barriers.emplace_back(new std::barrier<>(std::min(32u, n - 32 * w)));
+    warp_lanes.push_back(std::min(32u, n - 32 * w));
+  }
   std::vector<Start> starts(n);
   std::vector<pthread_t> threads(n);
   pthread_attr_t attr;
@@ -163,7 +173,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body) {
   }
   for (unsigned i = 0; i < n; ++i) pthread_join(threads[i], nullptr);
   pthread_attr_destroy(&attr);
-  return 0;
+  return partial_shuffle ? 3 : 0;
 }
 }
 """
@@ -274,6 +284,9 @@ class HostKernel:
                 values.append(arg.item() if isinstance(arg, np.generic) else arg)
         with _lock:
             rc = self._fn(*[int(v) for v in grid], *[int(v) for v in block], *values)
+        if rc == 3:
+            raise RuntimeError(f"{self.name}: a warp shuffle in a warp of fewer than 32 "
+                               f"threads (block {block}): undefined on a GPU")
         if rc:
             raise RuntimeError(f"{self.name}: launch of grid {grid} x block {block} failed "
                                f"(code {rc}: at most 1,024 threads a block)")

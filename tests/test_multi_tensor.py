@@ -90,9 +90,25 @@ def test_the_sum_of_squares_kernels_are_the_reference(host_multi, dtype):
     want = reference.multi_sq_sum(arrays, np.empty(len(arrays)))
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert got[2] == 0.0                                   # the empty one
-    strided = [np.random.default_rng(2).standard_normal((4, 6)).astype(dtype)[:, ::2]]
-    got = gpu_multi.multi_sq_sum(strided, np.empty(1))      # not contiguous: the reference
-    np.testing.assert_allclose(got, reference.multi_sq_sum(strided, np.empty(1)))
+
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_arrays_the_kernels_do_not_take_go_one_by_one(host_multi, monkeypatch, dtype):
+    """A strided or 16-bit gradient among them: that one through the one-array kernel,
+    the others still together, every slot right."""
+    one_by_one = []
+
+    def sq_sum(x, out):
+        one_by_one.append(x.shape)
+        return reference.sq_sum(x, out)
+    monkeypatch.setattr(gpu_multi, "sq_sum", sq_sum)
+    r = np.random.default_rng(2)
+    arrays = [r.standard_normal(700).astype(dtype), r.standard_normal((4, 6)).astype(dtype)[:, ::2],
+              r.standard_normal(5).astype(dtype), r.standard_normal(9).astype(np.float16)]
+    got = gpu_multi.multi_sq_sum(arrays, np.full(4, np.nan))
+    np.testing.assert_allclose(got, reference.multi_sq_sum(arrays, np.empty(4)), rtol=1e-12)
+    assert one_by_one == [(4, 3), (9,)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

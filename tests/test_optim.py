@@ -180,3 +180,34 @@ def test_the_device_norm_is_two_kernels_for_all_gradients_and_one_read(dtype):
     assert strict.syncs.count == 1
     device[1][2] = np.inf
     assert grad_sq_sum(device) == math.inf
+
+
+def test_an_optimizer_whose_step_takes_no_grad_scale_still_gets_clipped_gradients():
+    """A strategy hands its unscale-and-clip factor to ``step(grad_scale=...)``; an
+    optimizer with its own ``step()`` gets its gradients scaled in place first, the same
+    update either way."""
+    from mpishard.comm import Mesh
+    from mpishard.comm.testing import make_test_comm
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.parallel import ParallelModel
+
+    class OwnStep(AdamW):
+        def step(self):                       # an optimizer written before grad_scale
+            super().step()
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    results = []
+    for cls in (AdamW, OwnStep):
+        comm = make_test_comm("self")
+        try:
+            run = ParallelModel(GPT(cfg, seed=0, dtype="float64", materialize_now=False),
+                                Mesh(comm, dp=1), strategy="ddp")
+            opt = cls(run.parameters(), lr=1e-2)
+            x = np.random.default_rng(0).integers(0, 32, (2, 8))
+            run.train_step(x, x)
+            assert run.step(opt, max_norm=1e-3).grad_norm > 1e-3     # clipping applied
+            results.append([p.data.copy() for p in run.module.parameters()])
+        finally:
+            comm.free()
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)

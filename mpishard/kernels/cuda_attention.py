@@ -21,8 +21,11 @@ use them: ``qkv`` is ``(3, B, heads, T, hs)`` (q, k, v), the output and its
 gradient ``(B, heads, T, hs)``, the gradients ``(3, B, heads, T, hs)``. Rows are
 stored as ``S`` (float, double or ``__half``) and computed in ``T`` (float for
 ``__half`` and float, double for double); the head size is a compile-time
-constant ``HS`` (the per-thread rows live in registers), one module per head
-size. A block is ``TILE`` threads, one row each (grid: the ``B heads`` planes along
+constant ``HS``, one module per head size. A thread keeps its rows in arrays of
+``HS`` (forward 2 of them, dq 3, dk and dv 4): at a head size of 64, 256 floats
+for dk and dv, more than a thread's 255 registers, so some spill to local memory.
+Fine for correctness; how much it costs is for a GPU to say (splitting a row's
+head dimension over several threads is the remedy). A block is ``TILE`` threads, one row each (grid: the ``B heads`` planes along
 x, the row tiles along y), and the other operand's tile
 (``TILE`` rows of k and v, or of q and dO) is staged in shared memory: 32 rows
 in single precision, 16 in double (the 48 KiB of static shared memory).

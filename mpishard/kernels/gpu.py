@@ -41,7 +41,7 @@ from .gpu_launch import (PARAM_ROW_THREADS, ROW_THREADS, _column_blocks,  # noqa
                          _compiled, _dropout_args, _flag, _is_strict, _kernel, _raw_ready,
                          _row_kernel)
 from .gpu_attention import flash_attention_backward, flash_attention_forward
-from .gpu_multi import multi_adam_update, multi_sq_sum
+from .gpu_multi import adam_update, multi_adam_update, multi_sq_sum, sq_sum
 from .gpu_norms import (layer_norm_backward, layer_norm_forward, norm_param_grads,
                         rms_norm_backward, rms_norm_forward)
 
@@ -170,16 +170,6 @@ def unpack_heads(h, need_sum: bool = False, out_sum=None, dtype=None):
     return rows, sums
 
 
-def sq_sum(x, out):
-    xp = xp_of(x)
-    if x.dtype.name not in ("float32", "float64"):  # 16-bit: the copy, the product
-        return reference.sq_sum(x, out)
-    if _is_strict(xp):
-        with xp.syncs.fused("mpishard_sq_sum"):
-            return reference.sq_sum(x, out)
-    return _kernel(xp, "mpishard_sq_sum")(x.reshape(-1), axis=0, keepdims=True, out=out)
-
-
 def dropout_backward(g, u, p: float):
     xp = xp_of(g)
     if _is_strict(xp):
@@ -250,14 +240,3 @@ def swiglu_backward(gate, up, s, grad, need_gate: bool = True, need_up: bool = T
     else:
         g_gate, g_up = _kernel(xp, "mpishard_swiglu_backward")(gate, up, s, grad)
     return (g_gate if need_gate else None), (g_up if need_up else None)
-
-
-def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
-                inv_bias2: float, eps: float) -> None:
-    xp = xp_of(param)
-    if _is_strict(xp):
-        with xp.syncs.fused("mpishard_adam_update"):
-            reference.adam_update(param, grad, m, v, beta1, beta2, step_size, inv_bias2, eps)
-        return
-    _kernel(xp, "mpishard_adam_update")(grad, beta1, beta2, step_size, inv_bias2, eps,
-                                        param, m, v)

@@ -21,8 +21,8 @@ from .gpu_launch import _compiled, _is_strict
 __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
            "MAX_HEAD_SIZE"]
 
-#: the largest head size the kernels take (a thread's rows live in registers, and the
-#: tiles of k and v of 32 rows in 48 KiB of shared memory)
+#: the largest head size the kernels take (a thread's rows are arrays of the head size,
+#: and the tiles of k and v of 32 rows must fit 48 KiB of shared memory)
 MAX_HEAD_SIZE = 128
 _STORAGE = {"float16": "__half", "float32": "float", "float64": "double"}
 
@@ -30,7 +30,9 @@ _STORAGE = {"float16": "__half", "float32": "float", "float64": "double"}
 def fused_attention_takes(hm) -> bool:
     """Whether the kernels take head-major ``hm`` (see the module docstring)."""
     return (hm.dtype.name in _STORAGE and hm.flags.c_contiguous and hm.ndim == 5
-            and 0 < hm.shape[-1] <= MAX_HEAD_SIZE)
+            and 0 < hm.shape[-1] <= MAX_HEAD_SIZE
+            and -(-hm.shape[-2] // flash_tile("double" if hm.dtype == np.float64 else "float"))
+            <= 65535)                                        # row tiles: the grid's y
 
 
 def _flash_kernel(xp, name: str, dtype, hs: int):

@@ -1,11 +1,13 @@
-"""Multi-tensor kernels on a GPU: an optimizer step, and the gradients' sums of squares,
-each over all targets in one launch (part of the GPU kernel set, :mod:`.gpu`; the
-CUDA source and the tables' layout are :mod:`.cuda_multi`'s).
+"""The optimizer's kernels on a GPU: an Adam step and the gradients' sums of squares,
+each over all targets in one launch (multi-tensor; the CUDA source and the tables'
+layout are :mod:`.cuda_multi`'s), and the one-target kernels they fall back to
+(part of the GPU kernel set, :mod:`.gpu`).
 
 ``multi_adam_update(targets, ...)`` takes ``(param, grad, m, v, decay_ranges)``
 tuples of flat, C-contiguous arrays of one dtype (float32 or float64);
 ``multi_sq_sum(arrays, out)`` C-contiguous float32 or float64 arrays. Other inputs
-run the reference, one kernel per target. The tables of addresses and chunks are
+run the GPU's one-target kernels, one launch per target (the sums of squares: those
+the multi-tensor kernels take still together). The tables of addresses and chunks are
 built on the host and copied to the device once for a set of targets (their
 addresses, sizes and decay ranges; the optimizer's targets and state live as long
 as it does) and kept in a small cache. On the CuPy-strict module the reference
@@ -20,9 +22,9 @@ import numpy as np
 from ..backend import xp_of
 from . import reference
 from .cuda_multi import CHUNK, multi_source
-from .gpu_launch import _compiled, _is_strict
+from .gpu_launch import _compiled, _is_strict, _kernel
 
-__all__ = ["multi_adam_update", "multi_sq_sum", "chunk_table"]
+__all__ = ["adam_update", "sq_sum", "multi_adam_update", "multi_sq_sum", "chunk_table"]
 
 THREADS = 256
 _tables: OrderedDict = OrderedDict()
@@ -94,9 +96,10 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
     if not targets:
         return
     xp, dtype = xp_of(targets[0][0]), targets[0][0].dtype
-    if not _takes([a for t in targets for a in t[:4]], dtype):
-        reference.multi_adam_update(targets, beta1, beta2, step_size, inv_bias2, eps,
-                                    grad_scale, decay)
+    if not _takes([a for t in targets for a in t[:4]], dtype):   # float16 targets, views:
+        reference.for_each_target(                               # one kernel per target
+            targets, grad_scale, decay, lambda p, g, m, v: adam_update(
+                p, g, m, v, beta1, beta2, step_size, inv_bias2, eps))
         return
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_multi_adam"):
@@ -117,9 +120,20 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
 def multi_sq_sum(arrays, out):
     xp = xp_of(out)
     flat = [a.reshape(-1) if a.flags.c_contiguous else a for a in arrays]
-    dtype = flat[0].dtype if flat else np.dtype(np.float32)
+    dtype = next((a.dtype for a in flat if a.dtype.name in ("float32", "float64")),
+                 np.dtype(np.float32))
     if not flat or not _takes(flat, dtype):
-        return reference.multi_sq_sum(arrays, out)
+        # one kernel per array, but those the multi-tensor kernels take together
+        taken = [i for i, a in enumerate(flat) if _takes([a], dtype)]
+        if len(taken) > 1:
+            sums = multi_sq_sum([flat[i] for i in taken],
+                                xp.empty(len(taken), dtype=np.float64))
+            out[xp.asarray(np.asarray(taken, dtype=np.int64))] = sums
+        else:
+            taken = []
+        for i in sorted(set(range(len(flat))) - set(taken)):
+            sq_sum(arrays[i], out[i:i + 1])
+        return out
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_multi_sq_sum"):         # the chunks' sums, then
             reference.multi_sq_sum(arrays, out)
@@ -135,3 +149,24 @@ def multi_sq_sum(arrays, out):
     _multi_kernel(xp, "mpishard_multi_sq_total", dtype)(
         (-(-len(flat) // THREADS),), (THREADS,), (partial, first, np.int32(len(flat)), out))
     return out
+
+
+def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
+                inv_bias2: float, eps: float) -> None:
+    xp = xp_of(param)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_adam_update"):
+            reference.adam_update(param, grad, m, v, beta1, beta2, step_size, inv_bias2, eps)
+        return
+    _kernel(xp, "mpishard_adam_update")(grad, beta1, beta2, step_size, inv_bias2, eps,
+                                        param, m, v)
+
+
+def sq_sum(x, out):
+    xp = xp_of(x)
+    if x.dtype.name not in ("float32", "float64"):  # 16-bit: the copy, the product
+        return reference.sq_sum(x, out)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_sq_sum"):
+            return reference.sq_sum(x, out)
+    return _kernel(xp, "mpishard_sq_sum")(x.reshape(-1), axis=0, keepdims=True, out=out)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import fused_attention
 from .gpt_activations import (_objects, _row_parallel, _width, attention_bytes, head_and_loss,
                               routing_indices, split_of, token_rows)
 
@@ -105,7 +106,8 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         else:
             total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
             total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
-        total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode)          # attention
+        fused = not attn.takes_fused_path() and fused_attention(model.backend.xp, hs, False)
+        total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode, fused)   # attention
         total += N * C * c + Ns * C * c * _row_parallel(attn.o_proj)     # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds

@@ -53,6 +53,7 @@ tied copy on another pipeline stage (``spec.replica``) never.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -62,7 +63,6 @@ from ..backend import MemoryLedger
 from ..dtypes import resolve_dtype
 from ..nn.init import materialize
 from ..optim.clip import clip_coefficient
-from ..optim.optimizers import Optimizer
 from .pieces import gather_full_params, replicated_pieces
 from .precision import LossScaler, Precision
 
@@ -372,7 +372,7 @@ class Strategy:
         if skipped:
             self.skipped_steps += 1
         else:
-            if isinstance(optimizer, Optimizer):   # the factor inside the update
+            if _takes_grad_scale(optimizer):       # the factor inside the update
                 optimizer.step(grad_scale=factor)
             else:
                 if factor != 1.0:
@@ -383,3 +383,12 @@ class Strategy:
         self.zero_grad()
         self.steps += 1
         return StepResult(norm, skipped, self.steps)
+
+
+def _takes_grad_scale(optimizer) -> bool:
+    """Whether ``optimizer.step`` takes ``grad_scale`` (mpishard's optimizers do; another
+    one, or a subclass with its own ``step()``, gets its gradients scaled first)."""
+    try:
+        return "grad_scale" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return False
