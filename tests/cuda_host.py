@@ -336,3 +336,27 @@ class HostModule:
         if name not in self.kernels:
             raise KeyError(f"no kernel {name!r} in the module (it has {sorted(self.kernels)})")
         return HostKernel(self._lib, name, self.kernels[name])
+
+
+_host_modules: dict = {}
+
+
+def host_raw_function(xp, key: str, source):
+    """A stand-in for the GPU kernel set's ``_raw_function`` (mpishard/kernels/gpu_launch.py):
+    the same module source and kernel name, compiled for the host (one module per source)."""
+    code = source()
+    if code not in _host_modules:
+        _host_modules[code] = HostModule(code)
+    return _host_modules[code].get_function(key)
+
+
+def use_host_kernels(monkeypatch) -> None:
+    """Make the GPU kernel set's RawKernels (row kernels, fused attention, multi-tensor)
+    run on the host for the rest of a test: skips it where there is no compiler."""
+    import pytest
+
+    from mpishard.kernels import gpu_attention, gpu_launch, gpu_multi
+    if host_compiler() is None:
+        pytest.skip("no g++ to compile CUDA C for the host")
+    for module in (gpu_launch, gpu_attention, gpu_multi):
+        monkeypatch.setattr(module, "_raw_function", host_raw_function)

@@ -15,13 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_host import HostModule, host_compiler
+from cuda_host import use_host_kernels
 from mpishard import kernels, strict
 from mpishard.autodiff import Tensor
 from mpishard.autodiff.softmax_ops import causal_self_attention
 from mpishard.backend import Backend
 from mpishard.kernels import gpu_attention, reference
-from mpishard.kernels.cuda_attention import flash_source
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
 
@@ -60,18 +59,7 @@ def test_the_fused_math_is_attention(B, nh, T, hs, dtype, tol):
 @pytest.fixture
 def host_flash(monkeypatch):
     """The kernel set's flash kernels compiled for the host (same source and names)."""
-    if host_compiler() is None:
-        pytest.skip("no g++ to compile CUDA C for the host")
-    modules = {}
-
-    def flash_kernel(xp, name, dtype, hs):
-        S = {"float16": "__half", "float32": "float", "float64": "double"}[np.dtype(dtype).name]
-        key = (S, hs)
-        if key not in modules:
-            modules[key] = HostModule(flash_source("double" if S == "double" else "float",
-                                                   S, hs))
-        return modules[key].get_function(f"{name}_{'half' if S == '__half' else S}_{hs}")
-    monkeypatch.setattr(gpu_attention, "_flash_kernel", flash_kernel)
+    use_host_kernels(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5),

@@ -13,31 +13,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_host import HostModule, host_compiler
-from mpishard.kernels import gpu, gpu_launch, gpu_norms, reference
-from mpishard.kernels.cuda_sources import row_kernel_source
+from cuda_host import host_compiler, use_host_kernels
+from mpishard.kernels import gpu, gpu_launch, reference
 
 pytestmark = pytest.mark.skipif(host_compiler() is None,
                                 reason="no g++ to compile CUDA C for the host")
 
 TOL = {np.float64: 1e-12, np.float32: 3e-5}
-_modules: dict = {}
-
-
-def _host_row_kernel(xp, name: str, dtype, rows16: bool = False):
-    """gpu_launch._row_kernel's twin: the same source and name, compiled for the host."""
-    assert xp is np
-    T = "float" if dtype == "float32" else "double"
-    key = (T, rows16)
-    if key not in _modules:
-        _modules[key] = HostModule(row_kernel_source(T, "__half" if rows16 else None))
-    return _modules[key].get_function(f"{name}_{T}_h" if rows16 else f"{name}_{T}")
-
-
 @pytest.fixture(autouse=True)
 def host_kernels(monkeypatch):
-    for module in (gpu, gpu_norms, gpu_launch):
-        monkeypatch.setattr(module, "_row_kernel", _host_row_kernel)
+    use_host_kernels(monkeypatch)
 
 
 def _rand(shape, dtype, seed=0):
@@ -187,7 +172,7 @@ def test_the_emulation_checks_argument_dtypes():
     """A float64 scalar where the kernel takes a float is refused: on a GPU CuPy would
     pass its 8 bytes and the kernel would read garbage."""
     a = _rand((4, 4), np.float32)
-    kernel = _host_row_kernel(np, "mpishard_causal_softmax", "float32")
+    kernel = gpu_launch._row_kernel(np, "mpishard_causal_softmax", "float32")
     with pytest.raises(TypeError, match="scale is float, got float64"):
         kernel((4,), (gpu_launch.ROW_THREADS,),
                (a, np.int32(4), np.float64(0.5), np.int32(0), a, np.float32(0), np.float32(1), a))

@@ -14,9 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuda_host import HostModule, host_compiler
+from cuda_host import use_host_kernels
 from mpishard.kernels import gpu_multi, reference
-from mpishard.kernels.cuda_multi import multi_source
 
 
 @settings(max_examples=60, deadline=None)
@@ -45,16 +44,7 @@ def test_the_chunk_table_covers_each_element_once(sizes, chunk, data):
 
 @pytest.fixture
 def host_multi(monkeypatch):
-    if host_compiler() is None:
-        pytest.skip("no g++ to compile CUDA C for the host")
-    modules = {}
-
-    def multi_kernel(xp, name, dtype):
-        T = "double" if np.dtype(dtype) == np.float64 else "float"
-        if T not in modules:
-            modules[T] = HostModule(multi_source(T))
-        return modules[T].get_function(f"{name}_{T}")
-    monkeypatch.setattr(gpu_multi, "_multi_kernel", multi_kernel)
+    use_host_kernels(monkeypatch)
     monkeypatch.setattr(gpu_multi, "CHUNK", 512)        # several chunks per target
     gpu_multi._tables.clear()
     yield

@@ -61,7 +61,7 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     T, C = N // B, width // 3
     hs = C // n_head
     if fused_attention(xp, hs, use_dropout):
-        return _fused_attention(xp, qkv_data, n_head, B, scale, cd, kernels, bias)
+        return _fused_attention(xp, qkv_data, n_head, B, T, hs, scale, cd, kernels, bias)
     hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
     att = batched_matmul(hm[0], hm[1], trans_b=True, out_dtype=sd)   # (B, nh, T, T), kept
     rows = att.reshape(-1, T)
@@ -100,13 +100,11 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     return out.reshape(N, C), backward
 
 
-def _fused_attention(xp, qkv_data, n_head: int, B: int, scale: float, cd, kernels, bias=None):
+def _fused_attention(xp, qkv_data, n_head: int, B: int, T: int, hs: int, scale: float, cd,
+                     kernels, bias=None):
     """:func:`device_attention` on the fused kernels (no dropout): keeps the head-major
     output ``y`` and the rows' log-sum-exp ``lse``, which backward needs beside q, k and
     v (copied into the head-major layout again)."""
-    N, width = qkv_data.shape
-    T, C = N // B, width // 3
-    hs = C // n_head
     hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
     y, lse = kernels.flash_attention_forward(hm, scale)          # (B, nh, T, hs), (B, nh, T)
     del hm
@@ -120,4 +118,4 @@ def _fused_attention(xp, qkv_data, n_head: int, B: int, scale: float, cd, kernel
         dh = kernels.flash_attention_backward(hm, y, gy, lse, scale)
         del hm, gy
         return kernels.unpack_heads(dh, need_bias, bias_out, qkv_data.dtype)
-    return out.reshape(N, C), backward
+    return out.reshape(B * T, n_head * hs), backward

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference
-from .reference import GELU_C, GELU_K, apply_dropout, for_each_target, scale_and_mask
+from .reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
 from .rows import col_sum, row_dot, row_max, row_sum
 from .threads import for_rows
 
@@ -279,9 +279,4 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
         span(full, p1.size)
 
 
-def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
-                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
-                      decay: float = 1.0) -> None:
-    """The reference's loop over the targets, each updated by :func:`adam_update`."""
-    for_each_target(targets, grad_scale, decay, lambda p, g, m, v: adam_update(
-        p, g, m, v, beta1, beta2, step_size, inv_bias2, eps))
+multi_adam_update = reference.multi_adam(adam_update)   # target by target

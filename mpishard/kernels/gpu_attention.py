@@ -16,7 +16,7 @@ import numpy as np
 from ..backend import xp_of
 from . import reference
 from .cuda_attention import flash_source, flash_tile
-from .gpu_launch import _compiled, _is_strict
+from .gpu_launch import _is_strict, _raw_function
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
            "MAX_HEAD_SIZE"]
@@ -27,31 +27,33 @@ MAX_HEAD_SIZE = 128
 _STORAGE = {"float16": "__half", "float32": "float", "float64": "double"}
 
 
+def _compute(dtype) -> tuple:
+    """``(C type, NumPy dtype)`` the kernels compute rows of ``dtype`` in: double for
+    float64, else float."""
+    return ("double", np.dtype(np.float64)) if dtype == np.float64 else \
+        ("float", np.dtype(np.float32))
+
+
 def fused_attention_takes(hm) -> bool:
     """Whether the kernels take head-major ``hm`` (see the module docstring)."""
     return (hm.dtype.name in _STORAGE and hm.flags.c_contiguous and hm.ndim == 5
             and 0 < hm.shape[-1] <= MAX_HEAD_SIZE
-            and -(-hm.shape[-2] // flash_tile("double" if hm.dtype == np.float64 else "float"))
-            <= 65535)                                        # row tiles: the grid's y
+            and -(-hm.shape[-2] // flash_tile(_compute(hm.dtype)[0])) <= 65535)  # grid's y
 
 
 def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
     S = _STORAGE[np.dtype(dtype).name]
-    T = "double" if S == "double" else "float"
-    key = f"{name}_{'half' if S == '__half' else S}_{hs}"
-    kernel = _compiled.get(key)
-    if kernel is None:
-        kernel = _compiled[key] = xp.RawModule(code=flash_source(T, S, hs)).get_function(key)
-    return kernel
+    T = _compute(dtype)[0]
+    return _raw_function(xp, f"{name}_{'half' if S == '__half' else S}_{hs}",
+                         lambda: flash_source(T, S, hs))
 
 
 def _launch(hm):
     """``(grid, block, BH, T, compute dtype)`` of the kernels for ``hm``."""
     _, B, heads, T, hs = hm.shape
-    tile = flash_tile("double" if hm.dtype == np.float64 else "float")
-    return (B * heads, -(-T // tile)), (tile,), B * heads, T, \
-        np.dtype(np.float64 if hm.dtype == np.float64 else np.float32)
+    ctype, fd = _compute(hm.dtype)
+    return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
 
 
 def flash_attention_forward(hm, scale: float):
@@ -74,7 +76,7 @@ def flash_attention_backward(hm, y, gy, lse, scale: float):
     xp = xp_of(hm)
     ready = (fused_attention_takes(hm) and all(a.dtype == hm.dtype and a.flags.c_contiguous
                                                for a in (y, gy))
-             and lse.flags.c_contiguous and lse.dtype == _launch(hm)[4])
+             and lse.flags.c_contiguous and lse.dtype == _compute(hm.dtype)[1])
     if not ready:
         return reference.flash_attention_backward(hm, y, gy, lse, scale)
     if _is_strict(xp):

@@ -31,16 +31,20 @@ def _kernel(xp, name: str):
     return kernel
 
 
+def _raw_function(xp, key: str, source):
+    """The RawKernel ``key`` of the module ``source()`` builds, compiled once and kept."""
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compiled[key] = xp.RawModule(code=source()).get_function(key)
+    return kernel
+
+
 def _row_kernel(xp, name: str, dtype, rows16: bool = False):
     """The RawKernel ``name`` of :data:`ROW_KERNELS` for ``dtype`` (float32 or float64;
     with ``rows16``, float32 with the norms' rows in float16)."""
     T = "float" if dtype == "float32" else "double"
-    key = f"{name}_{T}_h" if rows16 else f"{name}_{T}"
-    kernel = _compiled.get(key)
-    if kernel is None:
-        code = row_kernel_source(T, "__half" if rows16 else None)
-        kernel = _compiled[key] = xp.RawModule(code=code).get_function(key)
-    return kernel
+    return _raw_function(xp, f"{name}_{T}_h" if rows16 else f"{name}_{T}",
+                         lambda: row_kernel_source(T, "__half" if rows16 else None))
 
 
 def _raw_ready(*arrays, drop_u=None) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 from ..backend import xp_of
 from . import reference
 from .cuda_multi import CHUNK, multi_source
-from .gpu_launch import _compiled, _is_strict, _kernel
+from .gpu_launch import _is_strict, _kernel, _raw_function
 
 __all__ = ["adam_update", "sq_sum", "multi_adam_update", "multi_sq_sum", "chunk_table"]
 
@@ -38,11 +38,7 @@ def _address(a) -> int:
 
 def _multi_kernel(xp, name: str, dtype):
     T = "double" if np.dtype(dtype) == np.float64 else "float"
-    key = f"{name}_{T}"
-    kernel = _compiled.get(key)
-    if kernel is None:
-        kernel = _compiled[key] = xp.RawModule(code=multi_source(T)).get_function(key)
-    return kernel
+    return _raw_function(xp, f"{name}_{T}", lambda: multi_source(T))
 
 
 def chunk_table(sizes, decay_ranges=None) -> tuple:
@@ -97,9 +93,8 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
         return
     xp, dtype = xp_of(targets[0][0]), targets[0][0].dtype
     if not _takes([a for t in targets for a in t[:4]], dtype):   # float16 targets, views:
-        reference.for_each_target(                               # one kernel per target
-            targets, grad_scale, decay, lambda p, g, m, v: adam_update(
-                p, g, m, v, beta1, beta2, step_size, inv_bias2, eps))
+        _one_by_one(targets, beta1, beta2, step_size, inv_bias2, eps,   # one kernel per
+                    grad_scale, decay)                                  # target
         return
     if _is_strict(xp):
         with xp.syncs.fused("mpishard_multi_adam"):
@@ -170,3 +165,7 @@ def sq_sum(x, out):
         with xp.syncs.fused("mpishard_sq_sum"):
             return reference.sq_sum(x, out)
     return _kernel(xp, "mpishard_sq_sum")(x.reshape(-1), axis=0, keepdims=True, out=out)
+
+
+#: :func:`multi_adam_update`'s fallback: :func:`adam_update` target by target
+_one_by_one = reference.multi_adam(adam_update)

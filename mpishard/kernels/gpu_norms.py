@@ -74,16 +74,20 @@ def _forward16(x, weight, bias, eps: float, centred: bool):
     kernel (on the strict module the reference on the cast rows, one launch), or for
     rows it does not take the float32 path on rows cast up, cast down after."""
     xp = xp_of(x)
-    name = "layer_norm_forward" if centred else "rms_norm_forward"
-    args = (weight, bias) if centred else (weight,)
-    if _is_strict(xp) and _rows16((x, *args)):
-        with xp.syncs.fused(f"mpishard_{name}"):
-            y, h, r = getattr(reference, name)(up32(x), *(up32(a) for a in args), eps)
-            return y.astype(np.float16), h, r
-    if _rows16((x, *args)):
+    if _rows16((x, weight, bias)) and not _is_strict(xp):
         return _norm_forward16(x, weight, bias, eps, centred)
-    y, h, r = globals()[name](up32(x), *(up32(a) for a in args), eps)
-    return y.astype(np.float16), h, r
+
+    def cast_up(layer_norm, rms_norm):      # the float32 math on the rows cast up, the
+        if centred:                         # output cast down
+            y, h, r = layer_norm(up32(x), up32(weight), up32(bias), eps)
+        else:
+            y, h, r = rms_norm(up32(x), up32(weight), eps)
+        return y.astype(np.float16), h, r
+    if _rows16((x, weight, bias)):                              # the strict module
+        with xp.syncs.fused("mpishard_layer_norm_forward" if centred
+                            else "mpishard_rms_norm_forward"):
+            return cast_up(reference.layer_norm_forward, reference.rms_norm_forward)
+    return cast_up(layer_norm_forward, rms_norm_forward)
 
 
 def layer_norm_forward(x, weight, bias, eps: float):

@@ -288,30 +288,28 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
     param -= step_size * (m / (xp.sqrt(v) * inv_bias2 + eps))
 
 
-def for_each_target(targets, grad_scale: float, decay: float, update) -> None:
-    """The multi-tensor step's math, one target at a time: for each ``(param, grad, m, v,
-    decay_ranges)`` the gradient times ``grad_scale`` (where not 1), the decay ranges of
-    ``param`` times ``decay`` (where not 1; in place on each view), then
-    ``update(param, grad, m, v)``."""
-    for param, grad, m, v, ranges in targets:
-        if grad_scale != 1.0:
-            grad = grad * grad_scale
-        if decay != 1.0:
-            for start, stop in ranges:
-                view = param[start:stop]
-                view *= decay
-        update(param, grad, m, v)
+def multi_adam(adam_update):
+    """The multi-tensor Adam step of a one-target ``adam_update`` (a kernel set's),
+    target by target (see :func:`multi_adam_update`)."""
+    def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
+                          inv_bias2: float, eps: float, grad_scale: float = 1.0,
+                          decay: float = 1.0) -> None:
+        """One AdamW step over many flat targets ``(param, grad, m, v, decay_ranges)``:
+        each gradient times ``grad_scale`` (the loss scale's and the clipping's factor),
+        each param's decay ranges times ``decay`` (decoupled weight decay, in place on
+        the views), then the Adam update (a GPU does all targets in one launch)."""
+        for param, grad, m, v, ranges in targets:
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            if decay != 1.0:
+                for start, stop in ranges:
+                    view = param[start:stop]
+                    view *= decay
+            adam_update(param, grad, m, v, beta1, beta2, step_size, inv_bias2, eps)
+    return multi_adam_update
 
 
-def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
-                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
-                      decay: float = 1.0) -> None:
-    """One AdamW step over many flat targets ``(param, grad, m, v, decay_ranges)``: each
-    gradient times ``grad_scale`` (the loss scale's and the clipping's factor), each
-    param's decay ranges times ``decay`` (decoupled weight decay), then
-    :func:`adam_update` (a GPU does all targets in one launch)."""
-    for_each_target(targets, grad_scale, decay, lambda p, g, m, v: adam_update(
-        p, g, m, v, beta1, beta2, step_size, inv_bias2, eps))
+multi_adam_update = multi_adam(adam_update)
 
 
 def multi_sq_sum(arrays, out):
