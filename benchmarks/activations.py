@@ -7,7 +7,7 @@ GPT config S (vocab 256, block 128, 4 layers, 4 heads, width 256, float32),
 batch 16 x 128 tokens, as in ``benchmarks/step.py``, built twice from the same
 seed: once plain, once with ``set_activation_checkpointing(True)``. For each,
 the memory ledger measures the bytes one training forward leaves alive for
-backward (:meth:`mpishard.backend.MemoryLedger.measure_activations`: NumPy
+backward (:meth:`mpishard.core.backend.MemoryLedger.measure_activations`: NumPy
 allocations traced by tracemalloc, minus what the ledger counts elsewhere).
 Then full steps (forward, backward, AdamW) are timed, alternating plain and
 checkpointed step by step so both see the same machine load, untraced. The

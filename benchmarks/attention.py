@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpishard.autodiff import Tensor  # noqa: E402
 from mpishard.autodiff.softmax_ops import causal_self_attention  # noqa: E402
-from mpishard.backend import Backend  # noqa: E402
+from mpishard.core.backend import Backend  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 

@@ -22,7 +22,7 @@ checkpointing (``ledger.measure_activations``).
 
 ``zero3`` (every rank of the launch; ranks share the visible GPUs): ZeRO-3 at
 dp = world size, per rank the ledger's bytes by category and the CuPy pool's
-bytes after a few steps, against ``plan_memory``'s prediction.
+bytes after a few steps, against ``estimate_memory``'s prediction.
 
 ``dtypes`` (one rank): what the array module does with float16 and bfloat16
 (``ml_dtypes``): elementwise work, a 2-D matrix product, an attention-shaped
@@ -37,7 +37,7 @@ Prints readable lines and, with ``--json``, writes everything to one file
 failure (``failures`` in the JSON): every loss finite and the last below the
 first, at most one float16 step skipped by the loss scale, and under ZeRO-3 each
 rank's model state -- the CuPy pool's bytes in use on a GPU, the ledger's on
-NumPy -- within 10% of ``plan_memory``. With ``--backend cupy`` where CuPy does
+NumPy -- within 10% of ``estimate_memory``. With ``--backend cupy`` where CuPy does
 not import or sees no GPU, the benchmark says so, writes ``{"status":
 "skipped", "reason": ...}`` and exits 0.
 """
@@ -59,11 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mpi4py import MPI  # noqa: E402
 
 from mpishard.autodiff.profile import op_profile  # noqa: E402
-from mpishard.backend import Backend, cupy_or_none  # noqa: E402
+from mpishard.core.backend import Backend, cupy_or_none  # noqa: E402
 from mpishard.comm import Communicator, Mesh, node_local_rank  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
-from mpishard.parallel import ZeRO, plan_memory, wrap_model  # noqa: E402
+from mpishard.parallel import ZeRO, wrap_model
+from mpishard.planning.memory import estimate_memory  # noqa: E402
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -296,7 +297,7 @@ def run_zero3(args, cfg: GPTConfig) -> dict:
         backend = fresh_backend(args.backend, local_rank)
         if backend.name == "cupy":
             report["gpus_visible"] = int(backend.xp.cuda.runtime.getDeviceCount())
-        plan = plan_memory(GPT(cfg, materialize_now=False), "zero3", world.size,
+        plan = estimate_memory(GPT(cfg, materialize_now=False), "zero3", world.size,
                            precision=precision)
         model = GPT(cfg, seed=0, backend=backend, materialize_now=False)
         strategy = ZeRO(model, Mesh(world, dp=world.size), stage=3, precision=precision)

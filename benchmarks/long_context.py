@@ -11,7 +11,7 @@ layouts with the same depth). Four figures, each printed with its target:
 
 1. Activation bytes per rank at sequence 2048 (the ledger's
    ``measure_activations`` on one ``train_step``, see [Note: measured
-   activations] in mpishard/parallel/pipeline.py): cp4 (ring attention) vs dp4
+   activations] in mpishard/parallel/pipeline/schedule.py): cp4 (ring attention) vs dp4
    with the same per-rank batch, and tp4 with ``sequence_parallel=True`` vs tp4
    without (reported as not available where sequence parallelism is not).
 2. The longest sequence (a multiple of 8) that trains within a fixed per-rank
@@ -53,7 +53,7 @@ from mpishard.comm.mesh import node_of, ranks_per_node  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
 from mpishard.parallel import ParallelModel  # noqa: E402
-from mpishard.parallel.cp_ops import ring_attention, ring_kv_bytes, zigzag_slice  # noqa: E402
+from mpishard.parallel.context.attention import ring_attention, ring_kv_bytes, zigzag_slice  # noqa: E402
 
 CONFIG_S = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 WORLD = 4

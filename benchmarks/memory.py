@@ -5,14 +5,14 @@
     mpiexec -n 4 python -m mpi4py benchmarks/memory.py --n-layer 8 --n-head 8 --n-embd 512
 
 Every rank gets a memory budget: ``Backend.resolve("numpy", memory_budget=BYTES)``
-is the model's backend, so its :class:`~mpishard.backend.MemoryLedger` raises
-:class:`~mpishard.backend.OutOfMemoryBudget` before an allocation (parameters,
+is the model's backend, so its :class:`~mpishard.core.backend.MemoryLedger` raises
+:class:`~mpishard.core.backend.OutOfMemoryBudget` before an allocation (parameters,
 gradients, optimizer state, gathered units, communication buffers) would pass
 it. The model, by default the nanoGPT Shakespeare-char size (6 layers, 6
 heads, width 384, vocab 256: 10.8M parameters), needs 16 bytes per parameter
 for parameters + gradients + AdamW state in float32 (165 MiB), far more than
 the default budget of 1.25x the planner's ZeRO-3 per-rank peak
-(:func:`mpishard.parallel.plan_memory`; 95 MiB at 4 ranks). Three phases run in
+(:func:`mpishard.planning.memory.estimate_memory`; 95 MiB at 4 ranks). Three phases run in
 one job, smallest first, each with a tiny batch (2 x 32 tokens per rank) so
 that model state, not activations, dominates memory:
 
@@ -48,11 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mpishard.backend import Backend, OutOfMemoryBudget  # noqa: E402
+from mpishard.core.backend import Backend, OutOfMemoryBudget  # noqa: E402
 from mpishard.comm import Communicator, Mesh, check_launcher, install_abort_hook  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
-from mpishard.parallel import DataParallel, ZeRO, plan_memory  # noqa: E402
+from mpishard.parallel import DataParallel, ZeRO
+from mpishard.planning.memory import estimate_memory  # noqa: E402
 
 MIB = 2**20
 
@@ -201,8 +202,8 @@ def main(argv=None) -> int:
     mesh = Mesh(world, dp=world.size)
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    ddp_plan = plan_memory(GPT(cfg, materialize_now=False), "ddp", world.size)
-    zero3_plan = plan_memory(GPT(cfg, materialize_now=False), "zero3", world.size)
+    ddp_plan = estimate_memory(GPT(cfg, materialize_now=False), "ddp", world.size)
+    zero3_plan = estimate_memory(GPT(cfg, materialize_now=False), "zero3", world.size)
     budget = (int(args.budget_mib * MIB) if args.budget_mib is not None
               else int(math.ceil(1.25 * zero3_plan.total_peak_bytes / MIB)) * MIB)
     whole = ddp_plan.n_params * ddp_plan.itemsize * 4   # params + grads + 2 Adam moments

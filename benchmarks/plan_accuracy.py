@@ -70,7 +70,7 @@ def _model(name: str):
 
 
 def _layout(dp, tp, pp, strategy, micro):
-    from mpishard.parallel import Layout
+    from mpishard.planning.layout import Layout
     return Layout(dp, tp, pp, strategy, batch_size=GLOBAL_BATCH // dp // micro, seq_len=SEQ,
                   micro_batches=micro)
 
@@ -190,7 +190,7 @@ def _megatron_flops(run) -> float:
 
 def published(args, say) -> dict:
     from mpishard.models import GPT, GPTConfig
-    from mpishard.parallel import Layout, plan_layout
+    from mpishard.planning.layout import Layout, estimate_layout
     from mpishard.planning import load_machine, predict_step
     machine = load_machine("a100-80gb")
     data = json.loads((ROOT / "benchmarks" / "published_runs.json").read_text())
@@ -219,7 +219,7 @@ def published(args, say) -> dict:
                         n_embd=m["hidden_size"], bias=True)
         say(f"  predicting {run['id']}")
         make = lambda cfg=cfg: GPT(cfg, materialize_now=False)       # noqa: E731
-        plan = plan_layout(make(), layout)
+        plan = estimate_layout(make(), layout)
         cost = predict_step(make, layout, machine, plan=plan)
         busiest = plan.busiest
         paper = run.get("memory", {})

@@ -156,7 +156,7 @@ def _transformers_available() -> bool:
 def _mkl_available() -> bool:
     """Whether MKL loads here (mpishard's ``MPISHARD_BLAS=mkl``), asked in a subprocess."""
     probe = ("import os; os.environ['MPISHARD_BLAS'] = 'mkl'; "
-             "from mpishard.kernels.cpu_blas import mkl_library; mkl_library()")
+             "from mpishard.kernels.cpu.blas import mkl_library; mkl_library()")
     return subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode == 0
 

@@ -126,7 +126,8 @@ def _mpishard_worker(impl: str, steps: int, warmup: int) -> dict | None:
     from mpishard.comm import Communicator, Mesh
     from mpishard.models import GPT, GPTConfig
     from mpishard.optim import AdamW
-    from mpishard.parallel import DataParallel, ZeRO, plan_memory
+    from mpishard.parallel import DataParallel, ZeRO
+    from mpishard.planning.memory import estimate_memory
 
     world = Communicator(MPI.COMM_WORLD)
     mesh = Mesh(world, dp=world.size)
@@ -160,7 +161,7 @@ def _mpishard_worker(impl: str, steps: int, warmup: int) -> dict | None:
     comm = {kind: {"calls": s["calls"] / steps, "bus_mib": s["bus_bytes"] / steps / 2**20,
                    "seconds": s["seconds"] / steps}
             for kind, s in mesh.dp.stats.snapshot().items()}
-    plan = plan_memory(GPT(GPTConfig(**CONFIG_S), materialize_now=False), kind, world.size)
+    plan = estimate_memory(GPT(GPTConfig(**CONFIG_S), materialize_now=False), kind, world.size)
     memory = {"ledger_peak_mib_rank0": {k: round(v / 2**20, 3) for k, v in
                                         model.ledger.peak_by_category().items() if v},
               "planned_mib": {k: round(v / 2**20, 3) for k, v in

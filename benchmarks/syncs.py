@@ -22,7 +22,7 @@ that is not CUDA-aware) are counted apart, as ``staged_per_step``: they move
 buffers, they decide nothing.
 
 The strict module also counts kernel launches (each operation a GPU would run
-as a kernel: see :mod:`mpishard.strict`); their number per step is what kernel
+as a kernel: see :mod:`mpishard.testing.strict`); their number per step is what kernel
 fusion has to bring down. ``launches_per_block`` is one transformer block's
 share of ``train_step`` (forward, backward, gradient reduction), measured
 rather than estimated: the launches (one rank, DDP, float32, one micro-batch,
@@ -98,8 +98,8 @@ def measure(comm, layout: str, steps: int = 2, warmup: int = 1) -> dict | None:
     Returns ``{"syncs": [per step], "staged": [per step], "sites": {line: reads}}``.
     Collective over ``comm``.
     """
-    from mpishard import strict
-    from mpishard.backend import Backend
+    from mpishard.testing import strict
+    from mpishard.core.backend import Backend
     from mpishard.comm import Mesh
     from mpishard.models import GPT
     from mpishard.optim import AdamW
@@ -138,10 +138,10 @@ def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1) -> dict:
     of the last measured step; the rest of a step is ``step``: clipping and the
     optimizer).
     """
-    from mpishard import strict
-    from mpishard.backend import Backend
+    from mpishard.testing import strict
+    from mpishard.core.backend import Backend
     from mpishard.comm import Mesh
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     from mpishard.models import GPT
     from mpishard.optim import AdamW
     from mpishard.parallel import ParallelModel
@@ -206,7 +206,7 @@ def _report_launches(figures: dict) -> None:
 def _worker(steps: int) -> dict:
     from mpi4py import MPI
 
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
 
     world = MPI.COMM_WORLD
     out: dict = {"host_syncs_per_step": {}, "per_rank": {}, "staged_per_step": {},

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import mpishard
 from mpishard.comm import Communicator, Mesh
-from mpishard.data import BatchSampler, load_corpus
+from mpishard.data.corpus import BatchSampler, load_corpus
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
 from mpishard.parallel import ParallelModel

@@ -14,7 +14,7 @@ from mpi4py import MPI
 import mpishard
 from mpishard.autodiff import no_grad
 from mpishard.comm import Communicator, Mesh
-from mpishard.data import ArraySampler, load_digits
+from mpishard.data.corpus import ArraySampler, load_digits
 from mpishard.models import MLPClassifier
 from mpishard.optim import AdamW
 from mpishard.parallel import DataParallel

@@ -6,8 +6,8 @@ MPI; ``mpishard.comm`` does, when it is imported.
 """
 __version__ = "0.1.0"
 
-from .autodiff import Tensor, no_grad  # noqa: E402
-from .backend import Backend, MemoryLedger, OutOfMemoryBudget  # noqa: E402
+from mpishard.autodiff import Tensor, no_grad  # noqa: E402
+from mpishard.core.backend import Backend, MemoryLedger, OutOfMemoryBudget  # noqa: E402
 
 __all__ = ["__version__", "Tensor", "no_grad", "Backend", "MemoryLedger",
            "OutOfMemoryBudget", "install_abort_hook"]
@@ -19,6 +19,6 @@ def install_abort_hook(*communicators, threads: bool = True) -> None:
     See :func:`mpishard.comm.install_abort_hook` (imported here lazily, so that
     ``import mpishard`` does not initialise MPI).
     """
-    from .comm import install_abort_hook as install  # noqa: PLC0415
+    from mpishard.comm import install_abort_hook as install  # noqa: PLC0415
 
     install(*communicators, threads=threads)

@@ -3,7 +3,7 @@
 Launched as ``mpiexec ... python -m mpi4py -m mpishard ...``, a non-zero exit
 would make mpi4py call ``MPI_Abort`` (and MPI print its abort lines on every
 rank). An error the ranks agreed on (every rank returns the same status, see
-mpishard.cli; usage errors too) is not a crash: MPI is finalised here, then
+mpishard.cli.main; usage errors too) is not a crash: MPI is finalised here, then
 every rank exits with that status through the normal interpreter exit. That
 exit matters: MPI libraries finish their handshake with the launcher in exit
 handlers (without it MPICH's Hydra takes the first rank to leave for a crash,
@@ -109,7 +109,7 @@ def bind_device_before_mpi(argv: list, environ=None) -> dict | None:
 
 def _main() -> None:
     bind_device_before_mpi(sys.argv[1:])
-    from .cli import main  # noqa: PLC0415 (after the GPU is bound)
+    from mpishard.cli.main import main  # noqa: PLC0415 (after the GPU is bound)
 
     try:
         status = main()

@@ -3,12 +3,12 @@
     pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12     # no GPU needed for this
     python scripts/compile_kernels.py
 
-The CuPy kernel set (mpishard/kernels/gpu.py) is CUDA source that CuPy compiles
+The CuPy kernel set (mpishard/kernels/cuda/ops.py) is CUDA source that CuPy compiles
 on first use, on a GPU. This checks on any machine what can be checked without
 one: that CuPy parses every kernel's parameter lists (``ElementwiseKernel`` and
 ``ReductionKernel`` construction), and that NVRTC compiles every body (and the
-multi-tensor kernels, mpishard/kernels/cuda_multi.py, and the fused attention's,
-mpishard/kernels/cuda_attention.py, for head sizes 64, 128 and 24) for
+multi-tensor kernels, mpishard/kernels/cuda/multi_src.py, and the fused attention's,
+mpishard/kernels/cuda/attention_src.py, for head sizes 64, 128 and 24) for
 ``compute_90`` with ``T`` = float and double, each inside a small wrapper that
 declares the parameters as CuPy's generated code does (inputs as const values,
 outputs as references, ``float64`` parameters as double scalars, ``float32``
@@ -101,10 +101,10 @@ def main() -> int:
         print(f"compile_kernels: needs CuPy and NVRTC ({err}); pip install cupy-cuda12x "
               f"nvidia-cuda-nvrtc-cu12", file=sys.stderr)
         return 1
-    from mpishard.kernels import gpu
-    from mpishard.kernels.cuda_attention import flash_source
-    from mpishard.kernels.cuda_multi import multi_source
-    from mpishard.kernels.cuda_sources import row_kernel_source
+    from mpishard.kernels.cuda import ops as gpu
+    from mpishard.kernels.cuda.attention_src import flash_source
+    from mpishard.kernels.cuda.multi_src import multi_source
+    from mpishard.kernels.cuda.ops_src import row_kernel_source
 
     failures = 0
     for name, (inputs, outputs, body) in gpu.SOURCES.items():

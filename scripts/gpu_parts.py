@@ -300,7 +300,7 @@ def _cosine(a, b) -> float:
 
 def part_gpt(backend: str, tiny: bool) -> dict:
     """A GPT step (forward, backward, AdamW, forward) on ``backend`` against NumPy, float32."""
-    from mpishard.backend import Backend, to_numpy
+    from mpishard.core.backend import Backend, to_numpy
     from mpishard.models import GPT
     from mpishard.optim import AdamW
 
@@ -351,7 +351,7 @@ def part_float16(backend: str, tiny: bool) -> dict:
     """float16 mixed precision against float32 on ``backend``: logits and gradients."""
     from mpi4py import MPI
 
-    from mpishard.backend import Backend, to_numpy
+    from mpishard.core.backend import Backend, to_numpy
     from mpishard.comm import Communicator, Mesh
     from mpishard.models import GPT
     from mpishard.parallel import DataParallel

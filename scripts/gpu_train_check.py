@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpi4py import MPI  # noqa: E402
 
-from mpishard.backend import Backend  # noqa: E402
+from mpishard.core.backend import Backend  # noqa: E402
 from mpishard.comm import Communicator, Mesh  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402

@@ -6,7 +6,7 @@ multi-rank run only tests marked ``@pytest.mark.mpi`` run; the others already
 ran serially and would only repeat on every rank.
 
 Tests that take the ``array_backend`` fixture run once per array module:
-NumPy and the CuPy-strict module (:mod:`mpishard.strict`: NumPy memory behind
+NumPy and the CuPy-strict module (:mod:`mpishard.testing.strict`: NumPy memory behind
 CuPy's rules, so NumPy assumptions on the device path fail on a CPU) always,
 CuPy too when it imports and sees a GPU. ``MPISHARD_TEST_BACKENDS``
 (comma-separated, e.g. ``cupy``) picks the modules instead; asking for CuPy
@@ -56,7 +56,7 @@ def _array_backend_names() -> list:
                 f"MPISHARD_TEST_BACKENDS={requested!r} names {unknown}; use a "
                 f"comma-separated subset of {', '.join(ARRAY_BACKENDS)}")
         return names
-    from mpishard.backend import cupy_or_none
+    from mpishard.core.backend import cupy_or_none
 
     cupy = cupy_or_none()
     try:
@@ -77,17 +77,17 @@ def _node_local_rank() -> int:
 
 @pytest.fixture(params=_array_backend_names())
 def array_backend(request):
-    """A fresh :class:`mpishard.backend.Backend` for each array module under test.
+    """A fresh :class:`mpishard.core.backend.Backend` for each array module under test.
 
     On CuPy each rank binds GPU ``local rank % GPUs`` (ranks share one GPU).
     On the strict module, host syncs are counted from zero for each test.
     Raises ``BackendUnavailable`` (an error, not a skip) when CuPy was asked
     for and cannot run.
     """
-    from mpishard.backend import Backend
+    from mpishard.core.backend import Backend
 
     if request.param == "strict":
-        from mpishard.strict import syncs
+        from mpishard.testing.strict import syncs
 
         syncs.reset()
     return Backend.resolve(request.param, local_rank=_node_local_rank())

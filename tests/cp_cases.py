@@ -1,4 +1,4 @@
-"""Distributed gradient-check cases of the context-parallel ops (mpishard.parallel.cp_ops).
+"""Distributed gradient-check cases of the context-parallel ops (mpishard.parallel.context.attention).
 
 Same form as ``DISTRIBUTED_CASES`` in distributed_gradcheck.py (which merges
 these): op name -> ``case(rng, comm) -> (fn, split arrays, replicated arrays)``.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpishard.parallel.cp_ops import heads_to_seq, ring_attention, seq_to_heads, ulysses_attention
-from mpishard.parallel.tp_ops import reduce_from_tp
+from mpishard.parallel.context.attention import heads_to_seq, ring_attention, seq_to_heads, ulysses_attention
+from mpishard.parallel.tensor.ops import reduce_from_tp
 
 
 def _projected(op):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.autodiff.ops import tanh
-from mpishard.parallel.expert_parallel import all_to_all_v
-from mpishard.parallel.tp_ops import reduce_from_tp
+from mpishard.parallel.expert.layers import all_to_all_v
+from mpishard.parallel.tensor.ops import reduce_from_tp
 
 COLS = 3
 

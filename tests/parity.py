@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW, clip_grad_norm
 

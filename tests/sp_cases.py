@@ -1,4 +1,4 @@
-"""Distributed gradient-check cases of the sequence-parallel ops (mpishard.parallel.sp_ops).
+"""Distributed gradient-check cases of the sequence-parallel ops (mpishard.parallel.tensor.sequence).
 
 Each function is a sequence-parallel computation that ends the way a
 training step does: every rank computes a partial loss from its own weights
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.autodiff.ops import tanh
-from mpishard.parallel.sp_ops import (gather_from_sp, gathered_linear, reduce_scatter_to_sp,
+from mpishard.parallel.tensor.sequence import (gather_from_sp, gathered_linear, reduce_scatter_to_sp,
                                       scatter_to_sp)
-from mpishard.parallel.tp_ops import reduce_from_tp
+from mpishard.parallel.tensor.ops import reduce_from_tp
 
 ROWS, COLS = 2, 3   # rows per rank, columns
 

@@ -15,9 +15,9 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.autodiff import Tensor, gradcheck, nn_ops, no_grad, ops, recompute
-from mpishard.backend import MemoryLedger, to_numpy
+from mpishard.core.backend import MemoryLedger, to_numpy
 from mpishard.comm import Mesh
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 from mpishard.models import GPT, GPTConfig
 from mpishard.nn import Parameter
 from mpishard.optim import AdamW

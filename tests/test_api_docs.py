@@ -43,9 +43,11 @@ REQUIRED = {
     "mpishard.models": ["GPT", "GPTConfig", "MLPClassifier"],
     "mpishard.optim": ["AdamW", "SGD", "Adam", "CosineSchedule", "clip_grad_norm"],
     "mpishard.comm": ["Communicator", "Mesh", "Handle", "install_abort_hook", "check_launcher"],
-    "mpishard.parallel": ["DataParallel", "ZeRO", "plan_memory", "StepResult", "Strategy",
+    "mpishard.parallel": ["DataParallel", "ZeRO", "StepResult", "Strategy",
                           "ParallelModel", "Pipeline", "ColumnParallelLinear", "RowParallelLinear"],
-    "mpishard.data": ["load_corpus", "BatchSampler", "DataError"],
+    "mpishard.planning.memory": ["estimate_memory", "MemoryEstimate"],
+    "mpishard.planning.layout": ["Layout", "estimate_layout"],
+    "mpishard.data.corpus": ["load_corpus", "BatchSampler", "DataError"],
     "mpishard.checkpoint": ["save_checkpoint", "load_checkpoint", "consolidate",
                             "CheckpointError"],
 }
@@ -317,7 +319,7 @@ def test_checker_accepts_a_correct_entry():
     text = ("AdamW(params, lr: float = 0.001, betas: tuple = (0.9, 0.999), eps: float = 1e-8, "
             "weight_decay: float = 0.01, ledger: MemoryLedger | None = None)")
     assert check_entry(Entry("mpishard.optim", text, 1)) == []
-    entries = parse_entries("## `mpishard.data`\n\n### `VOCAB_SIZE = 256`\n\n```\n"
+    entries = parse_entries("## `mpishard.data.corpus`\n\n### `VOCAB_SIZE = 256`\n\n```\n"
                             "- `ignored(x)`\n```\n- `BatchSampler.state_dict() -> dict`: x\n")
     assert [e.text for e in entries] == ["VOCAB_SIZE = 256", "BatchSampler.state_dict() -> dict"]
     assert all(check_entry(e) == [] for e in entries)

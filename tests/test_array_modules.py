@@ -5,7 +5,7 @@ where a GPU is visible.
     MPISHARD_TEST_BACKENDS=cupy pytest tests/test_array_modules.py
     mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/test_array_modules.py
 
-The strict module (mpishard.strict) computes with NumPy but refuses what CuPy
+The strict module (mpishard.testing.strict) computes with NumPy but refuses what CuPy
 refuses (``np.asarray`` of a device array, NumPy arrays as operands) and draws
 its own random stream, so these tests find NumPy assumptions on the device path
 without a GPU.
@@ -30,8 +30,9 @@ import pytest
 from mpi4py import MPI
 
 from ckpt_scripts.common import full_tensors, shared_tmp
-from mpishard.autodiff import Tensor, llama_ops, nn_ops, ops
-from mpishard.backend import to_numpy, xp_of
+from mpishard.autodiff import Tensor, nn_ops, ops
+from mpishard.autodiff import rms_rope_swiglu as llama_ops
+from mpishard.core.backend import to_numpy, xp_of
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.comm import Mesh
 from mpishard.models import GPT
@@ -257,7 +258,7 @@ def test_float16_training_tracks_float32(array_backend, comm_self):
 @pytest.mark.timeout(120)
 def test_checkpoint_round_trip_on_the_module(array_backend):
     """ZeRO-3 saved with the model on the module; loaded there and on NumPy, bit-identical."""
-    from mpishard.backend import Backend
+    from mpishard.core.backend import Backend
 
     with sub_world(MPI.COMM_WORLD.size) as comm, shared_tmp(comm) as root:
         def build(backend, seed):

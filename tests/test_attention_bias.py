@@ -4,7 +4,7 @@ result and gradients as attention on the biased rows, on NumPy and on the strict
 import numpy as np
 import pytest
 
-from mpishard import strict
+from mpishard.testing import strict
 from mpishard.autodiff import Tensor
 from mpishard.autodiff.softmax_ops import causal_self_attention
 

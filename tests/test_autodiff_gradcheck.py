@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from mpishard.autodiff import OPS, Tensor, gradcheck
-from mpishard.autodiff import llama_fused, llama_ops, moe_ops, nn_ops, ops
+from mpishard.autodiff import moe_ops, nn_ops, ops
+from mpishard.autodiff import gqa_attention as llama_fused
+from mpishard.autodiff import rms_rope_swiglu as llama_ops
 
 TOL = 1e-6
 

@@ -4,7 +4,7 @@ import gc
 import numpy as np
 import pytest
 
-from mpishard.backend import (Backend, BackendUnavailable, MemoryLedger, OutOfMemoryBudget,
+from mpishard.core.backend import (Backend, BackendUnavailable, MemoryLedger, OutOfMemoryBudget,
                               cupy_or_none, xp_of)
 
 

@@ -15,7 +15,7 @@ from ckpt_scripts.common import ROOT, SCRIPTS, build, clean_env
 from mpishard.autodiff import no_grad
 from mpishard.checkpoint import (CheckpointError, consolidate, load_consolidated,
                                  save_checkpoint)
-from mpishard.checkpoint.cli import add_checkpoint_commands
+from mpishard.cli.checkpoint import add_checkpoint_commands
 from mpishard.comm import Communicator, Mesh
 from mpishard.models import GPT, GPTConfig
 from mpishard.nn import Constant, Module, Parameter

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import CollectiveMismatch, Communicator
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
 

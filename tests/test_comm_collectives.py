@@ -2,7 +2,7 @@
 
 Serial leg: ``self`` and ``world`` (both size 1). Under ``mpiexec -n 4``:
 ``self`` (1), ``split2`` (2), ``split3`` (3), ``world`` (4); see
-mpishard/comm/testing.py. Element counts include ones that do not divide by
+mpishard/testing/fake_cupy.py. Element counts include ones that do not divide by
 the group size; values are small integers so float16 sums are exact.
 """
 import numpy as np
@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import Handle
-from mpishard.comm.testing import COMM_KINDS, make_test_comm, required_size
+from mpishard.testing.fake_cupy import COMM_KINDS, make_test_comm, required_size
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 from mpishard.comm import CollectiveTimeout, CommStats, Communicator
 from mpishard.comm.debug import Family, CallRecord, Watchdog
 from mpishard.comm.stats import bus_bytes
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import checks, nccl
-from mpishard.comm.testing import (COMM_KINDS, FakeDeviceArray, install_fake_cupy,
+from mpishard.testing.fake_cupy import (COMM_KINDS, FakeDeviceArray, install_fake_cupy,
                                    make_test_comm, required_size)
 
 pytestmark = [pytest.mark.timeout(60)]

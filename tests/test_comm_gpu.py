@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from mpishard.comm import Communicator, detect_cuda_aware, format_rank_reports, rank_report
 from mpishard.comm import gpu
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import Communicator, Mesh, node_local_rank
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import pytest
 
 from mpishard.comm import Mesh
 from mpishard.comm.mesh import ranks_per_node
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -4,8 +4,8 @@ from dataclasses import asdict
 
 import pytest
 
-from mpishard.config import KEYS, SECTIONS, ConfigError, config_from_dict, flat_values, load_config
-from mpishard.flags import add_config_flags
+from mpishard.config.sections import KEYS, SECTIONS, ConfigError, config_from_dict, flat_values, load_config
+from mpishard.config.flags import add_config_flags
 
 
 def write(tmp_path, text):

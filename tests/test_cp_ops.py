@@ -1,4 +1,4 @@
-"""Context-parallel attention (mpishard.parallel.cp_ops) against attention on the whole sequence.
+"""Context-parallel attention (mpishard.parallel.context.attention) against attention on the whole sequence.
 
 Every rank builds the same global batch from a fixed seed, keeps its zigzag
 rows, and runs ``ring_attention`` or ``ulysses_attention`` over group sizes
@@ -15,8 +15,8 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.autodiff import Tensor, causal_self_attention
-from mpishard.dtypes import resolve_dtype
-from mpishard.parallel.cp_ops import (heads_to_seq, ring_attention, ring_kv_bytes, seq_to_heads,
+from mpishard.core.dtypes import resolve_dtype
+from mpishard.parallel.context.attention import (heads_to_seq, ring_attention, ring_kv_bytes, seq_to_heads,
                                       ulysses_attention, zigzag_positions, zigzag_slice)
 from parity import sub_world
 

@@ -6,13 +6,13 @@ import sys
 import numpy as np
 import pytest
 
-from mpishard.kernels import cpu_blas
-from mpishard.kernels.gemm import batched_matmul
+from mpishard.kernels.cpu import blas as cpu_blas
+from mpishard.kernels.cuda.gemm import batched_matmul
 
 
 def _mkl_loads() -> bool:
     probe = ("import os; os.environ['MPISHARD_BLAS'] = 'mkl'; "
-             "from mpishard.kernels.cpu_blas import mkl_library; mkl_library()")
+             "from mpishard.kernels.cpu.blas import mkl_library; mkl_library()")
     return subprocess.run([sys.executable, "-c", probe], capture_output=True,
                           env={"OMP_NUM_THREADS": "1", "PATH": ""}).returncode == 0
 
@@ -120,7 +120,7 @@ def test_an_unknown_choice_names_the_value_and_the_choices(monkeypatch):
 
 
 def test_mkl_that_does_not_load_says_how_to_get_it(monkeypatch, tmp_path):
-    probe = ("import numpy as np; from mpishard.kernels import cpu_blas\n"
+    probe = ("import numpy as np; from mpishard.kernels.cpu import blas as cpu_blas\n"
              "try:\n    cpu_blas.matmul(np.ones((2, 2)), np.ones((2, 2)))\n"
              "except RuntimeError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

@@ -10,7 +10,7 @@ import pytest
 
 from mpishard.autodiff import Tensor, softmax_ops
 from mpishard.autodiff.softmax_ops import cross_entropy
-from mpishard.backend import MemoryLedger
+from mpishard.core.backend import MemoryLedger
 
 
 def _loss_and_grad(x, t):
@@ -78,7 +78,7 @@ def test_every_target_ignored_is_nan_and_a_zero_gradient():
 def test_the_vocabulary_parallel_loss_keeps_no_logits_either():
     """On one tensor-parallel rank it is the whole-vocabulary loss; its forward keeps
     per-row values only (backward recomputes the exponentials)."""
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     from mpishard.parallel import vocab_parallel_cross_entropy
 
     N, V = 256, 4096

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mpishard.data import BatchSampler, DataError, default_corpus_files, load_corpus
+from mpishard.data.corpus import BatchSampler, DataError, default_corpus_files, load_corpus
 
 
 def test_default_corpus_is_deterministic():

@@ -98,7 +98,7 @@ def test_eight_rank_expert_layouts_train_like_one_process(layout):
 def _layer(seed: int, experts: int, top_k: int, capacity, ep=None):
     from mpishard.models.moe import MoE
     from mpishard.nn import materialize
-    from mpishard.parallel.expert_parallel import apply_expert_plan
+    from mpishard.parallel.expert.layers import apply_expert_plan
     moe = MoE(6, 5, experts, top_k, capacity, dtype="float64")
     if ep is not None:
         apply_expert_plan(moe, ep)
@@ -183,7 +183,7 @@ def test_all_to_all_v_with_empty_sends_and_everything_to_one_rank():
 
 
 def test_all_to_all_v_on_one_rank_and_bad_counts():
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     comm = make_test_comm("one")
     send = np.arange(6.0).reshape(3, 2)
     assert np.array_equal(comm.all_to_all_v(send, [3]), send)
@@ -196,9 +196,9 @@ def test_all_to_all_v_on_one_rank_and_bad_counts():
 
 
 def test_uneven_experts_and_an_ep_that_does_not_fit_are_refused():
-    from mpishard.comm.testing import make_test_comm
-    from mpishard.parallel import Layout
-    from mpishard.parallel.expert_parallel import check_experts_divide
+    from mpishard.testing.fake_cupy import make_test_comm
+    from mpishard.planning.layout import Layout
+    from mpishard.parallel.expert.layers import check_experts_divide
     with pytest.raises(ValueError, match="use an ep that divides 4"):
         check_experts_divide(Llama(lc.MODELS["llama-moe"][1], materialize_now=False), 3)
     with pytest.raises(ValueError, match="ep=2 must be a positive int dividing dp_shard x cp"):
@@ -267,12 +267,13 @@ def test_experts_saved_at_ep4_load_at_ep2_and_ep1(target):
 def test_the_plan_holds_the_run_s_model_state_and_the_exchange_moves_the_routed_rows(
         strategy, sizes):
     from mpishard.optim import AdamW
-    from mpishard.parallel import Layout, ParallelModel, plan_layout
+    from mpishard.parallel import ParallelModel
+    from mpishard.planning.layout import Layout, estimate_layout
     if MPI.COMM_WORLD.size != 4:
         pytest.skip("written for 4 ranks")
     world = Communicator(MPI.COMM_WORLD)
     layout = Layout(dp=4, strategy=strategy, batch_size=2, seq_len=16, **sizes)
-    plan = plan_layout(Llama(MOE, materialize_now=False), layout).busiest
+    plan = estimate_layout(Llama(MOE, materialize_now=False), layout).busiest
     mesh = Mesh(world, **sizes)
     run = ParallelModel(Llama(MOE, materialize_now=False), mesh, strategy)
     opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)

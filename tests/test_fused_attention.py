@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from cuda_host import use_host_kernels
-from mpishard import kernels, strict
+from mpishard import kernels
+from mpishard.testing import strict
 from mpishard.autodiff import Tensor
 from mpishard.autodiff.softmax_ops import causal_self_attention
-from mpishard.backend import Backend
-from mpishard.kernels import gpu_attention, reference
+from mpishard.core.backend import Backend
+from mpishard.kernels import reference
+from mpishard.kernels.cuda import attention as gpu_attention
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
 
@@ -150,8 +152,8 @@ def test_fused_attention_keeps_what_the_plan_says(monkeypatch, precision):
     """Activation bytes of a training step on the strict module (its memory is NumPy's,
     measured by tracemalloc) against the plan, and the T x T weights no longer kept."""
     from mpishard.comm import Mesh
-    from mpishard.comm.testing import make_test_comm
-    from mpishard.models.gpt_activations import gpt_activation_bytes
+    from mpishard.testing.fake_cupy import make_test_comm
+    from mpishard.models.gpt.activations import gpt_activation_bytes
     from mpishard.parallel import ParallelModel
 
     B, T = 4, 64

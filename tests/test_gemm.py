@@ -1,4 +1,4 @@
-"""Batched products with transposes as flags (mpishard/kernels/gemm.py).
+"""Batched products with transposes as flags (mpishard/kernels/cuda/gemm.py).
 
 The cuBLAS path is checked here without a GPU: an emulation of
 ``cublasGemmStridedBatchedEx`` as cuBLAS documents it (column-major matrices at
@@ -13,7 +13,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from mpishard.kernels import gemm
+from mpishard.kernels.cuda import gemm
 
 DTYPES = {0: np.float32, 1: np.float64, 2: np.float16}      # CUDA_R_32F, _64F, _16F
 TRANS = [(False, False), (True, False), (False, True), (True, True)]
@@ -127,7 +127,7 @@ def test_layouts_cublas_cannot_take_fall_back():
 
 @pytest.mark.parametrize("trans_a,trans_b", TRANS)
 def test_batched_matmul_on_numpy_and_strict(trans_a, trans_b):
-    from mpishard import strict
+    from mpishard.testing import strict
     a, b = _operands(trans_a, trans_b, (2, 3), 6, 5, 4, np.float32, seed=1)
     want = _want(a, b, trans_a, trans_b, np.float32)
     got = gemm.batched_matmul(a, b, trans_a, trans_b)
@@ -171,7 +171,7 @@ def test_a_16bit_linear_weight_gradient_comes_out_in_float32_on_the_device():
     gradient is one cuBLAS call, float16 in and float32 out, straight into the
     strategy's buffer: the float32 product of the float16 operands, never rounded to
     16 bits (the strict module computes it as cuBLAS does)."""
-    from mpishard import strict
+    from mpishard.testing import strict
     from mpishard.autodiff import Tensor, linear
 
     r = np.random.default_rng(7)

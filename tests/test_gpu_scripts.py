@@ -20,7 +20,7 @@ import pytest
 
 from ckpt_scripts.common import MPIEXEC as VENV_MPIEXEC
 from ckpt_scripts.common import ROOT, clean_env
-from mpishard.backend import cupy_or_none
+from mpishard.core.backend import cupy_or_none
 
 pytestmark = pytest.mark.timeout(120)
 MPIEXEC = str(VENV_MPIEXEC) if VENV_MPIEXEC.exists() else shutil.which("mpiexec")

@@ -396,7 +396,7 @@ def checkpoint_of(folder: Path, ckpt: Path, config: dict | None):
 
 
 def train_config(folder: Path) -> dict:
-    from mpishard.config import TrainConfig
+    from mpishard.config.sections import TrainConfig
 
     cfg = TrainConfig()
     for key, value in hf.model_fields(folder).items():

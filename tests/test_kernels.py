@@ -3,7 +3,10 @@ import numpy as np
 import pytest
 
 from mpishard import kernels
-from mpishard.kernels import cpu, gpu, kernel_choice, kernels_for, reference, threads
+from mpishard.kernels import kernel_choice, kernels_for, reference
+from mpishard.kernels.cpu import ops as cpu
+from mpishard.kernels.cuda import ops as gpu
+from mpishard.kernels.cpu import threads
 
 SHAPES = [(37, 53), (1, 7), (0, 16), (300, 301), (2048, 64)]
 TOL = {np.float64: 1e-12, np.float32: 2e-5}
@@ -304,7 +307,7 @@ def test_selection_per_backend_and_the_reference_switch(monkeypatch):
     monkeypatch.delenv("MPISHARD_KERNELS", raising=False)
     assert kernel_choice() == "auto"
     assert kernels_for(np) is cpu
-    from mpishard import strict
+    from mpishard.testing import strict
     assert kernels_for(strict) is gpu
     monkeypatch.setenv("MPISHARD_KERNELS", "reference")
     assert kernels_for(np) is reference and kernels_for(strict) is reference
@@ -563,7 +566,7 @@ def test_device_kernels_match_the_references(array_backend, dtype):
         assert getattr(k, name)(g, h, r, w, into=so_far) is so_far
         close(so_far, host[1] + getattr(reference, name)(host[2], hh, hr, host[1][0]))
     if array_backend.name == "strict":                    # one launch per fused kernel
-        from mpishard import strict
+        from mpishard.testing import strict
 
         def one_launch(name, fn, *args, **kwargs):
             strict.syncs.reset()
@@ -615,7 +618,7 @@ def test_float16_gelu_on_a_device_is_the_cast_up_math_bit_for_bit(with_bias):
     """On the strict module (as on a GPU) float16 GELU runs the 16-bit kernels instead of
     casting up, computing and casting down: the same values, one launch forward and one
     backward (and the bias's column sums)."""
-    from mpishard import strict
+    from mpishard.testing import strict
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.nn_ops import gelu
 
@@ -641,7 +644,7 @@ def test_float16_gelu_on_a_device_is_the_cast_up_math_bit_for_bit(with_bias):
 def _launches_each_way(forward, g) -> tuple:
     """``(y, forward's launches, backward's)`` of ``y = forward()`` on the strict module,
     backward from the host gradient ``g``."""
-    from mpishard import strict
+    from mpishard.testing import strict
     strict.syncs.reset()
     y = forward()
     launched = dict(strict.syncs.launches_by_op)
@@ -653,9 +656,9 @@ def _launches_each_way(forward, g) -> tuple:
 
 def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     """On the strict module (as on a GPU) a float16 layer norm runs its kernels on the
-    float16 rows (see [Note: float16 rows] in mpishard/kernels/gpu_norms.py): the values of
+    float16 rows (see [Note: float16 rows] in mpishard/kernels/cuda/norms.py): the values of
     casting up, the float32 kernels and casting down, one launch each, no casts."""
-    from mpishard import strict
+    from mpishard.testing import strict
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.nn_ops import layer_norm
 
@@ -682,9 +685,9 @@ def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
 def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     """RMS norm (Llama's) the same way: its kernels on the float16 rows, one launch each
     way and one for the weight's gradient, the values of casting up and down."""
-    from mpishard import strict
+    from mpishard.testing import strict
     from mpishard.autodiff import Tensor
-    from mpishard.autodiff.llama_ops import rms_norm
+    from mpishard.autodiff.rms_rope_swiglu import rms_norm
 
     rng = np.random.default_rng(2)
     a, g = (rng.standard_normal((37, 53)).astype(np.float16) for _ in range(2))

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from cuda_host import host_compiler, use_host_kernels
-from mpishard.kernels import gpu, gpu_launch, reference
+from mpishard.kernels import reference
+from mpishard.kernels.cuda import ops as gpu
+from mpishard.kernels.cuda import launch as gpu_launch
 
 pytestmark = pytest.mark.skipif(host_compiler() is None,
                                 reason="no g++ to compile CUDA C for the host")

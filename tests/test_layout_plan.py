@@ -4,7 +4,7 @@ Each layout trains one step of a small GPT or Llama through ParallelModel on 4
 ranks (activations measured on the step, as mpishard train does) and compares,
 on every rank, its ledger (parameters, gradients, optimizer state, gathered
 units, communication buffers, activations) and the bus bytes each of its mesh
-communicators and the tied-parameter group moved with :func:`plan_layout`'s
+communicators and the tied-parameter group moved with :func:`estimate_layout`'s
 figures for its pipeline stage. Even splits: every tp rank holds the same sizes.
 The layouts cover dp x tp x pp, then context parallelism (ring, all-to-all),
 hybrid sharding (dp_replicate x dp_shard), sequence parallelism, and dropout
@@ -19,7 +19,8 @@ from mpi4py import MPI
 from mpishard.comm import Communicator, Mesh
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.optim import AdamW
-from mpishard.parallel import Layout, ParallelModel, plan_layout
+from mpishard.parallel import ParallelModel
+from mpishard.planning.layout import Layout, estimate_layout
 
 CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64)
 LLAMA = LlamaConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=64,
@@ -87,7 +88,7 @@ def _close(got, want, what, tol=0.05):
 
 def _check(name, layout, world):
     cls, cfg = MODELS[name]
-    plan = plan_layout(cls(cfg, materialize_now=False), layout)
+    plan = estimate_layout(cls(cfg, materialize_now=False), layout)
     mesh, run, _opt, bus = _run(cls(cfg, materialize_now=False), layout, world)
     stage = plan.stages[mesh.pp_rank]
     live, peak = run.ledger.bytes_by_category(), run.ledger.peak_by_category()

@@ -14,9 +14,10 @@ from mpi4py import MPI
 
 from mpishard.comm import Communicator, Mesh
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
-from mpishard.models.gpt_activations import gpt_activation_bytes
-from mpishard.models.llama_activations import llama_activation_bytes
-from mpishard.parallel import Layout, LayoutMesh, plan_layout, plan_memory
+from mpishard.models.gpt.activations import gpt_activation_bytes
+from mpishard.models.llama.activations import llama_activation_bytes
+from mpishard.planning.layout import Layout, LayoutMesh, estimate_layout
+from mpishard.planning.memory import estimate_memory
 from mpishard.parallel.compose import build_stage
 
 CFG = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -42,8 +43,8 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_fix(fields, words):
 
 def test_all_to_all_needs_heads_that_split_over_cp():
     with pytest.raises(ValueError, match="cp_mode 'ring'"):
-        plan_layout(gpt(), Layout(tp=2, cp=4, seq_len=16, cp_mode="all-to-all"))
-    plan_layout(gpt(), Layout(tp=2, cp=4, seq_len=16))              # the ring needs no split
+        estimate_layout(gpt(), Layout(tp=2, cp=4, seq_len=16, cp_mode="all-to-all"))
+    estimate_layout(gpt(), Layout(tp=2, cp=4, seq_len=16))              # the ring needs no split
 
 
 def test_positional_layouts_keep_their_meaning():
@@ -92,12 +93,12 @@ def test_layout_mesh_matches_a_real_mesh(sizes):
 
 def test_zero_shards_over_dp_shard_and_cp_and_ddp_keeps_whole_parameters():
     base = dict(batch_size=2, seq_len=16)
-    z4 = plan_layout(gpt(), Layout(dp=4, strategy="zero3", **base)).busiest
-    cp = plan_layout(gpt(), Layout(dp=2, cp=2, strategy="zero3", **base)).busiest
-    hybrid = plan_layout(gpt(), Layout(dp=4, dp_replicate=2, strategy="zero3", **base)).busiest
-    z2 = plan_layout(gpt(), Layout(dp=2, strategy="zero3", **base)).busiest
+    z4 = estimate_layout(gpt(), Layout(dp=4, strategy="zero3", **base)).busiest
+    cp = estimate_layout(gpt(), Layout(dp=2, cp=2, strategy="zero3", **base)).busiest
+    hybrid = estimate_layout(gpt(), Layout(dp=4, dp_replicate=2, strategy="zero3", **base)).busiest
+    z2 = estimate_layout(gpt(), Layout(dp=2, strategy="zero3", **base)).busiest
     assert cp.memory.steady == z4.memory.steady and hybrid.memory.steady == z2.memory.steady
-    ddp = plan_layout(gpt(), Layout(dp=2, cp=2, strategy="ddp", **base)).busiest
+    ddp = estimate_layout(gpt(), Layout(dp=2, cp=2, strategy="ddp", **base)).busiest
     assert ddp.memory.steady["params"] == 4 * gpt().num_parameters()
     assert set(hybrid.bus_bytes) >= {"dp_replicate", "dp_shard", "dp"}
     assert hybrid.bus_bytes["dp_replicate"] > 0 and hybrid.bus_bytes["dp_shard"] > 0
@@ -106,17 +107,17 @@ def test_zero_shards_over_dp_shard_and_cp_and_ddp_keeps_whole_parameters():
 
 def test_cp_and_sequence_parallelism_shrink_activations():
     base = dict(batch_size=2, seq_len=64)
-    whole = plan_layout(gpt(), Layout(**base)).busiest.activation_bytes
-    ring = plan_layout(gpt(), Layout(cp=4, **base)).busiest.activation_bytes
+    whole = estimate_layout(gpt(), Layout(**base)).busiest.activation_bytes
+    ring = estimate_layout(gpt(), Layout(cp=4, **base)).busiest.activation_bytes
     assert ring < whole / 3
-    tp = plan_layout(gpt(), Layout(tp=2, **base)).busiest
-    sp = plan_layout(gpt(), Layout(tp=2, sequence_parallel=True, **base)).busiest
+    tp = estimate_layout(gpt(), Layout(tp=2, **base)).busiest
+    sp = estimate_layout(gpt(), Layout(tp=2, sequence_parallel=True, **base)).busiest
     assert sp.activation_bytes < tp.activation_bytes
     assert sp.bus_bytes["tp"] > tp.bus_bytes["tp"]    # the backward gathers again
 
 
 def test_the_plan_prints_the_new_axes():
-    text = plan_layout(Llama(LLAMA, materialize_now=False),
+    text = estimate_layout(Llama(LLAMA, materialize_now=False),
                        Layout(dp=4, dp_replicate=2, tp=2, cp=2, strategy="zero2", batch_size=1,
                               seq_len=16, cp_mode="all-to-all",
                               sequence_parallel=True)).format()
@@ -126,7 +127,7 @@ def test_the_plan_prints_the_new_axes():
     traffic = text.splitlines()[-1]
     for name in ("dp_replicate", "dp_shard", "cp", "dp_shard_cp", "dp_cp", "tp"):
         assert f" {name} " in traffic, name
-    plain = plan_layout(gpt(), Layout(dp=2, tp=2, batch_size=1, seq_len=16)).format()
+    plain = estimate_layout(gpt(), Layout(dp=2, tp=2, batch_size=1, seq_len=16)).format()
     assert "zero3 on dp=2 x tp=2 x pp=1:" in plain and "(of" not in plain
 
 
@@ -152,12 +153,12 @@ def test_activation_formulas_take_the_split_as_keywords(cls, cfg, formula, split
 
 
 def test_plan_memory_takes_replicas_of_the_shards():
-    one = plan_memory(gpt(), "zero2", 2)
-    hybrid = plan_memory(gpt(), "zero2", 4, dp_replicate=2)
+    one = estimate_memory(gpt(), "zero2", 2)
+    hybrid = estimate_memory(gpt(), "zero2", 4, dp_replicate=2)
     assert hybrid.steady == one.steady
     assert hybrid.bus_bytes_by_group["dp_shard_cp"] == one.bus_bytes_by_group["dp_shard_cp"]
     assert hybrid.bus_bytes_by_group["dp_replicate"] > 0
     assert hybrid.bus_bytes_per_step == sum(hybrid.bus_bytes_by_group.values())
     with pytest.raises(ValueError, match="must divide dp_size"):
-        plan_memory(gpt(), "zero2", 4, dp_replicate=3)
-    assert dataclasses.asdict(plan_memory(gpt(), "ddp", 4))["bus_bytes_by_group"]["dp_cp"] > 0
+        estimate_memory(gpt(), "zero2", 4, dp_replicate=3)
+    assert dataclasses.asdict(estimate_memory(gpt(), "ddp", 4))["bus_bytes_by_group"]["dp_cp"] > 0

@@ -1,13 +1,15 @@
-"""The fused Llama attention (mpishard/autodiff/llama_fused.py) against float64 central
+"""The fused Llama attention (mpishard/autodiff/gqa_attention.py) against float64 central
 differences and against the per-projection ops it stands in for, and the model
 taking it only where its projections are plain ``Linear`` layers."""
 import numpy as np
 import pytest
 
-from mpishard.autodiff import Tensor, gradcheck, llama_fused, llama_ops, nn_ops
-from mpishard.dtypes import resolve_dtype
+from mpishard.autodiff import Tensor, gradcheck, nn_ops
+from mpishard.autodiff import gqa_attention as llama_fused
+from mpishard.autodiff import rms_rope_swiglu as llama_ops
+from mpishard.core.dtypes import resolve_dtype
 from mpishard.models import Llama, LlamaConfig
-from mpishard.models import llama as llama_module
+from mpishard.models.llama import model as llama_module
 
 TOL = 1e-6
 SCALED = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -168,7 +168,7 @@ def test_uneven_valid_targets_are_normalised_globally(sizes, mode):
 
 
 def test_a_sequence_that_does_not_split_is_refused():
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     comm = make_test_comm("one")
     with pytest.raises(ValueError, match="unknown context-parallel mode 'zigzag'"):
         ParallelModel(GPT(MODELS["gpt"][1], materialize_now=False), Mesh(comm),

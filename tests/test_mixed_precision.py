@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpishard.backend import to_numpy, xp_of
+from mpishard.core.backend import to_numpy, xp_of
 from mpishard.comm import Communicator, Mesh
-from mpishard.dtypes import resolve_dtype
+from mpishard.core.dtypes import resolve_dtype
 from mpishard.models import GPT
 from mpishard.optim.clip import clip_coefficient
-from mpishard.parallel import DataParallel, LossScaler, Precision, ZeRO, plan_memory
+from mpishard.parallel import DataParallel, LossScaler, Precision, ZeRO
+from mpishard.planning.memory import estimate_memory
 
 import parity
 
@@ -323,11 +324,11 @@ def test_checkpoint_keeps_float32_masters_and_loss_scale(tmp_path_factory):
 def test_planner_counts_masters_and_sixteen_bit_copies():
     model = GPT(parity.UNEVEN, materialize_now=False)
     n = sum(p.size for p in model.parameters())
-    ddp = plan_memory(model, "ddp", 2, precision="float16")
+    ddp = estimate_memory(model, "ddp", 2, precision="float16")
     assert ddp.steady == {"params": 6 * n, "grads": 4 * n, "optim": 8 * n}
-    z3 = plan_memory(GPT(parity.UNEVEN, materialize_now=False), "zero3", 2,
+    z3 = estimate_memory(GPT(parity.UNEVEN, materialize_now=False), "zero3", 2,
                      precision="float16")
-    plain = plan_memory(GPT(parity.UNEVEN, materialize_now=False), "zero3", 2)
+    plain = estimate_memory(GPT(parity.UNEVEN, materialize_now=False), "zero3", 2)
     assert z3.steady["params"] == plain.steady["params"] * 3 // 2
     assert z3.steady["optim"] == plain.steady["optim"]
 

@@ -121,7 +121,7 @@ def test_capacity_drops_exactly_the_rule_s_tokens(capacity, router):
 
 
 def test_a_shared_expert_adds_its_mlp_to_every_token():
-    from mpishard.models.llama import LlamaMLP
+    from mpishard.models.llama.model import LlamaMLP
     from mpishard.nn import materialize
     cfg = LlamaConfig(**CFG, moe_shared_expert=True)
     moe = Llama(cfg, seed=0, dtype="float64").model.layers["0"].mlp

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from mpishard.comm import Mesh
-from mpishard.comm.testing import make_test_comm
+from mpishard.testing.fake_cupy import make_test_comm
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
-from mpishard.models.gpt_activations import gpt_activation_bytes
-from mpishard.models.llama_activations import llama_activation_bytes
+from mpishard.models.gpt.activations import gpt_activation_bytes
+from mpishard.models.llama.activations import llama_activation_bytes
 from mpishard.parallel import ParallelModel
 
 B, T = 4, 32

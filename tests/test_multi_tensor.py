@@ -1,5 +1,5 @@
 """Multi-tensor kernels: an optimizer step and the gradients' sums of squares over all
-targets in one launch (mpishard/kernels/gpu_multi.py, cuda_multi.py).
+targets in one launch (mpishard/kernels/cuda/multi.py, cuda_multi.py).
 
 The chunk table covers every element once and never crosses a weight-decay
 boundary; the CUDA kernels, compiled for the host (tests/cuda_host.py) and
@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuda_host import use_host_kernels
-from mpishard.kernels import gpu_multi, reference
+from mpishard.kernels import reference
+from mpishard.kernels.cuda import multi as gpu_multi
 
 
 @settings(max_examples=60, deadline=None)

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from mpishard.backend import MemoryLedger
+from mpishard.core.backend import MemoryLedger
 from mpishard.nn import Constant, Normal, Parameter
 from mpishard.optim import (SGD, Adam, AdamW, CosineSchedule, clip_grad_norm,
                             global_grad_norm)
@@ -163,7 +163,7 @@ def test_the_device_norm_is_two_kernels_for_all_gradients_and_one_read(dtype):
     multi-tensor kernels (the chunks' sums, then each gradient's) into their slots,
     read back once; the sum is NumPy's to rounding, with non-finite gradients, empty
     ones and Nones among them. 16-bit gradients: one by one (a copy, a product, a set)."""
-    from mpishard import strict
+    from mpishard.testing import strict
     from mpishard.optim.clip import grad_sq_sum
 
     rng = np.random.default_rng(0)
@@ -187,7 +187,7 @@ def test_an_optimizer_whose_step_takes_no_grad_scale_still_gets_clipped_gradient
     optimizer with its own ``step()`` gets its gradients scaled in place first, the same
     update either way."""
     from mpishard.comm import Mesh
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     from mpishard.models import GPT, GPTConfig
     from mpishard.parallel import ParallelModel
 

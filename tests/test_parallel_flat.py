@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpishard.parallel.flat import FlatLayout, padded_size
-from mpishard.comm.testing import make_test_comm
+from mpishard.parallel.flat import FlatIndex, padded_size
+from mpishard.testing.fake_cupy import make_test_comm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,7 +18,7 @@ shapes = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
 def test_flatten_round_trip(shapes, pad_to):
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    layout = FlatLayout.of_arrays(arrays, pad_to=pad_to)
+    layout = FlatIndex.of_arrays(arrays, pad_to=pad_to)
     flat = layout.flatten(arrays)
     assert flat.shape == (layout.padded_numel,) and layout.padded_numel % pad_to == 0
     assert layout.numel == sum(a.size for a in arrays)
@@ -39,8 +39,8 @@ def test_padded_size_and_errors():
     with pytest.raises(ValueError, match="multiple=0 must be >= 1"):
         padded_size(3, 0)
     with pytest.raises(ValueError, match=r"dtypes \['float32', 'float64'\]"):
-        FlatLayout.of_arrays([np.zeros(2, np.float32), np.zeros(2)])
-    layout = FlatLayout.of([(2, 3)], "float32")
+        FlatIndex.of_arrays([np.zeros(2, np.float32), np.zeros(2)])
+    layout = FlatIndex.of([(2, 3)], "float32")
     with pytest.raises(ValueError, match=r"flat buffer has shape \(5,\); this layout needs \(6,\) elements"):
         layout.views(np.zeros(5, np.float32))
     with pytest.raises(ValueError, match=r"array of shape \(3, 2\) where the layout has \(2, 3\)"):
@@ -54,7 +54,7 @@ def test_flat_buffer_shards_with_reduce_scatter():
     """Pad to the group size, reduce-scatter, all-gather: back to the full average."""
     comm = make_test_comm("world")
     arrays = [np.full((3, 5), comm.rank, np.float64), np.full(7, 2 * comm.rank, np.float64)]
-    layout = FlatLayout.of_arrays(arrays, pad_to=comm.size)
+    layout = FlatIndex.of_arrays(arrays, pad_to=comm.size)
     flat = layout.flatten(arrays)
     shard = comm.reduce_scatter(flat, op="avg")
     assert shard.shape == (layout.padded_numel // comm.size,)

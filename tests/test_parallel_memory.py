@@ -6,7 +6,8 @@ from mpi4py import MPI
 from mpishard.comm import Communicator, Mesh
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
-from mpishard.parallel import DataParallel, ZeRO, plan_memory
+from mpishard.parallel import DataParallel, ZeRO
+from mpishard.planning.memory import estimate_memory
 
 CONFIG_S = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 
@@ -50,7 +51,7 @@ def test_ledger_matches_planner_and_zero3_shrinks_model_state():
     model_state = {}
     bus = {}
     for kind in ("ddp", "zero1", "zero2", "zero3"):
-        plan = plan_memory(GPT(CONFIG_S, materialize_now=False), kind, world.size)
+        plan = estimate_memory(GPT(CONFIG_S, materialize_now=False), kind, world.size)
         strategy, _opt = _one_step(kind, world)
         live = _check_against_plan(strategy, plan, kind)
         model_state[kind] = live["params"] + live["grads"] + live["optim"]
@@ -70,9 +71,9 @@ def test_ledger_matches_planner_with_mixed_precision(precision):
     """float32 masters and state, a 16-bit compute copy, float32 gradient buffers."""
     world = Communicator(MPI.COMM_WORLD)
     for kind in ("ddp", "zero1", "zero2", "zero3"):
-        plan = plan_memory(GPT(CONFIG_S, materialize_now=False), kind, world.size,
+        plan = estimate_memory(GPT(CONFIG_S, materialize_now=False), kind, world.size,
                            precision=precision)
-        full = plan_memory(GPT(CONFIG_S, materialize_now=False), kind, world.size)
+        full = estimate_memory(GPT(CONFIG_S, materialize_now=False), kind, world.size)
         strategy, _opt = _one_step(kind, world, precision)
         _check_against_plan(strategy, plan, kind)
         if kind == "zero3":  # gathered units are 16-bit: half the float32 bytes
@@ -88,7 +89,7 @@ def test_one_rank_ddp_and_zero1_hold_one_copy_of_the_gradients():
     world = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
     held = {}
     for kind in ("ddp", "zero1"):
-        plan = plan_memory(GPT(CONFIG_S, materialize_now=False), kind, 1)
+        plan = estimate_memory(GPT(CONFIG_S, materialize_now=False), kind, 1)
         strategy, _opt = _one_step(kind, world)
         held[kind] = _check_against_plan(strategy, plan, kind)
     n_bytes = 4 * GPT(CONFIG_S, materialize_now=False).num_parameters()

@@ -91,7 +91,7 @@ def test_skipped_step_leaves_parameters_unchanged(kind):
 def test_zero3_seeds_dropout_like_a_materialised_model():
     """ZeRO-3 materialises into shards; its dropout generators still come from (seed, name)."""
     from mpishard.checkpoint.state import module_rng_states
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     from mpishard.models import GPTConfig
 
     cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10, dropout=0.1)

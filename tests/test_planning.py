@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpishard.models import GPT, GPTConfig
-from mpishard.parallel import Layout
+from mpishard.planning.layout import Layout
 from mpishard.planning import (Link, bubble_fraction, candidate_layouts, load_machine,
                                machine_from_dict, predict_step, shipped_machines, stage_flops)
 from mpishard.planning.cost import _exposed, group_spans_nodes
@@ -105,14 +105,14 @@ def test_the_optimizer_term_is_the_state_the_update_touches():
     """ZeRO-1/2 keep whole parameters (and gradients) but update only their shard: the
     optimizer reads and writes that shard's values, gradients and two AdamW states, as
     much as ZeRO-3's; DDP updates everything."""
-    from mpishard.parallel import plan_layout
+    from mpishard.planning.layout import estimate_layout
     machine = machine_from_dict({**TOY, "device": {**TOY["device"], "optimizer_rate": 1e9,
                                                    "optimizer_overhead_s": 0.0}})
     make = lambda: GPT(CFG, materialize_now=False)        # noqa: E731
     got = {}
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
         lay = Layout(dp=4, strategy=strategy, batch_size=1, seq_len=16)
-        steady = plan_layout(make(), lay).stages[0].memory.steady
+        steady = estimate_layout(make(), lay).stages[0].memory.steady
         got[strategy] = predict_step(make, lay, machine).breakdown["optimizer"]
         assert got[strategy] == pytest.approx(2 * steady["optim"] / 1e9)
     assert got["zero1"] == got["zero2"] == got["zero3"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpishard.plot import PlotError, add_plot_command, load_metrics, metrics_figure, plot_metrics
+from mpishard.run.plot import PlotError, add_plot_command, load_metrics, metrics_figure, plot_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -141,7 +141,7 @@ def test_missing_matplotlib_says_how_to_install(metrics, tmp_path, monkeypatch):
 
 
 def test_mpishard_plot_command(metrics, tmp_path):
-    """Through the real command line: needs ``add_plot_command`` wired into mpishard.cli."""
+    """Through the real command line: needs ``add_plot_command`` wired into mpishard.cli.main."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "cli.png"
     run = subprocess.run([sys.executable, "-m", "mpishard", "plot", str(metrics), "-o", str(out)],

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import mpishard.prepare as prep
-from mpishard.data import DataError
-from mpishard.prepare import add_prepare_command, main, prepare
-from mpishard.tokens import Tokenizer, load_tokens
+import mpishard.data.prepare as prep
+from mpishard.data.corpus import DataError
+from mpishard.data.prepare import add_prepare_command, main, prepare
+from mpishard.data.tokens import Tokenizer, load_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -219,7 +219,7 @@ def test_command_line(tmp_path, text_file, capsys):
             args.func(args)
     assert not (tmp_path / "d").exists()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "mpishard.prepare", str(text_file),
+    proc = subprocess.run([sys.executable, "-m", "mpishard.data.prepare", str(text_file),
                            str(tmp_path / "c"), "--train-bpe", "300", "--progress", "false",
                            "--val-fraction", "0.2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -230,7 +230,7 @@ def test_command_line(tmp_path, text_file, capsys):
 
 MEMORY_SCRIPT = """
 import json, sys
-from mpishard.prepare import prepare
+from mpishard.data.prepare import prepare
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 base = hwm()

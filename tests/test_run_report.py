@@ -1,5 +1,5 @@
 """What mpishard train reports: the thread warning (ranks x BLAS threads against cores)."""
-from mpishard.run_report import thread_warning
+from mpishard.run.report import thread_warning
 
 
 def reports(n, host="node0"):

@@ -354,10 +354,10 @@ PLAIN_TWO_RANKS = {
 
 
 def _library_pmi():
-    """What SRUN_MPI=auto must pick for this venv's MPI, and mpishard.slurm's description."""
+    """What SRUN_MPI=auto must pick for this venv's MPI, and mpishard.comm.slurm's description."""
     from mpi4py import MPI
 
-    described = subprocess.run([sys.executable, "-m", "mpishard.slurm", "describe"],
+    described = subprocess.run([sys.executable, "-m", "mpishard.comm.slurm", "describe"],
                                capture_output=True, text=True, check=True, cwd=ROOT,
                                env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip()
     expected = {"MPICH": "pmi2", "Open MPI": "pmix"}.get(MPI.get_vendor()[0])
@@ -557,7 +557,7 @@ def test_explicit_srun_mpi_wins(shims, tmp_path):
     (srun,) = calls(lines, "srun")
     assert "--mpi=pmix" in srun
     assert f"mpishard job {JOB_ID}: srun --mpi=pmix (set by SRUN_MPI)" in result.stdout
-    assert all("mpishard.slurm" not in args for args in calls(lines, "python"))  # not asked
+    assert all("mpishard.comm.slurm" not in args for args in calls(lines, "python"))  # not asked
 
 
 def test_usr1_checkpoints_and_requeues_then_resumes(shims, tmp_path):

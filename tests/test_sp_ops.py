@@ -1,4 +1,4 @@
-"""The sequence-parallel collectives (mpishard.parallel.sp_ops) at group sizes 1-4.
+"""The sequence-parallel collectives (mpishard.parallel.tensor.sequence) at group sizes 1-4.
 
 Forward values by hand, adjoints (<A x, y> = <x, A^T y> with A^T run as the
 op's backward), round trips, dtypes, non-contiguous inputs and the error for
@@ -13,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.autodiff import Tensor
-from mpishard.dtypes import resolve_dtype
-from mpishard.parallel.sp_ops import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp, sp_rows
+from mpishard.core.dtypes import resolve_dtype
+from mpishard.parallel.tensor.sequence import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp, sp_rows
 from parity import sub_world
 
 SIZES = [1, 2, 3, 4]
@@ -254,7 +254,7 @@ def test_gathered_linear_is_linear_of_the_gathered_rows(size):
     """Forward and every gradient equal ``linear(gather_from_sp(x))``, bit for bit."""
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.nn_ops import linear
-    from mpishard.parallel.sp_ops import gather_from_sp, gathered_linear
+    from mpishard.parallel.tensor.sequence import gather_from_sp, gathered_linear
     if size > MPI.COMM_WORLD.size:
         pytest.skip(f"needs {size} ranks")
     with sub_world(size) as comm:

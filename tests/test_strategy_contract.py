@@ -5,7 +5,7 @@ the whole model and, at the end of backward, each gradient is averaged with
 one blocking all-reduce of its own. It registers itself under
 ``test-allreduce-each`` and, with no other edit anywhere, trains against the
 single-process reference, saves and reloads checkpoints (into itself and into
-ZeRO-3), is planned by ``plan_memory``, appears in ``mpishard estimate`` and
+ZeRO-3), is planned by ``estimate_memory``, appears in ``mpishard estimate`` and
 trains through ``mpishard train``. It is what docs/concepts.md's "add a
 strategy" walk shows.
 """
@@ -20,8 +20,8 @@ from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.comm import Mesh
 from mpishard.models import GPT
 from mpishard.optim.clip import grad_sq_sum
-from mpishard.parallel import (STRATEGIES, Strategy, ZeRO, plan_memory, register_strategy,
-                               wrap_model)
+from mpishard.parallel import STRATEGIES, Strategy, ZeRO, register_strategy, wrap_model
+from mpishard.planning.memory import estimate_memory
 from parity import UNEVEN, make_optimizer, max_rel_err, reference, sub_world, train
 
 NAME = "test-allreduce-each"
@@ -48,7 +48,7 @@ class AllReduceEach(Strategy):
                            if self.counts_once(p.spec))
 
     @classmethod
-    def plan_memory(cls, model, sizes, **options):
+    def estimate_memory(cls, model, sizes, **options):
         plan = sizes.new_plan()
         n, b = sizes.n_params, sizes.itemsize
         plan.steady = {"params": n * b, "grads": 0, "optim": sizes.n_states * n * b}
@@ -64,7 +64,7 @@ def test_registered_once_with_its_summary():
         register_strategy(NAME, "again")(type("Other", (Strategy,), {}))
     with pytest.raises(ValueError, match=f"unknown strategy 'nope'; use one of ddp, zero1, "
                                          f"zero2, zero3.*{NAME}"):
-        plan_memory(GPT(UNEVEN, materialize_now=False), "nope", 2)
+        estimate_memory(GPT(UNEVEN, materialize_now=False), "nope", 2)
 
 
 @pytest.mark.mpi
@@ -115,7 +115,7 @@ def test_planned_like_its_ledger():
         strategy = wrap_model(GPT(UNEVEN, seed=0), Mesh(comm), NAME)
         opt = make_optimizer(strategy.parameters(), strategy.ledger)
         opt.allocate_state()
-        plan = plan_memory(GPT(UNEVEN, materialize_now=False), NAME, 1)
+        plan = estimate_memory(GPT(UNEVEN, materialize_now=False), NAME, 1)
         held = strategy.ledger.bytes_by_category()
         assert plan.steady["params"] == held["params"] > 0
         assert plan.steady["optim"] == held["optim"] > 0
@@ -123,7 +123,7 @@ def test_planned_like_its_ledger():
 
 
 def test_appears_in_mpishard_estimate():
-    from mpishard.cli import main
+    from mpishard.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -138,8 +138,8 @@ def test_trains_and_resumes_through_mpishard_train(tmp_path_factory):
     """The trainer, config validation and checkpoints find it by name alone."""
     from mpishard.checkpoint import read_manifest
     from mpishard.comm import Communicator
-    from mpishard.config import load_config
-    from mpishard.train import run
+    from mpishard.config.sections import load_config
+    from mpishard.run.train import run
 
     world = MPI.COMM_WORLD
     root = world.bcast(str(tmp_path_factory.mktemp("train")) if world.rank == 0 else None)

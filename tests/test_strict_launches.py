@@ -1,4 +1,4 @@
-"""Kernel launches, counted on the CuPy-strict module (mpishard.strict).
+"""Kernel launches, counted on the CuPy-strict module (mpishard.testing.strict).
 
 On a GPU each array operation (a ufunc, in place too, a reduction, a matrix
 product, a copy or cast, a gather or scatter, a filled creation) is a kernel
@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from mpishard import strict
-from mpishard.backend import Backend
+from mpishard.testing import strict
+from mpishard.core.backend import Backend
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
 
@@ -180,7 +180,7 @@ def _block_launches(strategy: str, precision=None, optimizer: bool = False,
     world size 1, from a 1- and a 2-block model, and the operations of the 2-block
     one's ``train_step`` (or ``step``)."""
     from mpishard.comm import Mesh
-    from mpishard.comm.testing import make_test_comm
+    from mpishard.testing.fake_cupy import make_test_comm
     from mpishard.parallel import ParallelModel
 
     per_step, by_op = [], None

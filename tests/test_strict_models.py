@@ -8,9 +8,9 @@ NumPy only through explicit copies.
 import numpy as np
 import pytest
 
-from mpishard import strict
+from mpishard.testing import strict
 from mpishard.autodiff import Tensor, nn_ops, ops
-from mpishard.backend import Backend, to_numpy, xp_of
+from mpishard.core.backend import Backend, to_numpy, xp_of
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.optim import SGD, AdamW
 

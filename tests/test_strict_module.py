@@ -1,4 +1,4 @@
-"""The CuPy-strict array module (mpishard.strict) behaves like CuPy where CuPy differs.
+"""The CuPy-strict array module (mpishard.testing.strict) behaves like CuPy where CuPy differs.
 
 Each refusal and each counted read below is one CuPy makes (cupy/_core/core.pyx,
 _kernel.pyx, _routines_indexing.pyx): if the strict module stopped refusing or
@@ -9,8 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
-from mpishard import strict
-from mpishard.backend import Backend, to_numpy, xp_of
+from mpishard.testing import strict
+from mpishard.core.backend import Backend, to_numpy, xp_of
 
 
 @pytest.fixture(autouse=True)

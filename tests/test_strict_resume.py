@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 from ckpt_scripts.common import shared_tmp
-from mpishard import strict
-from mpishard.backend import Backend, to_numpy
+from mpishard.testing import strict
+from mpishard.core.backend import Backend, to_numpy
 from mpishard.checkpoint import (load_checkpoint, load_module_rng_states, module_rng_states,
                                  save_checkpoint)
 from mpishard.comm import Mesh

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.autodiff import Tensor, nn_ops
-from mpishard.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+from mpishard.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                                VocabParallelEmbedding,
                                                vocab_parallel_cross_entropy)
 from parity import sub_world

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpishard.data import BatchSampler, DataError
-from mpishard.tokens import (RUN_TOKENS, SAMPLE_RUNS, TokenArray, Tokenizer, dtype_for_vocab,
+from mpishard.data.corpus import BatchSampler, DataError
+from mpishard.data.tokens import (RUN_TOKENS, SAMPLE_RUNS, TokenArray, Tokenizer, dtype_for_vocab,
                              is_token_dir, load_tokens)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,8 +69,8 @@ def test_memmap_feeds_the_sampler_and_resumes(tmp_path):
 
 RESUME_SCRIPT = """
 import json, os, signal, sys
-from mpishard.data import BatchSampler
-from mpishard.tokens import load_tokens
+from mpishard.data.corpus import BatchSampler
+from mpishard.data.tokens import load_tokens
 folder, mode, state_path = sys.argv[1:]
 sampler = BatchSampler(load_tokens(folder).train, 16, 4, dp_rank=1, dp_size=2, seed=3)
 if mode == "kill":
@@ -220,8 +220,8 @@ def test_tokenizer_file_errors(tmp_path, monkeypatch):
 RSS_SCRIPT = """
 import json, resource, sys
 import numpy as np
-from mpishard.data import BatchSampler
-from mpishard.tokens import load_tokens
+from mpishard.data.corpus import BatchSampler
+from mpishard.data.tokens import load_tokens
 def peak():   # VmHWM: ru_maxrss would still hold the forked parent's RSS from before exec
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):

@@ -5,16 +5,18 @@ beside backward) is in :mod:`.ops`, :mod:`.nn_ops` and :mod:`.llama_ops`,
 listed in ``OPS``;
 activation checkpointing (:func:`recompute`) is in :mod:`.recompute`.
 """
-from . import llama_fused, llama_ops, moe_ops, nn_ops, ops
-from .gradcheck import gradcheck, numerical_grad
-from .nn_ops import (causal_self_attention, cross_entropy, dropout, dropout_add, embedding, gelu,
+from mpishard.autodiff import moe_ops, nn_ops, ops
+from mpishard.autodiff import gqa_attention as llama_fused
+from mpishard.autodiff import rms_rope_swiglu as llama_ops
+from mpishard.autodiff.gradcheck import gradcheck, numerical_grad
+from mpishard.autodiff.nn_ops import (causal_self_attention, cross_entropy, dropout, dropout_add, embedding, gelu,
                      layer_norm, linear, log_softmax, softmax)
-from .ops import (OPS, add, concat, div, exp, getitem, log, masked_fill, matmul, max,
+from mpishard.autodiff.ops import (OPS, add, concat, div, exp, getitem, log, masked_fill, matmul, max,
                   mean, mul, neg, permute, pow, relu, reshape, split, sqrt, sub, sum,
                   tanh, transpose, unbroadcast, where)
-from .llama_ops import rms_norm, rope, rope_qkv, rope_tables, swiglu
-from .recompute import recompute
-from .tensor import HookHandle, Tensor, enable_grad, is_grad_enabled, no_grad
+from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope, rope_qkv, rope_tables, swiglu
+from mpishard.autodiff.recompute import recompute
+from mpishard.autodiff.tensor import HookHandle, Tensor, enable_grad, is_grad_enabled, no_grad
 
 __all__ = [
     "Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle", "OPS",

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .tensor import Tensor
+from mpishard.autodiff.tensor import Tensor
 
 
 def _objective(fn, tensors, projection):

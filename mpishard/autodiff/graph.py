@@ -10,9 +10,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import xp_of
-from .tensor import Tensor, _grad_mode
-from . import profile as _profile
+from mpishard.core.backend import xp_of
+from mpishard.autodiff.tensor import Tensor, _grad_mode
+from mpishard.autodiff import profile as _profile
 
 __all__ = ["OPS", "register_op", "as_tensor", "as_tensors", "make_result", "unbroadcast"]
 

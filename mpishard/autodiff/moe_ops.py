@@ -11,13 +11,13 @@ each row by its routing weight and adds the rows back into their tokens
 """
 from __future__ import annotations
 
-from ..backend import xp_of
-from ..dtypes import matmul_dtype
-from .graph import as_tensor, make_result, register_op
-from ..kernels.reference import GELU_C as _GELU_C, GELU_K as _GELU_K
-from .nn_ops import _scatter_add_rows
-from .rows import cast, up
-from .tensor import Tensor
+from mpishard.core.backend import xp_of
+from mpishard.core.dtypes import matmul_dtype
+from mpishard.autodiff.graph import as_tensor, make_result, register_op
+from mpishard.kernels.reference import GELU_C as _GELU_C, GELU_K as _GELU_K
+from mpishard.autodiff.nn_ops import _scatter_add_rows
+from mpishard.autodiff.rows import cast, up
+from mpishard.autodiff.tensor import Tensor
 
 __all__ = ["expert_swiglu", "expert_gelu", "scatter_rows", "permute_rows"]
 

@@ -14,7 +14,7 @@ Weights are read through ``tensor.data`` inside backward, see
 [Note: 16-bit inputs]
 A float16 or bfloat16 input (mixed precision) gives an output of the same
 dtype, but the arithmetic inside runs wider: matrix products in
-:func:`mpishard.dtypes.matmul_dtype` (float32 on NumPy, native on CuPy, whose
+:func:`mpishard.core.dtypes.matmul_dtype` (float32 on NumPy, native on CuPy, whose
 float16 GEMMs accumulate in float32) and every reduction (layer-norm
 statistics, softmax, cross-entropy) in float32. The cast happens at the op's
 boundary, in forward and again in backward, so what backward keeps is what
@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import xp_of
-from ..dtypes import matmul_dtype
-from ..kernels import kernels_for
-from ..kernels.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
-from ..kernels.rows import col_sum_dtype
-from .ops import as_tensor, make_result, register_op
-from .rows import (bias_grad, cast, check_last_dim, draw_uniform, native_float16,
+from mpishard.core.backend import xp_of
+from mpishard.core.dtypes import matmul_dtype
+from mpishard.kernels import kernels_for
+from mpishard.kernels.cuda.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
+from mpishard.kernels.rows import col_sum_dtype
+from mpishard.autodiff.ops import as_tensor, make_result, register_op
+from mpishard.autodiff.rows import (bias_grad, cast, check_last_dim, draw_uniform, native_float16,
                    scatter_add, up)
-from .softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
-from .tensor import Tensor, grad_buffer, grad_so_far
+from mpishard.autodiff.softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
+from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = [
     "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
@@ -103,7 +103,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     dtype = x.dtype
     kernels = kernels_for(xp)
     # float16 rows straight into a GPU's kernels (see [Note: float16 rows] in
-    # mpishard/kernels/gpu_norms.py), else cast up (see [Note: 16-bit inputs])
+    # mpishard/kernels/cuda/norms.py), else cast up (see [Note: 16-bit inputs])
     native = native_float16(kernels, dtype) and all(
         t is None or t.data.dtype == dtype for t in (weight, bias))
     lift = (lambda a: a) if native else up

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import xp_of
-from .graph import (OPS, as_tensor, as_tensors, make_result, register_op,  # noqa: F401
+from mpishard.core.backend import xp_of
+from mpishard.autodiff.graph import (OPS, as_tensor, as_tensors, make_result, register_op,  # noqa: F401
                     unbroadcast)
-from .tensor import Tensor
+from mpishard.autodiff.tensor import Tensor
 
 __all__ = [
     "OPS", "register_op", "unbroadcast", "as_tensor", "make_result",
@@ -343,7 +343,7 @@ def masked_fill(a, mask, value: float) -> Tensor:
 
 # -- Tensor methods and operators ------------------------------------------
 
-from .shape_ops import concat, getitem, permute, reshape, split, transpose  # noqa: E402,F401
+from mpishard.autodiff.shape_ops import concat, getitem, permute, reshape, split, transpose  # noqa: E402,F401
 
 def _rsub(a, b):
     return add(neg(a), b) if _is_scalar(b) else sub(b, a)

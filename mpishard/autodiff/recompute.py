@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .tensor import Tensor, enable_grad, is_grad_enabled, no_grad
+from mpishard.autodiff.tensor import Tensor, enable_grad, is_grad_enabled, no_grad
 
 __all__ = ["recompute", "device_state_array"]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import xp_of
-from ..dtypes import is_low_precision
-from ..kernels.rows import col_sum, col_sum_dtype, row_dot, row_max, row_sum
-from .tensor import Tensor, grad_buffer
+from mpishard.core.backend import xp_of
+from mpishard.core.dtypes import is_low_precision
+from mpishard.kernels.rows import col_sum, col_sum_dtype, row_dot, row_max, row_sum
+from mpishard.autodiff.tensor import Tensor, grad_buffer
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "bias_grad", "up", "cast",
            "check_last_dim", "scatter_add", "draw_uniform", "native_float16"]
@@ -73,6 +73,6 @@ def draw_uniform(rng, shape, xp, out=None):
 
 def native_float16(kernels, dtype) -> bool:
     """Whether ``kernels`` take float16 rows of ``dtype`` themselves (a GPU's GELU, layer
-    norm and RMS norm; see [Note: float16 rows] in mpishard/kernels/gpu_norms.py)
+    norm and RMS norm; see [Note: float16 rows] in mpishard/kernels/cuda/norms.py)
     instead of the op casting them up and down."""
     return dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)

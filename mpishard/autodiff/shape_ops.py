@@ -11,10 +11,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import xp_of
-from .graph import as_tensor, make_result, register_op
-from .rows import scatter_add
-from .tensor import Tensor
+from mpishard.core.backend import xp_of
+from mpishard.autodiff.graph import as_tensor, make_result, register_op
+from mpishard.autodiff.rows import scatter_add
+from mpishard.autodiff.tensor import Tensor
 
 __all__ = ["reshape", "permute", "transpose", "getitem", "concat", "split"]
 

@@ -10,14 +10,14 @@ import math
 
 import numpy as np
 
-from ..backend import xp_of
-from ..dtypes import is_low_precision, matmul_dtype
-from ..kernels import kernels_for
-from ..kernels.rows import col_sum_dtype
-from .attention_device import device_attention
-from .ops import as_tensor, make_result, register_op
-from .rows import bias_grad, cast, draw_uniform, row_dot, row_max, row_sum, up
-from .tensor import Tensor, grad_buffer
+from mpishard.core.backend import xp_of
+from mpishard.core.dtypes import is_low_precision, matmul_dtype
+from mpishard.kernels import kernels_for
+from mpishard.kernels.rows import col_sum_dtype
+from mpishard.autodiff.batched_attention import device_attention
+from mpishard.autodiff.ops import as_tensor, make_result, register_op
+from mpishard.autodiff.rows import bias_grad, cast, draw_uniform, row_dot, row_max, row_sum, up
+from mpishard.autodiff.tensor import Tensor, grad_buffer
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
            "at_least_one"]
@@ -198,9 +198,9 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     Written out as ``softmax(q k^T / sqrt(hs) + causal mask) v`` with the
     softmax backward fused in; the T x T weights are kept for backward. On
     NumPy it runs one sequence at a time so each (nh, T, T) block stays in
-    cache (see [Note: cache blocking] in mpishard/kernels/threads.py); on CuPy
+    cache (see [Note: cache blocking] in mpishard/kernels/cpu/threads.py); on CuPy
     the whole batch at once, each product one strided-batched GEMM
-    (mpishard/autodiff/attention_device.py).
+    (mpishard/autodiff/batched_attention.py).
     """
     qkv = as_tensor(qkv)
     xp = xp_of(qkv.data)

@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import profile as _profile
+from mpishard.autodiff import profile as _profile
 
 __all__ = ["Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle", "grad_buffer",
            "grad_so_far"]
@@ -189,7 +189,7 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The data as a host NumPy array (a copy only for device arrays)."""
-        from ..backend import to_numpy  # noqa: PLC0415
+        from mpishard.core.backend import to_numpy  # noqa: PLC0415
 
         return to_numpy(self.data)
 
@@ -246,7 +246,7 @@ class Tensor:
 
 
 def _ones_like(array):
-    from ..backend import xp_of  # noqa: PLC0415
+    from mpishard.core.backend import xp_of  # noqa: PLC0415
 
     return xp_of(array).ones(array.shape, dtype=array.dtype)
 

@@ -45,10 +45,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import Backend
-from ..comm import Communicator
-from ..comm.mesh import ranks_per_node
-from ..comm.stats import bus_bytes
+from mpishard.core.backend import Backend
+from mpishard.comm import Communicator
+from mpishard.comm.mesh import ranks_per_node
+from mpishard.comm.stats import bus_bytes
 
 __all__ = ["main", "calibrate", "fit_line", "model_shapes"]
 
@@ -122,10 +122,10 @@ def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) 
     """Bytes kept for backward that the elementwise ops of a block get through per second,
     forward and backward: layer norm, GELU and a residual add on ``(rows, width)``, and
     the causal softmax on ``(rows / seq, heads, seq, seq)`` scores, float32."""
-    from ..autodiff import Tensor
-    from ..autodiff.nn_ops import gelu, layer_norm
-    from ..autodiff.softmax_ops import softmax
-    from ..backend import MemoryLedger
+    from mpishard.autodiff import Tensor
+    from mpishard.autodiff.nn_ops import gelu, layer_norm
+    from mpishard.autodiff.softmax_ops import softmax
+    from mpishard.core.backend import MemoryLedger
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((rows, width)).astype(np.float32), requires_grad=True)
     s = Tensor(rng.standard_normal((max(1, rows // seq), heads, seq, seq)).astype(np.float32),
@@ -147,8 +147,8 @@ def _optimizer(repeats: int) -> tuple:
     """AdamW's ``(bytes of model state per second over one flat target, seconds per
     target)``: one 4M-element float32 target (its values, gradient and two states),
     and 64 small ones."""
-    from ..optim import AdamW
-    from ..parallel.flat import FlatShard
+    from mpishard.optim import AdamW
+    from mpishard.parallel.flat import FlatShard
 
     def targets(n, size):
         out = [FlatShard(np.ones(size, np.float32), ((0, size),), f"t{i}") for i in range(n)]
@@ -161,7 +161,7 @@ def _optimizer(repeats: int) -> tuple:
 
 
 def _op_overhead(repeats: int) -> float:
-    from ..autodiff import Tensor
+    from mpishard.autodiff import Tensor
     x = Tensor(np.ones((2, 2), np.float32), requires_grad=True)
 
     def step():
@@ -273,8 +273,8 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
 
 
 def main(argv=None) -> None:
-    from ..flags import add_config_flags, config_from_args
-    from ..recipes import recipe_for
+    from mpishard.config.flags import add_config_flags, config_from_args
+    from mpishard.recipes import recipe_for
 
     parser = argparse.ArgumentParser(prog="mpishard bench calibrate",
                                      description=__doc__.split("\n\n")[0])

@@ -25,8 +25,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import Communicator, check_launcher, install_abort_hook
-from ..comm.stats import bus_bytes
+from mpishard.comm import Communicator, check_launcher, install_abort_hook
+from mpishard.comm.stats import bus_bytes
 
 __all__ = ["main", "run", "COLLECTIVES"]
 
@@ -129,8 +129,8 @@ def main(argv=None) -> int:
     check_launcher(world)
     xp = np
     if args.backend == "cupy":
-        from ..backend import Backend  # noqa: PLC0415
-        from ..comm import node_local_rank  # noqa: PLC0415
+        from mpishard.core.backend import Backend  # noqa: PLC0415
+        from mpishard.comm import node_local_rank  # noqa: PLC0415
 
         xp = Backend.resolve("cupy", local_rank=node_local_rank(world)).xp
         if not world.cuda_aware[0]:

@@ -10,16 +10,16 @@ Saving and loading are collective; a failure on any rank is a
 [Note: loading onto any layout], [Note: reading only what is needed] and
 [Note: checkpoint agreement] in this package. Nothing here unpickles anything.
 """
-from .consolidate import consolidate, load_consolidated
-from .errors import CheckpointError
-from .format import Manifest, read_manifest
-from .locate import latest_checkpoint, resolve_checkpoint
-from .inspect import Inspection, inspect_checkpoint
-from .reader import ShardReader, load_checkpoint, verify_checkpoint
-from .signals import StopSignals
-from .state import (generator_state, load_module_rng_states, module_rng_states,
+from mpishard.checkpoint.consolidate import consolidate, load_consolidated
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import Manifest, read_manifest
+from mpishard.checkpoint.locate import latest_checkpoint, resolve_checkpoint
+from mpishard.checkpoint.inspect import Inspection, inspect_checkpoint
+from mpishard.checkpoint.reader import ShardReader, load_checkpoint, verify_checkpoint
+from mpishard.checkpoint.signals import StopSignals
+from mpishard.checkpoint.state import (generator_state, load_module_rng_states, module_rng_states,
                     set_generator_state)
-from .writer import save_checkpoint
+from mpishard.checkpoint.writer import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "latest_checkpoint",
            "resolve_checkpoint", "read_manifest", "Manifest", "ShardReader", "consolidate",

@@ -10,8 +10,8 @@ waiting in a collective. Nothing on a checkpoint path is ever unpickled.
 """
 from __future__ import annotations
 
-from ..agree import agree as agree_over, exchange_json
-from .errors import CheckpointError
+from mpishard.core.agree import agree as agree_over, exchange_json
+from mpishard.checkpoint.errors import CheckpointError
 
 __all__ = ["exchange_json", "agree", "error_record"]
 

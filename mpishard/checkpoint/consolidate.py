@@ -23,16 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
-from ..backend import xp_of
-from ..parallel.pieces import load_pieces
-from ..parallel.strategy import Strategy
-from .collective import agree, exchange_json
-from .errors import CheckpointError
-from .format import numel
-from .locate import resolve_checkpoint
-from .reader import ShardReader, verify_checkpoint
-from .shards import SafetensorsWriter, ShardFile
+from mpishard import __version__
+from mpishard.core.backend import xp_of
+from mpishard.parallel.pieces import load_pieces
+from mpishard.parallel.strategy import Strategy
+from mpishard.checkpoint.collective import agree, exchange_json
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import numel
+from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.reader import ShardReader, verify_checkpoint
+from mpishard.checkpoint.shards import SafetensorsWriter, ShardFile
 
 __all__ = ["consolidate", "load_consolidated"]
 

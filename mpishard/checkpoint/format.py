@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
+from mpishard.checkpoint.errors import CheckpointError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "LATEST", "DTYPES", "Manifest",
            "TensorEntry", "PieceEntry", "FileEntry", "seal_manifest", "read_manifest",

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import CheckpointError
-from .format import FORMAT_NAME, read_manifest
-from .locate import resolve_checkpoint
-from .reader import verify_file
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import FORMAT_NAME, read_manifest
+from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.reader import verify_file
 
 __all__ = ["inspect_checkpoint", "Inspection"]
 

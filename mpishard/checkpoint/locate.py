@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointError
-from .format import LATEST, LATEST_RE, MANIFEST, STEP_RE
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import LATEST, LATEST_RE, MANIFEST, STEP_RE
 
 __all__ = ["complete_steps", "latest_checkpoint", "resolve_checkpoint"]
 

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..parallel.pieces import load_pieces
-from .collective import agree, exchange_json
-from .errors import CheckpointError
-from .format import MANIFEST, Manifest, numel, read_manifest
-from .locate import resolve_checkpoint
-from .shards import ShardFile, sha256_file
+from mpishard.parallel.pieces import load_pieces
+from mpishard.checkpoint.collective import agree, exchange_json
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import MANIFEST, Manifest, numel, read_manifest
+from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.shards import ShardFile, sha256_file
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "verify_file", "ShardReader"]
 

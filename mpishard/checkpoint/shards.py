@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError
-from .format import DTYPES, ITEMSIZE, numel
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import DTYPES, ITEMSIZE, numel
 
 __all__ = ["ShardFile", "HeaderEntry", "SafetensorsWriter", "sha256_file", "fsync_path",
            "MAX_HEADER_BYTES"]

@@ -20,9 +20,9 @@ import base64
 
 import numpy as np
 
-from ..autodiff.recompute import device_state_array
-from ..backend import to_numpy, xp_of
-from .collective import exchange_json
+from mpishard.autodiff.recompute import device_state_array
+from mpishard.core.backend import to_numpy, xp_of
+from mpishard.checkpoint.collective import exchange_json
 
 __all__ = ["generator_state", "set_generator_state", "module_rng_states",
            "load_module_rng_states"]

@@ -33,14 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
-from ..backend import to_numpy
-from .collective import agree
-from .errors import CheckpointError
-from .format import (DTYPES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, parse_manifest,
+from mpishard import __version__
+from mpishard.core.backend import to_numpy
+from mpishard.checkpoint.collective import agree
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import (DTYPES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, parse_manifest,
                      seal_manifest, shard_file_name, step_dir_name)
-from .locate import complete_steps
-from .shards import fsync_path, sha256_file
+from mpishard.checkpoint.locate import complete_steps
+from mpishard.checkpoint.shards import fsync_path, sha256_file
 
 __all__ = ["save_checkpoint", "delete_checkpoints"]
 

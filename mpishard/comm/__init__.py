@@ -16,15 +16,15 @@ are math, and live in :mod:`mpishard.parallel`.
 
 See docs/comm.md for the whole story.
 """
-from .abort import LauncherMismatch, check_launcher, install_abort_hook
-from .communicator import COMM_BACKENDS, Communicator
-from .debug import CollectiveMismatch, CollectiveTimeout
-from .env import ENVIRONMENT
-from .gpu import detect_cuda_aware, nccl_available
-from .handles import Handle
-from .launch import format_rank_reports, node_local_rank, rank_report
-from .mesh import Mesh
-from .stats import CommStats
+from mpishard.comm.abort import LauncherMismatch, check_launcher, install_abort_hook
+from mpishard.comm.communicator import COMM_BACKENDS, Communicator
+from mpishard.comm.debug import CollectiveMismatch, CollectiveTimeout
+from mpishard.comm.env import ENVIRONMENT
+from mpishard.comm.gpu import detect_cuda_aware, nccl_available
+from mpishard.comm.handles import Handle
+from mpishard.comm.launch import format_rank_reports, node_local_rank, rank_report
+from mpishard.comm.mesh import Mesh
+from mpishard.comm.stats import CommStats
 
 __all__ = [
     "Communicator",

@@ -16,7 +16,7 @@ import traceback
 
 from mpi4py import MPI
 
-from .debug import rank_prefix
+from mpishard.comm.debug import rank_prefix
 
 __all__ = ["install_abort_hook", "check_launcher", "LauncherMismatch"]
 
@@ -97,7 +97,7 @@ def check_launcher(world, environ=None) -> None:
             continue  # inside a step, its own task count is the one that matters
         if not value.isdigit() or int(value) <= 1:
             continue
-        from .gpu import loaded_libmpi  # noqa: PLC0415
+        from mpishard.comm.gpu import loaded_libmpi  # noqa: PLC0415
 
         library = f"{MPI.get_vendor()[0]} ({loaded_libmpi() or 'unknown path'})"
         raise LauncherMismatch(

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks
-from .handles import Handle
-from .runner import Call
+from mpishard.comm import checks
+from mpishard.comm.handles import Handle
+from mpishard.comm.runner import Call
 
 __all__ = ["AllToAll"]
 

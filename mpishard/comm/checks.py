@@ -32,7 +32,7 @@ import functools
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import xp_of
+from mpishard.core.backend import xp_of
 
 __all__ = [
     "REDUCE_OPS",

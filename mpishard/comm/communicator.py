@@ -34,15 +34,15 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from . import checks
-from .alltoall import AllToAll
-from .debug import CallHistory, CallLog, Family
-from .env import settings_from_env
-from .handles import Handle
-from .nccl import COMM_BACKENDS, choose_comm_backend
-from .messages import Messages
-from .runner import Call, Runner
-from .stats import CommStats
+from mpishard.comm import checks
+from mpishard.comm.alltoall import AllToAll
+from mpishard.comm.debug import CallHistory, CallLog, Family
+from mpishard.comm.env import settings_from_env
+from mpishard.comm.handles import Handle
+from mpishard.comm.nccl import COMM_BACKENDS, choose_comm_backend
+from mpishard.comm.messages import Messages
+from mpishard.comm.runner import Call, Runner
+from mpishard.comm.stats import CommStats
 
 __all__ = ["Communicator", "COMM_BACKENDS", "Call"]
 

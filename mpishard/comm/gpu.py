@@ -36,7 +36,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import cupy_or_none, xp_of
+from mpishard.core.backend import cupy_or_none, xp_of
 
 __all__ = [
     "DevicePath",
@@ -96,7 +96,7 @@ class DevicePath:
                 ``iall_to_all``; not ``isend``/``irecv``).
         """
         stage = getattr(xp_of(a), "stage_for_mpi", None)
-        if stage is not None:   # mpishard.strict (tests): host memory under CuPy's rules
+        if stage is not None:   # mpishard.testing.strict (tests): host memory under CuPy's rules
             return stage(a, copy_in=copy_in, copy_out=copy_out)
         import cupy  # noqa: PLC0415 (a device array exists, so CuPy imports)
 

@@ -13,9 +13,9 @@ import warnings
 
 from mpi4py import MPI
 
-from ..backend import cupy_or_none
-from . import nccl
-from .gpu import loaded_libmpi, nccl_available
+from mpishard.core.backend import cupy_or_none
+from mpishard.comm import nccl
+from mpishard.comm.gpu import loaded_libmpi, nccl_available
 
 __all__ = ["node_local_rank", "rank_report", "format_rank_reports", "device_before_mpi"]
 
@@ -100,7 +100,7 @@ def rank_report(comm, backend=None) -> dict:
 
     Args:
         comm: a :class:`~mpishard.comm.Communicator`.
-        backend: the :class:`~mpishard.backend.Backend` in use, if one was
+        backend: the :class:`~mpishard.core.backend.Backend` in use, if one was
             built (else the device a ``"cupy"`` backend would bind is reported).
 
     Returns:

@@ -53,8 +53,8 @@ import os
 
 from mpi4py import MPI
 
-from ..mesh_axes import expert_axes_as_plain
-from .communicator import Communicator
+from mpishard.core.mesh_axes import expert_axes_as_plain
+from mpishard.comm.communicator import Communicator
 
 __all__ = ["Mesh", "MESH_AXES", "ranks_per_node", "node_of"]
 

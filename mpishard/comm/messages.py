@@ -8,8 +8,8 @@ forms pickle small Python values (metadata, never arrays on a hot path).
 """
 from __future__ import annotations
 
-from . import checks
-from .handles import Handle
+from mpishard.comm import checks
+from mpishard.comm.handles import Handle
 
 __all__ = ["Messages"]
 

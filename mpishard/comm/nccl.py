@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import socket
 
-from .gpu import nccl_available
-from .handles import EventRequest
+from mpishard.comm.gpu import nccl_available
+from mpishard.comm.handles import EventRequest
 
 __all__ = ["NcclGroup", "nccl_dtype", "resolve_comm_backend", "choose_comm_backend",
            "device_identity", "shared_gpu", "COMM_BACKENDS"]

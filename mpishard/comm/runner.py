@@ -12,8 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from . import checks, gpu, nccl
-from .handles import Handle
+from mpishard.comm import checks, gpu, nccl
+from mpishard.comm.handles import Handle
 
 __all__ = ["Call", "Runner"]
 

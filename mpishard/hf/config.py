@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from ..models import GPT, GPTConfig, Llama, LlamaConfig
+from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 
 __all__ = ["model_fields", "shape_from_folder", "config_from_fields", "config_from_pretrained", "read_config_json",
            "hf_config", "model_class", "check_model_matches", "CONFIG"]

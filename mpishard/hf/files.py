@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.errors import CheckpointError
-from ..checkpoint.shards import read_exact_into, read_header_json
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.shards import read_exact_into, read_header_json
 
 __all__ = ["HFWeights", "Entry", "SINGLE", "INDEX", "rectangles"]
 

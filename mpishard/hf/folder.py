@@ -25,12 +25,12 @@ import re
 import shutil
 from pathlib import Path
 
-from .. import __version__
-from ..checkpoint.errors import CheckpointError
-from ..checkpoint.format import ITEMSIZE, numel
-from ..checkpoint.shards import SafetensorsWriter, fsync_path
-from .config import CONFIG
-from .files import INDEX, SINGLE
+from mpishard import __version__
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.format import ITEMSIZE, numel
+from mpishard.checkpoint.shards import SafetensorsWriter, fsync_path
+from mpishard.hf.config import CONFIG
+from mpishard.hf.files import INDEX, SINGLE
 
 __all__ = ["FolderWriter", "plan_shards"]
 

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.collective import agree
-from ..checkpoint.consolidate import load_consolidated
-from ..checkpoint.errors import CheckpointError
-from ..nn.init import seed_dropout
-from ..parallel.pieces import load_pieces
-from .config import (CONFIG, check_model_matches, config_from_fields, model_class,
+from mpishard.checkpoint.collective import agree
+from mpishard.checkpoint.consolidate import load_consolidated
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.nn.init import seed_dropout
+from mpishard.parallel.pieces import load_pieces
+from mpishard.hf.config import (CONFIG, check_model_matches, config_from_fields, model_class,
                      model_fields)
-from .files import HFWeights
-from .names import BASE_PREFIX, ignorable, tensor_plan
+from mpishard.hf.files import HFWeights
+from mpishard.hf.names import BASE_PREFIX, ignorable, tensor_plan
 
 __all__ = ["from_pretrained", "load_pretrained", "match_tensors"]
 

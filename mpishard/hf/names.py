@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .config import model_class
+from mpishard.hf.config import model_class
 
 __all__ = ["HFTensor", "tensor_plan", "ignorable", "BASE_PREFIX"]
 

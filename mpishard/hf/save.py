@@ -28,15 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend import to_numpy
-from ..checkpoint.collective import agree
-from ..checkpoint.errors import CheckpointError
-from ..checkpoint.locate import resolve_checkpoint
-from ..checkpoint.reader import ShardReader, verify_checkpoint
-from ..parallel.strategy import Strategy
-from .config import hf_config, model_class
-from .folder import FolderWriter
-from .names import tensor_plan
+from mpishard.core.backend import to_numpy
+from mpishard.checkpoint.collective import agree
+from mpishard.checkpoint.errors import CheckpointError
+from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.reader import ShardReader, verify_checkpoint
+from mpishard.parallel.strategy import Strategy
+from mpishard.hf.config import hf_config, model_class
+from mpishard.hf.folder import FolderWriter
+from mpishard.hf.names import tensor_plan
 
 __all__ = ["save_pretrained", "export_checkpoint", "config_of_manifest"]
 
@@ -212,8 +212,8 @@ def _gather_tensor(t, owned: dict, counts: list, world, dtype: str) -> np.ndarra
 
 def config_of_manifest(manifest):
     """The GPTConfig or LlamaConfig a checkpoint was trained with (its ``extra["config"]``)."""
-    from ..config import KEYS, ConfigError, config_from_dict, flat_values  # noqa: PLC0415
-    from ..recipes import recipe_for  # noqa: PLC0415
+    from mpishard.config.sections import KEYS, ConfigError, config_from_dict, flat_values  # noqa: PLC0415
+    from mpishard.recipes import recipe_for  # noqa: PLC0415
 
     raw = manifest.extra.get("config")
     if not isinstance(raw, dict):

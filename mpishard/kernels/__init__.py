@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cpu, gpu, reference
-from .choice import env_choice
+from mpishard.kernels import reference
+from mpishard.kernels.cpu import ops as cpu
+from mpishard.kernels.cuda import ops as gpu
+from mpishard.kernels.choice import env_choice
 
 __all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "attention_choice",
            "fused_attention", "check_settings", "describe", "cpu", "gpu", "reference"]
@@ -61,7 +63,7 @@ def fused_attention(xp, head_size: int, dropout: bool) -> bool:
     (:func:`attention_choice`), on a device (CuPy, or the strict module that stands in
     for it), without dropout of the weights (its draws would be a ``T x T`` array) and
     with a head size the kernels take. The op and the activation plan both ask this."""
-    from .gpu_attention import MAX_HEAD_SIZE
+    from mpishard.kernels.cuda.attention import MAX_HEAD_SIZE
     return (xp is not np and not dropout and 0 < head_size <= MAX_HEAD_SIZE
             and attention_choice() == "fused")
 
@@ -70,7 +72,7 @@ def check_settings() -> None:
     """Raise now (ValueError, or RuntimeError when MKL is asked for and does not load)
     for a bad ``MPISHARD_KERNELS``, ``MPISHARD_ATTENTION`` or ``MPISHARD_BLAS``, rather
     than at the first op that reads it."""
-    from .cpu_blas import blas_choice, mkl_library
+    from mpishard.kernels.cpu.blas import blas_choice, mkl_library
     kernel_choice()
     attention_choice()
     if blas_choice() == "mkl":
@@ -79,7 +81,7 @@ def check_settings() -> None:
 
 def describe() -> str:
     """One line for ``mpishard info``: which kernel sets run, with how many CPU threads."""
-    from .threads import thread_count
+    from mpishard.kernels.cpu.threads import thread_count
     if kernel_choice() == "reference":
         return "reference everywhere (MPISHARD_KERNELS=reference)"
     n = thread_count()

@@ -23,8 +23,8 @@ import math
 
 import numpy as np
 
-from ..backend import xp_of
-from .rows import col_sum
+from mpishard.core.backend import xp_of
+from mpishard.kernels.rows import col_sum
 
 __all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
            "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
@@ -335,7 +335,7 @@ def flash_attention_forward(hm, scale: float):
     fused kernels compute it: ``(y, lse)``, the output ``(B, heads, T, hs)`` in hm's
     dtype and each query row's log-sum-exp of its scaled, masked scores (float32 for
     16-bit rows), all that backward keeps. Here the ``T x T`` scores are made whole;
-    the GPU's kernels walk them a tile at a time (mpishard/kernels/cuda_attention.py)."""
+    the GPU's kernels walk them a tile at a time (mpishard/kernels/cuda/attention_src.py)."""
     xp = xp_of(hm)
     q, k, v = (up32(hm[i]) for i in range(3))
     T = q.shape[-2]

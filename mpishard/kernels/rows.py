@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import xp_of
+from mpishard.core.backend import xp_of
 
 __all__ = ["row_sum", "row_dot", "row_max", "col_sum", "col_sum_dtype"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.tensor import no_grad
-from ..backend import to_numpy
+from mpishard.autodiff.tensor import no_grad
+from mpishard.core.backend import to_numpy
 
 __all__ = ["generate"]
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff import nn_ops
-from ..autodiff.ops import relu
-from ..autodiff.tensor import Tensor
-from ..backend import Backend
-from ..nn import Linear, Module, ModuleList
-from ..nn.init import materialize
-from ..nn.plan import ParallelPlan
+from mpishard.autodiff import nn_ops
+from mpishard.autodiff.ops import relu
+from mpishard.autodiff.tensor import Tensor
+from mpishard.core.backend import Backend
+from mpishard.nn import Linear, Module, ModuleList
+from mpishard.nn.init import materialize
+from mpishard.nn.sharding import ShardingPlan
 
 __all__ = ["MLPClassifier"]
 
@@ -43,15 +43,15 @@ class MLPClassifier(Module):
         if materialize_now:
             materialize(self, seed, self.backend)
 
-    def parallel_plan(self) -> ParallelPlan:
+    def parallel_plan(self) -> ShardingPlan:
         """ZeRO units: one per layer. No tensor or pipeline split: the classifier
         trains with data parallelism (tp = pp = 1)."""
-        return ParallelPlan(units=tuple(f"layers.{i}" for i in range(len(self.layers))))
+        return ShardingPlan(units=tuple(f"layers.{i}" for i in range(len(self.layers))))
 
     def activation_bytes(self, batch_size: int, seq_len: int = 1, dtype="float32") -> int:
         """Bytes one micro-batch's forward keeps for backward: each layer's output, each
         ReLU's, and the loss's shifted logits and per-row arrays (as the GPT's, see
-        mpishard/models/gpt_activations.py)."""
+        mpishard/models/gpt/activations.py)."""
         c = np.dtype(dtype).itemsize
         f = 4 if c == 2 else c
         n, widths = batch_size, [layer.out_features for layer in self.layers]

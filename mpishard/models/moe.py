@@ -31,12 +31,12 @@ from __future__ import annotations
 import math
 from itertools import accumulate
 
-from ..autodiff.moe_ops import expert_gelu, expert_swiglu, scatter_rows
-from ..autodiff.nn_ops import embedding
-from ..autodiff.ops import getitem, mul, reshape, sum, tanh  # noqa: A004 (the op)
-from ..autodiff.softmax_ops import log_softmax, softmax
-from ..backend import to_numpy, xp_of
-from ..nn import Constant, Linear, Module, Normal, Parameter
+from mpishard.autodiff.moe_ops import expert_gelu, expert_swiglu, scatter_rows
+from mpishard.autodiff.nn_ops import embedding
+from mpishard.autodiff.ops import getitem, mul, reshape, sum, tanh  # noqa: A004 (the op)
+from mpishard.autodiff.softmax_ops import log_softmax, softmax
+from mpishard.core.backend import to_numpy, xp_of
+from mpishard.nn import Constant, Linear, Module, Normal, Parameter
 
 __all__ = ["MoE", "MoEExperts", "GELUExperts", "Route", "load_balancing_loss",
            "router_z_loss", "with_router_losses"]

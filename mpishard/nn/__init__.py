@@ -1,10 +1,10 @@
 """Modules, parameters, layers and parallel plans (no communication here: see mpishard.parallel)."""
-from .init import materialize, seed_dropout
-from .layers import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, unbiased
-from .module import Module, ModuleDict, ModuleList, StateDictError
-from .parameter import (Constant, FlatPlacement, Normal, Parameter, ShardSpec, init_array,
+from mpishard.nn.init import materialize, seed_dropout
+from mpishard.nn.layers import CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, unbiased
+from mpishard.nn.module import Module, ModuleDict, ModuleList, StateDictError
+from mpishard.nn.parameter import (Constant, FlatPlacement, Normal, Parameter, ShardSpec, init_array,
                         rng_for)
-from .plan import (ColumnParallel, ParallelPlan, PipelinePlan, RowParallel, VocabParallel,
+from mpishard.nn.sharding import (ColumnParallel, ShardingPlan, PipelinePlan, RowParallel, VocabParallel,
                    VocabParallelLoss, plan_of)
 
 __all__ = [
@@ -12,6 +12,6 @@ __all__ = [
     "FlatPlacement",
     "Normal", "Constant", "init_array", "rng_for", "materialize", "seed_dropout",
     "Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss", "unbiased",
-    "ParallelPlan", "PipelinePlan", "ColumnParallel", "RowParallel", "VocabParallel",
+    "ShardingPlan", "PipelinePlan", "ColumnParallel", "RowParallel", "VocabParallel",
     "VocabParallelLoss", "plan_of",
 ]

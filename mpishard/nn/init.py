@@ -8,9 +8,9 @@ import dataclasses
 
 import numpy as np
 
-from ..backend import Backend
-from .module import Module
-from .parameter import init_array, rng_for
+from mpishard.core.backend import Backend
+from mpishard.nn.module import Module
+from mpishard.nn.parameter import init_array, rng_for
 
 __all__ = ["materialize", "seed_dropout"]
 

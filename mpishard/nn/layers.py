@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff import nn_ops
-from .module import Module
-from .parameter import Constant, Normal, Parameter
+from mpishard.autodiff import nn_ops
+from mpishard.nn.module import Module
+from mpishard.nn.parameter import Constant, Normal, Parameter
 
 __all__ = ["Linear", "Embedding", "LayerNorm", "Dropout", "CrossEntropyLoss", "unbiased"]
 

@@ -12,9 +12,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..autodiff.tensor import HookHandle
-from ..backend import to_numpy, xp_of
-from .parameter import Parameter
+from mpishard.autodiff.tensor import HookHandle
+from mpishard.core.backend import to_numpy, xp_of
+from mpishard.nn.parameter import Parameter
 
 __all__ = ["Module", "ModuleList", "ModuleDict", "StateDictError"]
 

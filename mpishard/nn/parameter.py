@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..autodiff.tensor import Tensor
+from mpishard.autodiff.tensor import Tensor
 
 __all__ = ["Parameter", "ShardSpec", "FlatPlacement", "Normal", "Constant", "init_array",
            "rng_for"]

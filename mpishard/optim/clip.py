@@ -10,8 +10,8 @@ from typing import Iterable
 
 import numpy as np
 
-from ..backend import to_numpy, xp_of
-from ..kernels import kernels_for
+from mpishard.core.backend import to_numpy, xp_of
+from mpishard.kernels import kernels_for
 
 __all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficient"]
 

@@ -19,8 +19,8 @@ from typing import Iterable
 
 import numpy as np
 
-from ..backend import MemoryLedger, to_numpy, xp_of
-from ..kernels import kernels_for
+from mpishard.core.backend import MemoryLedger, to_numpy, xp_of
+from mpishard.kernels import kernels_for
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 

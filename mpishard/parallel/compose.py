@@ -10,8 +10,8 @@ over dp x cp.
         loss = run.train_step(x, y)          # x, y: this dp rank's batch (same on tp/pp peers)
         run.step(opt, max_norm=1.0)
 
-Built in this order, each reading the model's own :class:`~mpishard.nn.ParallelPlan`
-(see [Note: parallel plans] in mpishard/nn/plan.py): this rank's pipeline
+Built in this order, each reading the model's own :class:`~mpishard.nn.ShardingPlan`
+(see [Note: parallel plans] in mpishard/nn/sharding.py): this rank's pipeline
 stage (:func:`build_stage`: the model's ``pipeline_stage`` for the blocks
 :func:`partition_blocks` gives it), its tensor-parallel layers over ``mesh.tp``
 (:func:`apply_tensor_plan`), the sequence split over ``mesh.cp``
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..autodiff.tensor import no_grad
-from ..nn.plan import plan_of
-from .pipeline import Pipeline, partition_blocks
-from .strategy import strategy_entry
-from .context_parallel import apply_context_plan
-from .expert_parallel import apply_expert_plan
-from .tensor_parallel import apply_tensor_plan
+from mpishard.autodiff.tensor import no_grad
+from mpishard.nn.sharding import plan_of
+from mpishard.parallel.pipeline.schedule import Pipeline, partition_blocks
+from mpishard.parallel.strategy import strategy_entry
+from mpishard.parallel.context.apply import apply_context_plan
+from mpishard.parallel.expert.layers import apply_expert_plan
+from mpishard.parallel.tensor.layers import apply_tensor_plan
 
 __all__ = ["ParallelModel", "build_stage", "stage_blocks", "wrap_model"]
 
@@ -52,9 +52,9 @@ def _params_in(model, paths, exclude=()) -> int:
     return total
 
 
-def stage_blocks(model, pp: int, stage_plan=None) -> tuple:
+def stage_blocks(model, pp: int, stage_estimate=None) -> tuple:
     """``(blocks of each of the pp stages, names of the parameters the first stage
-    owns)`` for ``model`` (whole); balanced by parameter count unless ``stage_plan``
+    owns)`` for ``model`` (whole); balanced by parameter count unless ``stage_estimate``
     gives blocks per stage. A model whose structure is frozen (a layout search)
     keeps its answers."""
     plan = plan_of(model)
@@ -62,7 +62,7 @@ def stage_blocks(model, pp: int, stage_plan=None) -> tuple:
         raise ValueError(f"{type(model).__name__} has no pipeline plan (its "
                          f"parallel_plan() has pipeline=None); use pp=1")
     memo = model.structure_cache("stage_blocks")
-    key = (pp, tuple(stage_plan) if stage_plan is not None else None)
+    key = (pp, tuple(stage_estimate) if stage_estimate is not None else None)
     if key not in memo:
         pipe = plan.pipeline
         blocks = list(model.get_submodule(pipe.blocks).values())
@@ -72,17 +72,17 @@ def stage_blocks(model, pp: int, stage_plan=None) -> tuple:
                                   first_extra=_params_in(model, pipe.first),
                                   last_extra=_params_in(model, pipe.last,
                                                         exclude={id(p) for _, p in first}),
-                                  plan=stage_plan)
+                                  plan=stage_estimate)
         memo[key] = (ranges, {n for n, _ in first})
     return memo[key]
 
 
-def build_stage(model, mesh, stage_plan=None, cp_mode: str = "ring",
+def build_stage(model, mesh, stage_estimate=None, cp_mode: str = "ring",
                 sequence_parallel: bool = False):
     """This rank's pipeline stage of ``model`` (whole and unmaterialised), with its
     tensor-parallel layers applied over ``mesh.tp``; unmaterialised.
 
-    Stages are balanced by parameter count (``stage_plan``, blocks per stage,
+    Stages are balanced by parameter count (``stage_estimate``, blocks per stage,
     overrides it). A tied parameter held by a stage other than its owner's
     (the token table on the last stage) is marked ``spec.replica``.
 
@@ -94,7 +94,7 @@ def build_stage(model, mesh, stage_plan=None, cp_mode: str = "ring",
     pp, s = mesh.pp.size, mesh.pp.rank
     first_names: set = set()   # parameters the first stage owns (a later stage's are replicas)
     if pp > 1:
-        ranges, first_names = stage_blocks(model, pp, stage_plan)
+        ranges, first_names = stage_blocks(model, pp, stage_estimate)
         model = model.pipeline_stage(ranges[s], first_stage=s == 0, last_stage=s == pp - 1)
     apply_tensor_plan(model, mesh.tp, plan_of(model), sequence_parallel=sequence_parallel)
     cp = getattr(mesh, "cp", None)
@@ -131,24 +131,24 @@ class ParallelModel:
         micro_batches: micro-batches per step (the pipeline's ``m``; plain
             gradient accumulation when ``pp == 1``).
         schedule: ``"1f1b"`` or ``"gpipe"``.
-        stage_plan: blocks per pipeline stage (default: balanced by parameters).
+        stage_estimate: blocks per pipeline stage (default: balanced by parameters).
         precision: mixed precision, e.g. ``"bfloat16"`` (see :class:`~mpishard.parallel.Precision`).
         seed: initialisation seed (default: the model's).
         cp_mode: context parallelism's attention, ``"ring"`` or ``"all-to-all"``
             (when ``mesh.cp`` has more than one rank).
         sequence_parallel: Megatron's sequence parallelism with tp: norms and
-            residuals hold 1/tp of the rows (see mpishard/parallel/tensor_parallel.py).
+            residuals hold 1/tp of the rows (see mpishard/parallel/tensor/layers.py).
     """
 
     def __init__(self, model, mesh, strategy: str = "zero3", micro_batches: int = 1,
-                 schedule: str = "1f1b", stage_plan=None, precision=None,
+                 schedule: str = "1f1b", stage_estimate=None, precision=None,
                  seed: int | None = None, cp_mode: str = "ring",
                  sequence_parallel: bool = False):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         plan = plan_of(model)
         self.mesh = mesh
-        stage = build_stage(model, mesh, stage_plan, cp_mode, sequence_parallel)
+        stage = build_stage(model, mesh, stage_estimate, cp_mode, sequence_parallel)
         self.sequence = getattr(stage, "sequence", None)   # a SequenceShard under cp
         self.strategy = wrap_model(stage, mesh, strategy, seed, precision)
         tie, tied = None, []

@@ -6,19 +6,19 @@ and ZeRO keeps parameters, gradients and optimizer state as flat buffers
 padded to a multiple of the axis size. This module is the one place that
 computes such a layout.
 
-    layout = FlatLayout.of([w.shape, b.shape], dtype="float32", pad_to=comm.size)
+    layout = FlatIndex.of([w.shape, b.shape], dtype="float32", pad_to=comm.size)
     flat = layout.flatten([w, b])                 # (layout.padded_numel,), zero padding
     comm.all_reduce(flat, op="avg")
     layout.unflatten_into(flat, [w, b])           # copy the averages back
     shard = comm.reduce_scatter(flat)             # (layout.padded_numel // comm.size,)
 
-[Note: flat layout]
+[Note: flat index]
 Arrays are laid out in the order given, each C-contiguous, without gaps,
 followed by zero padding up to ``padded_numel`` (a multiple of ``pad_to``). So
 ``offsets[i]`` is where array ``i`` starts in the flat buffer, and with
 ``pad_to = n`` the buffer splits into ``n`` equal shards where shard ``r``
 covers elements ``[r * shard, (r + 1) * shard)``. Checkpoint manifests record
-these offsets; code that needs them takes them from a FlatLayout.
+these offsets; code that needs them takes them from a FlatIndex.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from math import prod
 
 import numpy as np
 
-from ..backend import xp_of
+from mpishard.core.backend import xp_of
 
-__all__ = ["FlatLayout", "FlatShard", "padded_size"]
+__all__ = ["FlatIndex", "FlatShard", "padded_size"]
 
 
 def padded_size(numel: int, multiple: int) -> int:
@@ -40,8 +40,8 @@ def padded_size(numel: int, multiple: int) -> int:
 
 
 @dataclass(frozen=True)
-class FlatLayout:
-    """Where each array lives in a flat buffer (see [Note: flat layout]).
+class FlatIndex:
+    """Where each array lives in a flat buffer (see [Note: flat index]).
 
     Attributes:
         shapes: the arrays' shapes, in order.
@@ -58,7 +58,7 @@ class FlatLayout:
     padded_numel: int
 
     @classmethod
-    def of(cls, shapes, dtype, pad_to: int = 1) -> "FlatLayout":
+    def of(cls, shapes, dtype, pad_to: int = 1) -> "FlatIndex":
         """Lay out arrays of ``shapes`` and ``dtype``, padded to ``pad_to``."""
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
         offsets, total = [], 0
@@ -69,11 +69,11 @@ class FlatLayout:
                    padded_size(total, pad_to))
 
     @classmethod
-    def of_arrays(cls, arrays, pad_to: int = 1) -> "FlatLayout":
+    def of_arrays(cls, arrays, pad_to: int = 1) -> "FlatIndex":
         """The layout of ``arrays`` (which must share one dtype)."""
         dtypes = {str(a.dtype) for a in arrays}
         if len(dtypes) > 1:
-            raise ValueError(f"FlatLayout: arrays have dtypes {sorted(dtypes)}; flatten "
+            raise ValueError(f"FlatIndex: arrays have dtypes {sorted(dtypes)}; flatten "
                              f"one dtype per buffer (group them by dtype first)")
         dtype = arrays[0].dtype if arrays else np.float32
         return cls.of([a.shape for a in arrays], dtype, pad_to)

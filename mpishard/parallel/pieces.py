@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import to_numpy, xp_of
+from mpishard.core.backend import to_numpy, xp_of
 
 __all__ = ["Piece", "pieces_of", "replicated_pieces", "unit_pieces", "load_pieces",
            "gather_full_params"]

@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..dtypes import FLOAT_DTYPES, LOW_PRECISION
-from .flat import FlatShard
+from mpishard.core.dtypes import FLOAT_DTYPES, LOW_PRECISION
+from mpishard.parallel.flat import FlatShard
 
 __all__ = ["Precision", "LossScaler", "MasterCopies", "PRECISIONS"]
 

@@ -26,7 +26,7 @@ forward hooks       registered on the module in ``__init__`` (gather, settle, ..
 ``pieces(opt)``     what this rank holds, as pieces of global tensors ([Note: pieces])
 ``after_load()``    after checkpoint pieces were written into the buffers
 ``state_dict()``    counters and loss scale for the manifest; ``load_state_dict``
-``plan_memory(..)`` (a classmethod) predicted per-rank bytes (:mod:`.planner`)
+``estimate_memory(..)`` (a classmethod) predicted per-rank bytes (:mod:`.planner`)
 ==================  ================================================================
 
 A strategy is listed once, with :func:`register_strategy`, in
@@ -59,12 +59,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import MemoryLedger
-from ..dtypes import resolve_dtype
-from ..nn.init import materialize
-from ..optim.clip import clip_coefficient
-from .pieces import gather_full_params, replicated_pieces
-from .precision import LossScaler, Precision
+from mpishard.core.backend import MemoryLedger
+from mpishard.core.dtypes import resolve_dtype
+from mpishard.nn.init import materialize
+from mpishard.optim.clip import clip_coefficient
+from mpishard.parallel.pieces import gather_full_params, replicated_pieces
+from mpishard.parallel.precision import LossScaler, Precision
 
 __all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_strategy",
            "strategy_entry"]
@@ -129,7 +129,7 @@ class Strategy:
     """Base class of every strategy: the contract's shared half (see [Note: strategy contract]).
 
     Subclasses implement :meth:`parameters`, :meth:`reduce_grads`,
-    :meth:`local_grad_sq` and :meth:`plan_memory`, and override
+    :meth:`local_grad_sq` and :meth:`estimate_memory`, and override
     :meth:`after_update`, :meth:`pieces` and :meth:`optimizer_target` where
     they keep something other than whole replicated parameters.
 
@@ -225,9 +225,9 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
-    def plan_memory(cls, model, sizes, **options):
-        """Predicted per-rank bytes: a :class:`~mpishard.parallel.MemoryPlan` for
-        ``model`` (shapes only) and ``sizes`` (:class:`~mpishard.parallel.PlanSizes`)."""
+    def estimate_memory(cls, model, sizes, **options):
+        """Predicted per-rank bytes: a :class:`~mpishard.planning.memory.MemoryEstimate` for
+        ``model`` (shapes only) and ``sizes`` (:class:`~mpishard.planning.memory.EstimateSizes`)."""
         raise NotImplementedError(f"{cls.__name__} has no memory plan")
 
     # -- the contract: defaults -------------------------------------------------

@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..nn.plan import plan_of
-from ..parallel.compose import build_stage
-from ..parallel.layout import layout_mesh, memo_for, plan_layout
-from ..parallel.planner import layout_itemsizes
-from ..parallel.tensor_parallel import _matching
+from mpishard.nn.sharding import plan_of
+from mpishard.parallel.compose import build_stage
+from mpishard.planning.layout import layout_mesh, memo_for, estimate_layout
+from mpishard.planning.memory import layout_itemsizes
+from mpishard.parallel.tensor.layers import _matching
 
 __all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes", "bubble_fraction"]
 
@@ -190,14 +190,14 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
     """The predicted step of ``layout`` for the model ``make_model()`` builds (whole,
     unmaterialised) on ``machine`` (see [Note: step-time model]).
 
-    ``plan`` (the layout's :func:`plan_layout`) and ``stages`` (stage index -> the
+    ``plan`` (the layout's :func:`estimate_layout`) and ``stages`` (stage index -> the
     built stage) reuse what a search already has, ``memo`` its cache (see
-    :func:`plan_layout`) and ``whole`` its whole model (only read); without them
+    :func:`estimate_layout`) and ``whole`` its whole model (only read); without them
     they are built.
     """
     rpn = ranks_per_node or machine.ranks_per_node
     world = layout.dp * layout.cp * layout.tp * layout.pp
-    plan = plan or plan_layout(make_model(), layout)
+    plan = plan or estimate_layout(make_model(), layout)
     whole = whole if whole is not None else make_model()
     act, _, grad = layout_itemsizes(whole, layout)
     dtype = act.name
@@ -207,8 +207,8 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
     total = memo_for(memo, whole)(("whole flops", layout.batch_size, layout.seq_len, layout.cp),
                                  lambda: stage_flops(whole, layout))
     model_flops = 3 * (total["blocks"] + total["rest"]) * m * layout.dp * layout.cp
-    for stage_plan in plan.stages:
-        s = stage_plan.stage
+    for stage_estimate in plan.stages:
+        s = stage_estimate.stage
         mesh = layout_mesh(layout, s)
         stage = stages(s) if stages is not None else \
             build_stage(make_model(), mesh, None, layout.cp_mode, layout.sequence_parallel)
@@ -229,7 +229,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         attention_share = micro * fl["attention"] / forward if forward else 0.0
         times = {"compute": micro * m, "backward": micro * m * 2 / 3,
                  "attention": attention_share * m}
-        optimizer = machine.optimizer_seconds(_updated_bytes(stage_plan.memory.steady), cached(
+        optimizer = machine.optimizer_seconds(_updated_bytes(stage_estimate.memory.steady), cached(
             ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout))) \
             * share
         n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
@@ -240,11 +240,11 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         if share > 1:        # ranks sharing cores, each spinning in MPI when it waits
             breakdown["shared cores"] = (share - 1) * (busy + micro * (p - 1))
         comm_total = {}
-        for group, nbytes in stage_plan.bus_bytes.items():
+        for group, nbytes in stage_estimate.bus_bytes.items():
             if not nbytes:
                 continue
             calls = _calls(layout, group, n_blocks, n_units,
-                           stage_plan.memory.steady.get("grads", 0))
+                           stage_estimate.memory.steady.get("grads", 0))
             link = machine.link(_KIND.get(group, "all_reduce"), _group_size(mesh, group),
                                 group_spans_nodes(layout, group, rpn))
             t = link.seconds(nbytes, calls)

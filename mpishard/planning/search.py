@@ -4,7 +4,7 @@
                           seq_len=8192, global_batch=1024, n_layer=32, n_head=32)
     print(format_table(ranked[:5]))
 
-A candidate is a :class:`~mpishard.parallel.Layout`: ``tp`` (dividing the heads,
+A candidate is a :class:`~mpishard.planning.layout.Layout`: ``tp`` (dividing the heads,
 at most a node), ``pp`` (at most the blocks), ``cp`` (the sequence split into
 ``2 cp`` chunks), the rest ``dp``, without or with hybrid sharding (``dp_shard``
 the largest that keeps ``tp x cp x dp_shard`` inside a node, ``dp_replicate``
@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..parallel import STRATEGIES, Layout, LayoutMesh, plan_layout
-from ..parallel.compose import build_stage
-from .cost import StepCost, bubble_fraction, predict_step
+from mpishard.parallel import STRATEGIES
+from mpishard.planning.layout import Layout, LayoutMesh, estimate_layout
+from mpishard.parallel.compose import build_stage
+from mpishard.planning.cost import StepCost, bubble_fraction, predict_step
 
 __all__ = ["Ranked", "candidate_layouts", "rank_layouts", "format_table"]
 
@@ -128,7 +129,7 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
                 dataclasses.replace(layout, activation_checkpointing=False) in plain_fits:
             continue
         try:
-            plan = plan_layout(whole, layout, stage_of=cache.of(layout), memo=memo,
+            plan = estimate_layout(whole, layout, stage_of=cache.of(layout), memo=memo,
                                representative=True)
         except ValueError:
             continue

@@ -10,7 +10,7 @@ model kind is a recipe plus one :func:`register_recipe` line.
 """
 from __future__ import annotations
 
-from .base import RECIPES, Recipe, recipe_for, register_recipe
-from . import digits, text  # noqa: F401,E402 (register the built-in recipes)
+from mpishard.recipes.base import RECIPES, Recipe, recipe_for, register_recipe
+from mpishard.recipes import digits, text  # noqa: F401,E402 (register the built-in recipes)
 
 __all__ = ["Recipe", "RECIPES", "register_recipe", "recipe_for"]

@@ -26,7 +26,7 @@ class Recipe:
     """One model kind's part of a run. Subclasses implement every method below.
 
     Attributes:
-        cfg: the :class:`~mpishard.config.TrainConfig`.
+        cfg: the :class:`~mpishard.config.sections.TrainConfig`.
         tokens_per_sample: tokens one sample holds (throughput is tokens/s).
         can_sample: whether :meth:`sample` makes text.
     """

@@ -1,9 +1,9 @@
 """The MLP classifier on scikit-learn's 8x8 digits (``--model mlp``)."""
 from __future__ import annotations
 
-from ..data import ArraySampler, load_digits
-from ..models import MLPClassifier
-from .base import Recipe, register_recipe
+from mpishard.data.corpus import ArraySampler, load_digits
+from mpishard.models import MLPClassifier
+from mpishard.recipes.base import Recipe, register_recipe
 
 __all__ = ["Digits"]
 

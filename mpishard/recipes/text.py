@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import VOCAB_SIZE, BatchSampler, load_corpus
-from ..errors import ConfigError
-from ..models import GPT, GPTConfig, Llama, LlamaConfig
-from ..tokens import Tokenizer, is_token_dir, load_tokens
-from .base import Recipe, register_recipe
+from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, load_corpus
+from mpishard.core.errors import ConfigError
+from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
+from mpishard.data.tokens import Tokenizer, is_token_dir, load_tokens
+from mpishard.recipes.base import Recipe, register_recipe
 
 __all__ = ["TextLM", "TextGPT", "TextLlama"]
 

@@ -35,7 +35,7 @@ def build(kind: str, comm, dtype: str = "float64", seed: int = 0, cfg=None):
 
 def full_tensors(strategy, optimizer, comm) -> dict:
     """``(name, kind) -> whole flat array`` from every rank's owned pieces (on every rank)."""
-    from mpishard.backend import to_numpy
+    from mpishard.core.backend import to_numpy
     from mpishard.parallel import pieces_of
 
     owned = [(p.name, p.kind, tuple(p.global_shape), p.runs, np.array(to_numpy(p.array)))

@@ -8,7 +8,7 @@ clipping, and the byte sampler. Rank 0 appends "step loss.hex()" to LOSSES after
 every step. ``--kill-after K``: rank 1 SIGKILLs itself right after step K (the job
 dies; the newest checkpoint is the last multiple of the interval). ``--signal-after
 K``: rank 1 sends itself SIGUSR1 after step K; every rank then saves and exits 0.
-This is the loop mpishard/train.py follows (see docs/checkpoints.md).
+This is the loop mpishard/run/train.py follows (see docs/checkpoints.md).
 """
 import argparse
 import os
@@ -20,7 +20,7 @@ from mpi4py import MPI
 from mpishard.checkpoint import (StopSignals, latest_checkpoint, load_checkpoint,
                                  load_module_rng_states, module_rng_states, save_checkpoint)
 from mpishard.comm import Communicator, Mesh
-from mpishard.data import BatchSampler
+from mpishard.data.corpus import BatchSampler
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW, CosineSchedule
 from mpishard.parallel import ZeRO

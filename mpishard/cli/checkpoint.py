@@ -1,0 +1,117 @@
+"""``mpishard checkpoint inspect|consolidate|export``: one process, no MPI needed.
+
+    mpishard checkpoint inspect ckpt/                        # latest step; or ckpt/step-40
+    mpishard checkpoint consolidate ckpt/ model.safetensors  # loads into a PyTorch nanoGPT
+    mpishard checkpoint export ckpt/ out/ --format hf        # a Hugging Face model folder
+
+The top-level ``mpishard`` command registers these with
+:func:`add_checkpoint_commands`. A damaged or missing checkpoint prints one
+``mpishard: error: ...`` line naming the file and the rule, and exits 2.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+__all__ = ["add_checkpoint_commands", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"200MiB"`` -> 200 * 2**20, ``"1024"`` -> 1024 (bytes), as
+    transformers reads ``max_shard_size``."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB, 200MB, "
+                         f"500MiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_checkpoint_commands(subparsers) -> None:
+    """Add ``checkpoint inspect DIR``, ``checkpoint consolidate DIR OUT`` and ``checkpoint
+    export DIR OUT [--format hf|safetensors]`` to an argparse subparsers object; each sets
+    ``func(args) -> exit status``."""
+    checkpoint = subparsers.add_parser("checkpoint", help="inspect, verify and export "
+                                       "sharded checkpoints")
+    commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    inspect = commands.add_parser("inspect", help="print step, layout, tensors and sizes; "
+                                  "verify integrity (exit 1 if damaged)")
+    inspect.add_argument("dir", help="a checkpoint root (its latest step) or a step-N "
+                         "directory")
+    inspect.add_argument("--no-verify", action="store_true",
+                         help="skip hashing the files (the manifest is still checked)")
+    inspect.set_defaults(func=_cmd_inspect)
+    consolidate = commands.add_parser("consolidate", help="write one safetensors file with "
+                                      "nanoGPT names (streamed)")
+    consolidate.add_argument("dir", help="a checkpoint root or a step-N directory")
+    consolidate.add_argument("out", help="the .safetensors file to write")
+    consolidate.add_argument("--no-verify", action="store_true",
+                             help="skip hashing the files first")
+    consolidate.set_defaults(func=_cmd_consolidate)
+    export = commands.add_parser("export", help="write the parameters as a Hugging Face "
+                                 "model folder (--format hf) or one safetensors file "
+                                 "(--format safetensors), streamed")
+    export.add_argument("dir", help="a checkpoint root or a step-N directory")
+    export.add_argument("out", help="the folder (hf) or .safetensors file (safetensors) to "
+                        "write")
+    export.add_argument("--format", choices=("hf", "safetensors"), default="hf",
+                        help="hf: config.json and model*.safetensors that transformers' "
+                        "AutoModelForCausalLM loads (GPT and Llama); safetensors: one file "
+                        "with mpishard's names, as consolidate writes (default: hf)")
+    export.add_argument("--max-shard-size", default="5GiB", metavar="SIZE",
+                        help="hf: split the weights into files of at most SIZE, with an "
+                        "index (e.g. 5GB, 200MB; default 5GiB)")
+    export.add_argument("--no-verify", action="store_true",
+                        help="skip hashing the files first")
+    export.set_defaults(func=_cmd_export)
+
+
+def _error(err) -> int:
+    print(f"mpishard: error: {err}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _cmd_inspect(args) -> int:
+    from mpishard.checkpoint.errors import CheckpointError  # noqa: PLC0415
+    from mpishard.checkpoint.inspect import inspect_checkpoint  # noqa: PLC0415
+
+    try:
+        report = inspect_checkpoint(args.dir, verify=not args.no_verify)
+    except CheckpointError as err:
+        return _error(err)
+    print(report.text, flush=True)
+    return 0 if report.ok else 1
+
+
+def _cmd_consolidate(args) -> int:
+    from mpishard.checkpoint.consolidate import consolidate  # noqa: PLC0415
+    from mpishard.checkpoint.errors import CheckpointError  # noqa: PLC0415
+
+    try:
+        out = consolidate(args.dir, args.out, verify=not args.no_verify)
+    except CheckpointError as err:
+        return _error(err)
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from mpishard.checkpoint.errors import CheckpointError  # noqa: PLC0415
+
+    try:
+        if args.format == "safetensors":
+            from mpishard.checkpoint.consolidate import consolidate  # noqa: PLC0415
+
+            out = consolidate(args.dir, args.out, verify=not args.no_verify)
+        else:
+            from mpishard.hf import export_checkpoint  # noqa: PLC0415
+
+            out = export_checkpoint(args.dir, args.out, parse_size(args.max_shard_size),
+                                    verify=not args.no_verify)
+    except (CheckpointError, ValueError) as err:
+        return _error(err)
+    print(f"wrote {out}", flush=True)
+    return 0

@@ -1,0 +1,141 @@
+"""``mpishard plan``: the best layouts of a model on a number of ranks of a machine.
+
+    mpishard plan --preset llama3.1-8b --ranks 64 --ranks-per-node 8 --machine h100-sxm \\
+        --seq 8192 --global-batch 1024
+    mpishard plan --preset gpt2 --ranks 4 --machine machine.json --json
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["add_plan_command", "plan_config", "plan_from_args", "apply_auto_layout",
+           "machine_or_error"]
+
+
+def add_plan_command(sub) -> None:
+    from mpishard.config.flags import add_config_flags
+    from mpishard.planning.machine import shipped_machines
+
+    plan = sub.add_parser("plan", help="rank the layouts of a model on N ranks of a machine "
+                          "by predicted step time (memory planned exactly)")
+    plan.add_argument("--ranks", type=int, required=True, help="ranks (GPUs or processes)")
+    plan.add_argument("--machine", default="cpu-2core", help=f"a machine description file "
+                      f"or one of {', '.join(shipped_machines())} (default: cpu-2core)")
+    plan.add_argument("--ranks-per-node", type=int, default=None,
+                      help="ranks on each node (default: the machine's)")
+    plan.add_argument("--seq", type=int, default=None, help="tokens per sequence (block size)")
+    plan.add_argument("--global-batch", type=int, default=None,
+                      help="sequences per step over all data ranks (default: --batch-size "
+                      "x ranks)")
+    plan.add_argument("--top", type=int, default=5, help="layouts to print")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--config", help="TOML file with training settings")
+    add_config_flags(plan, "estimate")
+    plan.set_defaults(func=_cmd_plan)
+
+
+def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None,
+                precision=None, strategies=None, say=None) -> tuple:
+    """``(ranked layouts, over the memory limit, candidates, machine, precision)`` of the
+    model ``cfg`` describes on ``ranks`` ranks of ``machine`` (a :class:`Machine`, or
+    the name or file :func:`load_machine` takes)."""
+    from mpishard.core.backend import Backend
+    from mpishard.config.sections import ConfigError
+    from mpishard.recipes import recipe_for
+    from mpishard.planning.search import candidate_layouts, rank_layouts
+
+    machine = machine_or_error(machine)
+    if ranks < 1:
+        raise ConfigError(f"--ranks {ranks} must be >= 1")
+    precision = precision or cfg.parallel.precision
+    recipe = recipe_for(cfg)
+    seq = recipe.tokens_per_sample
+    batch = global_batch or cfg.optim.batch_size * ranks
+    m = cfg.model
+    rpn = ranks_per_node or min(machine.ranks_per_node, ranks)
+    layouts = candidate_layouts(ranks, rpn, seq, batch, m.n_layer, m.n_head,
+                                None if precision == "float32" else precision, strategies)
+    if not layouts:
+        raise ConfigError(f"no layout of {ranks} ranks fits a global batch of {batch} "
+                          f"sequences; pass a --global-batch that the data-parallel sizes "
+                          f"divide")
+
+    def progress(i, n):
+        if say and (i % max(1, n // 10) == 0):
+            say(f"plan: {i}/{n} layouts")
+    ranked, over = rank_layouts(lambda: recipe.model(Backend()), layouts, machine, rpn,
+                                progress=progress)
+    return ranked, over, len(layouts), machine, precision
+
+
+def machine_or_error(machine):
+    """``machine`` itself, or the description :func:`load_machine` reads for it."""
+    from mpishard.config.sections import ConfigError
+    from mpishard.planning.machine import Machine, load_machine
+    if isinstance(machine, Machine):
+        return machine
+    try:
+        return load_machine(machine)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def plan_from_args(args, say=None) -> tuple:
+    """:func:`plan_config` of ``mpishard plan``'s flags."""
+    from mpishard.config.flags import config_from_args
+
+    cfg = config_from_args(args)
+    if args.seq:
+        cfg.model.block_size = args.seq
+    machine = machine_or_error(args.machine)
+    gpu_default = getattr(args, "precision", None) is None and machine.kind == "gpu"
+    precision = "bfloat16" if gpu_default else None   # what GPUs train in, unless asked
+    strategies = [cfg.parallel.strategy] if args.strategy is not None else None
+    return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
+                       precision, strategies, say)
+
+
+def apply_auto_layout(cfg, world_size: int) -> str:
+    """Set ``cfg``'s layout to the fastest :func:`plan_config` predicts for ``world_size``
+    ranks on ``cfg.parallel.machine`` (the global batch kept); returns a line saying what."""
+    from mpishard.config.sections import ConfigError
+    o, p = cfg.optim, cfg.parallel
+    batch = o.global_batch or o.batch_size * o.micro_steps * world_size
+    ranked, _, n, machine, _ = plan_config(cfg, world_size, p.machine, None, batch)
+    if not ranked:
+        raise ConfigError(f"--layout auto: none of {n} layouts of {world_size} ranks fits "
+                          f"{machine.name}'s memory ({machine.memory_bytes / 2**30:.1f} GiB "
+                          f"per rank)")
+    lay = ranked[0].layout
+    p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
+    p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
+    o.batch_size, o.micro_steps, o.global_batch = lay.batch_size, lay.micro_batches, 0
+    cfg.model.activation_checkpointing = lay.activation_checkpointing
+    return (f"layout auto ({machine.name}, {n} layouts): dp={lay.dp} (dp_replicate="
+            f"{lay.dp_replicate}) x cp={lay.cp} x tp={lay.tp} x pp={lay.pp}, {lay.strategy}, "
+            f"{lay.batch_size} x {lay.micro_batches} micro-batches per dp rank"
+            f"{', checkpointed' if lay.activation_checkpointing else ''}; predicted "
+            f"{ranked[0].cost.seconds:.3f} s/step")
+
+
+def _cmd_plan(args) -> int:
+    from mpishard.planning.search import format_table
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+    ranked, over, n, machine, precision = plan_from_args(args, say)
+    top = ranked[:args.top]
+    if args.json:
+        print(json.dumps({"machine": machine.name, "ranks": args.ranks,
+                          "precision": precision, "candidates": n, "over_memory": over,
+                          "layouts": [r.as_dict() for r in top]}, indent=1))
+        return 0
+    print(f"{n} layouts of {args.ranks} ranks on {machine.name} ({precision}); {over} over "
+          f"{machine.memory_bytes / 2**30:.1f} GiB per rank, {len(ranked)} fit; the fastest "
+          f"{len(top)}:")
+    print(format_table(top))
+    if top:
+        parts = ", ".join(f"{k} {v:.4f}" for k, v in top[0].cost.breakdown.items() if v)
+        print(f"#1 step {top[0].cost.seconds:.4f} s: {parts}")
+    return 0

@@ -1,0 +1,376 @@
+"""Training configuration: five sections, read from TOML, every key also a flag.
+
+    mpishard train --config examples/configs/demo.toml --steps 50 --strategy zero3
+
+The sections are the TOML tables ``[model]``, ``[parallel]``, ``[optim]``,
+``[data]`` and ``[run]`` (:class:`TrainConfig`); in code ``cfg.optim.lr``. Each
+key has one flag name, unique across sections (``lr`` is ``--lr``; the model's
+``name`` is ``--model``, the data's ``path`` is ``--data``), and each field
+carries its own help text, which ``--help`` prints. Precedence: defaults < TOML
+file < command-line flags. A key or flag that does not exist is an error naming
+the closest real one; top-level (flat) keys, as written before the sections
+existed, are still read, with a note saying where each belongs now.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from mpishard.config.options import _models, _presets, _strategies, opt
+from mpishard.core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["TrainConfig", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig",
+           "RunConfig", "ConfigError", "SECTIONS", "KEYS", "Key", "load_config",
+           "config_from_dict"]
+
+
+@dataclass
+class ModelConfig:
+    """[model] what is trained"""
+
+    name: str = opt("gpt", "which model: gpt (nanoGPT's GPT-2), llama (the Llama family) "
+                    "or mlp (a digits classifier)", flag="model", choices=_models, estimate=True)
+    preset: str = opt("", "a published or small shape that fills the keys below (any given "
+                      "key still wins)", choices=_presets, estimate=True)
+    vocab_size: int = opt(0, "tokens in the vocabulary (0: from the data, 256 for text read "
+                          "as bytes, meta.json's for token ids)", low=0, estimate=True)
+    block_size: int = opt(64, "context length in tokens", low=1, estimate=True)
+    n_layer: int = opt(2, "transformer blocks", low=1, estimate=True)
+    n_head: int = opt(4, "attention heads per block", low=1, estimate=True)
+    n_embd: int = opt(64, "model width (a multiple of n_head)", low=1, estimate=True)
+    n_kv_head: int = opt(0, "llama: key/value heads, dividing n_head (0: n_head)", low=0,
+                         estimate=True)
+    intermediate_size: int = opt(0, "llama: the MLP's width (0: 8 n_embd / 3 rounded up to "
+                                 "256)", low=0, estimate=True)
+    rope_theta: float = opt(10000.0, "llama: rotary embedding base", above=0.0, estimate=True)
+    rope_scaling: str = opt("none", "llama: rotary frequency scaling", choices=("none", "llama3"),
+                            estimate=True)
+    rope_factor: float = opt(8.0, "llama3 scaling: factor", above=0.0)
+    rope_low_freq_factor: float = opt(1.0, "llama3 scaling: low-frequency factor", above=0.0)
+    rope_high_freq_factor: float = opt(4.0, "llama3 scaling: high-frequency factor", above=0.0)
+    rope_original_max_position: int = opt(8192, "llama3 scaling: the context the frequencies "
+                                          "were trained for", low=1)
+    rms_eps: float = opt(1e-5, "llama: RMS norm epsilon", above=0.0)
+    tie_embeddings: bool = opt(False, "llama: the output layer is the token table (gpt: "
+                               "always)", estimate=True)
+    moe_experts: int = opt(0, "experts per mixture-of-experts MLP (0: dense)", low=0,
+                           estimate=True)
+    moe_top_k: int = opt(2, "experts each token is routed to", low=1, estimate=True)
+    moe_every: int = opt(1, "every n-th block has experts (1: all)", low=1, estimate=True)
+    moe_capacity: float = opt(0.0, "expert capacity factor (0: dropless)", low=0.0,
+                              estimate=True)
+    moe_aux_coef: float = opt(0.001, "weight of the load-balancing loss", low=0.0)
+    moe_z_coef: float = opt(0.0, "weight of the router z-loss", low=0.0)
+    moe_router: str = opt("softmax", "router scores (sigmoid: DeepSeek-V3's)",
+                          choices=("softmax", "sigmoid"), estimate=True)
+    moe_shared_expert: bool = opt(False, "one more MLP every token goes through",
+                                  estimate=True)
+    dropout: float = opt(0.0, "dropout probability", low=0.0, high=1.0)
+    bias: bool = opt(True, "biases in linear and layer-norm layers", estimate=True)
+    hidden: list = opt([128, 128], "MLP hidden widths, e.g. [128, 64]", estimate=True)
+    dtype: str = opt("float32", "master weights and optimizer state: float32 or float64",
+                     choices=("float32", "float64"), estimate=True)
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in "
+                                         "backward instead of keeping them", estimate=True)
+
+
+@dataclass
+class ParallelConfig:
+    """[parallel] how the model is split over the ranks"""
+
+    strategy: str = opt("zero3", "data-parallel strategy over dp", choices=_strategies,
+                        estimate=True)
+    dp: int = opt(0, "data-parallel size dp_replicate x dp_shard (0: world size / "
+                  "(tp * cp * pp))", low=0, estimate=True)
+    dp_replicate: int = opt(1, "replicas of the sharded state (hybrid sharding: ZeRO "
+                            "shards within dp_shard, averages across replicas)", low=1,
+                            estimate=True)
+    dp_shard: int = opt(0, "ranks sharing one copy of the sharded state (0: dp / "
+                        "dp_replicate)", low=0, estimate=True)
+    cp: int = opt(1, "context-parallel size (ranks splitting each sequence)", low=1,
+                  estimate=True)
+    cp_mode: str = opt("ring", "context-parallel attention: ring (K/V passed around) or "
+                       "all-to-all (Ulysses)", choices=("ring", "all-to-all"), estimate=True)
+    tp: int = opt(1, "tensor-parallel size (ranks splitting each layer)", low=1, estimate=True)
+    ep: int = opt(1, "expert-parallel size (ranks of dp_shard x cp splitting the experts)",
+                  low=1, estimate=True)
+    sequence_parallel: bool = opt(False, "with tp: norms and residuals hold 1/tp of the "
+                                  "rows (all-gather in, reduce-scatter out)", estimate=True)
+    pp: int = opt(1, "pipeline-parallel size (stages of blocks)", low=1, estimate=True)
+    pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"),
+                                 estimate=True)
+    precision: str = opt("float32", "compute precision: float32, or float16/bfloat16 with "
+                         "float32 masters (mixed precision)",
+                         choices=("float32", "float16", "bfloat16"), estimate=True)
+    layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
+                      "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
+                      "micro-steps and checkpointing; the global batch stays)",
+                      choices=("", "auto"))
+    machine: str = opt("cpu-2core", "machine description --layout auto plans for (a JSON "
+                       "file, e.g. from mpishard bench calibrate, or a shipped name)")
+
+
+@dataclass
+class OptimConfig:
+    """[optim] the optimizer and its schedule"""
+
+    optimizer: str = opt("adamw", "the optimizer (its state is sharded like the parameters)",
+                         choices=("adamw", "adam", "sgd", "sgd-momentum"), estimate=True)
+    steps: int = opt(100, "optimizer steps to train for", low=1)
+    batch_size: int = opt(8, "sequences (or samples) per dp rank per micro-step", low=1,
+                          estimate=True)
+    micro_steps: int = opt(1, "micro-batches per step (gradient accumulation; the "
+                           "pipeline's micro-batches)", low=1, estimate=True)
+    global_batch: int = opt(0, "sequences per step over all dp ranks; when set, micro_steps "
+                            "follows from it (global_batch / (batch_size x dp)), also when "
+                            "a run resumes on another number of ranks (0: batch_size x "
+                            "micro_steps x dp)", low=0)
+    lr: float = opt(3e-3, "peak learning rate (0: the parameters stay as they are)", low=0.0)
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay", low=0.0)
+    warmup_steps: int = opt(10, "linear warm-up steps", low=0)
+    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)",
+                              low=0.0)
+    beta1: float = opt(0.9, "Adam beta1", low=0.0, high=1.0)
+    beta2: float = opt(0.95, "Adam beta2", low=0.0, high=1.0)
+    grad_clip: float = opt(1.0, "global-norm gradient clipping (0: off)", low=0.0)
+
+
+@dataclass
+class DataConfig:
+    """[data] what is trained on"""
+
+    path: str = opt("", "text file or folder of text, or a folder of token ids (train.bin, "
+                    "val.bin: see mpishard prepare); empty: the Python standard library's "
+                    "sources", flag="data")
+    dtype: str = opt("", "token ids' dtype in a folder without meta.json (empty: uint16, "
+                     "nanoGPT's)", flag="data_dtype", choices=("", "uint16", "uint32"))
+    max_bytes: int = opt(0, "read at most this many bytes of text (0: all of --data, or "
+                         "4,000,000 bytes of the built-in corpus)", low=0)
+
+
+@dataclass
+class RunConfig:
+    """[run] evaluation, checkpoints, output and placement"""
+
+    seed: int = opt(0, "initialisation and data order", low=0)
+    backend: str = opt("numpy", "array backend: numpy, cupy (one GPU per rank) or auto",
+                       choices=("numpy", "cupy", "auto"))
+    memory_budget: int = opt(0, "per-rank byte budget for the memory ledger (0: none)", low=0,
+                             estimate=True)
+    eval_interval: int = opt(50, "steps between validation losses (0: start and end only)",
+                             low=0)
+    eval_batches: int = opt(4, "batches per validation loss", low=1)
+    init_from: str = opt("", "start from these weights: a Hugging Face model folder "
+                         "(config.json and safetensors; the [model] shape comes from it) or "
+                         "a consolidated mpishard .safetensors file (empty: random init)")
+    checkpoint_dir: str = opt("", "where step-N/ checkpoints go (empty: none)")
+    checkpoint_interval: int = opt(0, "steps between checkpoints (0: only at the end)", low=0)
+    keep_last: int = opt(2, "checkpoints to keep", low=1)
+    resume: bool = opt(False, "resume from the newest checkpoint in checkpoint_dir")
+    overwrite: bool = opt(False, "start afresh where checkpoint_dir or the metrics file hold "
+                          "an earlier run: its checkpoints are deleted, its metrics "
+                          "replaced")
+    metrics: str = opt("", "JSON-lines metrics file (empty: none)")
+    log_dir: str = opt("", "one log file per rank (empty: none)")
+    sample_tokens: int = opt(0, "tokens to sample from the model at the end", low=0)
+    sample_prompt: str = opt("def ", "prompt for that sample")
+    progress: bool = opt(True, "progress bar on rank 0")
+    dry_run: bool = opt(False, "print the plan and exit")
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``mpishard train`` reads: one dataclass per TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+#: section name -> its dataclass
+SECTIONS = {f.name: f.default_factory for f in fields(TrainConfig)}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its section, field, flat (flag) name and metadata."""
+
+    section: str
+    name: str
+    flat: str
+    type: str
+    default: object
+    meta: dict
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.flat.replace("_", "-")
+
+
+#: flat name -> :class:`Key`, in section order
+KEYS: dict = {}
+for _section, _cls in SECTIONS.items():
+    for _f in fields(_cls):
+        _default = _f.default_factory() if _f.default is dataclasses.MISSING else _f.default
+        _key = Key(_section, _f.name, _f.metadata["flag"] or _f.name, _f.type, _default,
+                   dict(_f.metadata))
+        KEYS[_key.flat] = _key
+#: flat names from before a rename -> today's
+RENAMED = {"schedule": "pipeline_schedule"}
+#: names other tools use -> ours (suggested, never accepted silently)
+KNOWN_AS = {"learning_rate": "lr", "max_lr": "lr", "lr_min": "min_lr", "final_lr": "min_lr",
+            "n_layers": "n_layer", "num_layers": "n_layer", "num_hidden_layers": "n_layer",
+            "n_heads": "n_head", "num_heads": "n_head", "num_attention_heads": "n_head",
+            "hidden_size": "n_embd", "d_model": "n_embd", "dim": "n_embd",
+            "seq_len": "block_size", "seq_length": "block_size", "max_seq_len": "block_size",
+            "context_length": "block_size", "micro_batch_size": "batch_size",
+            "gradient_accumulation_steps": "micro_steps", "grad_accum_steps": "micro_steps",
+            "max_steps": "steps", "train_steps": "steps", "max_iters": "steps",
+            "warmup_iters": "warmup_steps", "warmup": "warmup_steps",
+            "clip_grad": "grad_clip", "max_grad_norm": "grad_clip",
+            "tensor_parallel": "tp", "pipeline_parallel": "pp", "data_parallel": "dp",
+            "dataset": "data", "data_path": "data", "out_dir": "checkpoint_dir",
+            "save_interval": "checkpoint_interval", "eval_iters": "eval_batches",
+            "vocab": "vocab_size", "dropout_p": "dropout", "mixed_precision": "precision"}
+
+
+def closest_key(name: str, names=None) -> str | None:
+    """The real key a mistyped or foreign ``name`` most likely means, or ``None``."""
+    names = list(KEYS if names is None else names)
+    if name in KNOWN_AS and KNOWN_AS[name] in names:
+        return KNOWN_AS[name]
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+def _closest(name: str, names) -> str:
+    match = closest_key(name, names)
+    return f"; did you mean {match!r}?" if match else ""
+
+
+def _coerce(key: Key, value, where: str):
+    """``value`` as the key's type, or a ConfigError naming the key."""
+    if key.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if key.type == "list":
+        if isinstance(value, str):  # "128,64", as flags and older files write it
+            try:
+                return [int(w) for w in value.split(",") if w.strip()]
+            except ValueError:
+                raise ConfigError(f"{where} {key.flat!r}: give widths like [128, 64], got "
+                                  f"{value!r}") from None
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value):
+            return list(value)
+    elif key.type == type(value).__name__:
+        return value
+    raise ConfigError(f"{where} {key.flat!r} wants a {key.type}, got {value!r}")
+
+
+def _check(key: Key, value) -> None:
+    m, label = key.meta, f"{key.flat} = {value!r}"
+    choices = m["choices"]() if callable(m["choices"]) else m["choices"]
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{label} is not one of {', '.join(choices)}")
+    if m["low"] is not None and value < m["low"]:
+        raise ConfigError(f"{key.flat} must be >= {m['low']}, got {value}")
+    if m["above"] is not None and not value > m["above"]:
+        raise ConfigError(f"{key.flat} must be > {m['above']}, got {value}")
+    if m["high"] is not None and not value < m["high"]:
+        raise ConfigError(f"{label}: must be below {m['high']}")
+
+
+def flat_values(raw: dict, where: str, notes: list) -> dict:
+    """Flat name -> value from a TOML document (or a saved config): sections, and
+    the top-level keys of older files (each noted in ``notes``)."""
+    values: dict = {}
+    for top, value in raw.items():
+        top = top.replace("-", "_")
+        if isinstance(value, dict) and top in SECTIONS:
+            by_name = {k.name: k for k in KEYS.values() if k.section == top}
+            for name, v in value.items():
+                name = name.replace("-", "_")
+                key = by_name.get(name) or (KEYS.get(name) if KEYS.get(name) and
+                                            KEYS[name].section == top else None)
+                if key is None:
+                    raise ConfigError(f"unknown config key {name!r} in [{top}]"
+                                      f"{_closest(name, by_name)}")
+                values[key.flat] = v
+        elif isinstance(value, dict):   # an old [train] table: its keys are flat
+            values.update(flat_values({k: v for k, v in value.items()}, where, notes))
+        else:
+            name = RENAMED.get(top, top)
+            if name not in KEYS:
+                raise ConfigError(f"unknown config key {top!r}{_closest(top, KEYS)}")
+            key = KEYS[name]
+            notes.append(f"{where}: top-level key {top!r} is read as before; write it as "
+                         f"{key.name!r} under [{key.section}]")
+            values[name] = value
+    return values
+
+
+def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
+    """A checked :class:`TrainConfig` from flat names -> values (defaults for the rest;
+    a ``preset`` fills the model keys not given)."""
+    preset = values.get("preset") or ""
+    if preset:
+        from mpishard.config.presets import PRESETS  # noqa: PLC0415
+
+        if preset not in PRESETS:
+            raise ConfigError(f"preset = {preset!r} is not one of {', '.join(PRESETS)}")
+        values = {("model" if k == "name" else k): v for k, v in PRESETS[preset].items()} \
+            | dict(values)
+    parts = {section: {} for section in SECTIONS}
+    for flat, value in values.items():
+        if flat not in KEYS:
+            raise ConfigError(f"unknown config key {flat!r}{_closest(flat, KEYS)}")
+        key = KEYS[flat]
+        parts[key.section][key.name] = _coerce(key, value, where)
+    cfg = TrainConfig(**{s: SECTIONS[s](**v) for s, v in parts.items()})
+    for key in KEYS.values():
+        _check(key, getattr(getattr(cfg, key.section), key.name))
+    run = cfg.run
+    if run.resume and not run.checkpoint_dir:
+        raise ConfigError("resume = true needs checkpoint_dir: the directory to resume from "
+                          "(--checkpoint-dir DIR)")
+    if run.resume and run.overwrite:
+        raise ConfigError("resume = true and overwrite = true contradict each other: resume "
+                          "continues the run in checkpoint_dir, overwrite deletes it")
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: dict | None = None,
+                notes: list | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names).
+
+    Deprecation notes (flat keys) are appended to ``notes`` when given.
+    """
+    values: dict = {}
+    notes = [] if notes is None else notes
+    if path:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+        values = flat_values(raw, str(path), notes)
+    values.update(overrides or {})
+    return config_from_dict(values, "config key")
+
+
+def as_flat(cfg: TrainConfig) -> dict:
+    """Flat name -> value of every key (what flags and the metrics header show)."""
+    return {k.flat: getattr(getattr(cfg, k.section), k.name) for k in KEYS.values()}
+

@@ -1,0 +1,325 @@
+"""Tokenized training data: nanoGPT's ``train.bin``/``val.bin``, read through ``np.memmap``.
+
+A token folder holds the token ids of the training and validation text as flat
+little-endian unsigned integers, the layout nanoGPT's ``prepare.py`` writes:
+
+    DIR/train.bin        token ids, uint16 (uint32 when an id exceeds 65535)
+    DIR/val.bin          the same for the validation text
+    DIR/meta.json        {"dtype": "uint16", "vocab_size": N, "tokenizer": "tokenizer.json"}
+    DIR/tokenizer.json   the Hugging Face ``tokenizers`` file that made the ids (optional)
+
+``mpishard prepare`` (:mod:`mpishard.data.prepare`) writes all four. A folder from
+nanoGPT has no ``meta.json``: the dtype defaults to uint16 and the vocabulary
+size comes from the caller (``--vocab-size``). nanoGPT's ``meta.pkl`` is never
+unpickled: unpickling runs code from the file.
+
+The files are opened read-only as ``np.memmap`` and never loaded whole, so
+:class:`mpishard.data.corpus.BatchSampler` draws windows from them as from bytes, with
+the same distributed order and exact resume:
+
+    >>> corpus = load_tokens("data/owt", vocab_size=50257)
+    >>> sampler = BatchSampler(corpus.train, block_size=256, batch_size=8, seed=0)
+    >>> x, y = sampler.next_batch()                       # (8, 256) int64 token ids
+"""
+from __future__ import annotations
+
+import json
+import mmap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpishard.data.corpus import DataError
+
+__all__ = ["TokenCorpus", "TokenArray", "Tokenizer", "is_token_dir", "load_tokens",
+           "dtype_for_vocab", "TOKEN_DTYPES"]
+
+#: the dtypes a token file may have (nanoGPT writes uint16)
+TOKEN_DTYPES = ("uint16", "uint32")
+#: the id check reads this many evenly spaced runs of RUN_TOKENS tokens (about 1 M tokens)
+SAMPLE_RUNS = 64
+RUN_TOKENS = 16384
+
+
+class TokenArray(np.memmap):
+    """A read-only ``np.memmap`` of token ids that keeps the resident set small.
+
+    Pages of a memmap that were read stay mapped into the process, and the
+    kernel may map a large folio (2 MiB) around every window read, so a
+    sampler's random windows would let RSS grow towards the file size (page
+    cache, which the kernel reclaims under pressure, but RSS and schedulers
+    count it). So each read that copies (fancy indexing: one batch of
+    :class:`~mpishard.data.corpus.BatchSampler`) drops the mapped pages afterwards:
+    RSS holds one batch's pages, whatever the file size. The data stay in the
+    page cache; the next read maps them again. Slices stay views, as for any
+    memmap.
+    """
+
+    def __getitem__(self, index):
+        out = super().__getitem__(index)
+        if isinstance(out, TokenArray) and out._mmap is None:   # a copy, not a view
+            out = out.view(np.ndarray)
+            self.release_pages()
+        return out
+
+    def release_pages(self) -> None:
+        """Drop this file's pages from the process's resident set (the data stay valid)."""
+        handle = getattr(self, "_mmap", None)
+        if handle is not None and hasattr(handle, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                handle.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):   # a closed map, or a platform without it
+                pass
+
+
+@dataclass
+class TokenCorpus:
+    """Token ids split into train and validation parts, both read-only ``np.memmap``.
+
+    ``train`` and ``val`` are :class:`TokenArray` (an ``np.memmap`` that
+    drops its pages after each batch read). ``tokenizer`` is the path of the
+    ``tokenizer.json`` beside the data (to decode samples), or ``None``;
+    ``notes`` are lines worth printing before training (a default that was
+    assumed, a file that was not read).
+    """
+
+    train: np.memmap
+    val: np.memmap
+    source: str
+    vocab_size: int
+    dtype: str
+    tokenizer: str | None = None
+    notes: list = field(default_factory=list)
+
+    def release_pages(self) -> None:
+        """Drop the pages read so far of both files from the resident set."""
+        for array in (self.train, self.val):
+            if isinstance(array, TokenArray):
+                array.release_pages()
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """``"uint16"`` when every id of a ``vocab_size`` vocabulary fits (< 65536), else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_token_dir(path) -> bool:
+    """Whether ``path`` is a folder of token ids (it holds ``train.bin``).
+
+    A folder with ``train.bin`` but no ``val.bin`` is one too, so that
+    :func:`load_tokens` can say what is missing.
+    """
+    path = Path(path)
+    return path.is_dir() and (path / "train.bin").is_file()
+
+
+def _read_meta(folder: Path) -> dict | None:
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{meta_path} is not JSON ({err}); rewrite it as "
+                        f'{{"dtype": "uint16", "vocab_size": N}} or remove it and pass '
+                        f"--data-dtype and --vocab-size") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} holds {type(meta).__name__}, not a JSON object "
+                        f'such as {{"dtype": "uint16", "vocab_size": N}}')
+    return meta
+
+
+def _check_dtype(dtype, where: str) -> str:
+    if dtype not in TOKEN_DTYPES:
+        raise DataError(f"token dtype {dtype!r} ({where}) is not one of "
+                        f"{', '.join(TOKEN_DTYPES)}; nanoGPT writes uint16")
+    return dtype
+
+
+def _check_vocab(vocab_size, where: str) -> int:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise DataError(f"vocab_size {vocab_size!r} ({where}) must be a positive integer")
+    return vocab_size
+
+
+def _open(path: Path, dtype: str, min_tokens: int) -> np.memmap:
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size % itemsize:
+        raise DataError(f"{path} has {size} bytes, not a multiple of {itemsize} ({dtype} "
+                        f"tokens): the file is truncated or holds another dtype; check "
+                        f"--data-dtype (or meta.json) against how it was written")
+    n = size // itemsize
+    if n < max(min_tokens, 1):
+        raise DataError(f"{path} holds {n} tokens, but one block needs {min_tokens}; use "
+                        f"more text or a smaller --block-size")
+    return TokenArray(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(n,))
+
+
+def _sample_max(array: TokenArray, block: int) -> int:
+    """The largest id among the first and last ``block`` tokens and SAMPLE_RUNS evenly
+    spaced runs of RUN_TOKENS tokens (all of a smaller file): a bounded read of a few
+    MB, never the whole file; the pages are dropped after each run."""
+    n = array.size
+    if n <= SAMPLE_RUNS * RUN_TOKENS + 2 * block:
+        runs = [(0, n)]
+    else:
+        starts = np.linspace(0, n - RUN_TOKENS, SAMPLE_RUNS).astype(np.int64)
+        runs = [(0, block), (n - block, n)] + [(int(s), int(s) + RUN_TOKENS) for s in starts]
+    largest = 0
+    for lo, hi in runs:
+        largest = max(largest, int(array[lo:hi].max()))
+        array.release_pages()
+    return largest
+
+
+def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
+                min_tokens: int = 2) -> TokenCorpus:
+    """Open a folder's ``train.bin`` and ``val.bin`` read-only as ``np.memmap``.
+
+    The dtype comes from ``meta.json``, else from ``dtype``, else it is uint16
+    (nanoGPT's default; a note says so when a ``meta.pkl`` lies beside, since
+    that pickle is not read). The vocabulary size comes from ``meta.json``,
+    else from ``vocab_size``; a ``vocab_size`` larger than meta.json's (an
+    embedding padded to a round size) is used, with a note.
+
+    The ids are checked against the vocabulary on a bounded sample only: the
+    first and last ``min_tokens`` tokens and 64 evenly spaced runs of 16384
+    tokens (about 1 M tokens, a few MB) of each file, all of a file smaller
+    than that. An out-of-range id elsewhere is not found here.
+
+    Args:
+        path: the folder.
+        dtype: ``"uint16"`` or ``"uint32"`` (``--data-dtype``), when there is no
+            meta.json; one that contradicts meta.json is an error.
+        vocab_size: the vocabulary size (``--vocab-size``), when there is no
+            meta.json; must be at least meta.json's.
+        min_tokens: each split must hold at least this many tokens (pass
+            ``block_size + 1``).
+
+    Raises:
+        DataError: not a folder, ``train.bin`` or ``val.bin`` missing, a
+            meta.json that is not JSON or contradicts ``dtype``/``vocab_size``,
+            an unknown dtype, no vocabulary size (``meta.pkl`` is not
+            unpickled), a file size that is not a multiple of the dtype's, a
+            split shorter than ``min_tokens``, or a sampled id >= vocab size.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise DataError(f"token data {str(folder)!r} is not a folder; pass a folder holding "
+                        f"train.bin and val.bin (write one with 'mpishard prepare')")
+    for name in ("train.bin", "val.bin"):
+        if not (folder / name).is_file():
+            raise DataError(f"{folder} has no {name}; a token folder holds train.bin and "
+                            f"val.bin (nanoGPT's prepare.py and 'mpishard prepare' write both)")
+    meta, notes = _read_meta(folder), []
+    has_pkl = (folder / "meta.pkl").is_file()
+    unread = (f"{folder / 'meta.pkl'} is not unpickled on purpose (unpickling runs code from "
+              f"the file)") if has_pkl else ""
+    if meta is not None and "dtype" in meta:
+        file_dtype = _check_dtype(meta["dtype"], f"in {folder / 'meta.json'}")
+        if dtype is not None and dtype != file_dtype:
+            raise DataError(f"--data-dtype {dtype} contradicts {folder / 'meta.json'}, which "
+                            f"says {file_dtype}; leave --data-dtype out")
+        dtype = file_dtype
+    elif dtype is not None:
+        dtype = _check_dtype(dtype, "--data-dtype")
+    else:
+        dtype = "uint16"
+        if has_pkl:
+            notes.append(f"{unread}; reading the tokens as uint16, nanoGPT's default "
+                         f"(pass --data-dtype uint32 for ids above 65535)")
+    meta_vocab = meta.get("vocab_size") if meta is not None else None
+    if meta_vocab is not None:
+        meta_vocab = _check_vocab(meta_vocab, f"in {folder / 'meta.json'}")
+        if vocab_size is not None and _check_vocab(vocab_size, "--vocab-size") < meta_vocab:
+            raise DataError(f"--vocab-size {vocab_size} is smaller than the {meta_vocab} of "
+                            f"{folder / 'meta.json'}; leave --vocab-size out")
+        if vocab_size is not None and vocab_size > meta_vocab:
+            notes.append(f"vocab_size {vocab_size} (--vocab-size) pads the {meta_vocab} "
+                         f"token ids of {folder / 'meta.json'}")
+        vocab_size = vocab_size or meta_vocab
+    elif vocab_size is not None:
+        vocab_size = _check_vocab(vocab_size, "--vocab-size")
+    else:
+        why = f"; {unread}" if has_pkl else ""
+        raise DataError(f"{folder} has no meta.json naming the vocabulary size{why}: pass "
+                        f"--vocab-size N (50257 for GPT-2's BPE, as nanoGPT's openwebtext "
+                        f"and shakespeare prepare.py write it)")
+    train, val = (_open(folder / name, dtype, min_tokens) for name in ("train.bin", "val.bin"))
+    for name, array in (("train.bin", train), ("val.bin", val)):
+        largest = _sample_max(array, min_tokens)
+        if largest >= vocab_size:
+            raise DataError(f"{folder / name} holds token id {largest}, but the vocabulary "
+                            f"has {vocab_size} ids (0..{vocab_size - 1}); pass the "
+                            f"tokenizer's --vocab-size, or check --data-dtype")
+    tokenizer = None
+    name = meta.get("tokenizer") if meta is not None else None
+    if isinstance(name, str) and (folder / name).is_file():
+        tokenizer = str(folder / name)
+    elif isinstance(name, str):
+        notes.append(f"{folder / 'meta.json'} names the tokenizer {name!r}, which is not "
+                     f"in {folder}: token ids cannot be decoded to text")
+    elif (folder / "tokenizer.json").is_file():
+        tokenizer = str(folder / "tokenizer.json")
+    return TokenCorpus(train, val, str(folder), vocab_size, dtype, tokenizer, notes)
+
+
+def _tokenizers():
+    try:
+        import tokenizers  # noqa: PLC0415
+    except ImportError as err:
+        raise DataError("token data and 'mpishard prepare' need Hugging Face tokenizers: "
+                        "pip install tokenizers") from err
+    return tokenizers
+
+
+class Tokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (a ``tokenizer.json``), ids as NumPy arrays.
+
+    No special tokens are added when encoding and none are dropped when
+    decoding, so ``decode(encode(text)) == text`` for a byte-level BPE.
+    """
+
+    def __init__(self, inner, path: str | None = None):
+        self.inner, self.path = inner, path
+        vocab = inner.get_vocab(with_added_tokens=True)
+        #: one more than the largest id (ids may leave gaps)
+        self.vocab_size = max(inner.get_vocab_size(with_added_tokens=True),
+                              max(vocab.values(), default=-1) + 1)
+
+    @classmethod
+    def from_file(cls, path) -> "Tokenizer":
+        """Load a ``tokenizer.json``.
+
+        Raises:
+            DataError: ``tokenizers`` is not installed, or the file is missing or
+                not a tokenizer.
+        """
+        tokenizers = _tokenizers()
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"tokenizer file {str(path)!r} does not exist; pass the "
+                            f"tokenizer.json that came with the model, or use --train-bpe N")
+        try:
+            inner = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as err:   # tokenizers raises plain Exception on a bad file
+            raise DataError(f"{path} is not a Hugging Face tokenizers file ({err}); pass a "
+                            f"tokenizer.json (not vocab.json or tokenizer_config.json)") from None
+        return cls(inner, str(path))
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text``, int64."""
+        return np.asarray(self.inner.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def encode_batch(self, texts: list) -> list:
+        """Token ids of each text (in parallel, without offsets where the installed
+        ``tokenizers`` can), int64 arrays."""
+        encode = getattr(self.inner, "encode_batch_fast", self.inner.encode_batch)
+        return [np.asarray(e.ids, np.int64) for e in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        """The text of token ids (any integer sequence or array)."""
+        return self.inner.decode([int(i) for i in np.asarray(ids).ravel()],
+                                 skip_special_tokens=False)

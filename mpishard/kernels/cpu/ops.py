@@ -1,0 +1,282 @@
+"""CPU kernels: the reference math (:mod:`.reference`) as NumPy passes over cache-sized
+blocks of rows, the blocks spread over a few threads (:func:`.threads.for_rows`).
+
+Each pass writes into preallocated arrays (``out=``), so a kernel allocates only
+its results; each row's arithmetic is the same whatever the blocks and threads,
+so results do not depend on the thread count. Reductions over a row are
+:mod:`.rows`'. A few run on whole arrays: attention's softmax backward; the norms'
+parameter gradients, as the ones-vector products (BLAS) the models have always
+used, bit for bit; and dropout, three passes that measured about as fast whole as
+blocked (:mod:`.reference`'s).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpishard.kernels import reference
+from mpishard.kernels.reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
+from mpishard.kernels.rows import col_sum, row_dot, row_max, row_sum
+from mpishard.kernels.cpu.threads import for_rows
+
+__all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
+           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
+           "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
+           "bias_gelu_backward", "bias_dropout_backward",
+           "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
+           "adam_update", "sq_sum",
+           "gelu16_forward", "gelu16_backward",
+           "flash_attention_forward", "flash_attention_backward",
+           "multi_adam_update", "multi_sq_sum"]
+
+NAME = "cpu"
+
+dropout_add = reference.dropout_add            # whole arrays (see the module docstring)
+dropout_backward = reference.dropout_backward
+bias_dropout_backward = reference.bias_dropout_backward
+sq_sum = reference.sq_sum                      # BLAS's dot of the float64 copy
+unpack_heads = reference.unpack_heads          # one copy (a GPU's layout; NumPy has none)
+gelu16_forward = reference.gelu16_forward      # the ops cast 16-bit rows up on NumPy
+gelu16_backward = reference.gelu16_backward    # (NATIVE_FLOAT16 is the GPU's)
+# NumPy's attention runs one sequence at a time, its T x T weights in cache: the fused
+# attention (a GPU's, see gpu_attention.py) is only ever the reference here
+flash_attention_forward = reference.flash_attention_forward
+flash_attention_backward = reference.flash_attention_backward
+multi_sq_sum = reference.multi_sq_sum
+
+
+def gelu_forward(a, bias=None):
+    t2, y2 = np.empty_like(a), np.empty_like(a)
+
+    def block(rows):
+        x, t, y = a[rows] if bias is None else a[rows] + bias, t2[rows], y2[rows]
+        np.multiply(x, x, out=t)
+        t *= x
+        t *= GELU_K
+        t += x
+        t *= GELU_C
+        np.tanh(t, out=t)
+        np.add(t, 1.0, out=y)
+        y *= x
+        y *= 0.5
+    for_rows(block, *a.shape)
+    return y2, t2
+
+
+def gelu_backward(a, t2, g2, bias=None):
+    out2 = np.empty_like(a)
+
+    def block(rows):
+        x, t, out = a[rows] if bias is None else a[rows] + bias, t2[rows], out2[rows]
+        s = np.multiply(t, t)
+        np.multiply(x, x, out=out)
+        out *= 3.0 * GELU_K * GELU_C
+        out += GELU_C
+        np.subtract(1.0, s, out=s)
+        out *= s
+        out *= x
+        out += t
+        out += 1.0
+        out *= 0.5
+        out *= g2[rows]
+    for_rows(block, *a.shape)
+    return out2
+
+
+def bias_gelu_backward(a, bias, t2, g2, out_bias=None):
+    gx = gelu_backward(a, t2, g2, bias)           # a + bias again, block by block
+    return gx, col_sum(gx, out_bias)
+
+
+def layer_norm_forward(x2, weight, bias, eps: float):
+    inv_n = 1.0 / x2.shape[1]
+    xhat, y = np.empty_like(x2), np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dtype=x2.dtype)
+
+    def block(rows):
+        xb, hb, yb, rb = x2[rows], xhat[rows], y[rows], rstd[rows]
+        np.subtract(xb, (row_sum(xb) * inv_n)[:, None], out=hb)
+        rb[...] = row_dot(hb, hb)
+        rb *= inv_n
+        rb += eps
+        np.sqrt(rb, out=rb)
+        np.divide(1.0, rb, out=rb)
+        hb *= rb[:, None]
+        if weight is not None:
+            np.multiply(hb, weight, out=yb)
+        else:
+            yb[...] = hb
+        if bias is not None:
+            yb += bias
+    for_rows(block, *x2.shape)
+    return y, xhat, rstd
+
+
+def _norm_backward(g2, xhat, rstd, weight, centred: bool, into=None):
+    """Layer norm's input gradient (``centred``) or RMS norm's (without the mean); with
+    ``into``, each row block added into it while in cache."""
+    inv_n = 1.0 / g2.shape[1]
+    gx = np.empty_like(g2) if into is None else None
+
+    def block(rows):
+        gb = gx[rows] if into is None else np.empty_like(g2[rows])
+        hb = xhat[rows]
+        if weight is not None:
+            np.multiply(g2[rows], weight, out=gb)
+        else:
+            gb[...] = g2[rows]
+        mean_g = row_sum(gb) * inv_n if centred else None
+        mean_gx = row_dot(gb, hb) * inv_n
+        if centred:
+            gb -= mean_g[:, None]
+        gb -= hb * mean_gx[:, None]
+        gb *= rstd[rows][:, None]
+        if into is not None:
+            into[rows] += gb
+    for_rows(block, *g2.shape)
+    return gx if into is None else into
+
+
+def layer_norm_backward(g2, xhat, rstd, weight, into=None):
+    return _norm_backward(g2, xhat, rstd, weight, centred=True, into=into)
+
+
+def rms_norm_forward(x2, weight, eps: float):
+    inv_n = 1.0 / x2.shape[1]
+    xhat, y = np.empty_like(x2), np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dtype=x2.dtype)
+
+    def block(rows):
+        xb, hb, rb = x2[rows], xhat[rows], rstd[rows]
+        rb[...] = row_dot(xb, xb)
+        rb *= inv_n
+        rb += eps
+        np.sqrt(rb, out=rb)
+        np.divide(1.0, rb, out=rb)
+        np.multiply(xb, rb[:, None], out=hb)
+        if weight is not None:
+            np.multiply(hb, weight, out=y[rows])
+        else:
+            y[rows] = hb
+    for_rows(block, *x2.shape)
+    return y, xhat, rstd
+
+
+def rms_norm_backward(g2, xhat, rstd, weight, into=None):
+    return _norm_backward(g2, xhat, rstd, weight, centred=False, into=into)
+
+
+def norm_param_grads(g2, xhat, need_weight: bool, need_bias: bool, out_weight=None,
+                     out_bias=None):
+    """Column sums as ``ones @ rows`` (:func:`.rows.col_sum`), straight into the buckets'
+    views when given."""
+    gw = col_sum(g2 * xhat, out_weight) if need_weight else None
+    gb = col_sum(g2, out_bias) if need_bias else None
+    return gw, gb
+
+
+def swiglu_forward(gate, up):
+    s2, y2 = np.empty_like(gate), np.empty_like(gate)
+
+    def block(rows):
+        g, s, y = gate[rows], s2[rows], y2[rows]
+        np.negative(g, out=s)
+        np.exp(s, out=s)
+        s += 1.0
+        np.divide(1.0, s, out=s)
+        np.multiply(g, s, out=y)
+        y *= up[rows]
+    for_rows(block, *gate.shape)
+    return y2, s2
+
+
+def swiglu_backward(gate, up, s2, grad, need_gate: bool = True, need_up: bool = True):
+    g_gate = np.empty_like(gate) if need_gate else None
+    g_up = np.empty_like(gate) if need_up else None
+
+    def block(rows):
+        g, s, gd = gate[rows], s2[rows], grad[rows]
+        gu = g_up[rows] if g_up is not None else np.empty_like(s)
+        np.multiply(gd, g, out=gu)                      # grad * silu(gate)
+        gu *= s
+        if g_gate is not None:
+            # grad * up * s * (1 + g (1 - s)) = up * (gu + s (grad - gu)): 4 passes, not 6
+            b = g_gate[rows]
+            np.subtract(gd, gu, out=b)
+            b *= s
+            b += gu
+            b *= up[rows]
+    for_rows(block, *gate.shape)
+    return g_gate, g_up
+
+
+def _softmax(r) -> None:
+    """Softmax over each row of the block ``r``, in place."""
+    r -= row_max(r)[:, None]
+    np.exp(r, out=r)
+    r *= (1.0 / row_sum(r))[:, None]
+
+
+def softmax_rows(a) -> None:
+    for_rows(lambda rows: _softmax(a[rows]), *a.shape)
+
+
+def causal_softmax(a, T: int, scale: float, drop_u=None, drop_p: float = 0.0, dropped=None):
+    scale_and_mask(a, T, scale)
+    if drop_u is None:
+        softmax_rows(a)
+        return None
+    dropped = np.empty_like(a) if dropped is None else dropped
+
+    def block(rows):                    # the dropout while the block's weights are in cache
+        _softmax(a[rows])
+        apply_dropout(a[rows], drop_u[rows], drop_p, out=dropped[rows])
+    for_rows(block, *a.shape)
+    return dropped
+
+
+def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0,
+                     dropped=None) -> None:
+    if drop_u is not None:
+        if dropped is not None:
+            apply_dropout(p, drop_u, drop_p, out=dropped)
+        apply_dropout(d, drop_u, drop_p, out=d)
+    d -= row_dot(d, p)[:, None]
+    d *= p
+    if scale != 1.0:
+        d *= scale
+
+
+def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
+                inv_bias2: float, eps: float) -> None:
+    def step(p, g, mb, vb) -> None:
+        tmp = g * (1.0 - beta1)
+        mb *= beta1
+        mb += tmp
+        np.multiply(g, g, out=tmp)
+        tmp *= 1.0 - beta2
+        vb *= beta2
+        vb += tmp
+        np.sqrt(vb, out=tmp)
+        tmp *= inv_bias2
+        tmp += eps
+        np.divide(mb, tmp, out=tmp)
+        tmp *= step_size
+        p -= tmp
+    arrays = (param, grad, m, v)
+    if not all(a.flags.c_contiguous for a in arrays):
+        step(*arrays)                   # views with strides: one pass over each
+        return
+    p1, g1, m1, v1 = (a.reshape(-1) for a in arrays)
+    width = 1 << 12                     # flat arrays as rows of 4096 for the blocks
+    full = p1.size // width * width
+
+    def span(lo: int, hi: int) -> None:
+        step(p1[lo:hi], g1[lo:hi], m1[lo:hi], v1[lo:hi])
+    if full:
+        for_rows(lambda rows: span(rows.start * width, rows.stop * width), full // width,
+                 width)
+    if full < p1.size:
+        span(full, p1.size)
+
+
+multi_adam_update = reference.multi_adam(adam_update)   # target by target

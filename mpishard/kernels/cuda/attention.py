@@ -1,0 +1,97 @@
+"""Fused causal attention on a GPU: the flash-style RawKernels of
+:mod:`.cuda_attention`, launched (part of the GPU kernel set, :mod:`.gpu`).
+
+``flash_attention_forward(hm, scale)`` and ``flash_attention_backward(hm, y, gy, lse,
+scale)`` take head-major q, k and v (``(3, B, heads, T, hs)``, C-contiguous, float16,
+float32 or float64, a head size of at most :data:`MAX_HEAD_SIZE`) and keep no
+``T x T`` array: forward returns the output and one float per query row. Other
+inputs run the reference (:func:`.reference.flash_attention_forward`), which makes
+the scores whole; on the CuPy-strict module the reference runs as the one launch per
+kernel it is on a GPU (backward: two, the query rows' and the key rows').
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpishard.core.backend import xp_of
+from mpishard.kernels import reference
+from mpishard.kernels.cuda.attention_src import flash_source, flash_tile
+from mpishard.kernels.cuda.launch import _is_strict, _raw_function
+
+__all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
+           "MAX_HEAD_SIZE"]
+
+#: the largest head size the kernels take (a thread's rows are arrays of the head size,
+#: and the tiles of k and v of 32 rows must fit 48 KiB of shared memory)
+MAX_HEAD_SIZE = 128
+_STORAGE = {"float16": "__half", "float32": "float", "float64": "double"}
+
+
+def _compute(dtype) -> tuple:
+    """``(C type, NumPy dtype)`` the kernels compute rows of ``dtype`` in: double for
+    float64, else float."""
+    return ("double", np.dtype(np.float64)) if dtype == np.float64 else \
+        ("float", np.dtype(np.float32))
+
+
+def fused_attention_takes(hm) -> bool:
+    """Whether the kernels take head-major ``hm`` (see the module docstring)."""
+    return (hm.dtype.name in _STORAGE and hm.flags.c_contiguous and hm.ndim == 5
+            and 0 < hm.shape[-1] <= MAX_HEAD_SIZE
+            and -(-hm.shape[-2] // flash_tile(_compute(hm.dtype)[0])) <= 65535)  # grid's y
+
+
+def _flash_kernel(xp, name: str, dtype, hs: int):
+    """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
+    S = _STORAGE[np.dtype(dtype).name]
+    T = _compute(dtype)[0]
+    return _raw_function(xp, f"{name}_{'half' if S == '__half' else S}_{hs}",
+                         lambda: flash_source(T, S, hs))
+
+
+def _launch(hm):
+    """``(grid, block, BH, T, compute dtype)`` of the kernels for ``hm``."""
+    _, B, heads, T, hs = hm.shape
+    ctype, fd = _compute(hm.dtype)
+    return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
+
+
+def flash_attention_forward(hm, scale: float):
+    xp = xp_of(hm)
+    if not fused_attention_takes(hm):
+        return reference.flash_attention_forward(hm, scale)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_flash_forward"):
+            return reference.flash_attention_forward(hm, scale)
+    grid, block, BH, T, fd = _launch(hm)
+    y = xp.empty(hm.shape[1:], dtype=hm.dtype)
+    lse = xp.empty(hm.shape[1:-1], dtype=fd)
+    if BH and T:
+        _flash_kernel(xp, "mpishard_flash_forward", hm.dtype, hm.shape[-1])(
+            grid, block, (hm, y, lse, np.int32(BH), np.int32(T), fd.type(scale)))
+    return y, lse
+
+
+def flash_attention_backward(hm, y, gy, lse, scale: float):
+    xp = xp_of(hm)
+    ready = (fused_attention_takes(hm) and all(a.dtype == hm.dtype and a.flags.c_contiguous
+                                               for a in (y, gy))
+             and lse.flags.c_contiguous and lse.dtype == _compute(hm.dtype)[1])
+    if not ready:
+        return reference.flash_attention_backward(hm, y, gy, lse, scale)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_flash_dq"):       # the query rows' kernel, then the
+            dh = reference.flash_attention_backward(hm, y, gy, lse, scale)
+        with xp.syncs.fused("mpishard_flash_dkv"):      # key rows' (counted, no math)
+            pass
+        return dh
+    grid, block, BH, T, fd = _launch(hm)
+    dh = xp.empty(hm.shape, dtype=hm.dtype)
+    dsum = xp.empty(lse.shape, dtype=fd)
+    if BH and T:
+        hs = hm.shape[-1]
+        _flash_kernel(xp, "mpishard_flash_dq", hm.dtype, hs)(
+            grid, block, (hm, y, gy, lse, dsum, dh, np.int32(BH), np.int32(T), fd.type(scale)))
+        _flash_kernel(xp, "mpishard_flash_dkv", hm.dtype, hs)(
+            grid, block, (hm, gy, lse, dsum, dh, np.int32(BH), np.int32(T), fd.type(scale)))
+    return dh

@@ -1,0 +1,171 @@
+"""The optimizer's kernels on a GPU: an Adam step and the gradients' sums of squares,
+each over all targets in one launch (multi-tensor; the CUDA source and the tables'
+layout are :mod:`.cuda_multi`'s), and the one-target kernels they fall back to
+(part of the GPU kernel set, :mod:`.gpu`).
+
+``multi_adam_update(targets, ...)`` takes ``(param, grad, m, v, decay_ranges)``
+tuples of flat, C-contiguous arrays of one dtype (float32 or float64);
+``multi_sq_sum(arrays, out)`` C-contiguous float32 or float64 arrays. Other inputs
+run the GPU's one-target kernels, one launch per target (the sums of squares: those
+the multi-tensor kernels take still together). The tables of addresses and chunks are
+built on the host and copied to the device once for a set of targets (their
+addresses, sizes and decay ranges; the optimizer's targets and state live as long
+as it does) and kept in a small cache. On the CuPy-strict module the reference
+runs as the launches the GPU makes: one for Adam, two for the sums of squares.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from mpishard.core.backend import xp_of
+from mpishard.kernels import reference
+from mpishard.kernels.cuda.multi_src import CHUNK, multi_source
+from mpishard.kernels.cuda.launch import _is_strict, _kernel, _raw_function
+
+__all__ = ["adam_update", "sq_sum", "multi_adam_update", "multi_sq_sum", "chunk_table"]
+
+THREADS = 256
+_tables: OrderedDict = OrderedDict()
+_MAX_TABLES = 16
+
+
+def _address(a) -> int:
+    """Where ``a``'s first element lives: a device pointer (CuPy), or host memory."""
+    return int(a.data.ptr) if hasattr(a.data, "ptr") else int(a.ctypes.data)
+
+
+def _multi_kernel(xp, name: str, dtype):
+    T = "double" if np.dtype(dtype) == np.float64 else "float"
+    return _raw_function(xp, f"{name}_{T}", lambda: multi_source(T))
+
+
+def chunk_table(sizes, decay_ranges=None) -> tuple:
+    """``(chunks, first)``: ``(target, start, stop, decays)`` rows covering every target's
+    ``range(size)`` in order, at most :data:`~.cuda_multi.CHUNK` elements each and
+    none across a boundary of the target's decay ranges; ``first[t]`` is target t's
+    first row (and ``first[-1]`` the number of rows)."""
+    rows, first = [], []
+    for t, size in enumerate(sizes):
+        first.append(len(rows))
+        marks = {0, int(size)}
+        decayed = set()
+        for a, b in (decay_ranges[t] if decay_ranges is not None else ()):
+            marks.update((int(a), int(b)))
+            decayed.add((int(a), int(b)))
+        cuts = sorted(m for m in marks if 0 <= m <= size)
+        for a, b in zip(cuts, cuts[1:]):
+            flag = int(any(lo <= a and b <= hi for lo, hi in decayed))
+            rows += [(t, s, min(s + CHUNK, b), flag) for s in range(a, b, CHUNK)]
+    first.append(len(rows))
+    return (np.asarray(rows, dtype=np.int64).reshape(-1, 4),
+            np.asarray(first, dtype=np.int64))
+
+
+def _tables_for(xp, key, arrays_per_target: list, decay_ranges=None) -> tuple:
+    """The device tables for targets ``arrays_per_target`` (cached under ``key``)."""
+    found = _tables.get(key)
+    if found is None:
+        ptrs = np.asarray([_address(a) for arrays in arrays_per_target for a in arrays],
+                          dtype=np.uint64)
+        chunks, first = chunk_table([arrays[0].size for arrays in arrays_per_target],
+                                    decay_ranges)
+        found = (xp.asarray(ptrs), xp.asarray(chunks), xp.asarray(first), len(chunks))
+        _tables[key] = found
+        while len(_tables) > _MAX_TABLES:
+            _tables.popitem(last=False)
+    else:
+        _tables.move_to_end(key)
+    return found
+
+
+def _takes(arrays, dtype) -> bool:
+    return (dtype.name in ("float32", "float64")
+            and all(a.dtype == dtype and a.flags.c_contiguous and a.ndim == 1 for a in arrays))
+
+
+def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
+                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
+                      decay: float = 1.0) -> None:
+    targets = [t for t in targets if t[0].size]
+    if not targets:
+        return
+    xp, dtype = xp_of(targets[0][0]), targets[0][0].dtype
+    if not _takes([a for t in targets for a in t[:4]], dtype):   # float16 targets, views:
+        _one_by_one(targets, beta1, beta2, step_size, inv_bias2, eps,   # one kernel per
+                    grad_scale, decay)                                  # target
+        return
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_multi_adam"):
+            reference.multi_adam_update(targets, beta1, beta2, step_size, inv_bias2, eps,
+                                        grad_scale, decay)
+        return
+    ranges = [tuple(t[4]) if decay != 1.0 else () for t in targets]
+    key = ("adam", dtype.name, tuple((*(_address(a) for a in t[:4]), t[0].size) for t in targets),
+           tuple(ranges))
+    ptrs, chunks, _, n_chunks = _tables_for(xp, key, [t[:4] for t in targets], ranges)
+    c = dtype.type
+    _multi_kernel(xp, "mpishard_multi_adam", dtype)(
+        (n_chunks,), (THREADS,),
+        (ptrs, chunks, c(beta1), c(1.0 - beta1), c(beta2), c(1.0 - beta2), c(step_size),
+         c(inv_bias2), c(eps), np.int32(grad_scale != 1.0), c(grad_scale), c(decay)))
+
+
+def multi_sq_sum(arrays, out):
+    xp = xp_of(out)
+    flat = [a.reshape(-1) if a.flags.c_contiguous else a for a in arrays]
+    dtype = next((a.dtype for a in flat if a.dtype.name in ("float32", "float64")),
+                 np.dtype(np.float32))
+    if not flat or not _takes(flat, dtype):
+        # one kernel per array, but those the multi-tensor kernels take together
+        taken = [i for i, a in enumerate(flat) if _takes([a], dtype)]
+        if len(taken) > 1:
+            sums = multi_sq_sum([flat[i] for i in taken],
+                                xp.empty(len(taken), dtype=np.float64))
+            out[xp.asarray(np.asarray(taken, dtype=np.int64))] = sums
+        else:
+            taken = []
+        for i in sorted(set(range(len(flat))) - set(taken)):
+            sq_sum(arrays[i], out[i:i + 1])
+        return out
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_multi_sq_sum"):         # the chunks' sums, then
+            reference.multi_sq_sum(arrays, out)
+        with xp.syncs.fused("mpishard_multi_sq_total"):       # each array's (counted)
+            pass
+        return out
+    key = ("sq", dtype.name, tuple((_address(a), a.size) for a in flat))
+    ptrs, chunks, first, n_chunks = _tables_for(xp, key, [(a,) for a in flat])
+    partial = xp.empty(max(n_chunks, 1), dtype=np.float64)
+    if n_chunks:
+        _multi_kernel(xp, "mpishard_multi_sq_sum", dtype)((n_chunks,), (THREADS,),
+                                                          (ptrs, chunks, partial))
+    _multi_kernel(xp, "mpishard_multi_sq_total", dtype)(
+        (-(-len(flat) // THREADS),), (THREADS,), (partial, first, np.int32(len(flat)), out))
+    return out
+
+
+def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
+                inv_bias2: float, eps: float) -> None:
+    xp = xp_of(param)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_adam_update"):
+            reference.adam_update(param, grad, m, v, beta1, beta2, step_size, inv_bias2, eps)
+        return
+    _kernel(xp, "mpishard_adam_update")(grad, beta1, beta2, step_size, inv_bias2, eps,
+                                        param, m, v)
+
+
+def sq_sum(x, out):
+    xp = xp_of(x)
+    if x.dtype.name not in ("float32", "float64"):  # 16-bit: the copy, the product
+        return reference.sq_sum(x, out)
+    if _is_strict(xp):
+        with xp.syncs.fused("mpishard_sq_sum"):
+            return reference.sq_sum(x, out)
+    return _kernel(xp, "mpishard_sq_sum")(x.reshape(-1), axis=0, keepdims=True, out=out)
+
+
+#: :func:`multi_adam_update`'s fallback: :func:`adam_update` target by target
+_one_by_one = reference.multi_adam(adam_update)

@@ -1,0 +1,1 @@
+"""mpishard.models.gpt."""

@@ -1,0 +1,116 @@
+"""What one forward pass of a Llama (or a stage of it) keeps alive for backward, in bytes.
+
+Counted as for the GPT (see [Note: activation bytes] in gpt_activations.py, where
+``c`` and ``f`` are defined), per micro-batch of ``N = B * T`` rows, with ``h``
+and ``h_kv`` this rank's query and key/value heads, ``hs`` the head size and
+``F`` this rank's share of the MLP width:
+
+==========================  =========================================================
+RMS norm                    output ``N C c``, normalised input ``N C f``, 1/rms ``N f``
+q, k, v projections         ``N hs (h + 2 h_kv) c``
+rotary q, k and packing     packed q|k|v for attention ``3 N h hs c``; the rotation tables
+                            (cos and signed sin per head) ``2 T hs (h + h_kv) c``
+attention                   weights ``B h T^2 f``, output ``N h hs c``
+o / down projections        ``N C c`` each (tp > 1: the summed copy, ``N C c`` more)
+gate, up; SwiGLU            ``2 N F c``; output ``N F c`` and sigmoid ``N F f``
+residual adds               ``2 N C c``
+==========================  =========================================================
+
+The first stage keeps the looked-up token rows (vocabulary-parallel: as the
+GPT's), the last the final norm, logits and loss as the GPT's. Context and
+sequence parallelism change what they change in the GPT (see its note): the
+attention term, and ``N / sp`` rows for norms, adds and reduce-scattered outputs;
+a key/value projection kept whole (tp does not divide ``n_kv_head``) keeps the
+input it all-gathered, ``N C c`` each. Where the attention takes the fused path
+(whole sequences, plain projections: :func:`~mpishard.autodiff.gqa_attention.gqa_attention`),
+the q, k, v and packing rows are instead the rotated q, k and the values,
+``N hs (h + 2 h_kv) f``, and the rotations with their conjugates, ``2 T hs (h +
+h_kv) f``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpishard.kernels import fused_attention
+from mpishard.models.gpt.activations import (_objects, _row_parallel, _width, attention_bytes, head_and_loss,
+                              routing_indices, split_of, token_rows)
+
+__all__ = ["llama_activation_bytes"]
+
+
+def _row_split(linear) -> bool:
+    """Whether tp splits the output features (a column-parallel layer)."""
+    return _width(linear) != int(linear.out_features)
+
+def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
+    """The MLP's share: SwiGLU's, or a mixture of experts' (router logits and
+    probabilities ``2 N E c``, top-k and weights ``2 N k c``, and for the ``M = N k``
+    routed rows (dropless; fewer with a capacity) their gathered input ``M C c``, the
+    experts' gate|up ``2 M F c``, outputs and weighted outputs ``2 M C c``, weights
+    ``M c``; the combined rows ``N C c``; under expert parallelism also the rows
+    received, put in expert order, put back and returned, ``4 M C c`` when the
+    routing is even)."""
+    if hasattr(mlp, "experts"):
+        E, k = mlp.n_experts, mlp.top_k
+        F = int(mlp.experts.down_proj.shape[2])
+        M = N * k
+        shared = mlp._modules.get("shared_expert")
+        router = 2 * N * E * c if mlp.router == "softmax" else 5 * N * E * c   # sigmoid's steps
+        exchanged = 4 * M * C * c if mlp.dispatch is not None else 0
+        return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
+            + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + (
+                _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c if shared is not None else 0)
+    F = _width(mlp.gate_proj)
+    return N * C * c + Ns * C * c * _row_parallel(mlp.down_proj) \
+        + 2 * N * F * c + N * F * (c + f)                                 # down; gate, up, SwiGLU
+
+
+#: the graph's Python objects per block (tensors, closures): measured, bytes
+_OBJECTS_PER_BLOCK = 14 << 10
+
+
+def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
+                           checkpointing: bool | None = None, *, cp: int | None = None,
+                           cp_mode: str | None = None, sp: int | None = None) -> int:
+    """Bytes ``model`` keeps for backward after one micro-batch ``(batch_size, seq_len)``;
+    the arguments are :func:`~mpishard.models.gpt.activations.gpt_activation_bytes`'s."""
+    cfg = model.config
+    cp, cp_mode, sp = split_of(model, cp, cp_mode, sp)
+    c = np.dtype(dtype).itemsize
+    f = 4 if c == 2 else c
+    B, T, C, hs = batch_size, seq_len, cfg.n_embd, cfg.head_size
+    N = B * T
+    Ns = N // sp                                            # rows outside the tp layers
+    blocks = list(model.model.layers.values())
+    if checkpointing is None:
+        checkpointing = any(b.activation_checkpointing for b in blocks)
+    total = _objects(len(blocks), checkpointing, sp, cp, cp_mode, _OBJECTS_PER_BLOCK)
+    norm = Ns * C * (c + f) + Ns * f
+    if model.first_stage:
+        total += token_rows(model.model.embed_tokens, N, C, c)
+        if sp > 1:
+            total += Ns * C * c                             # this rank's rows, cut
+    else:
+        total += Ns * C * c                                 # the received activations
+    for block in blocks:
+        if checkpointing:
+            total += Ns * C * c
+            continue
+        attn, mlp = block.self_attn, block.mlp
+        h, h_kv = _width(attn.q_proj) // hs, _width(attn.k_proj) // hs
+        total += 2 * norm
+        if sp > 1:   # the whole key/value projections' gathered inputs
+            total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
+        if cp == sp == 1 and attn.takes_fused_path():   # rotated q, k, v; rotations, conjugates
+            total += N * hs * (h + 2 * h_kv) * f + 2 * T * hs * (h + h_kv) * f
+        else:
+            total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
+            total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
+        fused = not attn.takes_fused_path() and fused_attention(model.backend.xp, hs, False)
+        total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode, fused)   # attention
+        total += N * C * c + Ns * C * c * _row_parallel(attn.o_proj)     # o
+        total += _mlp_bytes(mlp, N, Ns, C, c, f)
+        total += 2 * Ns * C * c                                           # residual adds
+    if model.last_stage:
+        total += norm + head_and_loss(model.lm_head, N, c, f)
+    return int(total)

@@ -1,0 +1,332 @@
+"""Data parallelism: every rank holds the whole model; gradients are averaged.
+
+    mpiexec -n 4 python -m mpi4py -m mpishard train --strategy ddp
+
+Gradients are averaged over ``mesh.dp`` in flat buckets. Each parameter's
+gradient is computed straight into its bucket view where the op allows (a
+linear layer's and a norm's; see [Note: gradient buffers] in
+mpishard/autodiff/tensor.py), else copied there the moment it is final (a grad-ready hook),
+and a bucket's non-blocking all-reduce starts as soon as all its gradients are
+in, so communication overlaps the rest of backward. Buckets are filled in
+reverse registration order (roughly the order backward produces gradients) and
+launched strictly in bucket order, so every rank issues the same collectives in
+the same order (see [Note: bucket launch order] below).
+
+With mixed precision (``precision="float16"``, see [Note: mixed precision]) the
+model computes with a 16-bit copy of every parameter, buckets hold gradients in
+``reduce_dtype``, and the optimizer updates one flat float32 master holding
+every parameter (:meth:`parameters` returns it as one :class:`FlatShard`
+target, held in :class:`MasterCopies`), as ZeRO updates flat shards: the
+parameters' 16-bit copies are views of one flat buffer, the buckets slices of
+one flat gradient buffer, both in the master's order.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from mpishard.core.backend import to_numpy, xp_of
+from mpishard.optim.clip import grad_sq_sum
+from mpishard.parallel.expert.layers import is_expert_param
+from mpishard.parallel.flat import FlatIndex
+from mpishard.parallel.pieces import Piece, _state_views, _target_index, replicated_pieces
+from mpishard.parallel.precision import MasterCopies
+from mpishard.parallel.strategy import Strategy, register_strategy
+
+__all__ = ["DataParallel", "check_replicas_equal"]
+
+# [Note: bucket launch order]
+# MPI matches collectives on a communicator by the order in which ranks issue
+# them (see [Note: collective order] in mpishard/comm/debug.py). Grad-ready hooks fire in the order of the backward graph, which is the
+# same on every rank, but to be safe against parameters that get no gradient on
+# some step a bucket is launched only after every earlier bucket was: bucket i
+# waits for buckets 0..i-1, and reduce_grads() launches the rest in index order.
+
+
+def _bucket_groups(params, bucket_bytes: int, itemsize: int) -> list:
+    """Parameters in reverse registration order, cut into buckets of about
+    ``bucket_bytes`` (``itemsize`` bytes per element: the compute dtype's) and of one
+    dtype each."""
+    groups, current, current_bytes = [], [], 0
+    for p in reversed(params):
+        nbytes = p.size * itemsize
+        if current and (current_bytes + nbytes > bucket_bytes or p.dtype != current[0].dtype):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def check_replicas_equal(module, comm, what: str = "parameters", select=None) -> None:
+    """Raise on every rank if the module's parameters (those ``select(p)`` accepts, by
+    default all) differ between ranks of ``comm``.
+
+    Compares a SHA-256 per parameter (one small all-gather of digests).
+    """
+    if comm.size == 1:
+        return
+    named = [(n, p) for n, p in module.named_parameters() if select is None or select(p)]
+    digests = [hashlib.sha256(to_numpy(p.data).tobytes()).hexdigest()[:16] for _, p in named]
+    everyone = comm.all_gather_obj(digests)
+    names = [n for n, _ in named]
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            first = next((names[i] for i, (a, b) in enumerate(zip(everyone[0], theirs))
+                          if a != b), "the parameter list")
+            raise ValueError(
+                f"{what} differ across ranks at wrap time: rank {rank} differs from rank 0 "
+                f"first at {first}; build the model with the same seed on every rank, or "
+                f"pass sync_params='broadcast' to copy rank 0's values")
+
+
+class _Bucket:
+    __slots__ = ("params", "flat", "views", "ready", "handle", "comm", "scale")
+
+    def __init__(self, params, ledger, xp, index, dtype, flat=None, comm=None, scale=1.0):
+        self.params = params
+        self.comm, self.scale = comm, scale   # averaged over comm, then times scale
+        layout = FlatIndex.of([p.shape for p in params], dtype)
+        # its own buffer, or its slice of the flat gradients (mixed precision)
+        self.flat = flat if flat is not None else ledger.zeros(
+            "grads", (layout.padded_numel,), layout.dtype, f"ddp bucket {index}", xp=xp)
+        self.views = layout.views(self.flat)
+        self.ready = 0
+        self.handle = None
+
+    def finish(self) -> None:
+        """Wait for the average; apply the scale (1 / ep for experts split over ep)."""
+        self.handle.wait()
+        self.handle = None
+        if self.scale != 1.0:
+            self.flat *= self.scale
+
+    def stage(self, i: int) -> None:
+        """Copy ``params[i]``'s gradient into the bucket; its ``grad`` becomes the bucket view."""
+        stage_grad(self.params[i], self.views[i])
+
+
+def stage_grad(p, view) -> None:
+    """``p``'s gradient into ``view`` (its slot in a strategy's gradient buffer), unless
+    backward computed it there already (``grad_out``, see [Note: gradient buffers] in
+    mpishard/autodiff/tensor.py); zeros when it has none. ``view`` becomes ``p.grad``,
+    so a next micro-batch adds into it."""
+    if p.grad is None:
+        view[...] = 0
+    elif p.grad is not view:
+        view[...] = p.grad
+    p.grad = view
+
+
+@register_strategy("ddp", "data parallel: every rank holds the whole model; gradients "
+                   "averaged in buckets during backward")
+class DataParallel(Strategy):
+    """Replicate the model on every dp rank and average gradients in buckets.
+
+    Args:
+        module: the model (an unmaterialised one is materialised from ``seed``).
+        mesh: a :class:`mpishard.comm.Mesh` (its ``dp`` axis is used).
+        bucket_bytes: target size of one gradient bucket.
+        sync_params: ``"check"`` (raise if parameters differ across ranks) or
+            ``"broadcast"`` (copy rank 0's parameters to every rank).
+        precision: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or a
+            :class:`~mpishard.parallel.Precision`.
+    """
+
+    def __init__(self, module, mesh, bucket_bytes: int = 4 << 20, sync_params: str = "check",
+                 ledger=None, precision=None, seed: int | None = None):
+        super().__init__(module, mesh, ledger, precision, seed)
+        if sync_params not in ("check", "broadcast"):
+            raise ValueError(f"sync_params must be 'check' or 'broadcast', got {sync_params!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        params = module.parameters()
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, tuple] = {}
+        self._next_launch = 0
+        self.masters = MasterCopies()
+        self._master_of: dict = {}
+        self._range_of: dict = {}
+        # Experts split over ep are replicated over edp only, and their averaged
+        # gradients scaled by 1 / ep (see [Note: expert dispatch] in expert_parallel.py).
+        # Buckets at every dp size, also 1 (where nothing is sent): gradients then
+        # always live in ledger-counted buffers, as the plan says.
+        xp = xp_of(params[0].data)
+        groups, reduce_over = [], []
+        for expert in (False, True):
+            part = [p for p in params if is_expert_param(p) == expert]
+            if not part:
+                continue
+            comm = self.replica_group(part[0])
+            if comm.size > 1 and sync_params == "broadcast":
+                for p in part:
+                    comm.broadcast(p.data, root=0)
+            elif comm.size > 1:
+                check_replicas_equal(module, comm, select=lambda p, e=expert:
+                                     is_expert_param(p) == e)
+            cut = _bucket_groups(part, bucket_bytes, self.compute_dtype.itemsize)
+            groups += cut
+            reduce_over += [(comm, 1.0 / mesh.ep.size if expert else 1.0)] * len(cut)
+        if self.mixed:
+            flats = self._make_masters(groups, xp)
+        else:
+            flats = [None] * len(groups)
+        for group, flat, (comm, scale) in zip(groups, flats, reduce_over):
+            self._buckets.append(_Bucket(group, self.ledger, xp, len(self._buckets),
+                                         self.reduce_dtype, flat, comm, scale))
+        for b, bucket in enumerate(self._buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (b, i)
+                p.register_grad_ready_hook(self._on_grad_ready)
+                p.grad_out = bucket.views[i]   # backward writes the gradient there
+                # (see [Note: gradient buffers] in mpishard/autodiff/tensor.py)
+        module.register_forward_pre_hook(lambda m, a: self._settle())
+
+    def _make_masters(self, groups, xp) -> list:
+        """Move every parameter's values into one flat float32 master, the optimizer's
+        single target, and compute with views of one flat 16-bit copy; gradients go to
+        one flat buffer in the same order, whose slices are the buckets (returned).
+
+        One target, not one per parameter: the optimizer's elementwise update then
+        runs as a few large operations (ZeRO's units do the same).
+        """
+        ordered = [p for group in groups for p in group]
+        layout = FlatIndex.of([p.shape for p in ordered], self.master_dtype)
+        n, ledger = layout.numel, self.ledger
+        master = ledger.zeros("params", (n,), self.master_dtype, "ddp masters", xp=xp)
+        compute = ledger.zeros("params", (n,), self.compute_dtype,
+                               f"ddp {self.compute_dtype.name} copy", xp=xp)
+        grads = ledger.zeros("grads", (n,), self.reduce_dtype, "ddp buckets", xp=xp)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        decay = []
+        for p, offset, view in zip(ordered, layout.offsets, layout.views(compute)):
+            lo, hi = offset, offset + p.size
+            master[lo:hi] = p.data.reshape(-1)
+            ledger.release(p.data)          # the materialised float32 array: now the master
+            view[...] = p.data
+            p.data = view
+            self._range_of[id(p)] = (lo, hi, names[id(p)])
+            for a, b in p.decay_ranges:      # adjacent ranges merged: fewer slices to decay
+                if decay and decay[-1][1] == lo + a:
+                    decay[-1] = (decay[-1][0], lo + b)
+                else:
+                    decay.append((lo + a, lo + b))
+        target = self.masters.add(master, compute, tuple(decay), "ddp masters")
+        self._master_of = {id(p): target for p in ordered}
+        flats, start = [], 0
+        for group in groups:
+            stop = start + sum(p.size for p in group)
+            flats.append(grads[start:stop])
+            start = stop
+        self._flat_grads = grads
+        return flats
+
+    def parameters(self) -> list:
+        """The optimizer's targets: the parameters, or their float32 masters when mixed."""
+        if not self.mixed:
+            return self.module.parameters()
+        return self.masters.targets()
+
+    def optimizer_target(self, p):
+        """What the optimizer updates for parameter ``p`` (``p``, or its master)."""
+        return self._master_of.get(id(p), p)
+
+    # -- communication ------------------------------------------------------
+    def _settle(self) -> None:
+        """Before a forward: wait for the buckets an earlier backward of this step
+        launched, and let the next backward launch them again. Its gradients add
+        to the averaged ones already in the buckets, and averaging that sum adds
+        their average: each micro-step may communicate (``no_sync`` only saves
+        the traffic)."""
+        if self._next_launch == 0:
+            return
+        for bucket in self._buckets[:self._next_launch]:
+            bucket.finish()
+            if bucket.scale != 1.0:   # the next reduction averages (and scales) it again
+                bucket.flat *= 1.0 / bucket.scale
+        for bucket in self._buckets:
+            bucket.ready = 0
+        self._next_launch = 0
+
+    def _on_grad_ready(self, p) -> None:
+        b, i = self._where[id(p)]
+        bucket = self._buckets[b]
+        if not self.sync_gradients:
+            return
+        bucket.stage(i)
+        bucket.ready += 1
+        self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while (self._next_launch < len(self._buckets)
+               and self._buckets[self._next_launch].ready == len(
+                   self._buckets[self._next_launch].params)):
+            bucket = self._buckets[self._next_launch]
+            bucket.handle = bucket.comm.iall_reduce(bucket.flat, op="avg")
+            self._next_launch += 1
+
+    def reduce_grads(self) -> None:
+        """Launch buckets that backward did not complete, wait for all, reset."""
+        self._reduce_buckets()
+        if self.mixed:  # the master's gradient: the flat buffer the buckets are slices of
+            for target in self.masters.targets():
+                target.grad = self._flat_grads.astype(self.master_dtype, copy=False)
+
+    def _reduce_buckets(self) -> None:
+        for bucket in self._buckets[self._next_launch:]:
+            for i in range(len(bucket.params)):
+                bucket.stage(i)
+            bucket.ready = len(bucket.params)
+        self._launch_in_order()
+        for bucket in self._buckets:
+            bucket.finish()
+            bucket.ready = 0
+        self._next_launch = 0
+
+    def local_grad_sq(self) -> float:
+        # every rank of a parameter's group holds the same averaged gradient: the
+        # group's rank 0 counts it; parameter by parameter, in the order of the model
+        return grad_sq_sum(p.grad for p in self.module.parameters()
+                           if self.replica_group(p).rank == 0 and self.counts_once(p.spec))
+
+    def after_update(self) -> None:
+        """The 16-bit compute copies follow the updated masters (mixed precision)."""
+        self.masters.refresh()
+
+    def pieces(self, optimizer=None) -> list:
+        """Every parameter whole, owned by dp rank 0; under mixed precision its values
+        and optimizer state are its slice of the flat master (see :meth:`_make_masters`)."""
+        if not self.mixed:
+            return replicated_pieces(self, optimizer)
+        index = _target_index(optimizer)
+        pieces = []
+        for p in self.module.parameters():
+            lo, hi, name = self._range_of[id(p)]
+            target = self._master_of[id(p)]
+            views = {"param": target.data[lo:hi]}
+            if id(target) in index:
+                views.update(_state_views(optimizer, index[id(target)], lo, hi))
+            owner = self.replica_group(p).rank == 0 and self.counts_once(p.spec)
+            pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
+                                p.spec.global_runs(), arr, owner) for kind, arr in views.items())
+        return pieces
+
+    @classmethod
+    def estimate_memory(cls, model, sizes, **_):
+        """Whole parameters, gradient buckets (the gradients themselves, also at dp 1)
+        and optimizer state on every rank; the buckets all-reduced over ``dp_cp``, those
+        of experts split over ep over ``edp``."""
+        s, n = sizes, sizes.n_params
+        plan = s.new_plan()
+        plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
+                       "grads": n * s.reduce_itemsize,
+                       "optim": s.n_states * n * s.itemsize}
+        plan.peak = {"gathered": 0, "comm": 0}
+        dense, experts = s.expert_split(model)
+        edp = s.dp_size // s.ep
+        plan.bus_bytes_by_group = {
+            "dp_cp": int(round(2 * s.factor * dense * s.reduce_itemsize)),
+            "edp": int(round(2 * (edp - 1) / edp * experts * s.reduce_itemsize))}
+        plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
+        return plan

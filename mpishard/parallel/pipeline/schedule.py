@@ -1,0 +1,325 @@
+"""Pipeline parallelism: whole blocks per stage, micro-batches, GPipe and 1F1B.
+
+    mpiexec -n 4 python -m mpi4py -m mpishard train --pp 2 --dp 2 --micro-steps 4
+
+Stage ``s`` of ``mesh.pp`` holds a contiguous run of blocks (the first stage also
+what the model's :class:`~mpishard.nn.PipelinePlan` lists as first, e.g. the
+embeddings; the last what it lists as last, e.g. the final norm and the output
+layer). A step splits the batch into ``m`` micro-batches; activations go
+forward and their gradients back with point-to-point messages whose shapes
+every stage knows from the batch (the stage's ``activation_shape``, see [Note:
+pipeline stage interface] in mpishard/nn/sharding.py), tagged ``2*i`` (activations
+of micro-batch ``i``) and ``2*i + 1`` (gradients), so no two messages can be
+confused.
+
+- GPipe (Huang et al., 2019, arXiv:1811.06965): all forwards, then all backwards.
+- 1F1B (PipeDream-Flush; Narayanan et al., 2021, arXiv:2104.04473): stage ``s``
+  runs ``p - s - 1`` warm-up forwards, then alternates one forward and one
+  backward, then drains; the same bubble, at most ``p - s`` micro-batches of
+  activations alive instead of ``m``.
+
+The bubble, the idle fraction of an ideal pipeline, is ``(p - 1) / (m + p - 1)``.
+Gradients are communicated once after the last micro-batch: the two copies of
+a tied parameter (the token table on the first and the last stage) are summed,
+then the strategy reduces over dp in ``step``. Activations and their gradients stay in the
+model's array module (device memory on CuPy); the communicator sends them
+directly (CUDA-aware MPI) or through its pinned staging buffers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpishard.autodiff.tensor import Tensor, no_grad
+from mpishard.core.backend import to_numpy, xp_of
+
+__all__ = ["partition_blocks", "Pipeline", "bubble_fraction"]
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """The ideal pipeline's idle fraction, ``(p - 1) / (m + p - 1)``."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def partition_blocks(n_layer: int, stages: int, block_params=1, first_extra: int = 0,
+                     last_extra: int = 0, plan=None) -> list[range]:
+    """Split ``n_layer`` blocks into ``stages`` contiguous runs.
+
+    Balanced by parameter count: each block counts ``block_params`` (one number
+    for all, or one per block), the first stage also ``first_extra``
+    (embeddings), the last ``last_extra`` (final norm); the split minimises the
+    largest stage. ``plan`` (blocks per stage, e.g. ``[1, 3]``) overrides it.
+
+    Raises:
+        ValueError: more stages than blocks, or a plan that does not add up.
+    """
+    if stages < 1:
+        raise ValueError(f"pp must be >= 1, got {stages}")
+    if stages > n_layer:
+        raise ValueError(f"pp={stages} is larger than the number of blocks (n_layer="
+                         f"{n_layer}); every pipeline stage needs at least one block")
+    if plan is not None:
+        plan = [int(n) for n in plan]
+        if len(plan) != stages or sum(plan) != n_layer or min(plan) < 1:
+            raise ValueError(f"stage plan {plan} must give each of the {stages} stages at "
+                             f"least one block, {n_layer} in all")
+    else:
+        sizes = [block_params] * n_layer if np.isscalar(block_params) else list(block_params)
+        if len(sizes) != n_layer:
+            raise ValueError(f"block_params has {len(sizes)} entries for {n_layer} blocks")
+        prefix = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        # best[k][j]: smallest possible largest stage using stages 0..k for blocks 0..j-1
+        inf = float("inf")
+        best = [[inf] * (n_layer + 1) for _ in range(stages)]
+        cut = [[0] * (n_layer + 1) for _ in range(stages)]
+        for j in range(1, n_layer + 1):
+            best[0][j] = first_extra + prefix[j] + (last_extra if stages == 1 else 0)
+        for k in range(1, stages):
+            for j in range(k + 1, n_layer + 1):
+                for i in range(k, j):
+                    cost = prefix[j] - prefix[i] + (last_extra if k == stages - 1 else 0)
+                    worst = max(best[k - 1][i], cost)
+                    if worst < best[k][j]:
+                        best[k][j], cut[k][j] = worst, i
+        bounds, j = [n_layer], n_layer
+        for k in range(stages - 1, 0, -1):
+            j = cut[k][j]
+            bounds.append(j)
+        bounds.append(0)
+        bounds.reverse()
+        plan = [bounds[k + 1] - bounds[k] for k in range(stages)]
+    starts = np.concatenate([[0], np.cumsum(plan)]).tolist()
+    return [range(starts[k], starts[k + 1]) for k in range(stages)]
+
+
+@dataclass
+class _Step:
+    """One step's state, passed to the micro-batch functions (the schedule's locals)."""
+
+    x: list
+    y: list
+    batch: int                    # micro-batch size b
+    seq_len: int
+    saved: dict = field(default_factory=dict)     # i -> (input, output) kept for backward
+    sends: list = field(default_factory=list)     # handles of sends in flight
+    losses: list = field(default_factory=list)
+    weights: list = field(default_factory=list)   # each micro-batch's loss weight
+    alive: dict = field(default_factory=dict)     # i -> measured activation bytes
+
+
+class Pipeline:
+    """Drive one step of micro-batches through the stages (any ``pp``, also 1).
+
+    Args:
+        strategy: the stage's model wrapped in a strategy (DataParallel/ZeRO);
+            its module answers the stage interface ([Note: pipeline stage
+            interface] in mpishard/nn/sharding.py).
+        mesh: the :class:`~mpishard.comm.Mesh`.
+        micro_batches: ``m >= 1``; the per-rank batch must divide by it.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        tie: Communicator joining this rank with the other end of the pipeline
+            (first <-> last stage) for tied parameters, or ``None``.
+        tied: the parameters of this stage that ``tie`` sums gradients of, in
+            the same order on both ends.
+    """
+
+    def __init__(self, strategy, mesh, micro_batches: int = 1, schedule: str = "1f1b",
+                 tie=None, tied=()):
+        if schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; use '1f1b' or 'gpipe'")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+        self.strategy, self.mesh, self.pp = strategy, mesh, mesh.pp
+        self.model = strategy.module
+        self.first = getattr(self.model, "first_stage", True)
+        self.last = getattr(self.model, "last_stage", True)
+        self.micro_batches, self.schedule = micro_batches, schedule
+        self.tie, self.tied = tie, list(tied)
+        self.stage, self.stages = self.pp.rank, self.pp.size
+        self.idle_seconds = 0.0
+        self.step_seconds = 0.0
+        self._dtype = strategy.compute_dtype  # activations cross stages in it
+        self._xp = strategy.xp
+        #: set to measure the next training step's activations (see [Note: measured activations])
+        self.measure_activations = False
+        self.activation_bytes = 0
+
+    # [Note: measured activations]
+    # With measure_activations set, each micro-batch's forward runs inside the
+    # ledger's measure_activations() (tracemalloc on NumPy: slower, so one step
+    # at a time) and its bytes count as alive until its backward starts. The
+    # step's peak of that sum, what the schedule keeps at once (all m
+    # micro-batches under GPipe, at most p - s under 1F1B), becomes the ledger's
+    # "activations" peak and ``activation_bytes``.
+    def _forward(self, step: _Step, i: int) -> None:
+        if not self.measure_activations:
+            return self._run_forward(step, i)
+        with self.strategy.ledger.measure_activations() as measured:
+            self._run_forward(step, i)
+        step.alive[i] = measured.nbytes
+        self.activation_bytes = max(self.activation_bytes, sum(step.alive.values()))
+
+    # -- one micro-batch ------------------------------------------------------
+    def _run_forward(self, step: _Step, i: int) -> None:
+        x, y = step.x[i], step.y[i]
+        if self.first:
+            inp, extra = x, {}
+        else:
+            rows, width = self.model.activation_shape(step.batch, step.seq_len)
+            split = getattr(self.model, "sequence_parallel_size", 1)  # split rows under sp
+            buf = self._xp.empty((rows // split, width), dtype=self._dtype)
+            self._recv(buf, self.stage - 1, 2 * i)
+            inp, extra = Tensor(buf, requires_grad=True), {"batch_size": step.batch}
+        if self.last:
+            _, loss = self.strategy(inp, y, **extra)
+            step.losses.append(loss.data)     # read once per step, in _mean_loss
+            step.saved[i] = (inp, self.strategy.scale_loss(loss) * step.weights[i])
+        else:
+            out = self.strategy(inp, **extra)
+            send = self._xp.ascontiguousarray(out.data)
+            step.sends.append(self.pp.isend(send, self.stage + 1, 2 * i))
+            step.saved[i] = (inp, out)
+
+    def _backward(self, step: _Step, i: int) -> None:
+        step.alive.pop(i, None)
+        inp, out = step.saved.pop(i)
+        if self.last:
+            out.backward()
+        else:
+            grad = self._xp.empty(out.shape, dtype=self._dtype)
+            self._recv(grad, self.stage + 1, 2 * i + 1)
+            out.backward(grad)
+        if not self.first:
+            send = self._xp.zeros(inp.shape, self._dtype) if inp.grad is None else \
+                self._xp.ascontiguousarray(inp.grad, dtype=self._dtype)
+            step.sends.append(self.pp.isend(send, self.stage - 1, 2 * i + 1))
+
+    def _schedule(self, step: _Step, m: int) -> None:
+        """GPipe or 1F1B over the stages, communicating no gradients over dp."""
+        with self.strategy.no_sync():
+            if self.schedule == "gpipe":
+                for i in range(m):
+                    self._forward(step, i)
+                for i in range(m):
+                    self._backward(step, i)
+            else:
+                warmup = min(self.stages - self.stage - 1, m)
+                for i in range(warmup):
+                    self._forward(step, i)
+                for i in range(m - warmup):
+                    self._forward(step, warmup + i)
+                    self._backward(step, i)
+                for i in range(m - warmup, m):
+                    self._backward(step, i)
+
+    def _recv(self, buf, source: int, tag: int) -> None:
+        t0 = time.perf_counter()
+        self.pp.recv(buf, source, tag)
+        self.idle_seconds += time.perf_counter() - t0
+
+    # -- the step ---------------------------------------------------------------
+    def train_step(self, x, y) -> float:
+        """Forward and backward of one batch on this rank's stage; returns the mean loss.
+
+        Every rank of the pipeline must pass the same ``x``, ``y``. Gradients are
+        left for ``strategy.step(...)`` to reduce; tied parameters are summed here.
+        """
+        step = self._prepare(x, y, self.micro_batches)
+        m = self.micro_batches
+        t0 = time.perf_counter()
+        self.activation_bytes = 0
+        if self.stages == 1:  # plain accumulation: the last backward communicates (overlap)
+            for i, context in enumerate(self.strategy.accumulation(m)):
+                with context:
+                    self._forward(step, i)
+                    self._backward(step, i)
+        else:  # tied copies are summed first, then step() reduces over dp
+            self._schedule(step, m)
+        for handle in step.sends:
+            handle.wait()
+        self._sum_tied_gradients()
+        self.step_seconds = time.perf_counter() - t0
+        if self.measure_activations:  # the peak stays in the ledger; nothing is alive now
+            self.strategy.ledger.record_activations(self.activation_bytes)
+            self.strategy.ledger.release_activations()
+        return self._mean_loss(step)
+
+    def eval_step(self, x, y) -> float:
+        """Forward only (no graph); returns the mean loss. One stage runs the whole
+        batch at once (no activations are kept); several run it micro-batch by
+        micro-batch, as in training."""
+        step = self._prepare(x, y, self.micro_batches if self.stages > 1 else 1)
+        with no_grad():
+            for i in range(len(step.x)):
+                self._run_forward(step, i)
+                step.saved.pop(i)
+        for handle in step.sends:
+            handle.wait()
+        return self._mean_loss(step)
+
+    def _prepare(self, x, y, m: int) -> _Step:
+        B = len(x)
+        if B % m:
+            raise ValueError(f"batch of {B} does not split into {m} micro-batches; pick a "
+                             f"batch size that is a multiple of micro_batches")
+        b = B // m
+        self.idle_seconds = 0.0
+        step = _Step([x[k * b:(k + 1) * b] for k in range(m)],
+                     [y[k * b:(k + 1) * b] for k in range(m)], b,
+                     int(np.shape(x)[1]) if np.ndim(x) > 1 else 1)
+        step.weights = self._loss_weights(step.y) if self.last else [1.0 / m] * m
+        return step
+
+    # [Note: global token count]
+    # A micro-batch's loss is the mean over its valid targets (those not equal to
+    # the loss's ignore_index), and gradients are averaged over the G ranks of
+    # dp x cp. Weighting micro-batch i's loss by w_i = n_i * G / N, with n_i its
+    # valid targets and N the count over every micro-batch of every rank of the
+    # group (one all-reduce of a number), makes the averaged gradient that of the
+    # mean over all N targets, however unevenly they fall (padding, a context
+    # chunk of ignored targets); plain 1/m weights would average means instead.
+    # With every target valid w_i is exactly 1/m.
+    def _loss_weights(self, ys) -> list:
+        m = len(ys)
+        group = getattr(self.mesh, "dp_cp", None) or self.mesh.dp
+        ignore = getattr(getattr(self.model, "loss", None), "ignore_index", -100)
+        if all(isinstance(y, (np.ndarray, list)) for y in ys):   # host targets: count there
+            counts = [int(np.count_nonzero(np.asarray(y) != ignore)) for y in ys]
+        else:  # targets on the device: one read of all the counts
+            xp = xp_of(next(y for y in ys if not isinstance(y, (np.ndarray, list))))
+            counts = to_numpy(xp.stack([(xp.asarray(y) != ignore).sum() for y in ys])).tolist()
+        total = np.array([float(sum(counts))])
+        if group.size > 1:
+            group.all_reduce(total, op="sum")
+        if total[0] == 0 or all(c * group.size * m == total[0] for c in counts):
+            return [1.0 / m] * m
+        return [c * group.size / total[0] for c in counts]
+
+    def _mean_loss(self, step: _Step) -> float:
+        """The step's loss: the micro-batches' losses read back at once (one host sync on
+        a device), weighted, and broadcast from the last stage."""
+        mean = 0.0
+        if step.losses:
+            losses = to_numpy(xp_of(step.losses[0]).stack(step.losses)).astype(np.float64)
+            uniform = all(w == 1.0 / len(step.weights) for w in step.weights)
+            mean = np.mean(losses) if uniform else float(np.dot(losses, step.weights))
+        loss = np.array([mean])
+        self.pp.broadcast(loss, root=self.stages - 1)
+        return float(loss[0])
+
+    def _sum_tied_gradients(self) -> None:
+        if self.tie is None:
+            return
+        for p in self.tied:
+            dtype = p.grad_dtype or self._dtype  # float32 under mixed precision (see Tensor)
+            grad = self._xp.zeros(p.shape, dtype=dtype) if p.grad is None else \
+                self._xp.ascontiguousarray(p.grad, dtype=dtype)
+            self.tie.all_reduce(grad, op="sum")
+            p.grad = grad
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the last step this stage spent waiting for its neighbours."""
+        return self.idle_seconds / self.step_seconds if self.step_seconds else 0.0

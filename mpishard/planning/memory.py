@@ -1,0 +1,338 @@
+"""Memory planner: per-rank bytes by category before spending any compute.
+
+``estimate_memory`` asks the registered strategy (see [Note: strategy contract])
+for its plan; each strategy reads the same layout it builds (ZeRO: the units of
+[Note: flat unit layout]) from an unmaterialised model, so the figures are the
+ledger's figures: steady-state bytes for parameters, gradients and optimizer
+state, and peaks for the transient categories (gathered units, communication
+buffers). It also predicts the bus bytes each rank moves per step, in all and
+per mesh group (``bus_bytes_by_group``: ``"dp_cp"`` for DDP's all-reduce,
+``"dp_shard_cp"`` and ``"dp_replicate"`` for ZeRO's shard group and replicas).
+:func:`stage_traffic` adds what a pipeline stage moves over ``tp``, ``cp`` and
+``pp`` (see [Note: layout plan] in layout.py, which puts the two together).
+
+    >>> plan = estimate_memory(GPT(cfg, materialize_now=False), "zero3", dp_size=4)
+    >>> print(plan.format())
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpishard.core.dtypes import resolve_dtype
+from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
+from mpishard.parallel.context.attention import ring_kv_bytes
+from mpishard.parallel.precision import Precision
+from mpishard.parallel.strategy import strategy_entry
+from mpishard.parallel.tensor.layers import ColumnParallelLinear, _matching
+
+__all__ = ["MemoryEstimate", "EstimateSizes", "estimate_memory", "OPTIMIZER_STATES", "window_peak",
+           "layout_itemsizes", "stage_traffic"]
+
+#: flat state arrays per parameter element
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted per-rank bytes (dp rank 0; every dp rank holds the same sizes).
+
+    ``bus_bytes_by_group`` splits ``bus_bytes_per_step`` by the mesh group that
+    moves it (a :class:`~mpishard.comm.Mesh` attribute name); empty: all of it
+    over ``dp_cp``, every rank holding the same parameters.
+    """
+
+    strategy: str
+    dp_size: int
+    n_params: int
+    itemsize: int
+    steady: dict = field(default_factory=dict)   # params, grads, optim
+    peak: dict = field(default_factory=dict)     # gathered, comm
+    bus_bytes_per_step: int = 0
+    precision: str | None = None                 # e.g. "float16 compute, float32 gradients"
+    bus_bytes_by_group: dict = field(default_factory=dict)   # mesh group -> bytes per step
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state held between steps."""
+        return sum(self.steady.values())
+
+    @property
+    def total_peak_bytes(self) -> int:
+        return self.model_state_bytes + sum(self.peak.values())
+
+    def format(self) -> str:
+        def mib(n):
+            return f"{n / 2**20:10.2f} MiB"
+        mixed = f" ({self.precision})" if self.precision else ""
+        rows = [f"{self.strategy} on dp={self.dp_size}: {self.n_params:,} parameters, "
+                f"{self.itemsize}-byte masters{mixed}; per rank:"]
+        for k, v in self.steady.items():
+            rows.append(f"  {k:<10}{mib(v)}")
+        for k, v in self.peak.items():
+            rows.append(f"  {k:<10}{mib(v)}  (peak, transient)")
+        rows.append(f"  {'total':<10}{mib(self.total_peak_bytes)}  (model state "
+                    f"{self.model_state_bytes / 2**20:.2f} MiB)")
+        rows.append(f"  comm      {self.bus_bytes_per_step / 2**20:10.2f} MiB bus bytes per step")
+        return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class EstimateSizes:
+    """What every strategy's memory formula reads (handed to ``Strategy.estimate_memory``).
+
+    Attributes:
+        strategy: the registered name being planned.
+        dp_size: the data-parallel size ``N``: every rank holding the same
+            parameters (``dp x cp`` on a mesh with context parallelism).
+        n_params: parameter elements on this rank before sharding.
+        itemsize: bytes of a master element (and of optimizer state).
+        compute_itemsize: bytes of a compute-copy element (``itemsize`` unless mixed).
+        reduce_itemsize: bytes of a gradient element in reduction.
+        mixed: whether a 16-bit compute copy exists.
+        n_states: optimizer state arrays per element.
+        precision: a description for the plan's header, or ``None``.
+        micro_batches: forward/backward passes per step (ZeRO-3 gathers in each).
+        dp_replicate: replicas of a sharded state among the ``dp_size`` ranks
+            (hybrid sharding: ZeRO shards over ``dp_size / dp_replicate``).
+        ep: expert-parallel size: experts split over ep are replicated over
+            ``dp_size / ep`` ranks (``edp``) and ZeRO shards them over
+            ``shard_size / ep`` (``edp_shard``).
+    """
+
+    strategy: str
+    dp_size: int
+    n_params: int
+    itemsize: int
+    compute_itemsize: int
+    reduce_itemsize: int
+    mixed: bool
+    n_states: int
+    precision: str | None = None
+    micro_batches: int = 1
+    dp_replicate: int = 1
+    ep: int = 1
+
+    @property
+    def factor(self) -> float:
+        """``(N - 1) / N``: the share of a buffer a reduce-scatter or all-gather moves."""
+        return (self.dp_size - 1) / self.dp_size
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks one sharded copy is spread over, ``dp_size / dp_replicate``."""
+        return self.dp_size // self.dp_replicate
+
+    def expert_split(self, model) -> tuple:
+        """``(dense elements, expert elements)`` of ``model`` on this rank (experts split
+        over ep counted by their local shape)."""
+        experts = sum(p.size for p in model.parameters() if p.spec.ep_range is not None)
+        return self.n_params - experts, experts
+
+    def new_plan(self) -> MemoryEstimate:
+        """An empty :class:`MemoryEstimate` with this header, for a strategy to fill."""
+        return MemoryEstimate(self.strategy, self.dp_size, self.n_params, self.itemsize,
+                          precision=self.precision)
+
+
+def window_peak(sizes: list, window: int) -> int:
+    """Largest sum of ``window`` consecutive entries (buffers alive together)."""
+    if not sizes:
+        return 0
+    window = min(window, len(sizes))
+    return max(sum(sizes[i:i + window]) for i in range(len(sizes) - window + 1))
+
+
+def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
+                dtype: str | None = None, precision=None, micro_batches: int = 1,
+                dp_replicate: int = 1, ep: int = 1) -> MemoryEstimate:
+    """Predict per-rank bytes by ledger category for ``model`` under ``strategy``.
+
+    Args:
+        model: a model (materialised or not; only shapes are read). Its
+            parameters' ``spec.flat`` is overwritten by ZeRO's unit layout.
+        strategy: a name registered in :data:`~mpishard.parallel.STRATEGIES`.
+        dp_size: data-parallel size.
+        optimizer: key of :data:`OPTIMIZER_STATES`.
+        dtype: element dtype (default: the parameters').
+        precision: mixed precision as the strategy gets it (``"float16"``, a
+            :class:`Precision`): masters and optimizer state in ``dtype``, a
+            compute copy in ``param_dtype``, gradient buffers in ``reduce_dtype``.
+        micro_batches: forward and backward passes per step (gradients are
+            still reduced once).
+        dp_replicate: replicas of sharded state (hybrid sharding); divides ``dp_size``.
+        ep: expert-parallel size (the model's experts already split over it).
+    """
+    entry = strategy_entry(strategy)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(OPTIMIZER_STATES)}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if dp_replicate < 1 or dp_size % dp_replicate:
+        raise ValueError(f"dp_replicate={dp_replicate} must divide dp_size={dp_size}; "
+                         f"pass a dp_replicate that divides it (1: no hybrid sharding)")
+    params = model.parameters()
+    b = np.dtype(dtype or params[0].dtype).itemsize
+    policy = Precision.of(precision)
+    mixed = policy.mixed
+    sizes = EstimateSizes(
+        strategy, dp_size, sum(p.size for p in params), b,
+        compute_itemsize=resolve_dtype(policy.param_dtype).itemsize if mixed else b,
+        reduce_itemsize=resolve_dtype(policy.reduce_dtype).itemsize if mixed else b,
+        mixed=mixed, n_states=OPTIMIZER_STATES[optimizer],
+        precision=(f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
+                   if mixed else None), micro_batches=micro_batches, dp_replicate=dp_replicate,
+        ep=ep)
+    return entry.cls.estimate_memory(model, sizes, **entry.options)
+
+
+# -- a pipeline stage's traffic (see [Note: layout plan] in layout.py) -----------------
+# ``layout`` is a :class:`~mpishard.planning.layout.Layout`; ``stage`` the stage built for it.
+
+def layout_itemsizes(model, layout) -> tuple:
+    """(activation dtype, all-reduce itemsize, gradient itemsize) of ``layout``."""
+    params = model.parameters()
+    master = np.dtype(params[0].spec.dtype) if params else np.dtype("float32")
+    policy = Precision.of(layout.precision)
+    act = resolve_dtype(policy.param_dtype) if policy.mixed else master
+    wire = 4 if act.name == "bfloat16" else act.itemsize    # bfloat16 is summed in float32
+    grad = resolve_dtype(policy.reduce_dtype).itemsize if policy.mixed else master.itemsize
+    return act, wire, grad
+
+
+def _again(layout, plan, path: str) -> int:
+    """2 for a module inside a checkpointed block (its forward runs again), else 1."""
+    blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
+    return 2 if layout.activation_checkpointing and blocks and path.startswith(blocks) else 1
+
+
+def _tp_bytes(stage, layout, plan, wire: int, act) -> int:
+    """Bus bytes of one step's tensor-parallel collectives on this stage."""
+    tp = layout.tp
+    if tp == 1:
+        return 0
+    sp, c = layout.sequence_parallel, act.itemsize
+    rows = layout.batch_size * layout.local_seq_len
+    loss_item = 4 if c == 2 else c                         # 16-bit logits: float32 rows
+    held_only = set(plan.pipeline.first) if plan.pipeline and not stage.first_stage else set()
+    ring = 0      # all-reduces count 2 (tp - 1) / tp, gathers and scatters (tp - 1) / tp
+    for pattern, style in plan.tensor:
+        for path, module in _matching(stage, pattern):
+            if path in held_only:    # e.g. the token table on the last stage: only tied
+                continue
+            again = _again(layout, plan, path)
+            if isinstance(style, RowParallel):          # forward sum of the outputs
+                out = rows * module.out_features
+                ring += again * out * wire + out * c if sp else 2 * again * out * wire
+            elif isinstance(style, VocabParallel):      # forward sum of the looked-up rows
+                ring += 2 * rows * module.embedding_dim * wire
+            elif isinstance(style, ColumnParallel) and isinstance(module, ColumnParallelLinear):
+                inp = rows * module.in_features         # the input's gradient; under sp the
+                # input gathered (again in backward) and its gradient reduce-scattered
+                ring += (again + 1) * inp * c + inp * wire if sp else 2 * inp * wire
+            elif isinstance(style, ColumnParallel) and sp:  # kept whole, from gathered rows
+                inp = rows * module.in_features
+                ring += again * inp * c + inp * wire
+            elif isinstance(style, ColumnParallel):     # kept whole: its output's gradient
+                ring += 2 * rows * module.out_features * wire
+            elif isinstance(style, VocabParallelLoss):  # row maxima, sums, target logits
+                ring += 2 * 3 * rows * loss_item
+    if sp:
+        ring += _sp_extra(stage, layout, plan, rows, wire, act)
+    return int(round((tp - 1) / tp * ring * layout.micro_batches))
+
+
+def _sp_extra(stage, layout, plan, rows: int, wire: int, act) -> int:
+    """Sequence parallelism's other collectives (in all-gather units): the backward
+    all-gather of the embeddings' cut rows, and the gradient sums (all-reduces) of the
+    tp-replicated parameters the split rows reach, once a micro-batch."""
+    total = 0
+    if plan.sequence_entry and getattr(stage, "first_stage", True):
+        total += rows * stage.activation_shape(1, 1)[1] * act.itemsize
+    first = tuple(plan.pipeline.first) if plan.pipeline is not None else ()
+    for path, owner in stage.named_modules():
+        if any(path == f or path.startswith(f + ".") for f in first):
+            continue
+        total += sum(2 * p.size * wire for p in owner._parameters.values()
+                     if p is not None and p.spec.tp_dim is None)
+    return total
+
+
+def _local_heads(module) -> tuple:
+    """``(heads, head_size)`` of an attention module on this tp rank (its query heads)."""
+    hs = int(module.head_size)
+    proj = getattr(module, "c_attn", None)
+    if proj is not None:                                   # fused q | k | v
+        return int(proj.weight.shape[0]) // (3 * hs), hs
+    return int(module.q_proj.weight.shape[0]) // hs, hs
+
+
+def _cp_bytes(stage, layout, plan, act) -> int:
+    """Bus bytes of one step's context-parallel attention on this stage."""
+    cp = layout.cp
+    if cp == 1:
+        return 0
+    c, g = act.itemsize, (4 if act.itemsize == 2 else act.itemsize)
+    B, n = layout.batch_size, layout.local_seq_len
+    total = 0.0
+    for pattern in plan.attention:
+        for path, module in _matching(stage, pattern):
+            h, hs = _local_heads(module)
+            again = _again(layout, plan, path)
+            if layout.cp_mode == "ring":    # each block sent and received; a recompute
+                block = B * n * 2 * h * hs  # passes the K/V blocks around once more
+                total += 2 * (ring_kv_bytes(B, layout.seq_len, h, hs, cp, c, g)
+                              + (again - 1) * (cp - 1) * block * c)
+            else:                           # q|k|v and the output, each way
+                total += (cp - 1) / cp * B * n * h * hs * 4 * (again + 1) * c
+    return int(round(total * layout.micro_batches))
+
+
+def _pp_bytes(stage, layout, act) -> int:
+    if layout.pp == 1:
+        return 0
+    shape = stage.activation_shape(layout.batch_size, layout.local_seq_len)
+    one = int(np.prod(shape)) * act.itemsize // (layout.tp if layout.sequence_parallel else 1)
+    sides = int(not stage.first_stage) + int(not stage.last_stage)
+    return 2 * sides * one * layout.micro_batches + 8      # sends + receives, loss broadcast
+
+
+def _tie_bytes(stage, layout, plan, grad: int) -> int:
+    if layout.pp == 1 or not (stage.first_stage or stage.last_stage):
+        return 0
+    names = dict(stage.named_parameters(remove_duplicate=False))
+    return sum(names[source].size * grad for _, source in plan.tied if source in names)
+
+
+def _ep_bytes(stage, layout, plan, act) -> int:
+    """Expert parallelism's all-to-alls per step, with the routing even: per MoE layer
+    and micro-batch the counts (``E`` integers) and, forward and again in backward, the
+    routed rows out and back, ``(ep - 1) / ep`` of them leaving the rank (rows per
+    expert capped by a capacity; the forward's again inside checkpointed blocks)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0
+    sp = layout.tp if layout.sequence_parallel else 1
+    rows = layout.batch_size * layout.local_seq_len // sp
+    total = 0
+    for path, moe in stage.named_modules():
+        if getattr(moe, "dispatch", None) is None:
+            continue
+        E, k, C = moe.n_experts, moe.top_k, stage.activation_shape(1, 1)[1]
+        routed = rows * k
+        if moe.capacity is not None:
+            routed = min(routed, E * math.ceil(moe.capacity * rows * k / E))
+        again = _again(layout, plan, path)
+        total += again * E * 8 + (2 * again + 2) * routed * C * act.itemsize
+    return int(round((ep - 1) / ep * total * layout.micro_batches))
+
+
+def stage_traffic(stage, layout, plan, act, wire: int, grad: int) -> dict:
+    """Bus bytes per step of ``stage`` by mesh group: ``tp``, ``cp``, ``pp``, ``ep`` and
+    (between the pipeline's ends) ``tied``, from :func:`layout_itemsizes`' sizes."""
+    return {"tp": _tp_bytes(stage, layout, plan, wire, act),
+            "cp": _cp_bytes(stage, layout, plan, act), "pp": _pp_bytes(stage, layout, act),
+            "ep": _ep_bytes(stage, layout, plan, act),
+            "tied": _tie_bytes(stage, layout, plan, grad)}

@@ -1,0 +1,144 @@
+"""Before a run builds anything: never lose an earlier run, and say what a resume changes.
+
+[Note: run safety]
+``mpishard train`` checks the files a run would write before it reads data or
+builds a model (rank 0 looks, every rank raises alike: [Note: agreed errors]):
+
+* a new run (no ``--resume``) into a ``checkpoint_dir`` that holds
+  checkpoints, or with a ``--metrics`` file that holds records, is refused:
+  its next saves would repoint ``latest`` and prune the old run's checkpoints,
+  and the metrics would be truncated. ``--resume true`` continues that run;
+  ``--overwrite true`` deletes its checkpoints and replaces its metrics;
+* ``--resume true`` needs a complete checkpoint there, written for the same
+  model: the ``[model]`` settings that shape parameters (name, vocabulary,
+  widths, depth, ...) are compared with the saved config, each difference named;
+* a resume on another number of ranks changes the global batch (sequences per
+  step) unless ``--global-batch`` holds it; the plan says so.
+
+A dry run writes nothing: what a real run would refuse is a note in its plan.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpishard.core.agree import agree, rebuild_same_type
+from mpishard.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from mpishard.checkpoint.locate import complete_steps
+from mpishard.checkpoint.writer import delete_checkpoints
+from mpishard.config.sections import ConfigError, config_from_dict, flat_values
+
+__all__ = ["check_run_files", "SHAPING_MODEL_KEYS"]
+
+#: [model] settings that change the parameters a checkpoint holds
+SHAPING_MODEL_KEYS = ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd",
+                      "bias", "hidden", "n_kv_head", "intermediate_size", "tie_embeddings",
+                      "moe_experts", "moe_every", "moe_shared_expert")
+
+
+def _records(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def _fresh_run(cfg) -> None:
+    run = cfg.run
+    fix = ("pass --resume true to continue it, --overwrite true to start afresh (deleting "
+           "it), or another")
+    if run.checkpoint_dir:
+        steps = complete_steps(run.checkpoint_dir)
+        if steps and not run.overwrite:
+            shown = ", ".join(f"step-{s}" for s in sorted(steps)[-3:])
+            raise ConfigError(f"checkpoint_dir {run.checkpoint_dir} already holds {len(steps)} "
+                              f"checkpoint(s) of an earlier run ({shown}); {fix} "
+                              f"--checkpoint-dir")
+    if run.metrics and not run.overwrite:
+        n = _records(Path(run.metrics))
+        if n:
+            raise ConfigError(f"metrics file {run.metrics} already holds {n} records of an "
+                              f"earlier run; {fix} --metrics")
+
+
+def _resumed_run(cfg, world_size: int) -> list:
+    root = Path(cfg.run.checkpoint_dir)
+    step_dir = latest_checkpoint(root) if root.is_dir() else None
+    if step_dir is None:
+        why = "it does not exist" if not root.exists() else "it holds none"
+        raise CheckpointError(str(root), "no-checkpoint", f"--resume found no complete "
+                              f"checkpoint here ({why}); leave out --resume to start a new run")
+    manifest = read_manifest(step_dir)
+    saved = manifest.extra.get("config")
+    if not saved:
+        return []
+    before = config_from_dict(flat_values(saved, str(step_dir), []))
+    # vocab_size 0 is "from the data", settled only when the data are read
+    differ = [(k, getattr(before.model, k), getattr(cfg.model, k)) for k in SHAPING_MODEL_KEYS
+              if getattr(before.model, k) != getattr(cfg.model, k)
+              and not (k == "vocab_size" and getattr(cfg.model, k) == 0)]
+    if differ:
+        was = ", ".join(f"{k}={a!r}" for k, a, _ in differ)
+        now = ", ".join(f"{k}={b!r}" for k, _, b in differ)
+        raise ConfigError(f"the checkpoint in {step_dir} was written for {was}; this run has "
+                          f"{now}: resume with the checkpoint's [model] settings, or start a "
+                          f"new run in another --checkpoint-dir")
+    o, saved_dp = before.optim, int(manifest.mesh["dp"])
+    old = o.batch_size * o.micro_steps * saved_dp
+    p = cfg.parallel
+    dp = p.dp or world_size // (p.tp * p.pp * p.cp) or 1
+    new = cfg.optim.global_batch or cfg.optim.batch_size * cfg.optim.micro_steps * dp
+    if new == old:
+        return []
+    hint = "" if cfg.optim.global_batch else f"; pass --global-batch {old} to keep it"
+    return [f"resuming a run of global batch {old} ({o.batch_size} per rank x "
+            f"{o.micro_steps} micro-steps x {saved_dp} dp ranks) with global batch {new}: "
+            f"the optimisation changes{hint}"]
+
+
+def check_run_files(cfg, world) -> list:
+    """The checks of [Note: run safety] (collective); returns notes for the plan.
+
+    With ``overwrite`` (and no resume), rank 0 then deletes the earlier run's
+    checkpoints; the metrics file is replaced when training starts.
+    """
+    notes, error = [], None
+    if world.rank == 0:
+        try:
+            notes = _resumed_run(cfg, world.size) if cfg.run.resume else (_fresh_run(cfg) or [])
+        except (ConfigError, CheckpointError) as err:
+            if not cfg.run.dry_run:
+                error = err
+            notes = [f"a real run would stop here: {err}"]
+    rebuild = rebuild_same_type(ConfigError, CheckpointError, name_the_rank=False)
+    notes = agree(world, error, notes, describe=_describe, rebuild=_rebuilt(rebuild))[0]
+    if cfg.run.overwrite and not cfg.run.resume and cfg.run.checkpoint_dir \
+            and not cfg.run.dry_run:
+        error, deleted = None, 0
+        if world.rank == 0:
+            try:
+                deleted = delete_checkpoints(cfg.run.checkpoint_dir)
+            except OSError as err:
+                error = ConfigError(f"--overwrite true could not delete the checkpoints in "
+                                    f"{cfg.run.checkpoint_dir}: {err}")
+        deleted = agree(world, error, deleted, rebuild=rebuild)[0]
+        if deleted:
+            notes.append(f"--overwrite true: deleted {deleted} checkpoint(s) of an earlier "
+                         f"run in {cfg.run.checkpoint_dir}")
+    return notes
+
+
+def _describe(err) -> dict:
+    extra = {"path": err.path, "rule": err.rule, "detail": err.detail} \
+        if isinstance(err, CheckpointError) else {}
+    return {"type": type(err).__name__, "message": str(err), **extra}
+
+
+def _rebuilt(rebuild):
+    """Rebuild a CheckpointError with its path and rule (others as their type)."""
+    def again(failures: dict, size: int):
+        record = failures[min(failures)]
+        if record["type"] == "CheckpointError":
+            return CheckpointError(record["path"], record["rule"], record["detail"])
+        return rebuild(failures, size)
+    return again

@@ -1,0 +1,337 @@
+"""The training loop behind ``mpishard train`` (and ``make demo``).
+
+    mpiexec -n 4 python -m mpi4py -m mpishard train --config examples/configs/demo.toml
+
+Builds the mesh, the backend, the data (through the model's recipe, see
+[Note: recipes]), the model and the strategy from a
+:class:`~mpishard.config.sections.TrainConfig`, prints the plan, then trains: one
+progress bar and log on rank 0, a JSON line of metrics per step, a validation
+loss at the start, every ``eval_interval`` steps and at the end. What the loop
+reports and how it is set up lives in :mod:`mpishard.run.report`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from mpishard.core.agree import agree, rebuild_same_type
+from mpishard.core.backend import Backend
+from mpishard.checkpoint import (CheckpointError, StopSignals, load_checkpoint, load_module_rng_states,
+                         module_rng_states, save_checkpoint)
+from mpishard.comm import Communicator, Mesh, node_local_rank
+from mpishard.config.sections import ConfigError, TrainConfig
+from mpishard.data.corpus import DataError
+from mpishard.kernels import check_settings as check_kernel_settings
+from mpishard.run.log import RankLogger
+from mpishard.optim import SGD, Adam, AdamW, CosineSchedule
+from mpishard.parallel import ParallelModel
+from mpishard.planning.layout import Layout, estimate_layout
+from mpishard.run.preflight import check_run_files
+from mpishard.recipes import recipe_for
+from mpishard.run.report import MetricsFile, describe_plan, expert_load, progress_bar
+
+__all__ = ["Trainer", "run", "make_optimizer"]
+
+
+def make_optimizer(name: str, params, cfg, ledger):
+    """The optimizer ``name`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with the
+    config's settings."""
+    o = cfg.optim
+    if name.startswith("sgd"):
+        return SGD(params, lr=o.lr, momentum=0.9 if name == "sgd-momentum" else 0.0,
+                   weight_decay=o.weight_decay, ledger=ledger)
+    cls = {"adamw": AdamW, "adam": Adam}[name]
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+               ledger=ledger)
+
+
+class Trainer:
+    """Owns the objects of one run; :meth:`fit` trains, :meth:`evaluate` measures."""
+
+    def __init__(self, cfg: TrainConfig, world: Communicator):
+        self.cfg, self.world = cfg, world
+        self.log = RankLogger(world.rank, cfg.run.log_dir or None)
+        self.notes = check_run_files(cfg, world)                 # see [Note: run safety]
+        agreed(world, _kernel_settings)              # MPISHARD_KERNELS, _ATTENTION, _BLAS
+        self.recipe = recipe_for(cfg)
+        self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
+        p = cfg.parallel
+        try:
+            self.mesh = Mesh(world, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp,
+                             dp_replicate=p.dp_replicate, dp_shard=p.dp_shard or None,
+                             ep=p.ep)
+        except ValueError as err:  # raised alike on every rank, before communicating
+            raise ConfigError(str(err)) from None
+        check_sequence_split(cfg, self.recipe.tokens_per_sample, self.mesh)
+        resolve_global_batch(cfg, self.mesh.dp.size)
+        local_rank = node_local_rank(world)
+        self.backend = agreed(world, lambda: Backend.resolve(
+            cfg.run.backend, local_rank=local_rank, memory_budget=cfg.run.memory_budget or None))
+        self.sampler = self.recipe.train_sampler(self.mesh.dp_rank, self.mesh.dp.size)
+        self.plan = agreed(world, lambda: estimate_layout(self.recipe.model(self.backend),
+                                                      layout_of(cfg, self.mesh.dp.size,
+                                                                self.recipe)))
+
+    def build(self) -> None:
+        """The model on this rank's part of the mesh, its optimizer, and a resume."""
+        cfg = self.cfg
+        self.run = ParallelModel(self.recipe.model(self.backend), self.mesh,
+                                 cfg.parallel.strategy, micro_batches=cfg.optim.micro_steps,
+                                 schedule=cfg.parallel.pipeline_schedule,
+                                 precision=cfg.parallel.precision,
+                                 cp_mode=cfg.parallel.cp_mode,
+                                 sequence_parallel=cfg.parallel.sequence_parallel)
+        if cfg.model.activation_checkpointing:
+            self.run.module.set_activation_checkpointing(True)
+        self.strategy = self.run.strategy
+        if cfg.run.init_from and not cfg.run.resume:  # a resume has trained weights already
+            from mpishard.hf import load_pretrained  # noqa: PLC0415 (only runs that start from weights)
+            load_pretrained(self.strategy, cfg.run.init_from, world=self.world)
+        self.opt = make_optimizer(cfg.optim.optimizer, self.run.parameters(), cfg,
+                                  self.run.ledger)
+        self.opt.allocate_state()
+        self.lr_schedule = CosineSchedule(cfg.optim.lr, min(cfg.optim.warmup_steps,
+                                                            cfg.optim.steps),
+                                          cfg.optim.steps, cfg.optim.min_lr)
+        if cfg.run.checkpoint_dir and cfg.run.resume:
+            self.resume()
+        self.first_step = self.steps_done  # its activations are measured
+
+    @property
+    def steps_done(self) -> int:
+        """Completed training steps: the strategy's counter (restored by a resume)."""
+        return self.strategy.steps
+
+    # -- checkpoints -------------------------------------------------------------
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint in ``checkpoint_dir`` (any layout)."""
+        where = self.cfg.run.checkpoint_dir
+        try:
+            extra = load_checkpoint(where, self.strategy, self.opt, world=self.world)
+        except CheckpointError as err:           # raised identically on every rank
+            if err.rule == "no-checkpoint":
+                raise CheckpointError(where, "no-checkpoint", "--resume found no complete "
+                                      "checkpoint here; leave out --resume to start a new "
+                                      "run") from None
+            raise
+        self.sampler.load_state_dict(extra["data"])
+        load_module_rng_states(self.strategy.module, extra["rng"])
+        self.log.info(f"resumed from step {self.steps_done} ({where})")
+
+    def save(self):
+        """Checkpoint parameters, optimizer state, data position and RNG (collective)."""
+        extra = {"step": self.steps_done, "data": self.sampler.state_dict(),
+                 "rng": module_rng_states(self.strategy.module, self.world),
+                 "config": asdict(self.cfg)}
+        return save_checkpoint(self.cfg.run.checkpoint_dir, self.steps_done, self.strategy,
+                               self.opt, world=self.world, extra_state=extra,
+                               keep_last=self.cfg.run.keep_last)
+
+    # -- one step, and the loop ---------------------------------------------------
+    def evaluate(self) -> float:
+        """Mean validation loss over the recipe's fixed batches, averaged over dp ranks."""
+        batches = self.recipe.eval_batches(self.mesh.dp_rank, self.mesh.dp.size)
+        loss = np.array([sum(self.run.eval_step(x, y) for x, y in batches) / len(batches)])
+        self.mesh.dp_cp.all_reduce(loss, op="avg")
+        return float(loss[0])
+
+    def run_step(self) -> dict:
+        """One optimizer step; its metrics record."""
+        cfg, pipeline = self.cfg, self.run.pipeline
+        self.opt.lr = self.lr_schedule(self.steps_done)
+        for comm in self.mesh.active_axes().values():
+            comm.stats.reset()
+        pipeline.measure_activations = self.steps_done == self.first_step  # see pipeline.py
+        t0 = time.perf_counter()
+        loss = np.array([self.run.train_step(*self.recipe.step_batch(self.sampler))])
+        if pipeline.measure_activations:
+            pipeline.measure_activations = False
+            most = self.world.all_reduce_obj(pipeline.activation_bytes, op="max")
+            self.log.info(f"activations kept for backward: {most / 2**20:.2f} MiB on the "
+                          f"busiest rank (measured on step {self.steps_done + 1}"
+                          f"{', checkpointed' if cfg.model.activation_checkpointing else ''})")
+        result = self.run.step(self.opt, max_norm=cfg.optim.grad_clip or None)
+        self.mesh.dp_cp.all_reduce(loss, op="avg")
+        seconds = time.perf_counter() - t0
+        samples = cfg.optim.batch_size * cfg.optim.micro_steps * self.mesh.dp.size
+        return {"step": self.steps_done, "loss": float(loss[0]), "lr": self.opt.lr,
+                "grad_norm": result.grad_norm, "skipped": result.skipped,
+                "loss_scale": self.strategy.scaler.scale, "step_s": seconds,
+                "tokens_per_s": samples * self.recipe.tokens_per_sample / seconds}
+
+    def fit(self) -> dict:
+        """Train to ``steps``: each step evaluates, checkpoints, logs, and may stop."""
+        cfg, run = self.cfg, self.cfg.run
+        metrics = MetricsFile(run.metrics, self.world, append=self.steps_done > 0)
+        first_val = self.evaluate()
+        self.log.info(f"step {self.steps_done}: val loss {first_val:.4f}")
+        metrics.write({"step": self.steps_done, "val_loss": first_val})
+        record, stopped = {}, False
+        with StopSignals() as stop, progress_bar(cfg, self.world.rank, self.steps_done) as bar:
+            while self.steps_done < cfg.optim.steps:
+                record = self.run_step()
+                if metrics.active:   # a collective (gather to rank 0): only when it is written
+                    record.update(memory_and_comm(self.world, self.strategy.ledger, self.mesh))
+                    record.update(expert_load(self.strategy.module, self.mesh.dp_cp))
+                self.log.own(own_line(record, self.strategy.ledger, self.mesh))
+                if self._due(run.eval_interval) and self.steps_done < cfg.optim.steps:
+                    record["val_loss"] = self.evaluate()
+                    bar.line(f"step {self.steps_done}: val loss {record['val_loss']:.4f}",
+                             self.log)
+                stopped = stop.should_stop(self.world)           # collective, every step
+                if run.checkpoint_dir and (stopped or self.steps_done == cfg.optim.steps
+                                           or self._due(run.checkpoint_interval)):
+                    record["checkpoint"] = str(self.save())
+                metrics.write(record)
+                bar.report(record, self.log)
+                if stopped or not math.isfinite(record["loss"]):
+                    self.log.info(f"step {self.steps_done}: {stop_reason(stop, stopped, run)}")
+                    break
+        last_val = first_val if stopped else self.evaluate()
+        if not stopped:
+            metrics.write({"step": self.steps_done, "val_loss": last_val})
+        metrics.close()
+        return {"val_loss_start": first_val, "val_loss_end": last_val,
+                "train_loss_end": record.get("loss"), "steps": self.steps_done,
+                "stopped": stopped, "skipped_steps": self.strategy.skipped_steps}
+
+    def _due(self, interval: int) -> bool:
+        return bool(interval) and self.steps_done % interval == 0
+
+
+def memory_and_comm(world, ledger, mesh) -> dict:
+    """Every rank's ledger peaks (on rank 0) and this rank's traffic per mesh axis."""
+    return {"memory": world.gather_obj(ledger.peak_by_category()),
+            "comm": {axis: comm.stats.snapshot() for axis, comm in mesh.active_axes().items()}}
+
+
+def resolve_global_batch(cfg: TrainConfig, dp: int) -> None:
+    """With ``global_batch`` set, the micro-steps that give it on ``dp`` ranks."""
+    o = cfg.optim
+    if not o.global_batch:
+        return
+    per_step = o.batch_size * dp
+    if o.global_batch % per_step:
+        raise ConfigError(f"global_batch = {o.global_batch} is not a multiple of batch_size "
+                          f"{o.batch_size} x {dp} dp ranks = {per_step}; pick a global batch "
+                          f"that is, or another batch_size")
+    o.micro_steps = o.global_batch // per_step
+
+
+def own_line(record: dict, ledger, mesh) -> str:
+    """This rank's figures of a step, for its own log file."""
+    held = sum(ledger.bytes_by_category().values())
+    waits = {axis: comm.stats.total_seconds for axis, comm in mesh.active_axes().items()}
+    waited = ", ".join(f"{axis} {t:.3f} s" for axis, t in waits.items()) or "none"
+    return (f"step {record['step']}: {record['step_s']:.3f} s, {held / 2**20:.2f} MiB "
+            f"held, collectives {waited}")
+
+
+def check_sequence_split(cfg: TrainConfig, seq_len: int, mesh) -> None:
+    """Refuse a sequence that context or sequence parallelism cannot split (the same
+    ConfigError on every rank, before any step)."""
+    p, m = cfg.parallel, cfg.model
+    cp, tp = mesh.cp.size, mesh.tp.size
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"sequence length {seq_len} does not divide by 2 x cp = {2 * cp} "
+                          f"(context parallelism gives each rank two of 2*cp chunks); use a "
+                          f"--block-size that is a multiple of {2 * cp} or another --cp")
+    if cp > 1 and p.cp_mode == "all-to-all" and m.n_head % (tp * cp):
+        raise ConfigError(f"--cp-mode all-to-all splits the heads over tp x cp = {tp * cp} "
+                          f"ranks, but n_head = {m.n_head} does not divide by {tp * cp}; use "
+                          f"--cp-mode ring, or a cp and tp whose product divides {m.n_head}")
+    rows = cfg.optim.batch_size * (seq_len // cp)
+    if p.sequence_parallel and tp > 1 and rows % tp:
+        raise ConfigError(f"sequence parallelism splits the {rows} rows of each micro-batch "
+                          f"(batch x sequence / cp) over tp = {tp}; use a --batch-size or "
+                          f"--block-size that makes them divisible by {tp}, or "
+                          f"--sequence-parallel false")
+
+
+def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
+    """The :class:`~mpishard.planning.layout.Layout` a config trains (``dp`` data-parallel ranks)."""
+    p, o = cfg.parallel, cfg.optim
+    return Layout(dp, p.tp, p.pp, p.strategy, p.precision, o.optimizer,
+                  batch_size=o.batch_size, seq_len=recipe.tokens_per_sample,
+                  micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
+                  activation_checkpointing=cfg.model.activation_checkpointing,
+                  cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
+                  sequence_parallel=p.sequence_parallel, ep=p.ep)
+
+
+def stop_reason(stop, stopped: bool, run) -> str:
+    """Why the loop ends early: a signal (on this rank or another), or a non-finite loss."""
+    if not stopped:
+        return "loss is not finite; stopping"
+    saved = ("checkpoint saved, stopping" if run.checkpoint_dir else
+             "stopping (no --checkpoint-dir, nothing saved)")
+    return f"{stop.received or 'signal on another rank'}; {saved}"
+
+
+def _kernel_settings() -> None:
+    """The kernel layer's environment switches, checked before anything is built (MKL
+    loaded here when asked for: a node without it stops every rank alike)."""
+    try:
+        check_kernel_settings()
+    except (ValueError, RuntimeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def agreed(world: Communicator, local_work):
+    """``local_work()`` on every rank, then its ConfigError/DataError (or a ValueError
+    from a layout that does not fit, as a ConfigError) raised on every rank alike."""
+    error, value = None, None
+    try:
+        value = local_work()
+    except (ConfigError, DataError) as err:
+        error = err
+    except ValueError as err:   # pp larger than n_layer, tp larger than n_head, ...
+        error = ConfigError(str(err))
+    agree(world, error, rebuild=rebuild_same_type(ConfigError, DataError))
+    return value
+
+
+def take_shape_from(cfg: TrainConfig) -> list:
+    """With ``--init-from`` a Hugging Face folder, its ``config.json`` sets the ``[model]``
+    shape (mpishard.hf.shape_from_folder); returns a note."""
+    if not cfg.run.init_from or not (Path(cfg.run.init_from) / "config.json").is_file():
+        return []
+    from mpishard.hf import shape_from_folder  # noqa: PLC0415 (only runs that start from weights)
+
+    try:
+        return shape_from_folder(cfg.model, cfg.run.init_from)
+    except ValueError as err:           # an unknown architecture, an unsupported option
+        raise ConfigError(str(err)) from None
+
+
+def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
+    """Plan, build, train, report. Returns the summary dict (on every rank)."""
+    notes = [*notes, *take_shape_from(cfg)]
+    trainer = Trainer(cfg, world)
+    for note in [*notes, *trainer.notes]:
+        trainer.log.info(f"note: {note}")
+    trainer.log.info(describe_plan(trainer))
+    if cfg.run.dry_run:
+        trainer.log.info("dry run: nothing was trained")
+        trainer.log.close()
+        return {"dry_run": True, "plan": asdict(trainer.plan)}
+    trainer.build()
+    summary = trainer.fit()
+    if not summary["stopped"] and cfg.run.sample_tokens and trainer.recipe.can_sample:
+        if trainer.mesh.tp.size > 1 or trainer.mesh.pp.size > 1:
+            trainer.log.info("sample skipped: sampling during training needs tp=1 pp=1 "
+                             "(mpishard sample works on a checkpoint of any layout)")
+        else:
+            text = trainer.recipe.sample(trainer.strategy.module, cfg.run.sample_prompt,
+                                         cfg.run.sample_tokens, cfg.run.seed)
+            trainer.log.info("sample:\n" + text)
+    if not summary["stopped"]:
+        trainer.log.info(f"val loss {summary['val_loss_start']:.4f} -> "
+                         f"{summary['val_loss_end']:.4f} after {summary['steps']} steps "
+                         f"({cfg.parallel.strategy}, {world.size} ranks)")
+    trainer.log.close()
+    return summary
