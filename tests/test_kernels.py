@@ -1,12 +1,58 @@
-"""The kernel layer: every CPU kernel against its reference, the selection, the thread pool."""
+"""The kernel layer: every set against the protocol, every CPU kernel against its
+reference, the selection, the thread pool."""
+import inspect
+import types
+
 import numpy as np
 import pytest
 
-from mpishard import kernels
 from mpishard.kernels import kernel_choice, kernels_for, reference
 from mpishard.kernels.cpu import ops as cpu
 from mpishard.kernels.cuda import ops as gpu
 from mpishard.kernels.cpu import threads
+from mpishard.kernels.protocol import KERNEL_NAMES, KernelSet
+
+KERNEL_SETS = {"reference": reference, "cpu": cpu, "gpu": gpu}
+
+def _protocol_mismatches(kernel_set) -> list:
+    """What ``kernel_set`` lacks or gets wrong of :class:`KernelSet`: an attribute of
+    another type, a kernel missing or with another signature (``self`` left out)."""
+    wrong = [f"{attr} is not a {kind}" for attr, kind in KernelSet.__annotations__.items()
+             if not isinstance(getattr(kernel_set, attr, None), {"str": str, "bool": bool}[kind])]
+    for name in KERNEL_NAMES:
+        kernel = getattr(kernel_set, name, None)
+        if not callable(kernel):
+            wrong.append(f"no kernel {name}")
+            continue
+        want = inspect.signature(getattr(KernelSet, name))
+        want = want.replace(parameters=list(want.parameters.values())[1:])
+        if inspect.signature(kernel) != want:
+            wrong.append(f"{name}{inspect.signature(kernel)}, not {name}{want}")
+    return wrong
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_SETS))
+def test_every_kernel_set_provides_the_protocol(name):
+    """Each set has every kernel of the protocol, with its signature: a kernel added to
+    KernelSet and missing in a set (or taking other parameters) fails here."""
+    kernel_set = KERNEL_SETS[name]
+    assert kernel_set.NAME == name
+    assert _protocol_mismatches(kernel_set) == []
+    assert {"NAME", "NATIVE_FLOAT16", *KERNEL_NAMES} <= set(kernel_set.__all__)
+
+
+def test_the_protocol_check_finds_a_missing_kernel_and_a_changed_signature():
+    assert "gelu_forward" in KERNEL_NAMES and "NAME" not in KERNEL_NAMES
+    short = types.SimpleNamespace(**{n: getattr(reference, n) for n in KERNEL_NAMES
+                                     if n != "sq_sum"}, NAME="short", NATIVE_FLOAT16=False)
+    assert _protocol_mismatches(short) == ["no kernel sq_sum"]
+
+    def sq_sum(x, result):
+        return result
+    short.sq_sum, short.NATIVE_FLOAT16 = sq_sum, None
+    assert _protocol_mismatches(short) == ["NATIVE_FLOAT16 is not a bool",
+                                           "sq_sum(x, result), not sq_sum(x, out)"]
+
 
 SHAPES = [(37, 53), (1, 7), (0, 16), (300, 301), (2048, 64)]
 TOL = {np.float64: 1e-12, np.float32: 2e-5}
@@ -314,9 +360,6 @@ def test_selection_per_backend_and_the_reference_switch(monkeypatch):
     monkeypatch.setenv("MPISHARD_KERNELS", "fastest")
     with pytest.raises(ValueError, match="MPISHARD_KERNELS='fastest'.*reference"):
         kernels_for(np)
-    for name in kernels.KERNEL_NAMES:
-        for module in (cpu, gpu, reference):
-            assert callable(getattr(module, name)), (module.NAME, name)
 
 
 def test_a_model_step_under_reference_kernels_matches_the_default(monkeypatch):

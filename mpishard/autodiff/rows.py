@@ -75,4 +75,4 @@ def native_float16(kernels, dtype) -> bool:
     """Whether ``kernels`` take float16 rows of ``dtype`` themselves (a GPU's GELU, layer
     norm and RMS norm; see [Note: float16 rows] in mpishard/kernels/cuda/norms.py)
     instead of the op casting them up and down."""
-    return dtype == np.float16 and getattr(kernels, "NATIVE_FLOAT16", False)
+    return dtype == np.float16 and kernels.NATIVE_FLOAT16
