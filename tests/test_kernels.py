@@ -746,3 +746,34 @@ def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     _same_bits(y.data.get(), wy.astype(np.float16))
     _same_bits(x.grad.get(), reference.rms_norm_backward(g32, wh, wr, w32).astype(np.float16))
     _same_bits(weight.grad.get(), reference.norm_param_grads(g32, wh, True, False)[0])
+
+
+def test_compile_kernels_covers_every_cuda_source():
+    """scripts/compile_kernels.py (NVRTC, no GPU) reads every kernels/cuda/*_src.py and
+    lists every elementwise body, reduction and RawKernel module they hold."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("compile_kernels",
+                                                  root / "scripts" / "compile_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for path in sorted((root / "mpishard" / "kernels" / "cuda").glob("*_src.py")):
+        module = getattr(script, path.stem, None)
+        assert module is not None, f"compile_kernels.py does not read {path.name}"
+        assert hasattr(module, "SOURCES") == (module in script.ELEMENTWISE_MODULES), path.name
+        assert hasattr(module, "REDUCTIONS") == (module in script.REDUCTION_MODULES), path.name
+    listed = script.sources_to_compile(["-I."])
+    names = {name for name, *_ in listed}
+    for module in script.ELEMENTWISE_MODULES:
+        assert set(module.SOURCES) <= names
+    for module in script.REDUCTION_MODULES:
+        assert set(module.REDUCTIONS) <= names
+    raw = " ".join(name for name in names if name.startswith("RawKernels"))
+    for module, source in ((script.ops_src, "ROW_KERNELS"), (script.norms_src, "NORM_KERNELS")):
+        kernels = script.raw_kernel_names(getattr(module, source)).split(", ")
+        assert len(kernels) >= 3 and all(kernel in raw for kernel in kernels), kernels
+    assert {T for name, T, *_ in listed if name.startswith("multi-tensor")} == {"float", "double"}
+    assert sum(name.startswith("flash attention") for name, *_ in listed) == 9
+    assert len(script.sources_to_compile([])) < len(listed)       # float16 left out
