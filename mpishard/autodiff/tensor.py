@@ -245,30 +245,30 @@ class Tensor:
                 f"tensor shape {tuple(self.shape)}")
         run_backward(self, grad)
 
-    # -- operators and methods: each runs the op of that name (see the module
-    # docstring); ``2 + a`` is ``a + 2``, ``2 - a`` is ``-a + 2``, ``2 / a`` is ``a ** -1 * 2``
+    # -- operators and methods: each runs the op of that name (see the module docstring)
     def __add__(self, other) -> Tensor:
         return OPS["add"](self, other)
-
-    __radd__ = __add__
 
     def __sub__(self, other) -> Tensor:
         return OPS["sub"](self, other)
 
-    def __rsub__(self, other) -> Tensor:
-        if is_python_number(other):
-            return OPS["add"](OPS["neg"](self), other)
-        return OPS["sub"](other, self)
-
     def __mul__(self, other) -> Tensor:
         return OPS["mul"](self, other)
-
-    __rmul__ = __mul__
 
     def __truediv__(self, other) -> Tensor:
         return OPS["div"](self, other)
 
+    __radd__ = __add__                  # 2 + a is a + 2, 2 * a is a * 2
+    __rmul__ = __mul__
+
+    def __rsub__(self, other) -> Tensor:
+        """``other - self``: ``-self + other`` for a Python number, else ``sub``."""
+        if is_python_number(other):
+            return OPS["add"](OPS["neg"](self), other)
+        return OPS["sub"](other, self)
+
     def __rtruediv__(self, other) -> Tensor:
+        """``other / self``: ``self ** -1 * other`` for a Python number, else ``div``."""
         if is_python_number(other):
             return OPS["mul"](OPS["pow"](self, -1), other)
         return OPS["div"](other, self)
