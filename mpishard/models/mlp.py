@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpishard.autodiff import nn_ops, softmax_ops
+from mpishard.autodiff import softmax_ops
 from mpishard.autodiff.ops import relu
 from mpishard.autodiff.tensor import Tensor
 from mpishard.core.backend import Backend

@@ -40,6 +40,7 @@ from mpishard.kernels.cuda.ops_src import SOURCES, row_kernel_source
 from mpishard.kernels.cuda.launch import (ROW_THREADS, column_blocks, dropout_arguments,
                                           elementwise_kernel, is_strict_module,
                                           presence_flag, raw_function, raw_kernels_take)
+# the rest of the set, each kernel beside its own source (see mpishard/kernels/cuda/__init__.py)
 from mpishard.kernels.cuda.attention import flash_attention_backward, flash_attention_forward
 from mpishard.kernels.cuda.multi import adam_update, multi_adam_update, multi_sq_sum, sq_sum
 from mpishard.kernels.cuda.norms import (layer_norm_backward, layer_norm_forward,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpishard.autodiff import nn_ops, softmax_ops
+from mpishard.autodiff import softmax_ops
 from mpishard.autodiff.gqa_attention import gqa_attention
 from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope_qkv, rope_tables, swiglu
 from mpishard.autodiff.shape_ops import reshape
