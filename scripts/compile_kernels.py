@@ -3,20 +3,21 @@
     pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12     # no GPU needed for this
     python scripts/compile_kernels.py
 
-The CuPy kernel set (mpishard/kernels/cuda/ops.py) is CUDA source that CuPy compiles
-on first use, on a GPU. This checks on any machine what can be checked without
-one: that CuPy parses every kernel's parameter lists (``ElementwiseKernel`` and
-``ReductionKernel`` construction), and that NVRTC compiles every body (and the
-multi-tensor kernels, mpishard/kernels/cuda/multi_src.py, and the fused attention's,
-mpishard/kernels/cuda/attention_src.py, for head sizes 64, 128 and 24) for
-``compute_90`` with ``T`` = float and double, each inside a small wrapper that
-declares the parameters as CuPy's generated code does (inputs as const values,
-outputs as references, ``float64`` parameters as double scalars, ``float32``
-ones as float arrays; a reduction's map, reduce and post-map expressions over a
-``_type_reduce a, b``), the elementwise bodies that also take float16 data
-(``gpu.FLOAT16_SOURCES``) with ``T`` = CuPy's ``float16`` too, and the RawKernels'
-source (``cupy.RawModule``, every RawKernel in it) as it is. It does not run them:
-the GPU check compares each kernel with NumPy's reference (tests/test_kernels.py).
+The CuPy kernel set (mpishard/kernels/cuda/) is CUDA source that CuPy compiles on
+first use, on a GPU: every ``*_src.py`` there. This checks on
+any machine what can be checked without one: that CuPy parses every kernel's
+parameter lists (``ElementwiseKernel`` and ``ReductionKernel`` construction), and
+that NVRTC compiles for ``compute_90`` every elementwise and reduction body, with
+``T`` = float and double, each inside a small wrapper that declares the parameters
+as CuPy's generated code does (inputs as const values, outputs as references,
+``float64`` parameters as double scalars, ``float32`` ones as float arrays; a
+reduction's map, reduce and post-map expressions over a ``_type_reduce a, b``), the
+elementwise bodies that also take float16 data (``ops_src.FLOAT16_SOURCES``) with
+``T`` = CuPy's ``float16`` too, and every RawKernel module (``cupy.RawModule``) as
+the launchers build it: the row kernels, the norms' (also on float16 rows), the
+multi-tensor kernels and the fused attention's (head sizes 64, 128 and 24). It does
+not run them: the GPU check compares each kernel with NumPy's reference
+(tests/test_kernels.py).
 
 The float16 bodies need CUDA's ``cuda_fp16.h``, from ``$CUDA_PATH/include`` or
 the ``nvidia-cuda-runtime-cu12`` wheel; without it they are skipped, and said so.
@@ -30,6 +31,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mpishard.kernels.cuda import attention_src, multi_src, norms_src, ops_src  # noqa: E402
+
+#: the sources with elementwise kernels (``SOURCES``), and with reductions (``REDUCTIONS``)
+ELEMENTWISE_MODULES = (ops_src, norms_src, multi_src)
+REDUCTION_MODULES = (norms_src, multi_src)
 
 
 #: a parameter's CuPy type -> its C type in the wrappers (float64: a scalar, the others
@@ -93,6 +100,48 @@ def half_include_dirs(cupy) -> list:
     return []
 
 
+def sources_to_compile(half: list) -> list:
+    """``(name, type, CUDA source, include options)`` of everything there is to compile;
+    ``half`` the include options of the float16 sources (``[]``: they are left out)."""
+    sources = []
+    for module in ELEMENTWISE_MODULES:
+        sources += [(name, T, elementwise_source(name, *spec, T), [])
+                    for name, spec in module.SOURCES.items() for T in ("float", "double")]
+    if half:
+        sources += [(name, "float16", elementwise_source(name, *ops_src.SOURCES[name],
+                                                         "float16"), half)
+                    for name in ops_src.FLOAT16_SOURCES]
+    for module in REDUCTION_MODULES:
+        sources += [(name, T, reduction_source(name, *spec, T), [])
+                    for name, spec in module.REDUCTIONS.items() for T in ("float", "double")]
+    rows = raw_kernel_names(ops_src.ROW_KERNELS)
+    norms = raw_kernel_names(norms_src.NORM_KERNELS)
+    sources += [(f"RawKernels {rows}", T, ops_src.row_kernel_source(T), [])  # as ops.py
+                for T in ("float", "double")]                                 # builds them
+    sources += [(f"RawKernels {norms}", T, norms_src.norm_kernel_source(T), [])  # norms.py
+                for T in ("float", "double")]
+    if half:                                    # the norms' float16 rows, computed in float
+        sources.append((f"RawKernels {norms}", "float, float16 rows",
+                        norms_src.norm_kernel_source("float", "__half"), half))
+    sources += [("multi-tensor Adam and sums of squares", T, multi_src.multi_source(T), [])
+                for T in ("float", "double")]
+    # fused attention (MPISHARD_ATTENTION=fused), one module per head size, as
+    # attention.py builds them
+    for hs in (64, 128, 24):
+        sources += [(f"flash attention hs={hs}", S, attention_src.flash_source(T, S, hs), [])
+                    for T, S in (("float", "float"), ("double", "double"))]
+        if half:
+            sources.append((f"flash attention hs={hs}", "float16 rows",
+                            attention_src.flash_source("float", "__half", hs), half))
+    return sources
+
+
+def raw_kernel_names(module_source: str) -> str:
+    """The RawKernels a module's source defines, comma-separated."""
+    name = r'__global__ void (?:__launch_bounds__\(\d+\)[^\n]*\n)?(\w+)_\{[NT]\}'
+    return ", ".join(re.findall(name, module_source))
+
+
 def main() -> int:
     try:
         import cupy
@@ -101,46 +150,19 @@ def main() -> int:
         print(f"compile_kernels: needs CuPy and NVRTC ({err}); pip install cupy-cuda12x "
               f"nvidia-cuda-nvrtc-cu12", file=sys.stderr)
         return 1
-    from mpishard.kernels.cuda import ops as gpu
-    from mpishard.kernels.cuda.attention_src import flash_source
-    from mpishard.kernels.cuda.multi_src import multi_source
-    from mpishard.kernels.cuda.ops_src import row_kernel_source
-
-    failures = 0
-    for name, (inputs, outputs, body) in gpu.SOURCES.items():
-        cupy.ElementwiseKernel(inputs, outputs, body, name)      # parses the parameters
-    for name, (inputs, outputs, mapped, reduce, post) in gpu.REDUCTIONS.items():
-        cupy.ReductionKernel(inputs, outputs, mapped, reduce, post, "0", name)
+    for module in ELEMENTWISE_MODULES:           # CuPy parses the parameters
+        for name, (inputs, outputs, body) in module.SOURCES.items():
+            cupy.ElementwiseKernel(inputs, outputs, body, name)
+    for module in REDUCTION_MODULES:
+        for name, (inputs, outputs, mapped, reduce, post) in module.REDUCTIONS.items():
+            cupy.ReductionKernel(inputs, outputs, mapped, reduce, post, "0", name)
     half = half_include_dirs(cupy)
-    sources = [(name, T, elementwise_source(name, *spec, T), [])
-               for name, spec in gpu.SOURCES.items() for T in ("float", "double")]
-    if half:
-        sources += [(name, "float16", elementwise_source(name, *gpu.SOURCES[name], "float16"),
-                     half) for name in gpu.FLOAT16_SOURCES]
-    else:
-        print(f"skipped {', '.join(gpu.FLOAT16_SOURCES)} (float16): no cuda_fp16.h; "
-              f"pip install nvidia-cuda-runtime-cu12 or set CUDA_PATH")
-    sources += [(name, T, reduction_source(name, *spec, T), [])
-                for name, spec in gpu.REDUCTIONS.items() for T in ("float", "double")]
-    name = r'__global__ void (?:__launch_bounds__\(\d+\)[^\n]*\n)?(\w+)_\{N\}'
-    raw = ", ".join(re.findall(name, gpu.ROW_KERNELS))
-    sources += [(f"RawKernels {raw}", T, row_kernel_source(T), [])  # as gpu.py builds them
-                for T in ("float", "double")]
-    if half:                                    # the norms' float16 rows, computed in float
-        sources.append((f"RawKernels {raw}", "float, float16 rows",
-                        row_kernel_source("float", "__half"), half))
-    else:
-        print("skipped the RawKernels on float16 rows: no cuda_fp16.h")
-    sources += [("multi-tensor Adam and sums of squares", T, multi_source(T), [])
-                for T in ("float", "double")]
-    # fused attention (MPISHARD_ATTENTION=fused), one module per head size, as
-    # gpu_attention.py builds them
-    for hs in (64, 128, 24):
-        sources += [(f"flash attention hs={hs}", S, flash_source(T, S, hs), [])
-                    for T, S in (("float", "float"), ("double", "double"))]
-        if half:
-            sources.append((f"flash attention hs={hs}", "float16 rows",
-                            flash_source("float", "__half", hs), half))
+    if not half:
+        print("skipped the float16 sources (the elementwise kernels, the norms' RawKernels "
+              "on float16 rows, fused attention's): no cuda_fp16.h; pip install "
+              "nvidia-cuda-runtime-cu12 or set CUDA_PATH")
+    sources = sources_to_compile(half)
+    failures = 0
     for name, T, source, includes in sources:
         program = nvrtc.createProgram(source, f"{name.split()[0]}.cu", [], [])
         try:

@@ -342,7 +342,7 @@ _host_modules: dict = {}
 
 
 def host_raw_function(xp, key: str, source):
-    """A stand-in for the GPU kernel set's ``_raw_function`` (mpishard/kernels/cuda/launch.py):
+    """A stand-in for the GPU kernel set's ``raw_function`` (mpishard/kernels/cuda/launch.py):
     the same module source and kernel name, compiled for the host (one module per source)."""
     code = source()
     if code not in _host_modules:
@@ -351,14 +351,13 @@ def host_raw_function(xp, key: str, source):
 
 
 def use_host_kernels(monkeypatch) -> None:
-    """Make the GPU kernel set's RawKernels (row kernels, fused attention, multi-tensor)
-    run on the host for the rest of a test: skips it where there is no compiler."""
+    """Make the GPU kernel set's RawKernels (row kernels, norms, fused attention,
+    multi-tensor) run on the host for the rest of a test: skips it where there is no
+    compiler."""
     import pytest
 
-    from mpishard.kernels.cuda import attention as gpu_attention
-    from mpishard.kernels.cuda import launch as gpu_launch
-    from mpishard.kernels.cuda import multi as gpu_multi
+    from mpishard.kernels.cuda import attention, multi, norms, ops
     if host_compiler() is None:
         pytest.skip("no g++ to compile CUDA C for the host")
-    for module in (gpu_launch, gpu_attention, gpu_multi):
-        monkeypatch.setattr(module, "_raw_function", host_raw_function)
+    for launcher in (ops, norms, attention, multi):      # each launcher's raw_function
+        monkeypatch.setattr(launcher, "raw_function", host_raw_function)

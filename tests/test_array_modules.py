@@ -30,8 +30,7 @@ import pytest
 from mpi4py import MPI
 
 from ckpt_scripts.common import full_tensors, shared_tmp
-from mpishard.autodiff import Tensor, nn_ops, ops
-from mpishard.autodiff import rms_rope_swiglu as llama_ops
+from mpishard.autodiff import Tensor, nn_ops, ops, rms_rope_swiglu, softmax_ops
 from mpishard.core.backend import to_numpy, xp_of
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.comm import Mesh
@@ -51,9 +50,9 @@ _WITH_ARRAYS = {
     ("where", 0): lambda xp: lambda a, b: ops.where(xp.asarray([[True, False, True]]), a, b),
     ("masked_fill", 0): lambda xp: lambda a: ops.masked_fill(
         a, xp.triu(xp.ones((3, 3), bool), 1), -3.0),
-    ("cross_entropy", 0): lambda xp: lambda x: nn_ops.cross_entropy(
+    ("cross_entropy", 0): lambda xp: lambda x: softmax_ops.cross_entropy(
         x, xp.asarray([[1, 0, 4], [2, 3, 3]])),
-    ("cross_entropy", 1): lambda xp: lambda x: nn_ops.cross_entropy(
+    ("cross_entropy", 1): lambda xp: lambda x: softmax_ops.cross_entropy(
         x, xp.asarray([1, -100, 0, 2])),
     ("embedding", 0): lambda xp: lambda w: nn_ops.embedding(
         xp.asarray([[0, 3, 3], [1, 0, 4]]), w),
@@ -61,17 +60,17 @@ _WITH_ARRAYS = {
     # draw another stream than NumPy's (so do the strict module's)
     ("dropout", 0): lambda xp: lambda a: nn_ops.dropout(a, 0.4, _Drawn(xp.asarray(_UNIFORMS))),
     # rotary tables on the module, as the Llama model builds them
-    ("rope", 0): lambda xp: lambda x: llama_ops.rope(x, *llama_ops.rope_tables(
+    ("rope", 0): lambda xp: lambda x: rms_rope_swiglu.rope(x, *rms_rope_swiglu.rope_tables(
         3, 4, 10000.0, dtype="float64", xp=xp)),
-    ("rope", 1): lambda xp: lambda x: llama_ops.rope(x, *llama_ops.rope_tables(
+    ("rope", 1): lambda xp: lambda x: rms_rope_swiglu.rope(x, *rms_rope_swiglu.rope_tables(
         5, 6, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 4}, dtype="float64", xp=xp)),
-    ("rope_qkv", 0): lambda xp: lambda q, k, v: llama_ops.rope_qkv(
-        q, k, v, *llama_ops.rope_tables(3, 4, dtype="float64", xp=xp), [0, 0, 1, 1]),
-    ("rope_qkv", 1): lambda xp: lambda q, k, v: llama_ops.rope_qkv(
-        q, k, v, *llama_ops.rope_tables(2, 2, dtype="float64", xp=xp), [1, 2, 2]),
-    ("rope_qkv", 2): lambda xp: lambda q, k, v: llama_ops.rope_qkv(
-        q, k, v, *llama_ops.rope_tables(2, 4, dtype="float64", xp=xp), [0]),
+    ("rope_qkv", 0): lambda xp: lambda q, k, v: rms_rope_swiglu.rope_qkv(
+        q, k, v, *rms_rope_swiglu.rope_tables(3, 4, dtype="float64", xp=xp), [0, 0, 1, 1]),
+    ("rope_qkv", 1): lambda xp: lambda q, k, v: rms_rope_swiglu.rope_qkv(
+        q, k, v, *rms_rope_swiglu.rope_tables(2, 2, dtype="float64", xp=xp), [1, 2, 2]),
+    ("rope_qkv", 2): lambda xp: lambda q, k, v: rms_rope_swiglu.rope_qkv(
+        q, k, v, *rms_rope_swiglu.rope_tables(2, 4, dtype="float64", xp=xp), [0]),
 }
 _UNIFORMS = np.random.default_rng(7).random((4, 5), dtype=np.float32)
 

@@ -1,10 +1,10 @@
-"""The backward engine: order, accumulation, hooks, no_grad, errors."""
+"""The backward engine (order, accumulation, hooks, no_grad, errors) and Tensor's operators."""
 import sys
 
 import numpy as np
 import pytest
 
-from mpishard.autodiff import Tensor, no_grad, nn_ops, ops
+from mpishard.autodiff import Tensor, no_grad, nn_ops, ops, softmax_ops
 
 
 def test_shared_input_accumulates():
@@ -105,7 +105,7 @@ def test_float32_stays_float32():
     x = Tensor(np.ones((4, 8), np.float32), requires_grad=True)
     w = Tensor(np.ones((3, 8), np.float32), requires_grad=True)
     y = nn_ops.gelu(nn_ops.layer_norm(nn_ops.linear(x, w), None, None)) * 0.5
-    loss = nn_ops.cross_entropy(y, np.array([0, 1, 2, 0]))
+    loss = softmax_ops.cross_entropy(y, np.array([0, 1, 2, 0]))
     assert y.dtype == np.float32 and loss.dtype == np.float32
     loss.backward()
     assert x.grad.dtype == np.float32 and w.grad.dtype == np.float32
@@ -113,7 +113,7 @@ def test_float32_stays_float32():
 
 def test_float16_is_accepted():
     x = Tensor(np.ones((2, 4), np.float16), requires_grad=True)
-    y = nn_ops.softmax(x * 2.0).sum()
+    y = softmax_ops.softmax(x * 2.0).sum()
     y.backward()
     assert x.grad.dtype == np.float16
 
@@ -154,3 +154,36 @@ def test_op_profile_times_each_op_forward_and_backward():
             with profile.op_profile():
                 pass
     assert profile.active is None                         # cleared after the error too
+
+
+TENSOR_OPERATORS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                    "__truediv__", "__rtruediv__", "__neg__", "__pow__", "__matmul__",
+                    "__rmatmul__", "__getitem__", "sum", "mean", "max", "reshape", "permute",
+                    "transpose", "exp", "log", "tanh", "sqrt", "relu", "masked_fill", "T")
+
+
+def test_tensor_operators_are_the_classes_own_and_run_the_ops():
+    """Every operator and method is written in the Tensor class (tensor.py), none attached
+    from outside; each gives its op's result bit for bit, the reflected forms too."""
+    from mpishard.autodiff import shape_ops
+    for name in TENSOR_OPERATORS:
+        member = vars(Tensor).get(name)
+        fn = member.fget if isinstance(member, property) else member
+        assert fn is not None and fn.__module__ == Tensor.__module__, name
+    r = np.random.default_rng(0)
+    a, b = (Tensor(r.standard_normal((3, 3)) + 3.0, requires_grad=True) for _ in range(2))
+    pairs = [(a + b, ops.add(a, b)), (2.0 + a, ops.add(a, 2.0)), (a - b, ops.sub(a, b)),
+             (2.0 - a, ops.add(ops.neg(a), 2.0)), (b.data - a, ops.sub(b.data, a)),
+             (a * 3.0, ops.mul(a, 3.0)), (3.0 * a, ops.mul(a, 3.0)), (a / b, ops.div(a, b)),
+             (2.0 / a, ops.mul(ops.pow(a, -1), 2.0)), (b.data / a, ops.div(b.data, a)),
+             (-a, ops.neg(a)), (a ** 3, ops.pow(a, 3)), (a @ b, ops.matmul(a, b)),
+             (b.data @ a, ops.matmul(b.data, a)),
+             (a[1:, ::2], shape_ops.getitem(a, np.s_[1:, ::2])),
+             (a.sum(0), ops.sum(a, 0)), (a.mean(keepdims=True), ops.mean(a, None, True)),
+             (a.max(axis=1), ops.max(a, 1)), (a.reshape(9), shape_ops.reshape(a, 9)),
+             (a.permute(1, 0), shape_ops.permute(a, 1, 0)), (a.T, shape_ops.permute(a, (1, 0))),
+             (a.transpose(), shape_ops.transpose(a)), (a.exp(), ops.exp(a)), (a.log(), ops.log(a)),
+             (a.tanh(), ops.tanh(a)), (a.sqrt(), ops.sqrt(a)), (a.relu(), ops.relu(a)),
+             (a.masked_fill(a.data > 3, 0.0), ops.masked_fill(a, a.data > 3, 0.0))]
+    for got, want in pairs:
+        assert got._op == want._op and np.array_equal(got.data, want.data), want._op

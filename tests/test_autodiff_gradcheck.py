@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from mpishard.autodiff import OPS, Tensor, gradcheck
-from mpishard.autodiff import moe_ops, nn_ops, ops
-from mpishard.autodiff import gqa_attention as llama_fused
-from mpishard.autodiff import rms_rope_swiglu as llama_ops
+from mpishard.autodiff import (gqa_attention, moe_ops, nn_ops, ops, rms_rope_swiglu,
+                               shape_ops, softmax_ops)
+from mpishard.autodiff.graph import as_tensor
 
 TOL = 1e-6
 
@@ -59,15 +59,16 @@ CASES = {
     "max": [lambda r: (lambda a: ops.max(a, axis=1), [_distinct(r, 3, 4)]),
             lambda r: (lambda a: ops.max(a), [_distinct(r, 2, 3)]),
             lambda r: (lambda a: ops.max(a, axis=(0, 2), keepdims=True), [_distinct(r, 2, 3, 2)])],
-    "reshape": [lambda r: (lambda a: ops.reshape(a, (4, -1)), [_n(r, 2, 3, 2, 2)])],
-    "permute": [lambda r: (lambda a: ops.permute(a, (2, 0, 1)), [_n(r, 2, 3, 4)])],
-    "transpose": [lambda r: (lambda a: ops.transpose(a, 0, 2), [_n(r, 2, 3, 4)])],
+    "reshape": [lambda r: (lambda a: shape_ops.reshape(a, (4, -1)), [_n(r, 2, 3, 2, 2)])],
+    "permute": [lambda r: (lambda a: shape_ops.permute(a, (2, 0, 1)), [_n(r, 2, 3, 4)])],
+    "transpose": [lambda r: (lambda a: shape_ops.transpose(a, 0, 2), [_n(r, 2, 3, 4)])],
     "getitem": [lambda r: (lambda a: a[1:, ::2], [_n(r, 3, 5)]),
                 lambda r: (lambda a: a[np.array([0, 2, 0])], [_n(r, 3, 2)]),
                 lambda r: (lambda a: a[..., 1], [_n(r, 2, 3, 4)])],
-    "concat": [lambda r: (lambda a, b: ops.concat([a, b], axis=1), [_n(r, 2, 3), _n(r, 2, 2)])],
-    "split": [lambda r: (lambda a: ops.split(a, [1, 3], axis=1), [_n(r, 2, 4)]),
-              lambda r: (lambda a: ops.split(a, 2, axis=0), [_n(r, 4, 3)])],
+    "concat": [lambda r: (lambda a, b: shape_ops.concat([a, b], axis=1),
+                          [_n(r, 2, 3), _n(r, 2, 2)])],
+    "split": [lambda r: (lambda a: shape_ops.split(a, [1, 3], axis=1), [_n(r, 2, 4)]),
+              lambda r: (lambda a: shape_ops.split(a, 2, axis=0), [_n(r, 4, 3)])],
     "exp": [lambda r: (ops.exp, [_n(r, 3, 3)])],
     "log": [lambda r: (ops.log, [_pos(r, 3, 3)])],
     "tanh": [lambda r: (ops.tanh, [_n(r, 3, 3)])],
@@ -83,14 +84,14 @@ CASES = {
                    lambda r: (lambda x, w: nn_ops.layer_norm(x, w), [_n(r, 4, 5), _n(r, 5)])],
     "gelu": [lambda r: (nn_ops.gelu, [_n(r, 3, 5) * 2]),
              lambda r: (nn_ops.gelu, [_n(r, 3, 5) * 2, _n(r, 5)])],     # with a bias
-    "softmax": [lambda r: (lambda a: nn_ops.softmax(a, axis=-1), [_n(r, 2, 3, 4)]),
-                lambda r: (lambda a: nn_ops.softmax(a, axis=1), [_n(r, 2, 3, 4)])],
-    "log_softmax": [lambda r: (lambda a: nn_ops.log_softmax(a), [_n(r, 3, 5)]),
-                    lambda r: (lambda a: nn_ops.log_softmax(a, axis=0), [_n(r, 3, 2, 2)])],
+    "softmax": [lambda r: (lambda a: softmax_ops.softmax(a, axis=-1), [_n(r, 2, 3, 4)]),
+                lambda r: (lambda a: softmax_ops.softmax(a, axis=1), [_n(r, 2, 3, 4)])],
+    "log_softmax": [lambda r: (lambda a: softmax_ops.log_softmax(a), [_n(r, 3, 5)]),
+                    lambda r: (lambda a: softmax_ops.log_softmax(a, axis=0), [_n(r, 3, 2, 2)])],
     "cross_entropy": [
-        lambda r: (lambda x: nn_ops.cross_entropy(x, np.array([[1, 0, 4], [2, 3, 3]])),
+        lambda r: (lambda x: softmax_ops.cross_entropy(x, np.array([[1, 0, 4], [2, 3, 3]])),
                    [_n(r, 2, 3, 5)]),
-        lambda r: (lambda x: nn_ops.cross_entropy(x, np.array([1, -100, 0, 2])),
+        lambda r: (lambda x: softmax_ops.cross_entropy(x, np.array([1, -100, 0, 2])),
                    [_n(r, 4, 3)])],
     "embedding": [lambda r: (lambda w: nn_ops.embedding(np.array([[0, 3, 3], [1, 0, 4]]), w),
                              [_n(r, 5, 3)])],
@@ -105,19 +106,19 @@ CASES = {
                         [_n(r, 4, 5), _n(r, 4, 5), _n(r, 5)]),
                     lambda r: (lambda y, b: nn_ops.dropout_add(      # no residual, no draws
                         None, y, 0.0, None, bias=b), [_n(r, 4, 5), _n(r, 5)])],
-    "rms_norm": [lambda r: (llama_ops.rms_norm, [_n(r, 2, 3, 6), _n(r, 6)]),
-                 lambda r: (lambda x: llama_ops.rms_norm(x, eps=1e-6), [_n(r, 4, 5)])],
-    "rope": [lambda r: (lambda x: llama_ops.rope(x, *llama_ops.rope_tables(3, 4, 10000.0,
-                                                                          dtype="float64")),
+    "rms_norm": [lambda r: (rms_rope_swiglu.rms_norm, [_n(r, 2, 3, 6), _n(r, 6)]),
+                 lambda r: (lambda x: rms_rope_swiglu.rms_norm(x, eps=1e-6), [_n(r, 4, 5)])],
+    "rope": [lambda r: (lambda x: rms_rope_swiglu.rope(x, *rms_rope_swiglu.rope_tables(
+                            3, 4, 10000.0, dtype="float64")),
                         [_n(r, 2, 3, 2, 4)]),
-             lambda r: (lambda x: llama_ops.rope(x, *llama_ops.rope_tables(
+             lambda r: (lambda x: rms_rope_swiglu.rope(x, *rms_rope_swiglu.rope_tables(
                  5, 6, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 4}, dtype="float64")),
                         [_n(r, 1, 5, 3, 6)])],
-    "swiglu": [lambda r: (llama_ops.swiglu, [_n(r, 3, 5) * 2, _n(r, 3, 5)])],
+    "swiglu": [lambda r: (rms_rope_swiglu.swiglu, [_n(r, 3, 5) * 2, _n(r, 3, 5)])],
     # two query heads per key/value head of size 4, over 3 rows of width 5
-    "gqa_attention": [lambda r: (lambda x, wq, wk, wv: llama_fused.gqa_attention(
-        x, wq, wk, wv, *llama_ops.rope_tables(3, 4, dtype="float64"), 4, 2, 2),
+    "gqa_attention": [lambda r: (lambda x, wq, wk, wv: gqa_attention.gqa_attention(
+        x, wq, wk, wv, *rms_rope_swiglu.rope_tables(3, 4, dtype="float64"), 4, 2, 2),
         [_n(r, 2, 3, 5), _n(r, 16, 5), _n(r, 8, 5), _n(r, 8, 5)])],
     # 3 experts over 6 sorted rows, the middle one empty
     "expert_swiglu": [lambda r: (lambda x, gu, dn: moe_ops.expert_swiglu(x, [0, 2, 2, 6], gu, dn),
@@ -133,19 +134,19 @@ CASES = {
     "scatter_rows": [lambda r: (lambda v: moe_ops.scatter_rows(v, np.array([2, 0, 2, 3]), 5),
                                 [_n(r, 4, 3)])],
     "rope_qkv": [
-        lambda r: (lambda q, k, v: llama_ops.rope_qkv(
-            q, k, v, *llama_ops.rope_tables(3, 4, dtype="float64"), [0, 0, 1, 1]),
+        lambda r: (lambda q, k, v: rms_rope_swiglu.rope_qkv(
+            q, k, v, *rms_rope_swiglu.rope_tables(3, 4, dtype="float64"), [0, 0, 1, 1]),
             [_n(r, 2, 3, 4, 4), _n(r, 2, 3, 2, 4), _n(r, 2, 3, 2, 4)]),
-        lambda r: (lambda q, k, v: llama_ops.rope_qkv(
-            q, k, v, *llama_ops.rope_tables(2, 2, dtype="float64"), [1, 2, 2]),
+        lambda r: (lambda q, k, v: rms_rope_swiglu.rope_qkv(
+            q, k, v, *rms_rope_swiglu.rope_tables(2, 2, dtype="float64"), [1, 2, 2]),
             [_n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2)]),
-        lambda r: (lambda q, k, v: llama_ops.rope_qkv(         # one kv head; one query head
-            q, k, v, *llama_ops.rope_tables(2, 4, dtype="float64"), [0]),
+        lambda r: (lambda q, k, v: rms_rope_swiglu.rope_qkv(         # one kv head; one query head
+            q, k, v, *rms_rope_swiglu.rope_tables(2, 4, dtype="float64"), [0]),
             [_n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4)])],
     "causal_self_attention": [
-        lambda r: (lambda q: nn_ops.causal_self_attention(q, 2, 2), [_n(r, 2 * 5, 3 * 2 * 3)]),
-        lambda r: (lambda q: nn_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)]),
-        lambda r: (lambda q: nn_ops.causal_self_attention(     # dropout on the weights
+        lambda r: (lambda q: softmax_ops.causal_self_attention(q, 2, 2), [_n(r, 2 * 5, 3 * 2 * 3)]),
+        lambda r: (lambda q: softmax_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)]),
+        lambda r: (lambda q: softmax_ops.causal_self_attention(     # dropout on the weights
             q, 2, 2, 0.3, np.random.default_rng(3)), [_n(r, 2 * 5, 3 * 2 * 3)])],
 }
 
@@ -180,7 +181,7 @@ def _fixed_dropout(shape):
 
 
 def test_dropout_mask_statistics():
-    x = ops.as_tensor(np.ones((200, 200)))
+    x = as_tensor(np.ones((200, 200)))
     y = nn_ops.dropout(x, 0.25, np.random.default_rng(0)).data
     kept = (y != 0).mean()
     assert abs(kept - 0.75) < 0.01
@@ -194,14 +195,14 @@ def test_dropout_add_is_the_residual_add_of_dropout():
     """The fused op draws the mask ``dropout`` draws from the same generator state, and
     adds as ``x + dropout(y)`` does, bit for bit; without dropout it is ``x + y``."""
     r = np.random.default_rng(1)
-    x, y = ops.as_tensor(r.standard_normal((6, 7))), ops.as_tensor(r.standard_normal((6, 7)))
+    x, y = as_tensor(r.standard_normal((6, 7))), as_tensor(r.standard_normal((6, 7)))
     fused = nn_ops.dropout_add(x, y, 0.3, np.random.default_rng(5)).data
     plain = (x + nn_ops.dropout(y, 0.3, np.random.default_rng(5))).data
     assert np.array_equal(fused, plain)
     assert np.array_equal(nn_ops.dropout_add(x, y, 0.3, None, training=False).data,
                           (x + y).data)
     with pytest.raises(ValueError, match="one shape"):
-        nn_ops.dropout_add(x, ops.as_tensor(np.ones((6, 1))), 0.3, np.random.default_rng(5))
+        nn_ops.dropout_add(x, as_tensor(np.ones((6, 1))), 0.3, np.random.default_rng(5))
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])

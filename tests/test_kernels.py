@@ -1,12 +1,58 @@
-"""The kernel layer: every CPU kernel against its reference, the selection, the thread pool."""
+"""The kernel layer: every set against the protocol, every CPU kernel against its
+reference, the selection, the thread pool."""
+import inspect
+import types
+
 import numpy as np
 import pytest
 
-from mpishard import kernels
 from mpishard.kernels import kernel_choice, kernels_for, reference
 from mpishard.kernels.cpu import ops as cpu
 from mpishard.kernels.cuda import ops as gpu
 from mpishard.kernels.cpu import threads
+from mpishard.kernels.protocol import KERNEL_NAMES, KernelSet
+
+KERNEL_SETS = {"reference": reference, "cpu": cpu, "gpu": gpu}
+
+def _protocol_mismatches(kernel_set) -> list:
+    """What ``kernel_set`` lacks or gets wrong of :class:`KernelSet`: an attribute of
+    another type, a kernel missing or with another signature (``self`` left out)."""
+    wrong = [f"{attr} is not a {kind}" for attr, kind in KernelSet.__annotations__.items()
+             if not isinstance(getattr(kernel_set, attr, None), {"str": str, "bool": bool}[kind])]
+    for name in KERNEL_NAMES:
+        kernel = getattr(kernel_set, name, None)
+        if not callable(kernel):
+            wrong.append(f"no kernel {name}")
+            continue
+        want = inspect.signature(getattr(KernelSet, name))
+        want = want.replace(parameters=list(want.parameters.values())[1:])
+        if inspect.signature(kernel) != want:
+            wrong.append(f"{name}{inspect.signature(kernel)}, not {name}{want}")
+    return wrong
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_SETS))
+def test_every_kernel_set_provides_the_protocol(name):
+    """Each set has every kernel of the protocol, with its signature: a kernel added to
+    KernelSet and missing in a set (or taking other parameters) fails here."""
+    kernel_set = KERNEL_SETS[name]
+    assert kernel_set.NAME == name
+    assert _protocol_mismatches(kernel_set) == []
+    assert {"NAME", "NATIVE_FLOAT16", *KERNEL_NAMES} <= set(kernel_set.__all__)
+
+
+def test_the_protocol_check_finds_a_missing_kernel_and_a_changed_signature():
+    assert "gelu_forward" in KERNEL_NAMES and "NAME" not in KERNEL_NAMES
+    short = types.SimpleNamespace(**{n: getattr(reference, n) for n in KERNEL_NAMES
+                                     if n != "sq_sum"}, NAME="short", NATIVE_FLOAT16=False)
+    assert _protocol_mismatches(short) == ["no kernel sq_sum"]
+
+    def sq_sum(x, result):
+        return result
+    short.sq_sum, short.NATIVE_FLOAT16 = sq_sum, None
+    assert _protocol_mismatches(short) == ["NATIVE_FLOAT16 is not a bool",
+                                           "sq_sum(x, result), not sq_sum(x, out)"]
+
 
 SHAPES = [(37, 53), (1, 7), (0, 16), (300, 301), (2048, 64)]
 TOL = {np.float64: 1e-12, np.float32: 2e-5}
@@ -314,9 +360,6 @@ def test_selection_per_backend_and_the_reference_switch(monkeypatch):
     monkeypatch.setenv("MPISHARD_KERNELS", "fastest")
     with pytest.raises(ValueError, match="MPISHARD_KERNELS='fastest'.*reference"):
         kernels_for(np)
-    for name in kernels.KERNEL_NAMES:
-        for module in (cpu, gpu, reference):
-            assert callable(getattr(module, name)), (module.NAME, name)
 
 
 def test_a_model_step_under_reference_kernels_matches_the_default(monkeypatch):
@@ -703,3 +746,34 @@ def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     _same_bits(y.data.get(), wy.astype(np.float16))
     _same_bits(x.grad.get(), reference.rms_norm_backward(g32, wh, wr, w32).astype(np.float16))
     _same_bits(weight.grad.get(), reference.norm_param_grads(g32, wh, True, False)[0])
+
+
+def test_compile_kernels_covers_every_cuda_source():
+    """scripts/compile_kernels.py (NVRTC, no GPU) reads every kernels/cuda/*_src.py and
+    lists every elementwise body, reduction and RawKernel module they hold."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("compile_kernels",
+                                                  root / "scripts" / "compile_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for path in sorted((root / "mpishard" / "kernels" / "cuda").glob("*_src.py")):
+        module = getattr(script, path.stem, None)
+        assert module is not None, f"compile_kernels.py does not read {path.name}"
+        assert hasattr(module, "SOURCES") == (module in script.ELEMENTWISE_MODULES), path.name
+        assert hasattr(module, "REDUCTIONS") == (module in script.REDUCTION_MODULES), path.name
+    listed = script.sources_to_compile(["-I."])
+    names = {name for name, *_ in listed}
+    for module in script.ELEMENTWISE_MODULES:
+        assert set(module.SOURCES) <= names
+    for module in script.REDUCTION_MODULES:
+        assert set(module.REDUCTIONS) <= names
+    raw = " ".join(name for name in names if name.startswith("RawKernels"))
+    for module, source in ((script.ops_src, "ROW_KERNELS"), (script.norms_src, "NORM_KERNELS")):
+        kernels = script.raw_kernel_names(getattr(module, source)).split(", ")
+        assert len(kernels) >= 3 and all(kernel in raw for kernel in kernels), kernels
+    assert {T for name, T, *_ in listed if name.startswith("multi-tensor")} == {"float", "double"}
+    assert sum(name.startswith("flash attention") for name, *_ in listed) == 9
+    assert len(script.sources_to_compile([])) < len(listed)       # float16 left out

@@ -3,10 +3,10 @@
 On the CuPy-strict module the kernel set runs its reference math, so no CPU test
 ran the CUDA bodies of the row kernels: their indexing, block reductions, warp
 shuffles and barriers. Here ``g++`` compiles the very source the GPU compiles
-(``row_kernel_source``) and the kernel set's own launch code (grid, block, argument
-order and dtypes) runs it on NumPy arrays, against the references: float32,
-float64, and float16 rows for the norms; odd widths (fewer and more columns than a
-block's 256 threads, not multiples of 32), one row, no rows.
+(``row_kernel_source``, ``norm_kernel_source``) and the kernel set's own launch code
+(grid, block, argument order and dtypes) runs it on NumPy arrays, against the
+references: float32, float64, and float16 rows for the norms; odd widths (fewer and
+more columns than a block's 256 threads, not multiples of 32), one row, no rows.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from cuda_host import host_compiler, use_host_kernels
 from mpishard.kernels import reference
 from mpishard.kernels.cuda import ops as gpu
-from mpishard.kernels.cuda import launch as gpu_launch
+from mpishard.kernels.cuda.launch import ROW_THREADS
 
 pytestmark = pytest.mark.skipif(host_compiler() is None,
                                 reason="no g++ to compile CUDA C for the host")
@@ -174,11 +174,11 @@ def test_the_emulation_checks_argument_dtypes():
     """A float64 scalar where the kernel takes a float is refused: on a GPU CuPy would
     pass its 8 bytes and the kernel would read garbage."""
     a = _rand((4, 4), np.float32)
-    kernel = gpu_launch._row_kernel(np, "mpishard_causal_softmax", "float32")
+    kernel = gpu.row_kernel(np, "mpishard_causal_softmax", "float32")
     with pytest.raises(TypeError, match="scale is float, got float64"):
-        kernel((4,), (gpu_launch.ROW_THREADS,),
+        kernel((4,), (ROW_THREADS,),
                (a, np.int32(4), np.float64(0.5), np.int32(0), a, np.float32(0), np.float32(1), a))
-    kernel((4,), (gpu_launch.ROW_THREADS,),
+    kernel((4,), (ROW_THREADS,),
            (a, np.int32(4), np.float32(0.5), np.int32(0), a.astype(np.float64), np.float32(0),
             np.float32(1), a))
     assert kernel.null_pointers == ["du"]             # absent (flag 0): passed as NULL

@@ -4,9 +4,7 @@ taking it only where its projections are plain ``Linear`` layers."""
 import numpy as np
 import pytest
 
-from mpishard.autodiff import Tensor, gradcheck, nn_ops
-from mpishard.autodiff import gqa_attention as llama_fused
-from mpishard.autodiff import rms_rope_swiglu as llama_ops
+from mpishard.autodiff import Tensor, gradcheck, gqa_attention, nn_ops, rms_rope_swiglu, softmax_ops
 from mpishard.core.dtypes import resolve_dtype
 from mpishard.models import Llama, LlamaConfig
 from mpishard.models.llama import model as llama_module
@@ -27,7 +25,7 @@ C = 5
 
 
 def _tables(T, hs, scaling=None):
-    return llama_ops.rope_tables(T, hs, 10000.0 if scaling is None else 500000.0, scaling,
+    return rms_rope_swiglu.rope_tables(T, hs, 10000.0 if scaling is None else 500000.0, scaling,
                                  dtype="float64")
 
 
@@ -39,7 +37,7 @@ def _inputs(r, B, T, H, Hkv, hs):
 def test_gqa_attention_gradcheck(B, T, H, Hkv, hs, scaling):
     r = np.random.default_rng(H * 10 + Hkv)
     cos, sin = _tables(T, hs, scaling)
-    err = gradcheck(lambda x, wq, wk, wv: llama_fused.gqa_attention(
+    err = gradcheck(lambda x, wq, wk, wv: gqa_attention.gqa_attention(
         x, wq, wk, wv, cos, sin, H, Hkv, B), _inputs(r, B, T, H, Hkv, hs))
     assert err <= TOL
 
@@ -48,10 +46,10 @@ def _per_projection(x, wq, wk, wv, cos, sin, H, Hkv, B):
     """The unfused path: three products, rope_qkv (repeating key/value heads), attention."""
     T, hs = x.shape[1], wq.shape[0] // H
     q, k, v = (nn_ops.linear(x, w) for w in (wq, wk, wv))
-    packed = llama_ops.rope_qkv(q.reshape(B, T, H, hs), k.reshape(B, T, Hkv, hs),
+    packed = rms_rope_swiglu.rope_qkv(q.reshape(B, T, H, hs), k.reshape(B, T, Hkv, hs),
                                 v.reshape(B, T, Hkv, hs), cos, sin,
                                 [j // (H // Hkv) for j in range(H)])
-    return nn_ops.causal_self_attention(packed, H, B)
+    return softmax_ops.causal_self_attention(packed, H, B)
 
 
 @pytest.mark.parametrize("B,T,H,Hkv,hs,scaling", GQA)
@@ -60,7 +58,7 @@ def test_gqa_attention_matches_projections_rope_qkv_then_attention(B, T, H, Hkv,
     cos, sin = _tables(T, hs, scaling)
     data, g = _inputs(r, B, T, H, Hkv, hs), _n(r, B * T, H * hs)
     outs, grads = [], []
-    for fn in (llama_fused.gqa_attention, _per_projection):
+    for fn in (gqa_attention.gqa_attention, _per_projection):
         tensors = [Tensor(a.copy(), requires_grad=True) for a in data]
         y = fn(*tensors, cos, sin, H, Hkv, B)
         (y * Tensor(g)).sum().backward()
@@ -75,13 +73,13 @@ def test_gqa_attention_matches_projections_rope_qkv_then_attention(B, T, H, Hkv,
 def test_gqa_attention_16_bit_inputs(dtype):
     r = np.random.default_rng(2)
     B, T, H, Hkv, hs = 2, 4, 4, 2, 4
-    cos, sin = llama_ops.rope_tables(T, hs)
+    cos, sin = rms_rope_swiglu.rope_tables(T, hs)
     low = resolve_dtype(dtype)
     data = [a.astype(np.float32).astype(low) for a in _inputs(r, B, T, H, Hkv, hs)]
     tensors = [Tensor(a, requires_grad=True) for a in data]
-    y = llama_fused.gqa_attention(*tensors, cos, sin, H, Hkv, B)
+    y = gqa_attention.gqa_attention(*tensors, cos, sin, H, Hkv, B)
     y.sum().backward()
-    want = llama_fused.gqa_attention(*[Tensor(a.astype(np.float32)) for a in data], cos, sin,
+    want = gqa_attention.gqa_attention(*[Tensor(a.astype(np.float32)) for a in data], cos, sin,
                                      H, Hkv, B).data
     assert y.dtype == low and all(t.grad is not None for t in tensors)
     assert tensors[0].grad.dtype == low
@@ -90,14 +88,14 @@ def test_gqa_attention_16_bit_inputs(dtype):
 
 def test_gqa_attention_checks_its_shapes():
     r = np.random.default_rng(3)
-    cos, sin = llama_ops.rope_tables(3, 4)
+    cos, sin = rms_rope_swiglu.rope_tables(3, 4)
     x, wq, wk, wv = (Tensor(a) for a in _inputs(r, 2, 3, 4, 2, 4))
     with pytest.raises(ValueError, match="gqa_attention"):
-        llama_fused.gqa_attention(x, wq, wk, wv, cos, sin, 4, 3, 2)        # 3 does not divide 4
+        gqa_attention.gqa_attention(x, wq, wk, wv, cos, sin, 4, 3, 2)        # 3 does not divide 4
     with pytest.raises(ValueError, match="gqa_attention"):
-        llama_fused.gqa_attention(x, wq, wk, wk[:4], cos, sin, 4, 2, 2)    # v of another width
+        gqa_attention.gqa_attention(x, wq, wk, wk[:4], cos, sin, 4, 2, 2)    # v of another width
     with pytest.raises(ValueError, match="gqa_attention"):
-        llama_fused.gqa_attention(x, wq, wk, wv, *llama_ops.rope_tables(4, 4), 4, 2, 2)
+        gqa_attention.gqa_attention(x, wq, wk, wv, *rms_rope_swiglu.rope_tables(4, 4), 4, 2, 2)
 
 
 CFG = dict(vocab_size=40, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=16,

@@ -1,5 +1,5 @@
 """Multi-tensor kernels: an optimizer step and the gradients' sums of squares over all
-targets in one launch (mpishard/kernels/cuda/multi.py, cuda_multi.py).
+targets in one launch (mpishard/kernels/cuda/multi.py, multi_src.py).
 
 The chunk table covers every element once and never crosses a weight-decay
 boundary; the CUDA kernels, compiled for the host (tests/cuda_host.py) and

@@ -22,8 +22,8 @@ in :func:`gqa_attention`:
   from the products.
 
 Against the per-projection path (three products,
-:func:`~.llama_ops.rope_qkv` packing a key/value copy per query head, then
-:func:`~.nn_ops.causal_self_attention`) it keeps less for backward. The
+:func:`~.rms_rope_swiglu.rope_qkv` packing a key/value copy per query head, then
+:func:`~.softmax_ops.causal_self_attention`) it keeps less for backward. The
 tensor- and context-parallel layers replace these modules or the attention
 core; :mod:`mpishard.models.llama.model` takes this path only where the plain
 modules are there. 16-bit inputs compute as in [Note: 16-bit inputs] in
@@ -70,7 +70,7 @@ def _turns(cos, sin, n_heads: int, scale: float, dtype):
     """``scale * exp(i angle)`` per head, position and pair, ``(n_heads, T, hs/2)``
     contiguous (a product with tables broadcast over heads ran 2x slower), and
     its conjugate for backward; from the first halves of ``cos`` and ``sin``
-    (:func:`~.llama_ops.rope_tables` repeats them for both)."""
+    (:func:`~.rms_rope_swiglu.rope_tables` repeats them for both)."""
     xp = xp_of(cos)
     T, hs = cos.shape
     pairs = xp.stack([cos[:, :hs // 2], sin[:, :hs // 2]], axis=-1).astype(dtype)
@@ -109,7 +109,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
         x: ``(..., C)``, ``B*T`` rows in all.
         wq, wk, wv: the projections' weights, ``[out, in]``: ``(n_head hs, C)``
             and ``(n_kv_head hs, C)`` twice.
-        cos, sin: the rotation tables ``(T, hs)`` (:func:`~.llama_ops.rope_tables`).
+        cos, sin: the rotation tables ``(T, hs)`` (:func:`~.rms_rope_swiglu.rope_tables`).
         n_head, n_kv_head: query heads, and key/value heads (each read by
             ``n_head / n_kv_head`` consecutive query heads).
         batch_size: ``B``.
@@ -118,7 +118,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
         ``(B*T, n_head hs)``: the heads' outputs side by side, for ``o_proj``.
 
     The arithmetic of ``q_proj``, ``k_proj``, ``v_proj``, then
-    :func:`~.llama_ops.rope_qkv` and :func:`~.nn_ops.causal_self_attention`,
+    :func:`~.rms_rope_swiglu.rope_qkv` and :func:`~.softmax_ops.causal_self_attention`,
     with the ``1/sqrt(hs)`` scale in the query's rotation. Keeps the rotated,
     scaled queries, the rotated keys, the values and the softmax weights for
     backward. On NumPy one sequence at a time (see [Note: cache blocking] in

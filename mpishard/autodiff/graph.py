@@ -1,8 +1,9 @@
-"""What every op shares: the registry, constants as Tensors, results in the graph, unbroadcast.
+"""What every op shares: registering, constants as Tensors, results in the graph, unbroadcast.
 
-:mod:`.ops` (elementwise math, matmul, reductions), :mod:`.shape_ops` and
-:mod:`.nn_ops` build on these four helpers; :data:`OPS` lists every
-differentiable op, and the test suite gradchecks each one.
+:mod:`.ops` (elementwise math, matmul, reductions), :mod:`.shape_ops`,
+:mod:`.nn_ops` and the others build on these helpers; :func:`register_op` lists each
+differentiable op in :data:`.tensor.OPS`, where the test suite gradchecks each one
+and Tensor's operators find theirs.
 """
 from __future__ import annotations
 
@@ -11,17 +12,14 @@ from typing import Callable
 import numpy as np
 
 from mpishard.core.backend import xp_of
-from mpishard.autodiff.tensor import Tensor, _grad_mode
+from mpishard.autodiff.tensor import OPS, Tensor, is_grad_enabled
 from mpishard.autodiff import profile as _profile
 
-__all__ = ["OPS", "register_op", "as_tensor", "as_tensors", "make_result", "unbroadcast"]
-
-#: name -> op function, for every differentiable op (the gradcheck test reads it).
-OPS: dict[str, Callable] = {}
+__all__ = ["register_op", "as_tensor", "as_tensors", "make_result", "unbroadcast"]
 
 
 def register_op(fn: Callable) -> Callable:
-    """Add ``fn`` to :data:`OPS` under its name."""
+    """Add ``fn`` to :data:`.tensor.OPS` under its name."""
     OPS[fn.__name__] = fn
     return fn
 
@@ -60,7 +58,7 @@ def make_result(data, parents: tuple, backward: Callable, op: str) -> Tensor:
     if _profile.active is not None:                # see profile.py
         _profile.active.forward_done(op)
     out = Tensor(data)
-    if _grad_mode.enabled:
+    if is_grad_enabled():
         for p in parents:
             if p is not None and p.requires_grad:
                 out.requires_grad = True

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from mpishard.core.backend import xp_of
 from mpishard.core.dtypes import matmul_dtype
+from mpishard.kernels.reference import GELU_C, GELU_K
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
-from mpishard.kernels.reference import GELU_C as _GELU_C, GELU_K as _GELU_K
-from mpishard.autodiff.nn_ops import _scatter_add_rows
-from mpishard.autodiff.rows import cast, up
+from mpishard.autodiff.rows import cast, scatter_add_rows, up
 from mpishard.autodiff.tensor import Tensor
 
 __all__ = ["expert_swiglu", "expert_gelu", "scatter_rows", "permute_rows"]
@@ -109,7 +108,7 @@ def scatter_rows(values, index, n_rows: int) -> Tensor:
                          f"do not pair up row by row")
     xp = xp_of(values.data)
     idx = xp.asarray(idx)
-    out = _scatter_add_rows(int(n_rows), idx, values.data) if len(idx) else \
+    out = scatter_add_rows(int(n_rows), idx, values.data) if len(idx) else \
         xp.zeros((int(n_rows), values.shape[1]), dtype=values.dtype)
     return make_result(out, (values,), lambda g: (g[idx],), "scatter_rows")
 
@@ -133,9 +132,9 @@ def permute_rows(x, perm) -> Tensor:
 
 def _gelu_parts(a, xp):
     """``(gelu(a), d gelu / da)``, GELU's tanh form as :func:`~mpishard.autodiff.nn_ops.gelu`."""
-    t = xp.tanh(_GELU_C * (a + _GELU_K * a * a * a))
+    t = xp.tanh(GELU_C * (a + GELU_K * a * a * a))
     y = 0.5 * a * (1.0 + t)
-    dy = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_K * a * a)
+    dy = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_K * a * a)
     return y, dy
 
 

@@ -1,12 +1,13 @@
 """Neural-network ops, each a fused forward beside its hand-written backward.
 
 These are the ops the models spend their time in, so each one is written the
-way NumPy was measured to be fast (:mod:`.rows`): activations flattened to 2-D
+way NumPy was measured to be fast (:mod:`.rows`, :mod:`mpishard.kernels.rows`):
+activations flattened to 2-D
 before a matmul, reductions over a short last axis through ``einsum``, bias
 gradients as a ones-vector matmul, Python-float scalars only (a NumPy float64
 scalar would silently promote float32 work to float64), and ``x*x*x`` instead
 of ``x**3``. The softmax family, cross-entropy and attention are in
-:mod:`.softmax_ops` (re-exported here).
+:mod:`.softmax_ops`.
 
 Weights are read through ``tensor.data`` inside backward, see
 [Note: parameter storage] in tensor.py.
@@ -30,19 +31,12 @@ from mpishard.core.dtypes import matmul_dtype
 from mpishard.kernels import kernels_for
 from mpishard.kernels.cuda.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
 from mpishard.kernels.rows import col_sum_dtype
-from mpishard.autodiff.ops import as_tensor, make_result, register_op
-from mpishard.autodiff.rows import (bias_grad, cast, check_last_dim, draw_uniform, native_float16,
-                   scatter_add, up)
-from mpishard.autodiff.softmax_ops import causal_self_attention, cross_entropy, log_softmax, softmax  # noqa: F401
+from mpishard.autodiff.graph import as_tensor, make_result, register_op
+from mpishard.autodiff.rows import (bias_grad, cast, check_last_dim, draw_uniform,
+                                    native_float16, scatter_add_rows, up)
 from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
 
-__all__ = [
-    "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
-    "embedding", "dropout", "dropout_add", "causal_self_attention",
-]
-
-
-
+__all__ = ["linear", "layer_norm", "gelu", "embedding", "dropout", "dropout_add"]
 
 
 # -- linear ----------------------------------------------------------------
@@ -183,23 +177,6 @@ def _gelu16(x, bias, a2, kernels) -> Tensor:
 
 # -- embedding -------------------------------------------------------------
 
-def _scatter_add_rows(n_rows, index, g2):
-    """``out[index[i]] += g2[i]`` into a fresh ``(n_rows, C)`` array."""
-    xp = xp_of(g2)
-    out = xp.zeros((n_rows, g2.shape[1]), dtype=g2.dtype)
-    if len(index) == 0:
-        return out
-    if xp is np:
-        # argsort + reduceat beats np.add.at ~4x (measured ~4x)
-        order = np.argsort(index, kind="stable")
-        sorted_index = index[order]
-        starts = np.flatnonzero(np.r_[True, sorted_index[1:] != sorted_index[:-1]])
-        out[sorted_index[starts]] = np.add.reduceat(g2[order], starts, axis=0)
-    else:
-        scatter_add(out, index, g2)
-    return out
-
-
 @register_op
 def embedding(indices, weight) -> Tensor:
     """Rows of ``weight`` picked by integer ``indices``: output ``indices.shape + (C,)``.
@@ -234,7 +211,7 @@ def embedding(indices, weight) -> Tensor:
         g2 = up(g.reshape(-1, width))
         if bad is not None:
             g2 = xp_of(g2).where(bad, 0.0, g2)
-        return (_scatter_add_rows(n_rows, flat, g2),)
+        return (scatter_add_rows(n_rows, flat, g2),)
     return make_result(out, (weight,), backward, "embedding")
 
 

@@ -6,30 +6,27 @@ requires grad, records a closure that maps the result's gradient to the
 gradients of its inputs (``None`` for inputs that need none). Closures read
 ``tensor.data`` when they run: see [Note: parameter storage] in tensor.py.
 
-Broadcasting is undone in one place, :func:`unbroadcast`. Every op is listed
-in :data:`OPS`; the test suite checks each one against finite differences and
-fails for an op that has no such test.
+Broadcasting is undone in one place, :func:`.graph.unbroadcast`. Every op is
+registered in :data:`.tensor.OPS` (Tensor's operators run them from there); the
+test suite checks each one against finite differences and fails for an op that
+has no such test.
 
-Shape ops (reshape, permute, indexing, concat, split) are in
-:mod:`.shape_ops` and neural-network ops (linear, layer_norm, softmax,
-cross_entropy, attention, ...) in :mod:`.nn_ops`; the helpers all of them
-share (:data:`OPS`, :func:`make_result`, ...) in :mod:`.graph`. This module
-re-exports both sets of names.
+Shape ops (reshape, permute, indexing, concat, split) are in :mod:`.shape_ops` and
+neural-network ops (linear, layer_norm, softmax, cross_entropy, attention, ...) in
+:mod:`.nn_ops` and :mod:`.softmax_ops`; the helpers all of them share
+(:func:`~.graph.register_op`, :func:`~.graph.make_result`, ...) in :mod:`.graph`.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from mpishard.core.backend import xp_of
-from mpishard.autodiff.graph import (OPS, as_tensor, as_tensors, make_result, register_op,  # noqa: F401
-                    unbroadcast)
-from mpishard.autodiff.tensor import Tensor
+from mpishard.autodiff.graph import as_tensor, as_tensors, make_result, register_op, unbroadcast
+from mpishard.autodiff.tensor import Tensor, is_python_number
 
 __all__ = [
-    "OPS", "register_op", "unbroadcast", "as_tensor", "make_result",
     "add", "sub", "mul", "div", "neg", "pow", "matmul",
-    "sum", "mean", "max", "reshape", "transpose", "permute", "getitem",
-    "concat", "split", "exp", "log", "tanh", "sqrt", "relu", "where", "masked_fill",
+    "sum", "mean", "max", "exp", "log", "tanh", "sqrt", "relu", "where", "masked_fill",
 ]
 
 
@@ -48,10 +45,6 @@ def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
                 f"broadcast") from None
 
 
-def _is_scalar(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _scalar_op(name, a: Tensor, s, forward, backward_scale):
     """Tensor (op) Python scalar: the scalar stays a Python number (no float64)."""
     data = forward(a.data, s)
@@ -66,7 +59,7 @@ def _scalar_op(name, a: Tensor, s, forward, backward_scale):
 @register_op
 def add(a, b) -> Tensor:
     """``a + b`` with broadcasting."""
-    if _is_scalar(b):
+    if is_python_number(b):
         return _scalar_op("add", as_tensor(a), b, lambda x, s: x + s, lambda g, a, s: g)
     a, b = as_tensors(a, b)
     _check_binary("add", a, b)
@@ -79,7 +72,7 @@ def add(a, b) -> Tensor:
 @register_op
 def sub(a, b) -> Tensor:
     """``a - b`` with broadcasting."""
-    if _is_scalar(b):
+    if is_python_number(b):
         return _scalar_op("sub", as_tensor(a), b, lambda x, s: x - s, lambda g, a, s: g)
     a, b = as_tensors(a, b)
     _check_binary("sub", a, b)
@@ -92,7 +85,7 @@ def sub(a, b) -> Tensor:
 @register_op
 def mul(a, b) -> Tensor:
     """``a * b`` with broadcasting."""
-    if _is_scalar(b):
+    if is_python_number(b):
         return _scalar_op("mul", as_tensor(a), b, lambda x, s: x * s, lambda g, a, s: g * s)
     a, b = as_tensors(a, b)
     _check_binary("mul", a, b)
@@ -107,7 +100,7 @@ def mul(a, b) -> Tensor:
 @register_op
 def div(a, b) -> Tensor:
     """``a / b`` with broadcasting."""
-    if _is_scalar(b):
+    if is_python_number(b):
         return _scalar_op("div", as_tensor(a), b, lambda x, s: x / s, lambda g, a, s: g / s)
     a, b = as_tensors(a, b)
     _check_binary("div", a, b)
@@ -142,7 +135,7 @@ def _power(x, p):
 def pow(a, p) -> Tensor:
     """``a ** p``: a scalar exponent, or a Tensor exponent (then ``a`` must be > 0)."""
     a = as_tensor(a)
-    if _is_scalar(p):
+    if is_python_number(p):
         def backward(g):
             if p == 0:
                 return (g * 0,)
@@ -339,43 +332,3 @@ def masked_fill(a, mask, value: float) -> Tensor:
     out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
     return make_result(out, (a,), lambda g: (xp.where(mask, 0, g).astype(g.dtype),),
                        "masked_fill")
-
-
-# -- Tensor methods and operators ------------------------------------------
-
-from mpishard.autodiff.shape_ops import concat, getitem, permute, reshape, split, transpose  # noqa: E402,F401
-
-def _rsub(a, b):
-    return add(neg(a), b) if _is_scalar(b) else sub(b, a)
-
-
-def _rdiv(a, b):
-    return mul(pow(a, -1), b) if _is_scalar(b) else div(b, a)
-
-
-Tensor.__add__ = add
-Tensor.__radd__ = lambda a, b: add(a, b)
-Tensor.__sub__ = sub
-Tensor.__rsub__ = _rsub
-Tensor.__mul__ = mul
-Tensor.__rmul__ = lambda a, b: mul(a, b)
-Tensor.__truediv__ = div
-Tensor.__rtruediv__ = _rdiv
-Tensor.__neg__ = neg
-Tensor.__pow__ = pow
-Tensor.__matmul__ = matmul
-Tensor.__rmatmul__ = lambda a, b: matmul(b, a)
-Tensor.__getitem__ = getitem
-Tensor.sum = sum
-Tensor.mean = mean
-Tensor.max = max
-Tensor.reshape = reshape
-Tensor.permute = permute
-Tensor.transpose = transpose
-Tensor.T = property(lambda a: permute(a, tuple(reversed(range(a.ndim)))))
-Tensor.exp = exp
-Tensor.log = log
-Tensor.tanh = tanh
-Tensor.sqrt = sqrt
-Tensor.relu = relu
-Tensor.masked_fill = masked_fill

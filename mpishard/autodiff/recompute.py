@@ -19,7 +19,7 @@ arXiv:1604.06174).
   bit-identical to running ``fn`` without checkpointing.
 - Parameters that ``fn`` reads (and does not take as ``args``) are leaves of
   the inner graph only: the inner backward accumulates their ``grad`` and
-  fires their grad-ready hooks (see [Note: grad-ready hooks] in tensor.py).
+  fires their grad-ready hooks (see [Note: grad-ready hooks] in engine.py).
   Such a parameter must not also be used outside ``fn`` (or in a second
   recomputed call) in the same backward, or its hooks would fire before its
   gradient is final.

@@ -1,7 +1,7 @@
-"""The ops of Llama-family models, forward beside backward: RMS norm, rotary position
-embeddings (alone, and fused with the repeat of key/value heads for grouped-query
-attention), and the SwiGLU gate. Each is in ``OPS`` and gradient-checked like every
-other op.
+"""RMS norm, rotary position embeddings and the SwiGLU gate: the ops of Llama-family
+models, forward beside backward (the rotary embeddings alone, and fused with the
+repeat of key/value heads for grouped-query attention). Each is in ``OPS`` and
+gradient-checked like every other op.
 
 Layouts follow Hugging Face's ``transformers`` Llama, so its weights load as
 they are: rotary embeddings rotate the two *halves* of each head

@@ -1,8 +1,8 @@
 """The softmax family, cross-entropy and causal attention, forward beside backward.
 
-Split from :mod:`.nn_ops` (which re-exports them) along the seam of what they
-share: row-wise softmax over the last axis, computed in float32 for 16-bit
-inputs (see [Note: 16-bit inputs] in nn_ops.py).
+Split from :mod:`.nn_ops` along the seam of what they share: row-wise softmax over
+the last axis, computed in float32 for 16-bit inputs (see [Note: 16-bit inputs] in
+nn_ops.py).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import numpy as np
 from mpishard.core.backend import xp_of
 from mpishard.core.dtypes import is_low_precision, matmul_dtype
 from mpishard.kernels import kernels_for
-from mpishard.kernels.rows import col_sum_dtype
+from mpishard.kernels.rows import col_sum_dtype, row_dot, row_max, row_sum
 from mpishard.autodiff.batched_attention import device_attention
-from mpishard.autodiff.ops import as_tensor, make_result, register_op
-from mpishard.autodiff.rows import bias_grad, cast, draw_uniform, row_dot, row_max, row_sum, up
+from mpishard.autodiff.graph import as_tensor, make_result, register_op
+from mpishard.autodiff.rows import bias_grad, cast, draw_uniform, up
 from mpishard.autodiff.tensor import Tensor, grad_buffer
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",

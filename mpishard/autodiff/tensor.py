@@ -1,9 +1,13 @@
-"""The Tensor and the backward engine.
+"""The Tensor: an array, its gradient, the record of how it was computed, its operators.
 
 A :class:`Tensor` wraps one NumPy or CuPy array (``data``) and, once backward
-has run, its gradient (``grad``, an array of the same module and shape). Ops in
-:mod:`mpishard.autodiff.ops` build the graph: each result remembers its parent
-tensors and a closure that maps the result's gradient to its parents'.
+has run, its gradient (``grad``, an array of the same module and shape). Ops
+(:mod:`.ops`, :mod:`.shape_ops`, :mod:`.nn_ops`, ...) build the graph: each result
+remembers its parent tensors and a closure that maps the result's gradient to its
+parents'. A Tensor's operators and methods (``a + b``, ``a @ b``, ``a[i]``,
+``a.sum()``, ...) run those ops, found by name in :data:`OPS`, where every op
+registers itself (``graph.register_op``): the ops build on this class, so it names
+them rather than importing them. Backward is the engine's (:mod:`.engine`).
 
 [Note: parameter storage]
 An op's backward closure holds references to its input *Tensors* and reads
@@ -14,20 +18,6 @@ empty placeholder) and gathers them again before that unit's backward. The only
 promise required is that ``data`` holds the same values again when the
 backward closures that read it run. Activations are different: they are owned
 by the graph and stay alive until backward has used them.
-
-[Note: backward order]
-Backward visits the graph in reverse topological order computed by an
-iterative depth-first search over parents in the order each op lists them. No
-recursion (deep graphs are fine) and no set or hash order (two runs visit the
-same nodes in the same order and give bit-identical gradients).
-
-[Note: grad-ready hooks]
-``register_grad_ready_hook(fn)`` calls ``fn(tensor)`` once the tensor's
-gradient is final for this backward pass: for an interior tensor just before its
-own backward closure runs; for a leaf (a parameter) as soon as the last op that
-consumed it has contributed, which is how data parallelism launches a bucket's
-all-reduce while backward carries on, and how ZeRO-3 gathers a unit's
-parameters just before they are needed (a hook on the unit's output).
 """
 from __future__ import annotations
 
@@ -37,10 +27,21 @@ from typing import Callable
 
 import numpy as np
 
-from mpishard.autodiff import profile as _profile
+from mpishard.autodiff.engine import run_backward
 
 __all__ = ["Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle", "grad_buffer",
-           "grad_so_far"]
+           "grad_so_far", "OPS", "is_python_number"]
+
+#: name -> op function, for every differentiable op (``graph.register_op`` adds each;
+#: the gradcheck test reads it, and Tensor's operators run theirs from it)
+OPS: dict[str, Callable] = {}
+
+
+def is_python_number(x) -> bool:
+    """Whether ``x`` is a Python int or float (not a bool): an op keeps it a Python
+    scalar, so that it takes the array's dtype instead of promoting it."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 
 # [Note: gradient buffers]
 # Data parallelism averages gradients in flat buckets. Copying each parameter's
@@ -51,7 +52,8 @@ __all__ = ["Tensor", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle", 
 # ``grad_buffer(p, dtype)`` for it: it gets the view when ``p`` has no gradient
 # yet in this step and the view has the dtype the gradient would be kept in,
 # writes the product there (``matmul(..., out=view)``), and returns the view,
-# which ``_accumulate`` keeps as ``p.grad``; the bucket then finds it in place.
+# which the engine's ``_accumulate`` keeps as ``p.grad``; the bucket then finds it in
+# place.
 # Later contributions (a tied weight's second use, the next micro-batch) add
 # into ``p.grad`` as before. Every other case (no buffer, a gradient already
 # there, a dtype the gradient is cast to) gets ``None``: the op computes a
@@ -201,7 +203,8 @@ class Tensor:
     def register_grad_ready_hook(self, fn: Callable[["Tensor"], None]) -> HookHandle:
         """Call ``fn(self)`` when this tensor's gradient is final in a backward pass.
 
-        See [Note: grad-ready hooks]. Returns a handle whose ``remove()`` undoes it.
+        See [Note: grad-ready hooks] in engine.py. Returns a handle whose ``remove()``
+        undoes it.
         """
         if self._hooks is None:
             self._hooks = []
@@ -242,86 +245,107 @@ class Tensor:
                 f"tensor shape {tuple(self.shape)}")
         run_backward(self, grad)
 
-    # Operators and methods are attached in ops.py (one place for every op).
+    # -- operators and methods: each runs the op of that name (see the module docstring)
+    def __add__(self, other) -> Tensor:
+        return OPS["add"](self, other)
+
+    def __sub__(self, other) -> Tensor:
+        return OPS["sub"](self, other)
+
+    def __mul__(self, other) -> Tensor:
+        return OPS["mul"](self, other)
+
+    def __truediv__(self, other) -> Tensor:
+        return OPS["div"](self, other)
+
+    __radd__ = __add__                  # 2 + a is a + 2, 2 * a is a * 2
+    __rmul__ = __mul__
+
+    def __rsub__(self, other) -> Tensor:
+        """``other - self``: ``-self + other`` for a Python number, else ``sub``."""
+        if is_python_number(other):
+            return OPS["add"](OPS["neg"](self), other)
+        return OPS["sub"](other, self)
+
+    def __rtruediv__(self, other) -> Tensor:
+        """``other / self``: ``self ** -1 * other`` for a Python number, else ``div``."""
+        if is_python_number(other):
+            return OPS["mul"](OPS["pow"](self, -1), other)
+        return OPS["div"](other, self)
+
+    def __neg__(self) -> Tensor:
+        return OPS["neg"](self)
+
+    def __pow__(self, p) -> Tensor:
+        return OPS["pow"](self, p)
+
+    def __matmul__(self, other) -> Tensor:
+        return OPS["matmul"](self, other)
+
+    def __rmatmul__(self, other) -> Tensor:
+        return OPS["matmul"](other, self)
+
+    def __getitem__(self, index) -> Tensor:
+        return OPS["getitem"](self, index)
+
+    def sum(self, axis=None, keepdims: bool = False) -> Tensor:
+        """Sum over ``axis`` (all axes by default)."""
+        return OPS["sum"](self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims: bool = False) -> Tensor:
+        """Mean over ``axis`` (all axes by default)."""
+        return OPS["mean"](self, axis, keepdims)
+
+    def max(self, axis=None, keepdims: bool = False) -> Tensor:
+        """Maximum over ``axis``; tied maxima share the gradient."""
+        return OPS["max"](self, axis, keepdims)
+
+    def reshape(self, *shape) -> Tensor:
+        """A view with a new shape (``-1`` allowed once)."""
+        return OPS["reshape"](self, *shape)
+
+    def permute(self, *axes) -> Tensor:
+        """The dimensions reordered."""
+        return OPS["permute"](self, *axes)
+
+    def transpose(self, dim0: int = -2, dim1: int = -1) -> Tensor:
+        """Dimensions ``dim0`` and ``dim1`` swapped."""
+        return OPS["transpose"](self, dim0, dim1)
+
+    @property
+    def T(self) -> Tensor:
+        """The dimensions reversed (a matrix transposed)."""
+        return OPS["permute"](self, tuple(reversed(range(self.ndim))))
+
+    def exp(self) -> Tensor:
+        """``e ** self``."""
+        return OPS["exp"](self)
+
+    def log(self) -> Tensor:
+        """Natural logarithm."""
+        return OPS["log"](self)
+
+    def tanh(self) -> Tensor:
+        """Hyperbolic tangent."""
+        return OPS["tanh"](self)
+
+    def sqrt(self) -> Tensor:
+        """Square root."""
+        return OPS["sqrt"](self)
+
+    def relu(self) -> Tensor:
+        """``max(self, 0)``."""
+        return OPS["relu"](self)
+
+    def masked_fill(self, mask, value: float) -> Tensor:
+        """A copy with ``value`` where ``mask`` is true."""
+        return OPS["masked_fill"](self, mask, value)
 
 
 def _ones_like(array):
     from mpishard.core.backend import xp_of  # noqa: PLC0415
 
     return xp_of(array).ones(array.shape, dtype=array.dtype)
-
-
-def _topological_order(root: Tensor) -> list[Tensor]:
-    """Iterative DFS post-order of the tensors that require grad. See [Note: backward order]."""
-    order: list[Tensor] = []
-    visited: set[int] = set()  # membership only; iteration order never depends on it
-    stack: list[tuple[Tensor, int]] = [(root, 0)]
-    visited.add(id(root))
-    while stack:
-        node, i = stack[-1]
-        parents = node._parents
-        while i < len(parents):
-            parent = parents[i]
-            i += 1
-            if parent is not None and parent.requires_grad and id(parent) not in visited:
-                visited.add(id(parent))
-                stack[-1] = (node, i)
-                stack.append((parent, 0))
-                break
-        else:
-            stack.pop()
-            order.append(node)
-    return order
-
-
-def run_backward(root: Tensor, grad) -> None:
-    """The backward engine (see the notes at the top of this module)."""
-    order = _topological_order(root)
-    # How many graph edges still have to deliver a gradient to each leaf, so
-    # its grad-ready hooks fire at the earliest correct moment.
-    pending: dict[int, int] = {}
-    for node in order:
-        for parent in node._parents:
-            if parent is not None and parent.requires_grad and parent._backward is None:
-                pending[id(parent)] = pending.get(id(parent), 0) + 1
-
-    if root._backward is None:  # backward on a leaf itself
-        _accumulate(root, grad)
-        root._fire_hooks()
-        return
-    root.grad = grad
-    for node in reversed(order):
-        backward_fn = node._backward
-        if backward_fn is None:
-            continue  # leaves: gradients arrive through their consumers
-        g = node.grad
-        parents = node._parents
-        if g is not None:
-            node._fire_hooks()
-            recording = _profile.active                # see profile.py
-            parent_grads = backward_fn(g) if recording is None else \
-                recording.backward(node._op, backward_fn, g)
-            seen: list = []
-            for parent, pg in zip(parents, parent_grads):
-                if parent is None or not parent.requires_grad:
-                    continue
-                if pg is not None:
-                    # Two parents handed the very same array must not share it,
-                    # or an in-place accumulation into one would change the other.
-                    if any(pg is s for s in seen):
-                        pg = pg.copy()
-                    seen.append(pg)
-                    _accumulate(parent, pg)
-        # Free this node's gradient and the graph behind it as we go.
-        node.grad = None
-        node._backward = None
-        node._parents = ()
-        for parent in parents:
-            if parent is not None and parent.requires_grad and parent._backward is None:
-                left = pending[id(parent)] - 1
-                pending[id(parent)] = left
-                if left == 0:
-                    parent._fire_hooks()
 
 
 def grad_buffer(tensor, dtype):
@@ -343,24 +367,3 @@ def grad_so_far(tensor, dtype):
     if g is None or g.dtype != dtype or tensor.data.dtype != dtype or not g.flags.c_contiguous:
         return None
     return g
-
-
-def _accumulate(tensor: Tensor, g) -> None:
-    if g is tensor.grad:                   # the op added into it (see grad_so_far)
-        return
-    if g.shape != tuple(tensor.shape):  # a Parameter's shape holds even while released
-        raise RuntimeError(
-            f"internal error: gradient of shape {g.shape} for tensor {tensor!r} "
-            f"{tensor.name!r}; an op's backward returned the wrong shape")
-    # A gradient is added in the dtype of the buffer already there (a strategy's
-    # bucket view), else in the tensor's grad_dtype, else in its data's dtype.
-    if tensor.grad is not None:
-        dtype = tensor.grad.dtype
-    else:
-        dtype = tensor.grad_dtype or tensor.data.dtype
-    if g.dtype != dtype:
-        g = g.astype(dtype)
-    if tensor.grad is None:
-        tensor.grad = g
-    else:
-        tensor.grad += g

@@ -33,14 +33,12 @@ from __future__ import annotations
 import ctypes
 import os
 
-import numpy as np
 from mpi4py import MPI
 
 from mpishard.core.backend import cupy_or_none, xp_of
 
 __all__ = [
     "DevicePath",
-    "is_device_array",
     "mpi_vendor",
     "loaded_libmpi",
     "query_cuda_support",
@@ -62,11 +60,6 @@ _UNTRUSTED_HINTS = (("OMPI_MCA_opal_cuda_support", "true", "Open MPI"),)
 def mpi_vendor() -> str:
     """The MPI library's vendor name (``MPI.get_vendor()[0]``: ``"Open MPI"``, ``"MPICH"``)."""
     return MPI.get_vendor()[0]
-
-
-def is_device_array(a) -> bool:
-    """True for a CuPy (or other ``__cuda_array_interface__``) array."""
-    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
 
 
 class DevicePath:

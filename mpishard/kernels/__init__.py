@@ -4,17 +4,12 @@
     k = kernels_for(xp)                  # the set for this array module
     y, t = k.gelu_forward(a)             # 2-D rows in float32 / float64
 
-Every kernel set has the same functions (see :mod:`.reference` for each one's
-math): ``gelu_forward``/``gelu_backward``, ``layer_norm_forward``/``_backward``,
-``rms_norm_forward``/``_backward``, ``norm_param_grads`` (either norm's weight and
-bias gradients), ``swiglu_forward``/``_backward``, ``dropout_add``/``dropout_backward``
-(on the caller's uniform draws), ``softmax_rows`` (in place), attention's
-``causal_softmax``/``softmax_backward`` (in place, optionally with dropout of the
-weights) and ``adam_update`` (in place).
+Every kernel set provides the same kernels, :class:`.protocol.KernelSet` (each
+kernel's signature and contract; ``tests/test_kernels.py`` holds every set to it):
 
-* :mod:`.cpu` for NumPy arrays: cache-blocked passes, spread over
-  ``MPISHARD_THREADS`` threads (default 1, see :mod:`.threads`);
-* :mod:`.gpu` for CuPy and the CuPy-strict test module: each kernel one compiled
+* :mod:`.cpu.ops` for NumPy arrays: cache-blocked passes, spread over
+  ``MPISHARD_THREADS`` threads (default 1, see :mod:`.cpu.threads`);
+* :mod:`.cuda.ops` for CuPy and the CuPy-strict test module: each kernel one compiled
   kernel launch (elementwise chains, a thread block per row for the norms and
   attention's softmax), plain row softmax as the reference (on the strict module
   each fused kernel counts as one launch);
@@ -23,7 +18,7 @@ weights) and ``adam_update`` (in place).
   fallback when a kernel misbehaves on a new machine (``MPISHARD_KERNELS=auto``,
   the default, picks per backend);
 * ``MPISHARD_ATTENTION=fused`` runs a GPU's causal attention (without dropout of the
-  weights) as the flash-style kernels of :mod:`.gpu_attention`, which keep no
+  weights) as the flash-style kernels of :mod:`.cuda.attention`, which keep no
   ``T x T`` array; ``batched`` (the default) keeps the weights and runs the products
   on cuBLAS. NumPy always keeps its per-sequence loop (:func:`fused_attention`).
 """
@@ -32,15 +27,14 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.kernels import reference
-from mpishard.kernels.cpu import ops as cpu
-from mpishard.kernels.cuda import ops as gpu
 from mpishard.kernels.choice import env_choice
+from mpishard.kernels.cpu import ops as cpu_kernels
+from mpishard.kernels.cuda import ops as gpu_kernels
+from mpishard.kernels.protocol import KernelSet
 
-__all__ = ["kernels_for", "KERNEL_NAMES", "kernel_choice", "attention_choice",
-           "fused_attention", "check_settings", "describe", "cpu", "gpu", "reference"]
+__all__ = ["kernels_for", "kernel_choice", "attention_choice", "fused_attention",
+           "check_settings", "describe"]
 
-#: the functions every kernel set provides
-KERNEL_NAMES = tuple(name for name in reference.__all__ if name != "NAME")
 _CHOICES = ("auto", "reference")
 _ATTENTION_CHOICES = ("batched", "fused")
 
@@ -90,8 +84,8 @@ def describe() -> str:
             f"MPISHARD_ATTENTION)")
 
 
-def kernels_for(xp):
+def kernels_for(xp) -> KernelSet:
     """The kernel set for array module ``xp`` (see the module docstring)."""
     if kernel_choice() == "reference":
         return reference
-    return cpu if xp is np else gpu
+    return cpu_kernels if xp is np else gpu_kernels

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpishard.autodiff import nn_ops
+from mpishard.autodiff import softmax_ops
 from mpishard.autodiff.ops import relu
 from mpishard.autodiff.tensor import Tensor
 from mpishard.core.backend import Backend
@@ -71,5 +71,5 @@ class MLPClassifier(Module):
             h = layer(h)
             if i < n - 1:
                 h = relu(h)
-        loss = nn_ops.cross_entropy(h, targets) if targets is not None else None
+        loss = softmax_ops.cross_entropy(h, targets) if targets is not None else None
         return h, loss

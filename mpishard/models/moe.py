@@ -33,7 +33,8 @@ from itertools import accumulate
 
 from mpishard.autodiff.moe_ops import expert_gelu, expert_swiglu, scatter_rows
 from mpishard.autodiff.nn_ops import embedding
-from mpishard.autodiff.ops import getitem, mul, reshape, sum, tanh  # noqa: A004 (the op)
+from mpishard.autodiff.ops import mul, sum, tanh  # noqa: A004 (the op)
+from mpishard.autodiff.shape_ops import getitem, reshape
 from mpishard.autodiff.softmax_ops import log_softmax, softmax
 from mpishard.core.backend import to_numpy, xp_of
 from mpishard.nn import Constant, Linear, Module, Normal, Parameter

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpishard.autodiff import nn_ops
+from mpishard.autodiff import nn_ops, softmax_ops
 from mpishard.nn.module import Module
 from mpishard.nn.parameter import Constant, Normal, Parameter
 
@@ -108,7 +108,7 @@ class CrossEntropyLoss(Module):
         self.ignore_index = ignore_index
 
     def forward(self, logits, targets):
-        return nn_ops.cross_entropy(logits, targets, ignore_index=self.ignore_index)
+        return softmax_ops.cross_entropy(logits, targets, ignore_index=self.ignore_index)
 
 
 def unbiased(linear, x):

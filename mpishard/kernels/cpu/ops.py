@@ -1,44 +1,40 @@
-"""CPU kernels: the reference math (:mod:`.reference`) as NumPy passes over cache-sized
-blocks of rows, the blocks spread over a few threads (:func:`.threads.for_rows`).
+"""CPU kernels: a kernel set (:class:`~mpishard.kernels.protocol.KernelSet`), the
+reference math (:mod:`mpishard.kernels.reference`) as NumPy passes over cache-sized blocks of rows,
+the blocks spread over a few threads (:func:`.threads.for_rows`).
 
 Each pass writes into preallocated arrays (``out=``), so a kernel allocates only
 its results; each row's arithmetic is the same whatever the blocks and threads,
 so results do not depend on the thread count. Reductions over a row are
-:mod:`.rows`'. A few run on whole arrays: attention's softmax backward; the norms'
-parameter gradients, as the ones-vector products (BLAS) the models have always
-used, bit for bit; and dropout, three passes that measured about as fast whole as
-blocked (:mod:`.reference`'s).
+:mod:`mpishard.kernels.rows`'. A few run on whole arrays: attention's softmax
+backward; the norms' parameter gradients, as the ones-vector products (BLAS) the
+models have always used, bit for bit; and dropout, three passes that measured about
+as fast whole as blocked (the reference's).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from mpishard.kernels import reference
+from mpishard.kernels.protocol import KERNEL_NAMES
 from mpishard.kernels.reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
 from mpishard.kernels.rows import col_sum, row_dot, row_max, row_sum
 from mpishard.kernels.cpu.threads import for_rows
 
-__all__ = ["NAME", "gelu_forward", "gelu_backward", "layer_norm_forward",
-           "layer_norm_backward", "rms_norm_forward", "rms_norm_backward", "norm_param_grads",
-           "swiglu_forward", "swiglu_backward", "dropout_add", "dropout_backward",
-           "bias_gelu_backward", "bias_dropout_backward",
-           "softmax_rows", "causal_softmax", "softmax_backward", "unpack_heads",
-           "adam_update", "sq_sum",
-           "gelu16_forward", "gelu16_backward",
-           "flash_attention_forward", "flash_attention_backward",
-           "multi_adam_update", "multi_sq_sum"]
+__all__ = ["NAME", "NATIVE_FLOAT16", *KERNEL_NAMES]
 
 NAME = "cpu"
+NATIVE_FLOAT16 = False      # the ops cast 16-bit rows up on NumPy
 
 dropout_add = reference.dropout_add            # whole arrays (see the module docstring)
 dropout_backward = reference.dropout_backward
 bias_dropout_backward = reference.bias_dropout_backward
 sq_sum = reference.sq_sum                      # BLAS's dot of the float64 copy
 unpack_heads = reference.unpack_heads          # one copy (a GPU's layout; NumPy has none)
-gelu16_forward = reference.gelu16_forward      # the ops cast 16-bit rows up on NumPy
-gelu16_backward = reference.gelu16_backward    # (NATIVE_FLOAT16 is the GPU's)
+gelu16_forward = reference.gelu16_forward      # 16-bit rows: the reference's float32 math
+gelu16_backward = reference.gelu16_backward
 # NumPy's attention runs one sequence at a time, its T x T weights in cache: the fused
-# attention (a GPU's, see gpu_attention.py) is only ever the reference here
+# attention (a GPU's, see mpishard/kernels/cuda/attention.py) is only ever the reference
+# here
 flash_attention_forward = reference.flash_attention_forward
 flash_attention_backward = reference.flash_attention_backward
 multi_sq_sum = reference.multi_sq_sum
@@ -62,7 +58,13 @@ def gelu_forward(a, bias=None):
     return y2, t2
 
 
-def gelu_backward(a, t2, g2, bias=None):
+def gelu_backward(a, t, g):
+    return _gelu_backward(a, t, g, None)
+
+
+def _gelu_backward(a, t2, g2, bias):
+    """:func:`gelu_backward` of ``a + bias`` (``bias`` None: of ``a``), the sum formed
+    block by block."""
     out2 = np.empty_like(a)
 
     def block(rows):
@@ -82,18 +84,18 @@ def gelu_backward(a, t2, g2, bias=None):
     return out2
 
 
-def bias_gelu_backward(a, bias, t2, g2, out_bias=None):
-    gx = gelu_backward(a, t2, g2, bias)           # a + bias again, block by block
+def bias_gelu_backward(a, bias, t, g, out_bias=None):
+    gx = _gelu_backward(a, t, g, bias)            # a + bias again, block by block
     return gx, col_sum(gx, out_bias)
 
 
-def layer_norm_forward(x2, weight, bias, eps: float):
-    inv_n = 1.0 / x2.shape[1]
-    xhat, y = np.empty_like(x2), np.empty_like(x2)
-    rstd = np.empty(x2.shape[0], dtype=x2.dtype)
+def layer_norm_forward(x, weight, bias, eps: float):
+    inv_n = 1.0 / x.shape[1]
+    xhat, y = np.empty_like(x), np.empty_like(x)
+    rstd = np.empty(x.shape[0], dtype=x.dtype)
 
     def block(rows):
-        xb, hb, yb, rb = x2[rows], xhat[rows], y[rows], rstd[rows]
+        xb, hb, yb, rb = x[rows], xhat[rows], y[rows], rstd[rows]
         np.subtract(xb, (row_sum(xb) * inv_n)[:, None], out=hb)
         rb[...] = row_dot(hb, hb)
         rb *= inv_n
@@ -107,7 +109,7 @@ def layer_norm_forward(x2, weight, bias, eps: float):
             yb[...] = hb
         if bias is not None:
             yb += bias
-    for_rows(block, *x2.shape)
+    for_rows(block, *x.shape)
     return y, xhat, rstd
 
 
@@ -136,17 +138,17 @@ def _norm_backward(g2, xhat, rstd, weight, centred: bool, into=None):
     return gx if into is None else into
 
 
-def layer_norm_backward(g2, xhat, rstd, weight, into=None):
-    return _norm_backward(g2, xhat, rstd, weight, centred=True, into=into)
+def layer_norm_backward(g, xhat, rstd, weight, into=None):
+    return _norm_backward(g, xhat, rstd, weight, centred=True, into=into)
 
 
-def rms_norm_forward(x2, weight, eps: float):
-    inv_n = 1.0 / x2.shape[1]
-    xhat, y = np.empty_like(x2), np.empty_like(x2)
-    rstd = np.empty(x2.shape[0], dtype=x2.dtype)
+def rms_norm_forward(x, weight, eps: float):
+    inv_n = 1.0 / x.shape[1]
+    xhat, y = np.empty_like(x), np.empty_like(x)
+    rstd = np.empty(x.shape[0], dtype=x.dtype)
 
     def block(rows):
-        xb, hb, rb = x2[rows], xhat[rows], rstd[rows]
+        xb, hb, rb = x[rows], xhat[rows], rstd[rows]
         rb[...] = row_dot(xb, xb)
         rb *= inv_n
         rb += eps
@@ -157,20 +159,20 @@ def rms_norm_forward(x2, weight, eps: float):
             np.multiply(hb, weight, out=y[rows])
         else:
             y[rows] = hb
-    for_rows(block, *x2.shape)
+    for_rows(block, *x.shape)
     return y, xhat, rstd
 
 
-def rms_norm_backward(g2, xhat, rstd, weight, into=None):
-    return _norm_backward(g2, xhat, rstd, weight, centred=False, into=into)
+def rms_norm_backward(g, xhat, rstd, weight, into=None):
+    return _norm_backward(g, xhat, rstd, weight, centred=False, into=into)
 
 
-def norm_param_grads(g2, xhat, need_weight: bool, need_bias: bool, out_weight=None,
+def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=None,
                      out_bias=None):
     """Column sums as ``ones @ rows`` (:func:`.rows.col_sum`), straight into the buckets'
     views when given."""
-    gw = col_sum(g2 * xhat, out_weight) if need_weight else None
-    gb = col_sum(g2, out_bias) if need_bias else None
+    gw = col_sum(g * xhat, out_weight) if need_weight else None
+    gb = col_sum(g, out_bias) if need_bias else None
     return gw, gb
 
 
@@ -189,20 +191,20 @@ def swiglu_forward(gate, up):
     return y2, s2
 
 
-def swiglu_backward(gate, up, s2, grad, need_gate: bool = True, need_up: bool = True):
+def swiglu_backward(gate, up, s, grad, need_gate: bool = True, need_up: bool = True):
     g_gate = np.empty_like(gate) if need_gate else None
     g_up = np.empty_like(gate) if need_up else None
 
     def block(rows):
-        g, s, gd = gate[rows], s2[rows], grad[rows]
-        gu = g_up[rows] if g_up is not None else np.empty_like(s)
+        g, sb, gd = gate[rows], s[rows], grad[rows]
+        gu = g_up[rows] if g_up is not None else np.empty_like(sb)
         np.multiply(gd, g, out=gu)                      # grad * silu(gate)
-        gu *= s
+        gu *= sb
         if g_gate is not None:
             # grad * up * s * (1 + g (1 - s)) = up * (gu + s (grad - gu)): 4 passes, not 6
             b = g_gate[rows]
             np.subtract(gd, gu, out=b)
-            b *= s
+            b *= sb
             b += gu
             b *= up[rows]
     for_rows(block, *gate.shape)

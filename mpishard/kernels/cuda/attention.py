@@ -1,5 +1,5 @@
 """Fused causal attention on a GPU: the flash-style RawKernels of
-:mod:`.cuda_attention`, launched (part of the GPU kernel set, :mod:`.gpu`).
+:mod:`.attention_src`, launched (part of the GPU kernel set, :mod:`.ops`).
 
 ``flash_attention_forward(hm, scale)`` and ``flash_attention_backward(hm, y, gy, lse,
 scale)`` take head-major q, k and v (``(3, B, heads, T, hs)``, C-contiguous, float16,
@@ -16,7 +16,7 @@ import numpy as np
 from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
 from mpishard.kernels.cuda.attention_src import flash_source, flash_tile
-from mpishard.kernels.cuda.launch import _is_strict, _raw_function
+from mpishard.kernels.cuda.launch import is_strict_module, raw_function
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
            "MAX_HEAD_SIZE"]
@@ -45,8 +45,8 @@ def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
     S = _STORAGE[np.dtype(dtype).name]
     T = _compute(dtype)[0]
-    return _raw_function(xp, f"{name}_{'half' if S == '__half' else S}_{hs}",
-                         lambda: flash_source(T, S, hs))
+    return raw_function(xp, f"{name}_{'half' if S == '__half' else S}_{hs}",
+                        lambda: flash_source(T, S, hs))
 
 
 def _launch(hm):
@@ -60,7 +60,7 @@ def flash_attention_forward(hm, scale: float):
     xp = xp_of(hm)
     if not fused_attention_takes(hm):
         return reference.flash_attention_forward(hm, scale)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_flash_forward"):
             return reference.flash_attention_forward(hm, scale)
     grid, block, BH, T, fd = _launch(hm)
@@ -79,7 +79,7 @@ def flash_attention_backward(hm, y, gy, lse, scale: float):
              and lse.flags.c_contiguous and lse.dtype == _compute(hm.dtype)[1])
     if not ready:
         return reference.flash_attention_backward(hm, y, gy, lse, scale)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_flash_dq"):       # the query rows' kernel, then the
             dh = reference.flash_attention_backward(hm, y, gy, lse, scale)
         with xp.syncs.fused("mpishard_flash_dkv"):      # key rows' (counted, no math)

@@ -37,7 +37,7 @@ import numpy as np
 
 from mpishard.core.backend import xp_of
 from mpishard.kernels.cpu.blas import matmul as cpu_matmul
-from mpishard.kernels.cuda.ops import _is_strict
+from mpishard.kernels.cuda.launch import is_strict_module
 
 __all__ = ["batched_matmul", "matmul", "cublas_arguments"]
 
@@ -79,7 +79,7 @@ def batched_matmul(a, b, trans_a: bool = False, trans_b: bool = False, out=None,
     args = cublas_arguments(a, b, trans_a, trans_b, out)
     if args is None:                             # CuPy's matmul (on strict: its copies too)
         out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
-    elif _is_strict(xp):                         # the one cuBLAS call it is on a GPU
+    elif is_strict_module(xp):                   # the one cuBLAS call it is on a GPU
         with xp.syncs.fused("cublas_gemm_strided_batched"):
             if out.dtype.itemsize > a.dtype.itemsize:   # accumulated and kept in float32
                 a, b = a.astype(out.dtype), b.astype(out.dtype)
@@ -165,6 +165,6 @@ def _call_cublas(args: dict, a, b, out) -> None:
 
 
 def matmul(a, b):
-    """``a @ b``: on NumPy through the CPU's BLAS choice (:func:`.cpu_blas.matmul`),
-    elsewhere the array module's own operator."""
+    """``a @ b``: on NumPy through the CPU's BLAS choice
+    (:func:`mpishard.kernels.cpu.blas.matmul`), elsewhere the array module's own operator."""
     return cpu_matmul(a, b) if isinstance(a, np.ndarray) else a @ b

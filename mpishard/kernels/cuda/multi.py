@@ -1,7 +1,7 @@
 """The optimizer's kernels on a GPU: an Adam step and the gradients' sums of squares,
 each over all targets in one launch (multi-tensor; the CUDA source and the tables'
-layout are :mod:`.cuda_multi`'s), and the one-target kernels they fall back to
-(part of the GPU kernel set, :mod:`.gpu`).
+layout are :mod:`.multi_src`'s), and the one-target kernels they fall back to
+(part of the GPU kernel set, :mod:`.ops`).
 
 ``multi_adam_update(targets, ...)`` takes ``(param, grad, m, v, decay_ranges)``
 tuples of flat, C-contiguous arrays of one dtype (float32 or float64);
@@ -21,8 +21,9 @@ import numpy as np
 
 from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
-from mpishard.kernels.cuda.multi_src import CHUNK, multi_source
-from mpishard.kernels.cuda.launch import _is_strict, _kernel, _raw_function
+from mpishard.kernels.cuda.multi_src import CHUNK, REDUCTIONS, SOURCES, multi_source
+from mpishard.kernels.cuda.launch import (elementwise_kernel, is_strict_module, raw_function,
+                                          reduction_kernel)
 
 __all__ = ["adam_update", "sq_sum", "multi_adam_update", "multi_sq_sum", "chunk_table"]
 
@@ -38,12 +39,12 @@ def _address(a) -> int:
 
 def _multi_kernel(xp, name: str, dtype):
     T = "double" if np.dtype(dtype) == np.float64 else "float"
-    return _raw_function(xp, f"{name}_{T}", lambda: multi_source(T))
+    return raw_function(xp, f"{name}_{T}", lambda: multi_source(T))
 
 
 def chunk_table(sizes, decay_ranges=None) -> tuple:
     """``(chunks, first)``: ``(target, start, stop, decays)`` rows covering every target's
-    ``range(size)`` in order, at most :data:`~.cuda_multi.CHUNK` elements each and
+    ``range(size)`` in order, at most :data:`~.multi_src.CHUNK` elements each and
     none across a boundary of the target's decay ranges; ``first[t]`` is target t's
     first row (and ``first[-1]`` the number of rows)."""
     rows, first = [], []
@@ -96,7 +97,7 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
         _one_by_one(targets, beta1, beta2, step_size, inv_bias2, eps,   # one kernel per
                     grad_scale, decay)                                  # target
         return
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_multi_adam"):
             reference.multi_adam_update(targets, beta1, beta2, step_size, inv_bias2, eps,
                                         grad_scale, decay)
@@ -129,7 +130,7 @@ def multi_sq_sum(arrays, out):
         for i in sorted(set(range(len(flat))) - set(taken)):
             sq_sum(arrays[i], out[i:i + 1])
         return out
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_multi_sq_sum"):         # the chunks' sums, then
             reference.multi_sq_sum(arrays, out)
         with xp.syncs.fused("mpishard_multi_sq_total"):       # each array's (counted)
@@ -149,22 +150,23 @@ def multi_sq_sum(arrays, out):
 def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
                 inv_bias2: float, eps: float) -> None:
     xp = xp_of(param)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_adam_update"):
             reference.adam_update(param, grad, m, v, beta1, beta2, step_size, inv_bias2, eps)
         return
-    _kernel(xp, "mpishard_adam_update")(grad, beta1, beta2, step_size, inv_bias2, eps,
-                                        param, m, v)
+    elementwise_kernel(xp, "mpishard_adam_update", SOURCES)(
+        grad, beta1, beta2, step_size, inv_bias2, eps, param, m, v)
 
 
 def sq_sum(x, out):
     xp = xp_of(x)
     if x.dtype.name not in ("float32", "float64"):  # 16-bit: the copy, the product
         return reference.sq_sum(x, out)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_sq_sum"):
             return reference.sq_sum(x, out)
-    return _kernel(xp, "mpishard_sq_sum")(x.reshape(-1), axis=0, keepdims=True, out=out)
+    return reduction_kernel(xp, "mpishard_sq_sum", REDUCTIONS)(x.reshape(-1), axis=0,
+                                                              keepdims=True, out=out)
 
 
 #: :func:`multi_adam_update`'s fallback: :func:`adam_update` target by target

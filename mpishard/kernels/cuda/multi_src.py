@@ -9,7 +9,8 @@ addresses, ``stride`` per target) and a table of *chunks*, four 64-bit integers
 each: ``(target, start, stop, flag)``, elements ``start .. stop - 1`` of that target
 (at most :data:`CHUNK` of them, never across a weight-decay boundary), ``flag`` 1
 where the chunk gets weight decay. A thread block takes one chunk. The tables
-are built on the host once for a set of targets and kept (mpishard/kernels/cuda/multi.py).
+are built on the host once for a set of targets and kept (:mod:`.multi` launches
+these kernels).
 
 * ``mpishard_multi_adam_{T}``: per element, ``g = grad * grad_scale`` (the loss
   scale's and the clipping's factor, where ``scaled``), ``p *= decay`` where the
@@ -18,10 +19,14 @@ are built on the host once for a set of targets and kept (mpishard/kernels/cuda/
 * ``mpishard_multi_sq_sum_{T}``: each chunk's sum of squares in double (a block
   reduction, deterministic) into ``partial[chunk]``; ``mpishard_multi_sq_total``
   adds each target's chunks' partial sums in order into ``out[target]``.
+
+The one-target kernels, for targets the tables do not take, are :data:`SOURCES`'
+``cupy.ElementwiseKernel`` (Adam) and :data:`REDUCTIONS`' ``cupy.ReductionKernel``
+(a sum of squares).
 """
 from __future__ import annotations
 
-__all__ = ["MULTI_KERNELS", "multi_source", "CHUNK"]
+__all__ = ["MULTI_KERNELS", "multi_source", "CHUNK", "SOURCES", "REDUCTIONS"]
 
 #: elements per chunk (a thread block's share): 256 threads, 256 elements each
 CHUNK = 1 << 16
@@ -86,3 +91,18 @@ extern "C" __global__ void mpishard_multi_sq_total_{T}(
 def multi_source(T: str) -> str:
     """:data:`MULTI_KERNELS` for ``T`` = ``"float"`` or ``"double"``."""
     return MULTI_KERNELS.replace("{T}", T)
+
+
+#: name -> (inputs, outputs, CUDA body) of the one-target ElementwiseKernel
+SOURCES = {
+    "mpishard_adam_update": (
+        "T g, float64 b1, float64 b2, float64 step, float64 ib2, float64 eps",
+        "T p, T m, T v",
+        "m = (T)b1 * m + (T)(1.0 - b1) * g; v = (T)b2 * v + (T)(1.0 - b2) * g * g;"
+        " p -= (T)step * (m / (sqrt(v) * (T)ib2 + (T)eps));"),
+}
+#: name -> (inputs, outputs, map, reduce, post-map) of the one-target ReductionKernel
+REDUCTIONS = {
+    # a gradient's sum of squares in float64 (the clipping norm), no float64 copy
+    "mpishard_sq_sum": ("T x", "float64 y", "(double)x * (double)x", "a + b", "y = a"),
+}

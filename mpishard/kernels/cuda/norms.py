@@ -1,6 +1,6 @@
 """Layer norm and RMS norm on a GPU: one RawKernel each way, and one for the weight's
 and bias's gradients; the fallbacks for rows the RawKernels do not take (part of
-the GPU kernel set, :mod:`.gpu`)."""
+the GPU kernel set, :mod:`.ops`; the sources are :mod:`.norms_src`'s)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,11 +8,29 @@ import numpy as np
 from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
 from mpishard.kernels.reference import up32
-from mpishard.kernels.cuda.launch import (ROW_THREADS, _column_blocks, _flag, _is_strict, _kernel, _raw_ready,
-                         _row_kernel)
+from mpishard.kernels.cuda.launch import (ROW_THREADS, column_blocks, elementwise_kernel,
+                                          is_strict_module, presence_flag, raw_function,
+                                          raw_kernels_take, reduction_kernel)
+from mpishard.kernels.cuda.norms_src import REDUCTIONS, SOURCES, norm_kernel_source
 
 __all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward",
            "rms_norm_backward", "norm_param_grads"]
+
+
+def _norm_kernel(xp, name: str, dtype, rows16: bool = False):
+    """The RawKernel ``name`` of :data:`.norms_src.NORM_KERNELS` for ``dtype`` (float32 or
+    float64; with ``rows16``, float32 with the rows in float16)."""
+    T = "float" if dtype == "float32" else "double"
+    return raw_function(xp, f"{name}_{T}_h" if rows16 else f"{name}_{T}",
+                        lambda: norm_kernel_source(T, "__half" if rows16 else None))
+
+
+def _fallback(xp, name: str):
+    """The fallback's ElementwiseKernel or ReductionKernel ``name`` (see :mod:`.norms_src`)."""
+    if name in SOURCES:
+        return elementwise_kernel(xp, name, SOURCES)
+    return reduction_kernel(xp, name, REDUCTIONS)
+
 
 def _rows16(rows, *float32s) -> bool:
     """Whether the norms' RawKernels take ``rows`` (arrays or None) as float16 rows and
@@ -41,11 +59,11 @@ def _norm_forward(x, weight, bias, eps: float, centred: bool):
     y, xhat = xp.empty_like(x), xp.empty_like(x)
     rstd = xp.empty(x.shape[0], dtype=x.dtype)
     if x.shape[0]:
-        _row_kernel(xp, "mpishard_norm_forward", x.dtype.name)(
+        _norm_kernel(xp, "mpishard_norm_forward", x.dtype.name)(
             (x.shape[0],), (ROW_THREADS,),
             (x, x if weight is None else weight, x if bias is None else bias, y, xhat, rstd,
-             np.int32(x.shape[1]), x.dtype.type(eps), np.int32(centred), _flag(weight),
-             _flag(bias)))
+             np.int32(x.shape[1]), x.dtype.type(eps), np.int32(centred), presence_flag(weight),
+             presence_flag(bias)))
     return y, xhat, rstd
 
 
@@ -61,11 +79,11 @@ def _norm_forward16(x, weight, bias, eps: float, centred: bool):
     xhat = xp.empty(x.shape, dtype=np.float32)
     rstd = xp.empty(x.shape[0], dtype=np.float32)
     if x.shape[0]:
-        _row_kernel(xp, "mpishard_norm_forward", "float32", rows16=True)(
+        _norm_kernel(xp, "mpishard_norm_forward", "float32", rows16=True)(
             (x.shape[0],), (ROW_THREADS,),
             (x, x if weight is None else weight, x if bias is None else bias, y, xhat, rstd,
-             np.int32(x.shape[1]), np.float32(eps), np.int32(centred), _flag(weight),
-             _flag(bias)))
+             np.int32(x.shape[1]), np.float32(eps), np.int32(centred), presence_flag(weight),
+             presence_flag(bias)))
     return y, xhat, rstd
 
 
@@ -74,7 +92,7 @@ def _forward16(x, weight, bias, eps: float, centred: bool):
     kernel (on the strict module the reference on the cast rows, one launch), or for
     rows it does not take the float32 path on rows cast up, cast down after."""
     xp = xp_of(x)
-    if _rows16((x, weight, bias)) and not _is_strict(xp):
+    if _rows16((x, weight, bias)) and not is_strict_module(xp):
         return _norm_forward16(x, weight, bias, eps, centred)
 
     def cast_up(layer_norm, rms_norm):      # the float32 math on the rows cast up, the
@@ -94,16 +112,16 @@ def layer_norm_forward(x, weight, bias, eps: float):
     xp = xp_of(x)
     if x.dtype == np.float16:                                   # see [Note: float16 rows]
         return _forward16(x, weight, bias, eps, centred=True)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_layer_norm_forward"):
             return reference.layer_norm_forward(x, weight, bias, eps)
-    if _raw_ready(x, weight, bias):
+    if raw_kernels_take(x, weight, bias):
         return _norm_forward(x, weight, bias, eps, centred=True)
     inv_n = 1.0 / max(x.shape[1], 1)    # the fallback: 2 row reductions and 1 map
     w, b = _ones_zeros(x, weight, bias)
-    mu = _kernel(xp, "mpishard_row_mean")(x, inv_n, axis=1)
-    rstd = _kernel(xp, "mpishard_row_rstd")(x, mu[:, None], inv_n, eps, axis=1)
-    y, h = _kernel(xp, "mpishard_norm_apply")(x, mu[:, None], rstd[:, None], w, b)
+    mu = _fallback(xp, "mpishard_row_mean")(x, inv_n, axis=1)
+    rstd = _fallback(xp, "mpishard_row_rstd")(x, mu[:, None], inv_n, eps, axis=1)
+    y, h = _fallback(xp, "mpishard_norm_apply")(x, mu[:, None], rstd[:, None], w, b)
     return y, h, rstd
 
 
@@ -118,40 +136,40 @@ def _norm_backward(g, xhat, rstd, weight, centred: bool, into=None):
     if g.dtype == np.float16 and not _rows16((g, weight), xhat, rstd):  # cast up, down
         return _norm_backward(up32(g), xhat, rstd, up32(weight), centred).astype(np.float16)
     if g.dtype == np.float16:
-        if _is_strict(xp):
+        if is_strict_module(xp):
             name = "layer_norm_backward" if centred else "rms_norm_backward"
             with xp.syncs.fused(f"mpishard_{name}"):
                 return getattr(reference, name)(up32(g), xhat, rstd, up32(weight)) \
                     .astype(np.float16)
         gx = xp.empty_like(g)
         if g.shape[0]:
-            _row_kernel(xp, "mpishard_norm_backward", "float32", rows16=True)(
+            _norm_kernel(xp, "mpishard_norm_backward", "float32", rows16=True)(
                 (g.shape[0],), (ROW_THREADS,),
                 (g, xhat, rstd, g if weight is None else weight, gx, np.int32(g.shape[1]),
-                 np.int32(centred), _flag(weight), np.int32(0)))
+                 np.int32(centred), presence_flag(weight), np.int32(0)))
         return gx
-    if _is_strict(xp):
+    if is_strict_module(xp):
         name = "layer_norm_backward" if centred else "rms_norm_backward"
         with xp.syncs.fused(f"mpishard_{name}"):
             return getattr(reference, name)(g, xhat, rstd, weight, into)
-    if _raw_ready(g, xhat, rstd, weight, into):
+    if raw_kernels_take(g, xhat, rstd, weight, into):
         gx = xp.empty_like(g) if into is None else into
         if g.shape[0]:
-            _row_kernel(xp, "mpishard_norm_backward", g.dtype.name)(
+            _norm_kernel(xp, "mpishard_norm_backward", g.dtype.name)(
                 (g.shape[0],), (ROW_THREADS,),
                 (g, xhat, rstd, g if weight is None else weight, gx, np.int32(g.shape[1]),
-                 np.int32(centred), _flag(weight), _flag(into)))
+                 np.int32(centred), presence_flag(weight), presence_flag(into)))
         return gx
     if into is not None:
         into += _norm_backward(g, xhat, rstd, weight, centred)
         return into
     inv_n = 1.0 / max(g.shape[1], 1)
     w, _ = _ones_zeros(g, weight, None)
-    mgh = _kernel(xp, "mpishard_row_mean_gwh")(g, w, xhat, inv_n, axis=1)
+    mgh = _fallback(xp, "mpishard_row_mean_gwh")(g, w, xhat, inv_n, axis=1)
     if not centred:
-        return _kernel(xp, "mpishard_rms_norm_grad")(g, w, xhat, mgh[:, None], rstd[:, None])
-    mg = _kernel(xp, "mpishard_row_mean_gw")(g, w, inv_n, axis=1)
-    return _kernel(xp, "mpishard_layer_norm_grad")(g, w, xhat, mg[:, None], mgh[:, None],
+        return _fallback(xp, "mpishard_rms_norm_grad")(g, w, xhat, mgh[:, None], rstd[:, None])
+    mg = _fallback(xp, "mpishard_row_mean_gw")(g, w, inv_n, axis=1)
+    return _fallback(xp, "mpishard_layer_norm_grad")(g, w, xhat, mg[:, None], mgh[:, None],
                                                    rstd[:, None])
 
 
@@ -163,15 +181,15 @@ def rms_norm_forward(x, weight, eps: float):
     xp = xp_of(x)
     if x.dtype == np.float16:                                   # see [Note: float16 rows]
         return _forward16(x, weight, None, eps, centred=False)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_rms_norm_forward"):
             return reference.rms_norm_forward(x, weight, eps)
-    if _raw_ready(x, weight):
+    if raw_kernels_take(x, weight):
         return _norm_forward(x, weight, None, eps, centred=False)
     inv_n = 1.0 / max(x.shape[1], 1)    # the fallback: 1 row reduction and 1 map
     w, _ = _ones_zeros(x, weight, None)
-    rstd = _kernel(xp, "mpishard_row_rms_rstd")(x, inv_n, eps, axis=1)
-    y, h = _kernel(xp, "mpishard_rms_apply")(x, rstd[:, None], w)
+    rstd = _fallback(xp, "mpishard_row_rms_rstd")(x, inv_n, eps, axis=1)
+    y, h = _fallback(xp, "mpishard_rms_apply")(x, rstd[:, None], w)
     return y, h, rstd
 
 
@@ -188,15 +206,15 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
         (g,), xhat, out_weight if need_weight else None, out_bias if need_bias else None)
     if g.dtype == np.float16 and not rows16:                    # cast up
         return norm_param_grads(up32(g), xhat, need_weight, need_bias, out_weight, out_bias)
-    if rows16 and _is_strict(xp):                               # see [Note: float16 rows]
+    if rows16 and is_strict_module(xp):                               # see [Note: float16 rows]
         with xp.syncs.fused("mpishard_norm_param_grads"):
             return reference.norm_param_grads(up32(g), xhat, need_weight, need_bias,
                                               out_weight, out_bias)
-    if _is_strict(xp):
+    if is_strict_module(xp):
         with xp.syncs.fused("mpishard_norm_param_grads"):
             return reference.norm_param_grads(g, xhat, need_weight, need_bias, out_weight,
                                               out_bias)
-    if not rows16 and not _raw_ready(g, xhat, out_weight if need_weight else None,
+    if not rows16 and not raw_kernels_take(g, xhat, out_weight if need_weight else None,
                                      out_bias if need_bias else None):
         return reference.norm_param_grads(g, xhat, need_weight, need_bias, out_weight,
                                           out_bias)
@@ -208,8 +226,8 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
         return xp.empty(n, dtype=xhat.dtype) if out is None else out
     gw, gb = into(need_weight, out_weight), into(need_bias, out_bias)
     if n:
-        _row_kernel(xp, "mpishard_norm_param_grads", xhat.dtype.name, rows16)(
-            *_column_blocks(n),
+        _norm_kernel(xp, "mpishard_norm_param_grads", xhat.dtype.name, rows16)(
+            *column_blocks(n),
             (g, xhat, g if gw is None else gw, g if gb is None else gb, np.int64(rows),
-             np.int32(n), _flag(gw), _flag(gb)))
+             np.int32(n), presence_flag(gw), presence_flag(gb)))
     return gw, gb

@@ -1,11 +1,13 @@
-"""The CUDA source of the GPU kernel set (:mod:`.gpu` compiles and launches it).
+"""The CUDA source of the GPU kernel set's elementwise and row kernels (:mod:`.ops`
+launches them; the norms' are :mod:`.norms_src`'s).
 
 * :data:`SOURCES`: the bodies of the ``cupy.ElementwiseKernel`` s, per name
-  (inputs, outputs, body; ``T`` the array dtype);
-* :data:`REDUCTIONS`: the ``cupy.ReductionKernel`` s of the norms' fallback;
-* :data:`ROW_KERNELS`: the ``cupy.RawKernel`` s, one module of CUDA C with
-  ``{T}`` for float or double (``{S}``, the norms' rows in memory, the same or
-  ``__half``; :func:`row_kernel_source` fills them in).
+  (inputs, outputs, body; ``T`` the array dtype), :data:`FLOAT16_SOURCES` those that
+  also take float16;
+* :data:`ROW_KERNELS`: the ``cupy.RawKernel`` s, one module of CUDA C with ``{T}``
+  for float or double (:func:`row_kernel_source` fills it in);
+* :data:`BLOCK_REDUCE`: the block-wide sum or maximum that these and the norms' row
+  kernels share.
 
 ``scripts/compile_kernels.py`` compiles all of it with NVRTC, without a GPU.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from mpishard.kernels.reference import GELU_C, GELU_K
 
-__all__ = ["SOURCES", "FLOAT16_SOURCES", "REDUCTIONS", "ROW_KERNELS", "row_kernel_source"]
+__all__ = ["SOURCES", "FLOAT16_SOURCES", "BLOCK_REDUCE", "ROW_KERNELS", "row_kernel_source"]
 
 #: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
 SOURCES = {
@@ -31,11 +33,6 @@ SOURCES = {
     "mpishard_swiglu_backward": (
         "T g, T u, T s, T d", "T dg, T du",
         "T gu = d * g * s; du = gu; dg = u * (gu + s * (d - gu));"),
-    "mpishard_adam_update": (
-        "T g, float64 b1, float64 b2, float64 step, float64 ib2, float64 eps",
-        "T p, T m, T v",
-        "m = (T)b1 * m + (T)(1.0 - b1) * g; v = (T)b2 * v + (T)(1.0 - b2) * g * g;"
-        " p -= (T)step * (m / (sqrt(v) * (T)ib2 + (T)eps));"),
     # kept where u >= p (compared in float32, as NumPy does), times the scale in T
     "mpishard_dropout": (
         "T y, float32 u, float64 p, float64 scale", "T z",
@@ -78,14 +75,6 @@ SOURCES = {
         f"const float x = (float)a + (float)b; gf = (float)g * ((float)0.5 * ((float)1 + t)"
         f" + (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} * ((float)1 +"
         f" (float)3 * (float){GELU_K!r} * x * x)); gx = (T)gf;"),
-    # the norms' fallback for inputs the row kernels do not take (see the docstring)
-    "mpishard_norm_apply": ("T x, T mu, T rstd, T w, T b", "T y, T h",
-                            "h = (x - mu) * rstd; y = h * w + b;"),
-    "mpishard_layer_norm_grad": ("T g, T w, T h, T mg, T mgh, T rstd", "T gx",
-                                 "gx = rstd * (g * w - mg - h * mgh);"),
-    "mpishard_rms_apply": ("T x, T rstd, T w", "T y, T h", "h = x * rstd; y = h * w;"),
-    "mpishard_rms_norm_grad": ("T g, T w, T h, T mgh, T rstd", "T gx",
-                               "gx = rstd * (g * w - h * mgh);"),
 }
 #: the kernels of :data:`SOURCES` that also run on float16 (dropout, on a 16-bit model's
 #: activations and gradients; the others get float32 or float64)
@@ -93,29 +82,9 @@ FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add", "mpishard_bias_dr
                    "mpishard_bias_dropout_add", "mpishard_bias_add", "mpishard_add_bias",
                    "mpishard_gelu16_forward", "mpishard_bias_gelu16_forward",
                    "mpishard_gelu16_backward", "mpishard_bias_gelu16_backward")
-#: name -> (inputs, outputs, map, reduce, post-map) of each ReductionKernel (over rows),
-#: the norms' fallback
-REDUCTIONS = {
-    "mpishard_row_mean": ("T x, float64 inv_n", "T y", "x", "a + b", "y = (T)(a * inv_n)"),
-    "mpishard_row_rstd": ("T x, T mu, float64 inv_n, float64 eps", "T y",
-                          "(x - mu) * (x - mu)", "a + b", "y = (T)(1.0 / sqrt(a * inv_n + eps))"),
-    "mpishard_row_rms_rstd": ("T x, float64 inv_n, float64 eps", "T y", "x * x", "a + b",
-                              "y = (T)(1.0 / sqrt(a * inv_n + eps))"),
-    "mpishard_row_mean_gw": ("T g, T w, float64 inv_n", "T y", "g * w", "a + b",
-                             "y = (T)(a * inv_n)"),
-    "mpishard_row_mean_gwh": ("T g, T w, T h, float64 inv_n", "T y", "g * w * h", "a + b",
-                              "y = (T)(a * inv_n)"),
-    # a gradient's sum of squares in float64 (the clipping norm), no float64 copy
-    "mpishard_sq_sum": ("T x", "float64 y", "(double)x * (double)x", "a + b", "y = a"),
-}
-#: the RawKernels, ``{T}`` float or double. All but the last take a thread block per
-#: row: a sum or max over the block (warp shuffles, then the warps' results), then the
-#: row's passes. An absent optional array is passed as a flag 0 and any valid pointer.
-ROW_KERNELS = f"""
-#define MPISHARD_GELU_C {GELU_C!r}
-#define MPISHARD_GELU_K {GELU_K!r}""" + r"""
-typedef {T} T;
-typedef {S} S;   /* the norms' rows in memory: T, or __half (computed in float) */
+#: a sum (``is_max`` false) or maximum of ``v`` over a thread block: warp shuffles, then
+#: the warps' results through ``shared`` (32 of ``T``); every thread gets the result
+BLOCK_REDUCE = r"""
 __device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
   for (int o = 16; o > 0; o >>= 1) {
     const T w = __shfl_xor_sync(0xffffffff, v, o);
@@ -138,10 +107,18 @@ __device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
   __syncthreads();
   return v;
 }
-
+"""
+#: the RawKernels, ``{T}`` float or double. Softmax takes a thread block per row (the
+#: row's max and sum as :data:`BLOCK_REDUCE` s, then its passes), the others a block per
+#: 32 columns. An absent optional array is passed as a flag 0 and any valid pointer.
+ROW_KERNELS = f"""
+#define MPISHARD_GELU_C {GELU_C!r}
+#define MPISHARD_GELU_K {GELU_K!r}""" + r"""
+typedef {T} T;
+""" + BLOCK_REDUCE + r"""
 /* Softmax of a row of scaled, causally masked scores, in place; with has_drop also
    the dropped weights: kept where du >= dp, times dscale. */
-extern "C" __global__ void mpishard_causal_softmax_{N}(T* a, const int n, const T scale,
+extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const T scale,
                                                       const int has_drop, const float* du,
                                                       const float dp, const T dscale,
                                                       T* dropped) {
@@ -174,7 +151,7 @@ extern "C" __global__ void mpishard_causal_softmax_{N}(T* a, const int n, const 
    has_drop, d first goes back through the forward's dropout (written back to d), and
    with has_dropped the dropped weights (p kept where du >= dp, times dscale) are
    written to dropped on the way, for the values' gradient. */
-extern "C" __global__ void mpishard_softmax_backward_{N}(T* d, const T* p, const int n,
+extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const int n,
                                                         const T scale, const int has_drop,
                                                         const float* du, const float dp,
                                                         const T dscale,
@@ -200,97 +177,6 @@ extern "C" __global__ void mpishard_softmax_backward_{N}(T* d, const T* p, const
   for (int j = threadIdx.x; j < n; j += blockDim.x) dr[j] = (dr[j] - s) * pr[j] * scale;
 }
 
-/* Layer norm (centred) or RMS norm of a row: the mean (layer norm), the mean square of
-   x - mean, rstd = 1 / sqrt(that + eps), xhat = (x - mean) rstd, y = xhat w + b (w and
-   b where has_w, has_b). */
-extern "C" __global__ void mpishard_norm_forward_{N}(const S* x, const S* w, const S* b,
-                                                    S* y, T* xhat, T* rstd, const int n,
-                                                    const T eps, const int centred,
-                                                    const int has_w, const int has_b) {
-  __shared__ T shared[32];
-  const long long row = blockIdx.x;
-  const S* xr = x + row * n;
-  T mean = 0;
-  if (centred) {
-    T s = 0;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) s += (T)xr[j];
-    mean = mpishard_block_reduce(s, false, shared) / (T)n;
-  }
-  T ss = 0;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T c = (T)xr[j] - mean;
-    ss += c * c;
-  }
-  const T r = (T)1 / sqrt(mpishard_block_reduce(ss, false, shared) / (T)n + eps);
-  if (threadIdx.x == 0) rstd[row] = r;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T h = ((T)xr[j] - mean) * r;
-    T v = has_w ? h * (T)w[j] : h;
-    if (has_b) v += (T)b[j];
-    xhat[row * n + j] = h;
-    y[row * n + j] = (S)v;
-  }
-}
-
-/* The input's gradient of a row of either norm, for output gradient g:
-   rstd (gh - mean(gh) - xhat mean(gh xhat)) with gh = g w, the first mean for
-   layer norm only; with add, added into dx (the input's gradient so far). */
-extern "C" __global__ void mpishard_norm_backward_{N}(const S* g, const T* xhat,
-                                                     const T* rstd, const S* w, S* dx,
-                                                     const int n, const int centred,
-                                                     const int has_w, const int add) {
-  __shared__ T shared[32];
-  const long long row = blockIdx.x;
-  const S* gr = g + row * n;
-  const T* hr = xhat + row * n;
-  T sum_gh = 0, sum_ghx = 0;                 /* gh = g w, as the reference's */
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T gh = has_w ? (T)gr[j] * (T)w[j] : (T)gr[j];
-    sum_gh += gh;
-    sum_ghx += gh * hr[j];
-  }
-  T mean_gh = 0;
-  if (centred) mean_gh = mpishard_block_reduce(sum_gh, false, shared) / (T)n;
-  const T mean_ghx = mpishard_block_reduce(sum_ghx, false, shared) / (T)n;
-  const T r = rstd[row];
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const T gh = has_w ? (T)gr[j] * (T)w[j] : (T)gr[j];
-    const T v = r * (gh - mean_gh - hr[j] * mean_ghx);
-    dx[row * n + j] = (S)(add ? (T)dx[row * n + j] + v : v);  /* add: into the gradient */
-  }                                                            /* so far */
-}
-
-/* The norms' weight and bias gradients: column sums of g xhat (gw, where need_w) and of
-   g (gb, where need_b) over rows x n. A block of 32 columns x blockDim.y (at most 32)
-   row threads, each summing every blockDim.y-th row of its column, then the partial
-   sums added in a fixed order: deterministic, no atomics. */
-extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_norm_param_grads_{N}(
-    const S* g, const T* xhat, T* gw, T* gb, const long long rows, const int n,
-    const int need_w, const int need_b) {
-  __shared__ T part_w[32][32], part_b[32][32];
-  const int col = blockIdx.x * 32 + threadIdx.x;
-  T sw = 0, sb = 0;
-  if (col < n) {
-    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
-      const T v = (T)g[i * n + col];
-      if (need_w) sw += v * xhat[i * n + col];
-      sb += v;
-    }
-  }
-  part_w[threadIdx.y][threadIdx.x] = sw;
-  part_b[threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < n) {
-    for (int k = 1; k < blockDim.y; ++k) {
-      sw += part_w[k][threadIdx.x];
-      sb += part_b[k][threadIdx.x];
-    }
-    if (need_w) gw[col] = sw;
-    if (need_b) gb[col] = sb;
-  }
-}
-
 /* The column-sum kernels' end: thread (x, y) holds the partial sum s of its rows of
    column col; the block adds them in a fixed order (deterministic, no atomics) and row
    thread 0 writes the column's total to out[col]. */
@@ -308,7 +194,7 @@ __device__ void mpishard_column_total(T s, const int col, const int n, T* out) {
    kernel): gx = g gelu'(a + b) per element, and gb, the column sums of gx (b's
    gradient). Blocks of 32 columns x blockDim.y row threads, as norm_param_grads. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_bias_gelu_backward_{N}(
+mpishard_bias_gelu_backward_{T}(
     const T* a, const T* b, const T* t, const T* g, T* gx, T* gb, const long long rows,
     const int n) {
   const int col = blockIdx.x * 32 + threadIdx.x;
@@ -331,7 +217,7 @@ mpishard_bias_gelu_backward_{N}(
    du >= dp, else 0 (with has_drop; else gy is g, not written), and gb, the column
    sums of gy (the bias's gradient). Blocks as above. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_bias_dropout_backward_{N}(
+mpishard_bias_dropout_backward_{T}(
     const T* g, const int has_drop, const float* du, const float dp, const T dscale,
     T* gy, T* gb, const long long rows, const int n) {
   const int col = blockIdx.x * 32 + threadIdx.x;
@@ -355,7 +241,7 @@ mpishard_bias_dropout_backward_{N}(
    their column sums (c_attn's bias gradient) into sums. Blocks as above: a warp's
    32 columns are 32 neighbouring elements of a head on both sides. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
-mpishard_unpack_heads_{N}(
+mpishard_unpack_heads_{T}(
     const T* h, T* rows, const int has_sum, T* sums, const long long B, const int Tn,
     const int nh, const int hs) {
   const int n = 3 * nh * hs;
@@ -376,11 +262,7 @@ mpishard_unpack_heads_{N}(
 """
 
 
-def row_kernel_source(T: str, S: str | None = None) -> str:
-    """:data:`ROW_KERNELS` for compute type ``T`` (``"float"`` or ``"double"``) and row
-    storage ``S`` (default ``T``; ``"__half"`` for float16 rows with ``T`` float), each
-    kernel named ``<name>_<T>`` (``<name>_float_h`` with ``__half``)."""
-    S = S or T
-    code = ROW_KERNELS.replace("{T}", T).replace("{S}", S).replace(
-        "{N}", T if S == T else f"{T}_h")
-    return ("#include <cuda_fp16.h>\n" + code) if S == "__half" else code
+def row_kernel_source(T: str) -> str:
+    """:data:`ROW_KERNELS` for compute type ``T`` (``"float"`` or ``"double"``), each
+    kernel named ``<name>_<T>``."""
+    return ROW_KERNELS.replace("{T}", T)

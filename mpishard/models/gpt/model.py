@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpishard.autodiff import nn_ops
+from mpishard.autodiff import nn_ops, softmax_ops
 from mpishard.autodiff.recompute import recompute
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend, xp_of
@@ -96,7 +96,7 @@ class CausalSelfAttention(Module):
         if self.sequence is None:  # c_attn's bias added in attention's first kernel
             qkv, bias = unbiased(self.c_attn, x)                   # (B*T, 3 * nh * hs)
             extra = {"bias": bias} if bias is not None else {}
-            attend = nn_ops.causal_self_attention
+            attend = softmax_ops.causal_self_attention
         else:
             qkv, extra, attend = self.c_attn(x), {}, self.sequence.attention
         n_head = qkv.shape[-1] // (3 * self.head_size)             # this rank's heads under tp

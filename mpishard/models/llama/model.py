@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpishard.autodiff import nn_ops
+from mpishard.autodiff import softmax_ops
 from mpishard.autodiff.gqa_attention import gqa_attention
 from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope_qkv, rope_tables, swiglu
-from mpishard.autodiff.ops import reshape
+from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.recompute import recompute
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend
@@ -163,7 +163,7 @@ class LlamaAttention(Module):
         heads = [(first_q + j) // self.group - first_kv for j in range(hq)]
         packed = rope_qkv(reshape(q, (B, T, hq, hs)), reshape(k, (B, T, hkv, hs)),
                           reshape(v, (B, T, hkv, hs)), cos, sin, heads)   # (N, 3 hq hs)
-        attend = nn_ops.causal_self_attention if self.sequence is None else \
+        attend = softmax_ops.causal_self_attention if self.sequence is None else \
             self.sequence.attention
         y = attend(packed, hq, B)
         return self.o_proj(y)                                           # (N, C)

@@ -34,7 +34,8 @@ import math
 import numpy as np
 
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
-from mpishard.autodiff.rows import cast, row_max, row_sum
+from mpishard.autodiff.rows import cast
+from mpishard.kernels.rows import row_max, row_sum
 from mpishard.autodiff.softmax_ops import causal_self_attention
 from mpishard.autodiff.tensor import Tensor
 from mpishard.core.backend import xp_of

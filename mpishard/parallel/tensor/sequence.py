@@ -33,8 +33,8 @@ collectively).
 from __future__ import annotations
 
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
-from mpishard.autodiff.nn_ops import check_last_dim
-from mpishard.autodiff.rows import cast, col_sum
+from mpishard.autodiff.rows import cast, check_last_dim
+from mpishard.kernels.rows import col_sum
 from mpishard.autodiff.tensor import Tensor, grad_buffer
 from mpishard.core.backend import xp_of
 from mpishard.core.dtypes import matmul_dtype
