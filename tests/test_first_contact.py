@@ -163,20 +163,49 @@ def test_data_cuts_are_said_and_token_folders_refused(tmp_path):
                    "--data", text, "--steps", "1", "--dry-run")
     assert out.returncode == 0 and "54,000 train / 6,000 val bytes" in out.stdout
     assert "the first" not in out.stdout
-    prepared = tmp_path / "shakespeare_char"          # as nanoGPT's prepare.py leaves it
+    prepared = tmp_path / "shakespeare"               # as nanoGPT's BPE prepare.py leaves it
     prepared.mkdir()
     for name in ("train.bin", "val.bin"):
         (prepared / name).write_bytes((np.arange(400) % 65).astype("<u2").tobytes())
-    (prepared / "meta.pkl").write_bytes(b"not unpickled")
     no_cut = [a for a in FAST if a not in ("--max-bytes", "20000")]
     out = mpishard("train", *no_cut, "--data", prepared)
-    assert out.returncode == 2 and "--vocab-size N" in out.stderr \
-        and "meta.pkl is not unpickled" in out.stderr
+    assert out.returncode == 2 and "--vocab-size N (50257 for GPT-2's BPE" in out.stderr
     out = mpishard("train", *no_cut, "--data", prepared, "--vocab-size", "65", "--steps", "1")
     assert out.returncode == 0, out.stderr
     assert "400 train / 400 val tokens (uint16, vocabulary 65)" in out.stdout
+    (prepared / "meta.pkl").write_bytes(b"cos\nsystem\n(Vtouch " + str(tmp_path).encode()
+                                        + b"/ran\ntR.")          # os.system("touch .../ran")
+    out = mpishard("train", *no_cut, "--data", prepared, "--vocab-size", "65", "--steps", "1")
+    assert out.returncode == 2 and not (tmp_path / "ran").exists()
+    assert "meta.pkl names the Python object os.system: refused" in out.stderr
     out = mpishard("train", *no_cut, "--data", prepared / "train.bin")
     assert out.returncode == 2 and "folder holding both" in out.stderr
+
+
+def test_nanogpt_character_data_trains_and_samples_characters(tmp_path):
+    """A folder as nanoGPT's shakespeare_char/prepare.py writes it: the vocabulary comes
+    from its meta.pkl (no --vocab-size), and the samples are its characters."""
+    from test_meta_pkl import N_CHARS, TEXT, write_shakespeare_char
+
+    data, ckpt = write_shakespeare_char(tmp_path / "shakespeare_char"), tmp_path / "ckpt"
+    tiny = [a for a in FAST if a not in ("--max-bytes", "20000")]
+    out = mpishard("train", *tiny, "--data", data, "--steps", "2", "--checkpoint-dir", ckpt,
+                   "--sample-tokens", "60", "--sample-prompt", "All:", n=2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"tokens (uint16, vocabulary {N_CHARS})" in out.stdout
+    # wte N_CHARS x 16 (tied head), a 16-wide block, positions 16 x 16: not GPT-2's 50257 rows
+    n_params = N_CHARS * 16 + 16 * 16 + 12 * 16 * 16 + 13 * 16 + 2 * 16
+    assert f": {n_params:,} parameters" in out.stdout
+    sample = out.stdout.split("sample:\n", 1)[1].split("\nval loss", 1)[0]
+    assert sample.startswith("All:") and len(sample) == len("All:") + 60
+    assert set(sample) <= set(TEXT)
+    out = mpishard("sample", "--checkpoint", ckpt, "--prompt", "Speak", "--tokens", "40")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout[:-1]                                    # print's own line break
+    assert text.startswith("Speak") and len(text) == len("Speak") + 40 and set(text) <= set(TEXT)
+    out = mpishard("sample", "--checkpoint", ckpt, "--prompt", "Zounds")
+    assert out.returncode == 2
+    assert f"holds 'Z', which is not one of the {N_CHARS} characters of" in out.stderr
 
 
 # -- errors once, and only the error -----------------------------------------------------

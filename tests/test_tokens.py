@@ -113,21 +113,6 @@ def test_nanogpt_folder_needs_the_vocab_size_and_defaults_to_uint16(tmp_path):
         load_tokens(folder, dtype="uint32", vocab_size=50257)    # uint16 pairs read as one
 
 
-def test_meta_pkl_is_never_unpickled(tmp_path):
-    folder = write_tokens(tmp_path / "char", np.arange(100) % 65, np.arange(10))
-    trap = tmp_path / "unpickled"
-    # a pickle that creates ``trap`` when loaded: open(trap, "w")
-    (folder / "meta.pkl").write_bytes(b"cbuiltins\nopen\n(V" + str(trap).encode()
-                                      + b"\nVw\ntR.")
-    with pytest.raises(DataError, match="is not unpickled on purpose .* pass --vocab-size"):
-        load_tokens(folder)
-    corpus = load_tokens(folder, vocab_size=65)
-    assert corpus.dtype == "uint16" and len(corpus.notes) == 1
-    assert "not unpickled" in corpus.notes[0] and "--data-dtype uint32" in corpus.notes[0]
-    assert not load_tokens(folder, dtype="uint16", vocab_size=65).notes
-    assert not trap.exists()
-
-
 def test_meta_json_sets_dtype_and_vocab(tmp_path):
     ids = np.arange(300) + 65_600
     folder = write_tokens(tmp_path / "big", ids, ids[:20],
