@@ -208,6 +208,43 @@ def test_nanogpt_character_data_trains_and_samples_characters(tmp_path):
     assert f"holds 'Z', which is not one of the {N_CHARS} characters of" in out.stderr
 
 
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1024,
+              "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 128,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def test_data_of_another_tokenizer_says_to_prepare_with_the_models_own(tmp_path):
+    """--init-from a model (vocabulary 1024) with --data tokenized by a 4096-token BPE:
+    no --vocab-size was given, so the fix is the model's tokenizer.json, not a flag."""
+    model = tmp_path / "models" / "tiny-llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))      # weights never read
+    data = tmp_path / "data" / "bpe"
+    data.mkdir(parents=True)
+    ids = np.random.default_rng(0).integers(0, 4096, 3000).astype("<u2")
+    ids[:2700].tofile(data / "train.bin")
+    ids[2700:].tofile(data / "val.bin")
+    (data / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 4096}')
+    out = mpishard("train", "--init-from", model, "--data", data, "--steps", "1",
+                   "--progress", "false")
+    assert out.returncode == 2, out.stdout + out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"the model in {model} has a vocabulary of 1024 ids, but {data}/meta.json says the " \
+           f"ids of {data} come from one of 4096" in line
+    assert f"mpishard prepare TEXT_PATH OUT_DIR --tokenizer {model}/tokenizer.json" in line
+    assert "--vocab-size" not in line
+    (data / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 512}')
+    ids[ids >= 512] = 7
+    ids[:2700].tofile(data / "train.bin")
+    ids[2700:].tofile(data / "val.bin")
+    out = mpishard("train", "--init-from", model, "--data", data, "--dry-run", "true",
+                   "--progress", "false")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"vocab_size 1024 (the config.json of --init-from {model}) pads the 512 token ids" \
+           in out.stdout and "--tokenizer" in out.stdout
+
+
 # -- errors once, and only the error -----------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [

@@ -132,6 +132,20 @@ def test_meta_json_sets_dtype_and_vocab(tmp_path):
     assert (dtype_for_vocab(65_536), dtype_for_vocab(65_537)) == ("uint16", "uint32")
 
 
+def test_a_vocabulary_from_the_model_folder_names_its_tokenizer(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")             # a Hugging Face folder
+    folder = write_tokens(tmp_path / "owt", np.arange(100) * 11, np.arange(10))   # ids < 1100
+    with pytest.raises(DataError, match=r"holds token id 1089, but the vocabulary of the model "
+                                        r"in .*model has 1000 ids .*; tokenize the text with the "
+                                        r"model's own tokenizer: mpishard prepare TEXT_PATH "
+                                        r"OUT_DIR --tokenizer .*model/tokenizer.json"):
+        load_tokens(folder, vocab_size=1000, model_folder=str(model))
+    with pytest.raises(DataError, match=r"pass the tokenizer's --vocab-size"):
+        load_tokens(folder, vocab_size=1000, model_folder=str(tmp_path / "weights.safetensors"))
+
+
 @pytest.mark.parametrize("meta,complaint", [
     ('{"dtype": "int8", "vocab_size": 10}', r"token dtype 'int8' .* not one of uint16, uint32"),
     ('{"dtype": "uint16", "vocab_size": -3}', r"vocab_size -3 .* positive integer"),

@@ -179,7 +179,7 @@ def _sample_max(array: TokenArray, block: int) -> int:
 
 
 def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
-                min_tokens: int = 2) -> TokenCorpus:
+                min_tokens: int = 2, model_folder: str | None = None) -> TokenCorpus:
     """Open a folder's ``train.bin`` and ``val.bin`` read-only as ``np.memmap``.
 
     The folder's metadata is its ``meta.json``, else nanoGPT's ``meta.pkl``
@@ -202,6 +202,10 @@ def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
             has none; must be at least the metadata's.
         min_tokens: each split must hold at least this many tokens (pass
             ``block_size + 1``).
+        model_folder: the ``--init-from`` path. When it is a Hugging Face folder
+            (it holds config.json), ``vocab_size`` came from there, and a
+            vocabulary that does not fit says to tokenize the text with that
+            folder's ``tokenizer.json`` (``mpishard prepare --tokenizer``).
 
     Raises:
         DataError: not a folder, ``train.bin`` or ``val.bin`` missing, a
@@ -220,15 +224,18 @@ def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
             raise DataError(f"{folder} has no {name}; a token folder holds train.bin and "
                             f"val.bin (nanoGPT's prepare.py and 'mpishard prepare' write both)")
     (meta, meta_path), notes = _read_meta(folder), []
+    given = _VocabSource(model_folder)
     dtype = _settle_dtype(meta, meta_path, dtype)
-    vocab_size = _settle_vocab(folder, meta, meta_path, vocab_size, notes)
+    vocab_size = _settle_vocab(folder, meta, meta_path, vocab_size, given, notes)
     train, val = (_open(folder / name, dtype, min_tokens) for name in ("train.bin", "val.bin"))
     for name, array in (("train.bin", train), ("val.bin", val)):
         largest = _sample_max(array, min_tokens)
         if largest >= vocab_size:
+            fix = (given.retokenize if given.model_folder else
+                   "pass the tokenizer's --vocab-size, or check --data-dtype")
             raise DataError(f"{folder / name} holds token id {largest}, but the vocabulary "
-                            f"has {vocab_size} ids (0..{vocab_size - 1}); pass the "
-                            f"tokenizer's --vocab-size, or check --data-dtype")
+                            f"{given.of_what}has {vocab_size} ids (0..{vocab_size - 1}); "
+                            f"{fix}")
     tokenizer = _tokenizer_file(folder, meta, meta_path, notes)
     return TokenCorpus(train, val, str(folder), vocab_size, dtype, tokenizer, notes)
 
@@ -244,20 +251,44 @@ def _settle_dtype(meta, meta_path, dtype) -> str:
     return _check_dtype(dtype, "--data-dtype") if dtype is not None else "uint16"
 
 
-def _settle_vocab(folder: Path, meta, meta_path, vocab_size, notes: list) -> int:
+class _VocabSource:
+    """Where the caller's vocabulary size came from: ``--vocab-size``, or the config.json
+    of the Hugging Face folder ``--init-from`` names (then the data must be the ids of
+    that folder's tokenizer.json)."""
+
+    def __init__(self, model_folder):
+        hf = model_folder is not None and (Path(model_folder) / "config.json").is_file()
+        self.model_folder = str(model_folder) if hf else None
+        self.flag = f"the config.json of --init-from {model_folder}" if hf else "--vocab-size"
+        self.of_what = f"of the model in {model_folder} " if hf else ""
+        self.retokenize = (f"tokenize the text with the model's own tokenizer: mpishard "
+                           f"prepare TEXT_PATH OUT_DIR --tokenizer "
+                           f"{Path(model_folder) / 'tokenizer.json'}, then train on "
+                           f"--data OUT_DIR") if hf else ""
+
+
+def _settle_vocab(folder: Path, meta, meta_path, vocab_size, given: _VocabSource,
+                  notes: list) -> int:
     """The metadata's vocabulary size (``vocab_size`` may pad it), else ``vocab_size``."""
     meta_vocab = meta.get("vocab_size") if meta is not None else None
     if meta_vocab is not None:
         meta_vocab = _check_vocab(meta_vocab, f"in {meta_path}")
-        if vocab_size is not None and _check_vocab(vocab_size, "--vocab-size") < meta_vocab:
+        if vocab_size is not None and _check_vocab(vocab_size, given.flag) < meta_vocab:
+            if given.model_folder:
+                raise DataError(f"the model in {given.model_folder} has a vocabulary of "
+                                f"{vocab_size} ids, but {meta_path} says the ids of {folder} "
+                                f"come from one of {meta_vocab}: another tokenizer made them; "
+                                f"{given.retokenize}")
             raise DataError(f"--vocab-size {vocab_size} is smaller than the {meta_vocab} of "
                             f"{meta_path}; leave --vocab-size out")
         if vocab_size is not None and vocab_size > meta_vocab:
-            notes.append(f"vocab_size {vocab_size} (--vocab-size) pads the {meta_vocab} "
-                         f"token ids of {meta_path}")
+            also = (f"; right only if the model's own tokenizer made them (else "
+                    f"{given.retokenize})" if given.model_folder else "")
+            notes.append(f"vocab_size {vocab_size} ({given.flag}) pads the {meta_vocab} "
+                         f"token ids of {meta_path}{also}")
         return vocab_size or meta_vocab
     if vocab_size is not None:
-        return _check_vocab(vocab_size, "--vocab-size")
+        return _check_vocab(vocab_size, given.flag)
     if meta_path is not None:
         raise DataError(f"{meta_path} has no vocab_size (it holds {sorted(map(str, meta))}); "
                         f"pass --vocab-size N, the size of the vocabulary that made the ids")

@@ -70,7 +70,8 @@ class TextLM(Recipe):
             raise ConfigError(f"max_bytes = {cfg.data.max_bytes}: {cfg.data.path} holds token "
                               f"ids, read in place without a cut; leave --max-bytes out")
         corpus = load_tokens(cfg.data.path, cfg.data.dtype or None,
-                             cfg.model.vocab_size or None, min_tokens=cfg.model.block_size + 1)
+                             cfg.model.vocab_size or None, min_tokens=cfg.model.block_size + 1,
+                             model_folder=cfg.run.init_from or None)
         cfg.model.vocab_size = corpus.vocab_size
         self.train, self.val = corpus.train, corpus.val
         notes = "".join(f"; {note}" for note in corpus.notes)
