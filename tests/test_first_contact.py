@@ -272,10 +272,18 @@ def test_an_agreed_error_is_one_line_and_no_abort(args, message):
 
 def test_a_mistyped_flag_or_key_names_the_real_one(tmp_path):
     out = mpishard("train", "--n-layers", "2")
-    assert out.returncode == 2 and "did you mean --n-layer?" in out.stderr
-    assert out.stderr.startswith("usage: mpishard train")
-    out = mpishard("train", "--learning-rate", "0.1")
-    assert out.returncode == 2 and "did you mean --lr?" in out.stderr
+    assert out.returncode == 2
+    assert out.stderr == ("mpishard train: error: unrecognized arguments: --n-layers 2; did you "
+                          "mean --n-layer? (see mpishard train --help)\n")
+    out = mpishard("train", "--learning-rate", "0.1", n=2)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1      # rank 0 only
+    assert "did you mean --lr?" in out.stderr
+    for args, message in ((["train", "--steps", "abc"], "argument --steps: invalid int value"),
+                          (["trian"], "argument command: invalid choice: 'trian'"),
+                          ([], "the following arguments are required: command")):
+        out = mpishard(*args)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert message in out.stderr and "--help)" in out.stderr
     cfg = tmp_path / "c.toml"
     cfg.write_text("[optim]\nlearning_rate = 0.1\n")
     out = mpishard("train", "--config", cfg)
