@@ -270,6 +270,17 @@ def test_an_agreed_error_is_one_line_and_no_abort(args, message):
     assert "mpishard train:" not in out.stdout                # nothing was planned
 
 
+def test_a_missing_init_from_is_refused_before_anything_is_planned(tmp_path):
+    for path, found in ((tmp_path / "models" / "tiny-llama", "does not exist"),
+                        (tmp_path, "is a folder without a config.json")):
+        out = mpishard("train", *FAST, "--init-from", path, "--steps", "1", n=2)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stderr == (f"mpishard: error: --init-from {path} {found}; pass a Hugging "
+                              f"Face model folder (config.json and its safetensors files) or a "
+                              f"consolidated mpishard .safetensors file\n")
+        assert out.stdout == ""                                   # no plan, no rank lines
+
+
 def test_a_mistyped_flag_or_key_names_the_real_one(tmp_path):
     out = mpishard("train", "--n-layers", "2")
     assert out.returncode == 2
