@@ -310,6 +310,9 @@ def test_validation_losses_are_printed_and_rank_logs_are_their_own(tmp_path):
                    n=2)
     assert out.returncode == 0, out.stderr
     assert "step 0: val loss" in out.stdout and "step 2: val loss" in out.stdout
+    # each rank's line, and on CPUs nothing about CUDA or NCCL
+    assert "rank 1/2 on " in out.stdout and "device numpy/cpu" in out.stdout
+    assert "CUDA" not in out.stdout and "NCCL" not in out.stdout
     rank0, rank1 = (logs / "rank-0.log").read_text(), (logs / "rank-1.log").read_text()
     assert "mpishard train:" in rank0 and "mpishard train:" not in rank1
     own = [line for line in rank1.splitlines() if " held, collectives " in line]
