@@ -163,20 +163,86 @@ def test_data_cuts_are_said_and_token_folders_refused(tmp_path):
                    "--data", text, "--steps", "1", "--dry-run")
     assert out.returncode == 0 and "54,000 train / 6,000 val bytes" in out.stdout
     assert "the first" not in out.stdout
-    prepared = tmp_path / "shakespeare_char"          # as nanoGPT's prepare.py leaves it
+    prepared = tmp_path / "shakespeare"               # as nanoGPT's BPE prepare.py leaves it
     prepared.mkdir()
     for name in ("train.bin", "val.bin"):
         (prepared / name).write_bytes((np.arange(400) % 65).astype("<u2").tobytes())
-    (prepared / "meta.pkl").write_bytes(b"not unpickled")
     no_cut = [a for a in FAST if a not in ("--max-bytes", "20000")]
     out = mpishard("train", *no_cut, "--data", prepared)
-    assert out.returncode == 2 and "--vocab-size N" in out.stderr \
-        and "meta.pkl is not unpickled" in out.stderr
+    assert out.returncode == 2 and "--vocab-size N (50257 for GPT-2's BPE" in out.stderr
     out = mpishard("train", *no_cut, "--data", prepared, "--vocab-size", "65", "--steps", "1")
     assert out.returncode == 0, out.stderr
     assert "400 train / 400 val tokens (uint16, vocabulary 65)" in out.stdout
+    (prepared / "meta.pkl").write_bytes(b"cos\nsystem\n(Vtouch " + str(tmp_path).encode()
+                                        + b"/ran\ntR.")          # os.system("touch .../ran")
+    out = mpishard("train", *no_cut, "--data", prepared, "--vocab-size", "65", "--steps", "1")
+    assert out.returncode == 2 and not (tmp_path / "ran").exists()
+    assert "meta.pkl names the Python object os.system: refused" in out.stderr
     out = mpishard("train", *no_cut, "--data", prepared / "train.bin")
     assert out.returncode == 2 and "folder holding both" in out.stderr
+
+
+def test_nanogpt_character_data_trains_and_samples_characters(tmp_path):
+    """A folder as nanoGPT's shakespeare_char/prepare.py writes it: the vocabulary comes
+    from its meta.pkl (no --vocab-size), and the samples are its characters."""
+    from test_meta_pkl import N_CHARS, TEXT, write_shakespeare_char
+
+    data, ckpt = write_shakespeare_char(tmp_path / "shakespeare_char"), tmp_path / "ckpt"
+    tiny = [a for a in FAST if a not in ("--max-bytes", "20000")]
+    out = mpishard("train", *tiny, "--data", data, "--steps", "2", "--checkpoint-dir", ckpt,
+                   "--sample-tokens", "60", "--sample-prompt", "All:", n=2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"tokens (uint16, vocabulary {N_CHARS})" in out.stdout
+    # wte N_CHARS x 16 (tied head), a 16-wide block, positions 16 x 16: not GPT-2's 50257 rows
+    n_params = N_CHARS * 16 + 16 * 16 + 12 * 16 * 16 + 13 * 16 + 2 * 16
+    assert f": {n_params:,} parameters" in out.stdout
+    sample = out.stdout.split("sample:\n", 1)[1].split("\nval loss", 1)[0]
+    assert sample.startswith("All:") and len(sample) == len("All:") + 60
+    assert set(sample) <= set(TEXT)
+    out = mpishard("sample", "--checkpoint", ckpt, "--prompt", "Speak", "--tokens", "40")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout[:-1]                                    # print's own line break
+    assert text.startswith("Speak") and len(text) == len("Speak") + 40 and set(text) <= set(TEXT)
+    out = mpishard("sample", "--checkpoint", ckpt, "--prompt", "Zounds")
+    assert out.returncode == 2
+    assert f"holds 'Z', which is not one of the {N_CHARS} characters of" in out.stderr
+
+
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1024,
+              "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "num_hidden_layers": 1, "intermediate_size": 64, "max_position_embeddings": 128,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def test_data_of_another_tokenizer_says_to_prepare_with_the_models_own(tmp_path):
+    """--init-from a model (vocabulary 1024) with --data tokenized by a 4096-token BPE:
+    no --vocab-size was given, so the fix is the model's tokenizer.json, not a flag."""
+    model = tmp_path / "models" / "tiny-llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))      # weights never read
+    data = tmp_path / "data" / "bpe"
+    data.mkdir(parents=True)
+    ids = np.random.default_rng(0).integers(0, 4096, 3000).astype("<u2")
+    ids[:2700].tofile(data / "train.bin")
+    ids[2700:].tofile(data / "val.bin")
+    (data / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 4096}')
+    out = mpishard("train", "--init-from", model, "--data", data, "--steps", "1",
+                   "--progress", "false")
+    assert out.returncode == 2, out.stdout + out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"the model in {model} has a vocabulary of 1024 ids, but {data}/meta.json says the " \
+           f"ids of {data} come from one of 4096" in line
+    assert f"mpishard prepare TEXT_PATH OUT_DIR --tokenizer {model}/tokenizer.json" in line
+    assert "--vocab-size" not in line
+    (data / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 512}')
+    ids[ids >= 512] = 7
+    ids[:2700].tofile(data / "train.bin")
+    ids[2700:].tofile(data / "val.bin")
+    out = mpishard("train", "--init-from", model, "--data", data, "--dry-run", "true",
+                   "--progress", "false")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"vocab_size 1024 (the config.json of --init-from {model}) pads the 512 token ids" \
+           in out.stdout and "--tokenizer" in out.stdout
 
 
 # -- errors once, and only the error -----------------------------------------------------
@@ -204,12 +270,31 @@ def test_an_agreed_error_is_one_line_and_no_abort(args, message):
     assert "mpishard train:" not in out.stdout                # nothing was planned
 
 
+def test_a_missing_init_from_is_refused_before_anything_is_planned(tmp_path):
+    for path, found in ((tmp_path / "models" / "tiny-llama", "does not exist"),
+                        (tmp_path, "is a folder without a config.json")):
+        out = mpishard("train", *FAST, "--init-from", path, "--steps", "1", n=2)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert out.stderr == (f"mpishard: error: --init-from {path} {found}; pass a Hugging "
+                              f"Face model folder (config.json and its safetensors files) or a "
+                              f"consolidated mpishard .safetensors file\n")
+        assert out.stdout == ""                                   # no plan, no rank lines
+
+
 def test_a_mistyped_flag_or_key_names_the_real_one(tmp_path):
     out = mpishard("train", "--n-layers", "2")
-    assert out.returncode == 2 and "did you mean --n-layer?" in out.stderr
-    assert out.stderr.startswith("usage: mpishard train")
-    out = mpishard("train", "--learning-rate", "0.1")
-    assert out.returncode == 2 and "did you mean --lr?" in out.stderr
+    assert out.returncode == 2
+    assert out.stderr == ("mpishard train: error: unrecognized arguments: --n-layers 2; did you "
+                          "mean --n-layer? (see mpishard train --help)\n")
+    out = mpishard("train", "--learning-rate", "0.1", n=2)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1      # rank 0 only
+    assert "did you mean --lr?" in out.stderr
+    for args, message in ((["train", "--steps", "abc"], "argument --steps: invalid int value"),
+                          (["trian"], "argument command: invalid choice: 'trian'"),
+                          ([], "the following arguments are required: command")):
+        out = mpishard(*args)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert message in out.stderr and "--help)" in out.stderr
     cfg = tmp_path / "c.toml"
     cfg.write_text("[optim]\nlearning_rate = 0.1\n")
     out = mpishard("train", "--config", cfg)
@@ -225,6 +310,9 @@ def test_validation_losses_are_printed_and_rank_logs_are_their_own(tmp_path):
                    n=2)
     assert out.returncode == 0, out.stderr
     assert "step 0: val loss" in out.stdout and "step 2: val loss" in out.stdout
+    # each rank's line, and on CPUs nothing about CUDA or NCCL
+    assert "rank 1/2 on " in out.stdout and "device numpy/cpu" in out.stdout
+    assert "CUDA" not in out.stdout and "NCCL" not in out.stdout
     rank0, rank1 = (logs / "rank-0.log").read_text(), (logs / "rank-1.log").read_text()
     assert "mpishard train:" in rank0 and "mpishard train:" not in rank1
     own = [line for line in rank1.splitlines() if " held, collectives " in line]

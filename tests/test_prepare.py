@@ -259,3 +259,14 @@ def test_memory_does_not_grow_with_the_text(tmp_path, text_file):
     print(f"prepare of 2 MiB and 12 MiB of text: peak RSS grew by {grown} MiB")
     assert reports["big"]["tokens"] > 5 * reports["small"]["tokens"]
     assert grown["big"] < grown["small"] + 16, grown
+
+
+def test_prepared_data_and_runs_stay_out_of_git():
+    """The docs prepare into data/ and train into runs/: a checkout's git ignores both, and
+    not the package's own mpishard/data/."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    paths = ["data/stdlib/train.bin", "runs/demo/metrics.jsonl", "mpishard/data/tokens.py"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.stdout.split() == paths[:2], out.stdout + out.stderr

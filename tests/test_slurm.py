@@ -265,11 +265,11 @@ def test_no_site_specific_paths(template):
 # What plain 'sbatch slurm/X.sbatch' asks for (slurm/README.md lists the same).
 SBATCH_DEFAULTS = {
     "cpu.sbatch": {"--nodes": "1", "--ntasks-per-node": "8", "--cpus-per-task": "4",
-                   "--time": "02:00:00"},
+                   "--mem": "64G", "--time": "02:00:00"},
     "gpu.sbatch": {"--nodes": "1", "--ntasks-per-node": "4", "--gpus-per-node": "4",
-                   "--cpus-per-task": "8", "--time": "02:00:00"},
+                   "--cpus-per-task": "8", "--mem": "128G", "--time": "02:00:00"},
     "multinode.sbatch": {"--nodes": "2", "--ntasks-per-node": "4", "--gpus-per-node": "4",
-                         "--cpus-per-task": "8", "--time": "04:00:00"},
+                         "--cpus-per-task": "8", "--mem": "128G", "--time": "04:00:00"},
 }
 
 
@@ -293,6 +293,16 @@ def test_sbatch_lines_hold_the_defaults(template):
     assert not any(o.startswith("--gpus-per-task") for o in options)      # it binds ranks to GPUs
     # every #SBATCH line is read: none comes after the first command
     assert text.count("\n#SBATCH ") == len(options)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_header_says_how_to_build_mpi4py_for_several_nodes(template):
+    header = (SLURM / template).read_text().split("\n#SBATCH ")[0]
+    assert "Across nodes" in header and "site's MPI" in header and "TCP" in header
+    assert "MPICC=mpicc pip install --no-binary mpi4py --no-cache-dir mpi4py" in header
+    text = (SLURM / template).read_text()
+    for setting in ("DATA", "INIT_FROM", "CHECKPOINT_DIR", "CONFIG", "MEM"):
+        assert re.search(rf"^{setting}=\$\{{{setting}:-\}}\s+# \S", text, re.M), setting
 
 
 # Settings that make each template start exactly 2 ranks here.
@@ -611,3 +621,33 @@ def test_multinode_hybrid_sharding_replicates_across_nodes(shims, tmp_path):
     train = srun[srun.index("train") + 1:]
     assert train[train.index("--dp-replicate") + 1] == "2"
     assert "mesh pp=1 x dp_replicate=2 x dp_shard=1 x cp=1 x tp=1 (dp=2)" in result.stdout
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_data_weights_and_checkpoints_reach_every_rank(template, shims, tmp_path):
+    """DATA, INIT_FROM, CHECKPOINT_DIR and CONFIG become the ranks' flags; a checkpoint in
+    CHECKPOINT_DIR is resumed; without CONFIG no TOML is passed (nor the demo's)."""
+    venv = _fake_venv(tmp_path)
+    ckpt = tmp_path / "project" / "checkpoints"
+    (ckpt / "step-40").mkdir(parents=True)                     # an earlier job's
+    result, lines = submit(template, shims, tmp_path, VENV=str(venv), DATA="data/books",
+                           INIT_FROM="models/tiny-llama", CHECKPOINT_DIR=str(ckpt),
+                           CONFIG="my.toml", SHIM_USR1_WHEN_READY="2", **TWO_RANKS[template])
+    assert result.returncode == 0, result.stdout + result.stderr
+    pythons = calls(lines, "python")
+    assert len(pythons) == 2
+    for args in pythons:
+        train = args[args.index("train") + 1:]
+        flags = dict(zip(train[::2], train[1::2]))
+        assert flags["--data"] == "data/books" and flags["--init-from"] == "models/tiny-llama"
+        assert flags["--checkpoint-dir"] == str(ckpt) and flags["--resume"] == "true"
+        assert flags["--config"] == "my.toml"
+    assert (ckpt / "step-7").is_dir()                          # USR1 "checkpointed" there
+    shims[1].unlink()
+    result, lines = submit(template, shims, tmp_path, VENV=str(venv), CONFIG=None,
+                           SHIM_USR1_WHEN_READY="2", **TWO_RANKS[template])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for args in calls(lines, "python"):
+        assert not {"--config", "--data", "--init-from"} & set(args)
+        run_dir = tmp_path / "runs" / f"{JOB_NAMES[template]}-{JOB_ID}"
+        assert args[args.index("--checkpoint-dir") + 1] == str(run_dir / "checkpoints")

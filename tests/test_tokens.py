@@ -113,21 +113,6 @@ def test_nanogpt_folder_needs_the_vocab_size_and_defaults_to_uint16(tmp_path):
         load_tokens(folder, dtype="uint32", vocab_size=50257)    # uint16 pairs read as one
 
 
-def test_meta_pkl_is_never_unpickled(tmp_path):
-    folder = write_tokens(tmp_path / "char", np.arange(100) % 65, np.arange(10))
-    trap = tmp_path / "unpickled"
-    # a pickle that creates ``trap`` when loaded: open(trap, "w")
-    (folder / "meta.pkl").write_bytes(b"cbuiltins\nopen\n(V" + str(trap).encode()
-                                      + b"\nVw\ntR.")
-    with pytest.raises(DataError, match="is not unpickled on purpose .* pass --vocab-size"):
-        load_tokens(folder)
-    corpus = load_tokens(folder, vocab_size=65)
-    assert corpus.dtype == "uint16" and len(corpus.notes) == 1
-    assert "not unpickled" in corpus.notes[0] and "--data-dtype uint32" in corpus.notes[0]
-    assert not load_tokens(folder, dtype="uint16", vocab_size=65).notes
-    assert not trap.exists()
-
-
 def test_meta_json_sets_dtype_and_vocab(tmp_path):
     ids = np.arange(300) + 65_600
     folder = write_tokens(tmp_path / "big", ids, ids[:20],
@@ -145,6 +130,20 @@ def test_meta_json_sets_dtype_and_vocab(tmp_path):
     with pytest.raises(DataError, match="--vocab-size 1000 is smaller than the 66000"):
         load_tokens(folder, vocab_size=1000)
     assert (dtype_for_vocab(65_536), dtype_for_vocab(65_537)) == ("uint16", "uint32")
+
+
+def test_a_vocabulary_from_the_model_folder_names_its_tokenizer(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")             # a Hugging Face folder
+    folder = write_tokens(tmp_path / "owt", np.arange(100) * 11, np.arange(10))   # ids < 1100
+    with pytest.raises(DataError, match=r"holds token id 1089, but the vocabulary of the model "
+                                        r"in .*model has 1000 ids .*; tokenize the text with the "
+                                        r"model's own tokenizer: mpishard prepare TEXT_PATH "
+                                        r"OUT_DIR --tokenizer .*model/tokenizer.json"):
+        load_tokens(folder, vocab_size=1000, model_folder=str(model))
+    with pytest.raises(DataError, match=r"pass the tokenizer's --vocab-size"):
+        load_tokens(folder, vocab_size=1000, model_folder=str(tmp_path / "weights.safetensors"))
 
 
 @pytest.mark.parametrize("meta,complaint", [

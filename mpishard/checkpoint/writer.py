@@ -179,9 +179,17 @@ def _write_shard(tmp: Path, rank: int, pieces: list, step: int) -> dict:
     path = tmp / name
     save_file(tensors, path, metadata={"format": FORMAT_NAME, "step": str(step),
                                        "rank": str(rank)})
+    os.chmod(path, 0o666 & ~_umask())    # safetensors writes 0600; a project group reads too
     fsync_path(path)
     return {"file": name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
             "pieces": table}
+
+
+def _umask() -> int:
+    """The process's umask (POSIX has no getter: set one and put it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _model_names(module) -> dict:

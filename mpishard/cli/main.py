@@ -30,8 +30,9 @@ def _env_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but only rank 0 prints usage errors (every rank still exits 2), and a
-    flag must be spelled out (``--n-lay`` is not silently ``--n-layer``)."""
+    """argparse, but a usage error is one line (the usage of ``train`` alone is 33), printed
+    by rank 0 only (every rank still exits 2), and a flag must be spelled out (``--n-lay``
+    is not silently ``--n-layer``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -39,8 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         if _env_rank() == 0:
-            self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
         sys.exit(2)
 
 

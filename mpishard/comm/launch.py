@@ -151,8 +151,9 @@ def _backend_how(comm, local_rank: int) -> str:
             f"(NCCL refuses two ranks on one GPU)")
 
 
-def format_rank_reports(reports: list[dict]) -> str:
-    """One block per rank, for ``mpishard info``."""
+def format_rank_reports(reports: list[dict], gpu_lines: bool = True) -> str:
+    """One block per rank, for ``mpishard info`` and the plan of ``mpishard train``;
+    without ``gpu_lines``, no CUDA-aware MPI and NCCL lines (a run on CPUs only)."""
     lines = []
     for r in reports:
         early = r.get("device_before_mpi")
@@ -163,7 +164,8 @@ def format_rank_reports(reports: list[dict]) -> str:
         how = r.get("comm_backend_how")
         if how and how != "comm_backend='mpi'":
             lines.append(f"    comm backend: {how}")
-        lines.append(f"    CUDA-aware MPI: {'yes' if r['cuda_aware'] else 'no'} "
-                     f"({r['cuda_aware_how']})")
-        lines.append(f"    NCCL: {'yes' if r['nccl_available'] else 'no'} ({r['nccl_how']})")
+        if gpu_lines:
+            lines.append(f"    CUDA-aware MPI: {'yes' if r['cuda_aware'] else 'no'} "
+                         f"({r['cuda_aware_how']})")
+            lines.append(f"    NCCL: {'yes' if r['nccl_available'] else 'no'} ({r['nccl_how']})")
     return "\n".join(lines)

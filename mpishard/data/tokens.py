@@ -9,9 +9,10 @@ little-endian unsigned integers, the layout nanoGPT's ``prepare.py`` writes:
     DIR/tokenizer.json   the Hugging Face ``tokenizers`` file that made the ids (optional)
 
 ``mpishard prepare`` (:mod:`mpishard.data.prepare`) writes all four. A folder from
-nanoGPT has no ``meta.json``: the dtype defaults to uint16 and the vocabulary
-size comes from the caller (``--vocab-size``). nanoGPT's ``meta.pkl`` is never
-unpickled: unpickling runs code from the file.
+nanoGPT has no ``meta.json``: the dtype defaults to uint16, and the vocabulary
+size comes from its ``meta.pkl`` (character-level data: ``vocab_size``, and
+``itos`` to decode), read as data only (:mod:`mpishard.data.meta_pkl`: no
+Python object in it is ever built), else from the caller (``--vocab-size``).
 
 The files are opened read-only as ``np.memmap`` and never loaded whole, so
 :class:`mpishard.data.corpus.BatchSampler` draws windows from them as from bytes, with
@@ -31,9 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from mpishard.data.corpus import DataError
+from mpishard.data.meta_pkl import CharTokenizer, read_meta_pkl
 
 __all__ = ["TokenCorpus", "TokenArray", "Tokenizer", "is_token_dir", "load_tokens",
-           "dtype_for_vocab", "TOKEN_DTYPES"]
+           "open_tokenizer", "dtype_for_vocab", "TOKEN_DTYPES"]
 
 #: the dtypes a token file may have (nanoGPT writes uint16)
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -114,10 +116,12 @@ def is_token_dir(path) -> bool:
     return path.is_dir() and (path / "train.bin").is_file()
 
 
-def _read_meta(folder: Path) -> dict | None:
+def _read_meta(folder: Path) -> tuple:
+    """``(meta dict, its path)``: meta.json's, else meta.pkl's (data only), else (None, None)."""
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
-        return None
+        pkl = folder / "meta.pkl"
+        return (read_meta_pkl(pkl), pkl) if pkl.is_file() else (None, None)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -127,7 +131,7 @@ def _read_meta(folder: Path) -> dict | None:
     if not isinstance(meta, dict):
         raise DataError(f"{meta_path} holds {type(meta).__name__}, not a JSON object "
                         f'such as {{"dtype": "uint16", "vocab_size": N}}')
-    return meta
+    return meta, meta_path
 
 
 def _check_dtype(dtype, where: str) -> str:
@@ -175,14 +179,15 @@ def _sample_max(array: TokenArray, block: int) -> int:
 
 
 def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
-                min_tokens: int = 2) -> TokenCorpus:
+                min_tokens: int = 2, model_folder: str | None = None) -> TokenCorpus:
     """Open a folder's ``train.bin`` and ``val.bin`` read-only as ``np.memmap``.
 
-    The dtype comes from ``meta.json``, else from ``dtype``, else it is uint16
-    (nanoGPT's default; a note says so when a ``meta.pkl`` lies beside, since
-    that pickle is not read). The vocabulary size comes from ``meta.json``,
-    else from ``vocab_size``; a ``vocab_size`` larger than meta.json's (an
-    embedding padded to a round size) is used, with a note.
+    The folder's metadata is its ``meta.json``, else nanoGPT's ``meta.pkl``
+    (read as data only, see :mod:`mpishard.data.meta_pkl`). The dtype comes
+    from the metadata, else from ``dtype``, else it is uint16 (nanoGPT's
+    default). The vocabulary size comes from the metadata, else from
+    ``vocab_size``; a ``vocab_size`` larger than the metadata's (an embedding
+    padded to a round size) is used, with a note.
 
     The ids are checked against the vocabulary on a bounded sample only: the
     first and last ``min_tokens`` tokens and 64 evenly spaced runs of 16384
@@ -191,19 +196,24 @@ def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
 
     Args:
         path: the folder.
-        dtype: ``"uint16"`` or ``"uint32"`` (``--data-dtype``), when there is no
-            meta.json; one that contradicts meta.json is an error.
-        vocab_size: the vocabulary size (``--vocab-size``), when there is no
-            meta.json; must be at least meta.json's.
+        dtype: ``"uint16"`` or ``"uint32"`` (``--data-dtype``), when the
+            metadata has none; one that contradicts it is an error.
+        vocab_size: the vocabulary size (``--vocab-size``), when the metadata
+            has none; must be at least the metadata's.
         min_tokens: each split must hold at least this many tokens (pass
             ``block_size + 1``).
+        model_folder: the ``--init-from`` path. When it is a Hugging Face folder
+            (it holds config.json), ``vocab_size`` came from there, and a
+            vocabulary that does not fit says to tokenize the text with that
+            folder's ``tokenizer.json`` (``mpishard prepare --tokenizer``).
 
     Raises:
         DataError: not a folder, ``train.bin`` or ``val.bin`` missing, a
-            meta.json that is not JSON or contradicts ``dtype``/``vocab_size``,
-            an unknown dtype, no vocabulary size (``meta.pkl`` is not
-            unpickled), a file size that is not a multiple of the dtype's, a
-            split shorter than ``min_tokens``, or a sampled id >= vocab size.
+            meta.json that is not JSON, a meta.pkl that holds more than data,
+            metadata that contradicts ``dtype``/``vocab_size``, an unknown
+            dtype, no vocabulary size, a file size that is not a multiple of
+            the dtype's, a split shorter than ``min_tokens``, or a sampled id
+            >= vocab size.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -213,57 +223,111 @@ def load_tokens(path, dtype: str | None = None, vocab_size: int | None = None,
         if not (folder / name).is_file():
             raise DataError(f"{folder} has no {name}; a token folder holds train.bin and "
                             f"val.bin (nanoGPT's prepare.py and 'mpishard prepare' write both)")
-    meta, notes = _read_meta(folder), []
-    has_pkl = (folder / "meta.pkl").is_file()
-    unread = (f"{folder / 'meta.pkl'} is not unpickled on purpose (unpickling runs code from "
-              f"the file)") if has_pkl else ""
-    if meta is not None and "dtype" in meta:
-        file_dtype = _check_dtype(meta["dtype"], f"in {folder / 'meta.json'}")
-        if dtype is not None and dtype != file_dtype:
-            raise DataError(f"--data-dtype {dtype} contradicts {folder / 'meta.json'}, which "
-                            f"says {file_dtype}; leave --data-dtype out")
-        dtype = file_dtype
-    elif dtype is not None:
-        dtype = _check_dtype(dtype, "--data-dtype")
-    else:
-        dtype = "uint16"
-        if has_pkl:
-            notes.append(f"{unread}; reading the tokens as uint16, nanoGPT's default "
-                         f"(pass --data-dtype uint32 for ids above 65535)")
-    meta_vocab = meta.get("vocab_size") if meta is not None else None
-    if meta_vocab is not None:
-        meta_vocab = _check_vocab(meta_vocab, f"in {folder / 'meta.json'}")
-        if vocab_size is not None and _check_vocab(vocab_size, "--vocab-size") < meta_vocab:
-            raise DataError(f"--vocab-size {vocab_size} is smaller than the {meta_vocab} of "
-                            f"{folder / 'meta.json'}; leave --vocab-size out")
-        if vocab_size is not None and vocab_size > meta_vocab:
-            notes.append(f"vocab_size {vocab_size} (--vocab-size) pads the {meta_vocab} "
-                         f"token ids of {folder / 'meta.json'}")
-        vocab_size = vocab_size or meta_vocab
-    elif vocab_size is not None:
-        vocab_size = _check_vocab(vocab_size, "--vocab-size")
-    else:
-        why = f"; {unread}" if has_pkl else ""
-        raise DataError(f"{folder} has no meta.json naming the vocabulary size{why}: pass "
-                        f"--vocab-size N (50257 for GPT-2's BPE, as nanoGPT's openwebtext "
-                        f"and shakespeare prepare.py write it)")
+    (meta, meta_path), notes = _read_meta(folder), []
+    given = _VocabSource(model_folder)
+    dtype = _settle_dtype(meta, meta_path, dtype)
+    vocab_size = _settle_vocab(folder, meta, meta_path, vocab_size, given, notes)
     train, val = (_open(folder / name, dtype, min_tokens) for name in ("train.bin", "val.bin"))
     for name, array in (("train.bin", train), ("val.bin", val)):
         largest = _sample_max(array, min_tokens)
         if largest >= vocab_size:
+            fix = (given.retokenize if given.model_folder else
+                   "pass the tokenizer's --vocab-size, or check --data-dtype")
             raise DataError(f"{folder / name} holds token id {largest}, but the vocabulary "
-                            f"has {vocab_size} ids (0..{vocab_size - 1}); pass the "
-                            f"tokenizer's --vocab-size, or check --data-dtype")
-    tokenizer = None
+                            f"{given.of_what}has {vocab_size} ids (0..{vocab_size - 1}); "
+                            f"{fix}")
+    tokenizer = _tokenizer_file(folder, meta, meta_path, notes)
+    return TokenCorpus(train, val, str(folder), vocab_size, dtype, tokenizer, notes)
+
+
+def _settle_dtype(meta, meta_path, dtype) -> str:
+    """The metadata's dtype (``dtype`` must agree), else ``dtype``, else uint16."""
+    if meta is not None and "dtype" in meta:
+        file_dtype = _check_dtype(meta["dtype"], f"in {meta_path}")
+        if dtype is not None and dtype != file_dtype:
+            raise DataError(f"--data-dtype {dtype} contradicts {meta_path}, which says "
+                            f"{file_dtype}; leave --data-dtype out")
+        return file_dtype
+    return _check_dtype(dtype, "--data-dtype") if dtype is not None else "uint16"
+
+
+class _VocabSource:
+    """Where the caller's vocabulary size came from: ``--vocab-size``, or the config.json
+    of the Hugging Face folder ``--init-from`` names (then the data must be the ids of
+    that folder's tokenizer.json)."""
+
+    def __init__(self, model_folder):
+        hf = model_folder is not None and (Path(model_folder) / "config.json").is_file()
+        self.model_folder = str(model_folder) if hf else None
+        self.flag = f"the config.json of --init-from {model_folder}" if hf else "--vocab-size"
+        self.of_what = f"of the model in {model_folder} " if hf else ""
+        self.retokenize = (f"tokenize the text with the model's own tokenizer: mpishard "
+                           f"prepare TEXT_PATH OUT_DIR --tokenizer "
+                           f"{Path(model_folder) / 'tokenizer.json'}, then train on "
+                           f"--data OUT_DIR") if hf else ""
+
+
+def _settle_vocab(folder: Path, meta, meta_path, vocab_size, given: _VocabSource,
+                  notes: list) -> int:
+    """The metadata's vocabulary size (``vocab_size`` may pad it), else ``vocab_size``."""
+    meta_vocab = meta.get("vocab_size") if meta is not None else None
+    if meta_vocab is not None:
+        meta_vocab = _check_vocab(meta_vocab, f"in {meta_path}")
+        if vocab_size is not None and _check_vocab(vocab_size, given.flag) < meta_vocab:
+            if given.model_folder:
+                raise DataError(f"the model in {given.model_folder} has a vocabulary of "
+                                f"{vocab_size} ids, but {meta_path} says the ids of {folder} "
+                                f"come from one of {meta_vocab}: another tokenizer made them; "
+                                f"{given.retokenize}")
+            raise DataError(f"--vocab-size {vocab_size} is smaller than the {meta_vocab} of "
+                            f"{meta_path}; leave --vocab-size out")
+        if vocab_size is not None and vocab_size > meta_vocab:
+            also = (f"; right only if the model's own tokenizer made them (else "
+                    f"{given.retokenize})" if given.model_folder else "")
+            notes.append(f"vocab_size {vocab_size} ({given.flag}) pads the {meta_vocab} "
+                         f"token ids of {meta_path}{also}")
+        return vocab_size or meta_vocab
+    if vocab_size is not None:
+        return _check_vocab(vocab_size, given.flag)
+    if meta_path is not None:
+        raise DataError(f"{meta_path} has no vocab_size (it holds {sorted(map(str, meta))}); "
+                        f"pass --vocab-size N, the size of the vocabulary that made the ids")
+    raise DataError(f"{folder} has no meta.json or meta.pkl naming the vocabulary size: pass "
+                    f"--vocab-size N (50257 for GPT-2's BPE, as nanoGPT's openwebtext and "
+                    f"shakespeare prepare.py write it)")
+
+
+def _tokenizer_file(folder: Path, meta, meta_path, notes: list) -> str | None:
+    """The ``tokenizer.json`` the metadata names (a note when it is missing), else the
+    folder's own ``tokenizer.json``, else None."""
     name = meta.get("tokenizer") if meta is not None else None
     if isinstance(name, str) and (folder / name).is_file():
-        tokenizer = str(folder / name)
-    elif isinstance(name, str):
-        notes.append(f"{folder / 'meta.json'} names the tokenizer {name!r}, which is not "
-                     f"in {folder}: token ids cannot be decoded to text")
-    elif (folder / "tokenizer.json").is_file():
-        tokenizer = str(folder / "tokenizer.json")
-    return TokenCorpus(train, val, str(folder), vocab_size, dtype, tokenizer, notes)
+        return str(folder / name)
+    if isinstance(name, str):
+        notes.append(f"{meta_path} names the tokenizer {name!r}, which is not in {folder}: "
+                     f"token ids cannot be decoded to text")
+        return None
+    return str(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
+
+
+def open_tokenizer(path):
+    """What turns a token folder's ids into text and back: the ``tokenizer.json`` its
+    meta.json names or that lies in it (a :class:`Tokenizer`), else the characters of
+    nanoGPT's ``meta.pkl`` (a :class:`~mpishard.data.meta_pkl.CharTokenizer`).
+
+    Raises:
+        DataError: the folder has neither, or what it has cannot be read.
+    """
+    folder = Path(path)
+    meta, meta_path = _read_meta(folder)
+    tokenizer = _tokenizer_file(folder, meta, meta_path, [])
+    if tokenizer is not None:
+        return Tokenizer.from_file(tokenizer)
+    if meta_path is not None and meta_path.suffix == ".pkl":
+        return CharTokenizer.from_meta(meta, meta_path)
+    raise DataError(f"{folder} has no tokenizer.json (nor a nanoGPT meta.pkl of characters) "
+                    f"to turn text into ids and back; copy the tokenizer.json that made the "
+                    f"ids into {folder}")
 
 
 def _tokenizers():

@@ -6,14 +6,12 @@ files (``train.bin``/``val.bin``, see docs/data.md). The model is built from the
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, load_corpus
 from mpishard.core.errors import ConfigError
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
-from mpishard.data.tokens import Tokenizer, is_token_dir, load_tokens
+from mpishard.data.tokens import is_token_dir, load_tokens, open_tokenizer
 from mpishard.recipes.base import Recipe, register_recipe
 
 __all__ = ["TextLM", "TextGPT", "TextLlama"]
@@ -72,9 +70,10 @@ class TextLM(Recipe):
             raise ConfigError(f"max_bytes = {cfg.data.max_bytes}: {cfg.data.path} holds token "
                               f"ids, read in place without a cut; leave --max-bytes out")
         corpus = load_tokens(cfg.data.path, cfg.data.dtype or None,
-                             cfg.model.vocab_size or None, min_tokens=cfg.model.block_size + 1)
+                             cfg.model.vocab_size or None, min_tokens=cfg.model.block_size + 1,
+                             model_folder=cfg.run.init_from or None)
         cfg.model.vocab_size = corpus.vocab_size
-        self.train, self.val, self.tokenizer = corpus.train, corpus.val, corpus.tokenizer
+        self.train, self.val = corpus.train, corpus.val
         notes = "".join(f"; {note}" for note in corpus.notes)
         return (f"{corpus.source}: {corpus.train.size:,} train / {corpus.val.size:,} val "
                 f"tokens ({corpus.dtype}, vocabulary {corpus.vocab_size:,}){notes}")
@@ -93,7 +92,7 @@ class TextLM(Recipe):
     def sample(self, module, prompt: str, n_tokens: int, seed: int, temperature: float = 0.8,
                top_k: int | None = 40) -> str:
         """Continue ``prompt`` by ``n_tokens`` tokens: bytes, or the ids of the data's
-        tokenizer (the ``tokenizer.json`` beside token data)."""
+        tokenizer (the ``tokenizer.json`` or nanoGPT ``meta.pkl`` beside token data)."""
         tokenizer = self._tokenizer()
         if tokenizer is None:
             idx = np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)
@@ -108,20 +107,9 @@ class TextLM(Recipe):
         return tokenizer.decode(out[0])
 
     def _tokenizer(self):
-        """The tokenizer of token data (None for bytes); a ConfigError when the data are
-        token ids without a tokenizer.json to decode them."""
-        path = self.cfg.data.path
-        if not is_token_dir(path):
-            return None
-        corpus_tokenizer = getattr(self, "tokenizer", None)
-        if corpus_tokenizer is None:
-            found = Path(path) / "tokenizer.json"
-            corpus_tokenizer = str(found) if found.is_file() else None
-        if corpus_tokenizer is None:
-            raise ConfigError(f"the model was trained on token ids from {path}, which has no "
-                              f"tokenizer.json to turn text into ids and back; copy the "
-                              f"tokenizer.json that made them into {path}")
-        return Tokenizer.from_file(corpus_tokenizer)
+        """The tokenizer of token data (None for bytes): a tokenizer.json, or the characters
+        of nanoGPT's meta.pkl (a DataError when the folder has neither)."""
+        return open_tokenizer(self.cfg.data.path) if is_token_dir(self.cfg.data.path) else None
 
 
 def moe_fields(m) -> dict:

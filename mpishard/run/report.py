@@ -41,7 +41,8 @@ def describe_plan(trainer) -> str:
         verdict = "fits" if trainer.plan.total_peak_bytes <= budget else "DOES NOT FIT"
         lines.append(f"  budget    {budget / 2**20:10.2f} MiB per rank: {verdict}")
     if reports is not None:
-        lines.append(format_rank_reports(reports))
+        cpu_only = all(r["device"].endswith("/cpu") for r in reports)   # Backend.describe()
+        lines.append(format_rank_reports(reports, gpu_lines=not cpu_only))
         lines.extend(thread_warning(reports))
     return "\n".join(lines)
 

@@ -297,9 +297,17 @@ def agreed(world: Communicator, local_work):
 
 def take_shape_from(cfg: TrainConfig) -> list:
     """With ``--init-from`` a Hugging Face folder, its ``config.json`` sets the ``[model]``
-    shape (mpishard.hf.shape_from_folder); returns a note."""
-    if not cfg.run.init_from or not (Path(cfg.run.init_from) / "config.json").is_file():
+    shape (mpishard.hf.shape_from_folder); returns a note. A path that is neither such a
+    folder nor a ``.safetensors`` file is a ConfigError, before anything is planned."""
+    path = Path(cfg.run.init_from)
+    if not cfg.run.init_from or (path.suffix == ".safetensors" and path.is_file()):
         return []
+    if not (path / "config.json").is_file():
+        found = ("does not exist" if not path.exists() else
+                 "is a folder without a config.json" if path.is_dir() else "is not a folder")
+        raise ConfigError(f"--init-from {path} {found}; pass a Hugging Face model folder "
+                          f"(config.json and its safetensors files) or a consolidated "
+                          f"mpishard .safetensors file")
     from mpishard.hf import shape_from_folder  # noqa: PLC0415 (only runs that start from weights)
 
     try:
@@ -310,7 +318,7 @@ def take_shape_from(cfg: TrainConfig) -> list:
 
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     """Plan, build, train, report. Returns the summary dict (on every rank)."""
-    notes = [*notes, *take_shape_from(cfg)]
+    notes = [*notes, *agreed(world, lambda: take_shape_from(cfg))]
     trainer = Trainer(cfg, world)
     for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")
