@@ -12,16 +12,14 @@
 Run anything that uses it as ``mpiexec -n 4 python -m mpi4py script.py`` (see
 docs/comm.md). Method names follow MPI in snake case; ``*_obj`` forms pickle
 small Python objects, every other form moves array bytes through the
-communicator's collective backend: mpi4py's buffer API (``Allreduce``,
-``Reduce_scatter_block``, ``Allgather``, ...) with no copies on the NumPy
-path, or NCCL for device arrays. ``size == 1`` returns early without MPI calls.
+communicator's backend (mpi4py's buffer API with no copies on the NumPy path,
+or NCCL for device arrays). ``size == 1`` returns early without MPI calls.
 
-The Communicator is the public face and the owner of the parts: the call log
-(:class:`~mpishard.comm.debug.CallLog`: history, debug fingerprints, watchdog,
-statistics), the backend ([Note: collective backends]) and the runner that
-puts the two together ([Note: one collective runner]); the collectives'
-checks live in :mod:`.collectives`, point to point and the ``*_obj`` forms in
-:mod:`.messages`.
+The Communicator is the public face; it owns the parts: the call log (history,
+fingerprints, watchdog, statistics), the backend ([Note: collective
+backends]) and the :class:`~mpishard.comm.runner.Runner` that joins them
+([Note: one collective runner]). Checks live in :mod:`.collectives`, point to
+point and ``*_obj`` in :mod:`.messages`.
 """
 from __future__ import annotations
 
