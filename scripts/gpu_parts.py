@@ -169,7 +169,7 @@ def race_checks(comm, cp, label: str) -> dict:
             call = comm.all_gather(x) if blocking else comm.iall_gather(x).wait()
             want = np.repeat(7.0 + np.arange(comm.size), n).astype(np.float32)
             np.testing.assert_array_equal(cp.asnumpy(call), want, f"{label}: producer race")
-    group = getattr(comm, "_nccl", None)
+    group = getattr(getattr(comm, "backend", None), "group", None)  # BackendAtSizeOne's
     if group is not None:
         found.update(_nccl_consumer_race(comm, group, cp, fill, n))
     assert found["control_stale_copy"], (
@@ -182,7 +182,7 @@ def race_checks(comm, cp, label: str) -> dict:
 
 def _nccl_consumer_race(comm, group, cp, fill, n) -> dict:
     """NCCL is delayed on its own stream; the caller's next kernel must still see its result."""
-    from mpishard.comm.nccl import nccl_dtype
+    from mpishard.comm.backends.nccl import nccl_dtype
 
     found = {}
     with cp.cuda.Stream(non_blocking=True) as stream:
@@ -216,6 +216,7 @@ def part_collectives(backend: str) -> dict:
     from mpi4py import MPI
 
     from mpishard.comm import Communicator, detect_cuda_aware, nccl_available
+    from mpishard.testing.fake_cupy import BackendAtSizeOne
 
     xp = np if backend == "numpy" else __import__("cupy")
     aware, aware_how = detect_cuda_aware()
@@ -235,8 +236,8 @@ def part_collectives(backend: str) -> dict:
     result = {"paths": {}, "skipped": skipped}
     for label, settings in paths.items():
         started = time.perf_counter()
-        comm = Communicator(MPI.COMM_SELF.Dup(), label, _owned=True, **settings)
-        comm._local_at_size_one = label == "shortcut"   # else MPI or NCCL at size 1
+        make = Communicator if label == "shortcut" else BackendAtSizeOne  # MPI or NCCL at 1
+        comm = make(MPI.COMM_SELF.Dup(), label, _owned=True, **settings)
         found = {"ran": check_collectives(comm, xp, f"1 rank, {label}")}
         if backend == "cupy" and label != "shortcut":
             found["races"] = race_checks(comm, xp, f"1 rank, {label}")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpishard.comm import checks, nccl
+from mpishard.comm import checks
+from mpishard.comm.backends import nccl
 from mpishard.testing.fake_cupy import (COMM_KINDS, FakeDeviceArray, install_fake_cupy,
                                    make_test_comm, required_size)
 
@@ -111,8 +112,11 @@ def test_staged_device_float16_reduces_in_float32(comm, no_mpi_float16, monkeypa
 class FakeGroup:
     """An NCCL group stand-in that records what it was given."""
 
-    def __init__(self):
+    built = []
+
+    def __init__(self, mpi_comm):
         self.calls = []
+        FakeGroup.built.append(self)
 
     def supports(self, a):
         return True
@@ -131,17 +135,19 @@ class FakeGroup:
 
 def test_nccl_path_never_asks_mpi_for_a_datatype(no_mpi_float16, monkeypatch):
     install_fake_cupy(monkeypatch)
+    monkeypatch.setattr(nccl, "nccl_available", lambda: (True, "NCCL (fake)"))
     monkeypatch.setattr(nccl, "nccl_dtype", lambda dtype: "ncclFloat16")
-    comm = make_test_comm("self")
-    comm.comm_backend, comm._nccl = "nccl", FakeGroup()
-    for local in (True, False):  # the size-1 shortcut, and the NCCL path at size 1
-        comm._local_at_size_one = local
+    monkeypatch.setattr(nccl, "NcclGroup", FakeGroup)
+    FakeGroup.built = []
+    for through in (False, True):  # the size-1 shortcut, and the NCCL path at size 1
+        comm = make_test_comm("self", comm_backend="nccl", backend_at_size_one=through)
         buf = FakeDeviceArray(np.ones(4, np.float16))
         assert comm.all_reduce(buf) is buf
         comm.all_gather(FakeDeviceArray(np.ones(2, np.float16)))
-    assert comm._nccl.calls == [("all_reduce", "float16", "sum"), ("all_gather", "float16")]
+        comm.free()
+    assert [group.calls for group in FakeGroup.built] == [
+        [("all_reduce", "float16", "sum"), ("all_gather", "float16")]]
     assert no_mpi_float16 == []  # MPI's datatypes were never asked about
-    comm.free()
 
 
 @pytest.mark.mpi

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpishard.comm import Communicator, format_rank_reports, launch, nccl, rank_report
-from mpishard.testing.fake_cupy import (COMM_KINDS, FakeDeviceArray, install_fake_cupy,
-                                   make_test_comm, required_size)
+from mpishard.comm import format_rank_reports, rank_report
+from mpishard.comm.backends import choose_comm_backend, nccl
+from mpishard.testing.fake_cupy import (COMM_KINDS, BackendAtSizeOne, FakeDeviceArray,
+                                        install_fake_cupy, make_test_comm, required_size)
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -84,20 +85,27 @@ def test_shared_gpu_finds_two_ranks_of_one_node_on_one_device():
 
 
 def test_choose_comm_backend_says_why(monkeypatch):
-    assert nccl.choose_comm_backend("mpi") == ("mpi", "comm_backend='mpi'")
+    assert choose_comm_backend("mpi") == ("mpi", "comm_backend='mpi'")
     monkeypatch.setattr(nccl, "nccl_available", lambda: (False, "CuPy is not importable"))
-    assert nccl.choose_comm_backend("auto") == (
+    assert choose_comm_backend("auto") == (
         "mpi", "auto: NCCL unavailable (CuPy is not importable)")
+    with pytest.raises(ValueError, match=r"comm_backend='nccl' but NCCL is unavailable \(CuPy "
+                                         r"is not importable\); install CuPy with NCCL"):
+        choose_comm_backend("nccl")
+    with pytest.raises(ValueError, match=r"unknown comm_backend 'gloo'; use one of "
+                                         r"\('mpi', 'nccl', 'auto'\)"):
+        choose_comm_backend("gloo")
     monkeypatch.setattr(nccl, "nccl_available", lambda: (True, "NCCL 2.99"))
-    backend, why = nccl.choose_comm_backend("auto")
+    backend, why = choose_comm_backend("auto")
     assert backend == "nccl" and "unless ranks of one node share a GPU" in why
+    assert choose_comm_backend("nccl") == ("nccl", "comm_backend='nccl' (NCCL 2.99)")
 
 
 @pytest.mark.mpi(min_size=2)
 def test_auto_falls_back_to_mpi_when_ranks_share_a_gpu(fake_nccl):
     fake_nccl("0000:01:00.0")  # every rank on the same GPU of this one host
     comm = make_test_comm("world", comm_backend="auto", cuda_aware=False)
-    assert comm.comm_backend == "nccl" and comm._auto_backend  # decided at first use
+    assert comm.comm_backend == "nccl"  # decided at the first device collective
     child = comm.dup()
     buf = FakeDeviceArray(np.full(3, comm.rank, np.float32))
     with warnings.catch_warnings(record=True) as caught:
@@ -111,7 +119,7 @@ def test_auto_falls_back_to_mpi_when_ranks_share_a_gpu(fake_nccl):
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == (1 if comm.rank == 0 else 0)
     assert all("ranks 0 and 1 on host" in m and "comm_backend='mpi'" in m for m in messages)
-    assert child.comm_backend == "nccl" and child._auto_backend  # checks its own group
+    assert child.comm_backend == "nccl"  # and checks its own group (below)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         child.all_reduce(FakeDeviceArray(np.ones(2, np.float32)))
@@ -127,10 +135,9 @@ def test_auto_falls_back_to_mpi_when_ranks_share_a_gpu(fake_nccl):
 @pytest.mark.mpi
 def test_auto_keeps_nccl_when_every_rank_has_its_own_gpu(fake_nccl, kind):
     fake_nccl(f"0000:{MPI.COMM_WORLD.Get_rank():02x}:00.0")
-    comm = make_test_comm(kind, comm_backend="auto")
+    comm = make_test_comm(kind, comm_backend="auto", backend_at_size_one=True)
     if comm is None:
         pytest.skip("sits out")
-    comm._local_at_size_one = False  # the NCCL path also at size 1
     buf = FakeDeviceArray(np.ones(4, np.float32))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -140,23 +147,25 @@ def test_auto_keeps_nccl_when_every_rank_has_its_own_gpu(fake_nccl, kind):
     comm.free()
 
 
-def test_explicit_nccl_does_not_second_guess(fake_nccl):
+def test_explicit_nccl_does_not_second_guess(fake_nccl, monkeypatch):
     fake_nccl("same")
-    comm = Communicator(MPI.COMM_SELF, comm_backend="nccl")
-    assert comm.comm_backend == "nccl" and not comm._auto_backend
+    monkeypatch.setattr(nccl, "gather_devices", lambda mpi_comm: pytest.fail("checked GPUs"))
+    comm = BackendAtSizeOne(MPI.COMM_SELF, comm_backend="nccl")
+    assert comm.comm_backend_how == "comm_backend='nccl' (NCCL 2.99 (fake))"
+    comm.all_reduce(FakeDeviceArray(np.ones(2, np.float32)))
+    assert FakeGroup.built == [1] and comm.comm_backend == "nccl"
     assert comm.comm_backend_how == "comm_backend='nccl' (NCCL 2.99 (fake))"
 
 
 @pytest.mark.mpi
 def test_nccl_statistics_are_device_time_read_lazily(fake_nccl, kind):
     fake_nccl(f"gpu{MPI.COMM_WORLD.Get_rank()}")
-    comm = make_test_comm(kind, comm_backend="nccl")
+    comm = make_test_comm(kind, comm_backend="nccl", backend_at_size_one=True)
     if comm is None:
         pytest.skip("sits out")
-    comm._local_at_size_one = False
     comm.all_reduce(FakeDeviceArray(np.ones(4, np.float32)))
     comm.iall_reduce(FakeDeviceArray(np.ones(4, np.float32))).wait()
-    requests = comm._nccl.requests
+    requests = comm.backend.group.requests
     assert [r.read for r in requests] == [0, 0]  # nothing waited for on the hot path
     assert comm.stats["all_reduce"].calls == 2
     assert comm.stats["all_reduce"].seconds == pytest.approx(0.5)  # 2 x 0.25 s on the device
@@ -174,11 +183,12 @@ def test_info_says_auto_will_fall_back_when_the_gpus_to_bind_collide(fake_nccl, 
     fake_nccl("0000:01:00.0")
     one_gpu = type("cupy", (), {"cuda": type("cuda", (), {
         "runtime": type("runtime", (), {"getDeviceCount": staticmethod(lambda: 1)})})})
-    monkeypatch.setattr(launch, "cupy_or_none", lambda: one_gpu)
+    monkeypatch.setattr(nccl, "cupy_or_none", lambda: one_gpu)
     comm = make_test_comm("world", comm_backend="auto")
+    undecided = comm.comm_backend_how
     reports = comm.all_gather_obj(rank_report(comm))
     assert reports[comm.rank]["comm_backend_how"].startswith(
         "auto: will fall back to MPI at the first device collective: ranks 0 and 1 on host")
     assert "    comm backend: auto: will fall back to MPI" in format_rank_reports(reports)
-    assert FakeGroup.built == [] and comm._auto_backend  # info decides nothing
+    assert FakeGroup.built == [] and comm.comm_backend_how == undecided  # info decides nothing
     comm.free()

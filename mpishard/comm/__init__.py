@@ -11,13 +11,15 @@ are math, and live in :mod:`mpishard.parallel`.
   sub-communicators;
 * :func:`install_abort_hook`, :func:`check_launcher`, debug mode and the
   watchdog turn distributed failures into errors instead of hangs;
-* :mod:`.gpu` and :mod:`.nccl` handle CuPy arrays (CUDA-aware MPI, pinned host
-  staging, NCCL); :mod:`.launch` reports where each rank runs.
+* :mod:`.backends` move the array bytes (:mod:`.backends.mpi`, with
+  :mod:`.gpu` for CuPy arrays: CUDA-aware MPI or pinned host staging;
+  :mod:`.backends.nccl`); :mod:`.launch` reports where each rank runs.
 
 See docs/comm.md for the whole story.
 """
 from mpishard.comm.abort import LauncherMismatch, check_launcher, install_abort_hook
-from mpishard.comm.communicator import COMM_BACKENDS, Communicator
+from mpishard.comm.backends import COMM_BACKENDS
+from mpishard.comm.communicator import Communicator
 from mpishard.comm.debug import CollectiveMismatch, CollectiveTimeout
 from mpishard.comm.env import ENVIRONMENT
 from mpishard.comm.gpu import detect_cuda_aware, nccl_available

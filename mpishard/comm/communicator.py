@@ -11,43 +11,38 @@
 
 Run anything that uses it as ``mpiexec -n 4 python -m mpi4py script.py`` (see
 docs/comm.md). Method names follow MPI in snake case; ``*_obj`` forms pickle
-small Python objects, every other form moves array bytes through mpi4py's
-buffer API (``Allreduce``, ``Reduce_scatter_block``, ``Allgather``, ...) with no
-copies on the NumPy path. ``size == 1`` returns early without MPI calls.
+small Python objects, every other form moves array bytes through the
+communicator's backend (mpi4py's buffer API with no copies on the NumPy path,
+or NCCL for device arrays). ``size == 1`` returns early without MPI calls.
 
-[Note: one collective runner]
-Every array collective is a :class:`Call` -- its buffers (what MPI reads and
-writes), the MPI primitive's blocking and non-blocking names with their
-arguments, and optionally a size-1 shortcut and an NCCL form -- handed to
-:meth:`Communicator._run`, which does the four steps once for all of them:
-begin the call (:class:`~mpishard.comm.debug.CallLog`: call history, watchdog,
-debug fingerprints, see [Note: collective order]); move the bytes (the size-1
-shortcut, NCCL, or MPI on host memory or, per [Note: device buffers], on
-device memory); and finish, now or in ``Handle.wait`` (copy back from staging,
-the ``avg`` division, statistics). Argument checks
-(:mod:`~mpishard.comm.checks`) run before, so misuse raises before any MPI call.
-A new collective is its checks plus one ``Call`` (see :meth:`all_to_all`).
+The Communicator is the public face; it owns the parts: the call log (history,
+fingerprints, watchdog, statistics), the backend ([Note: collective
+backends]) and the :class:`~mpishard.comm.runner.Runner` that joins them
+([Note: one collective runner]). Checks live in :mod:`.collectives`, point to
+point and ``*_obj`` in :mod:`.messages`.
 """
 from __future__ import annotations
 
 import os
+
 import numpy as np
 from mpi4py import MPI
 
-from mpishard.comm import checks
-from mpishard.comm.alltoall import AllToAll
+from mpishard.comm import collectives, messages
+from mpishard.comm.backends import AUTO, BACKENDS, DEFAULT_COMM_BACKEND, choose_comm_backend
+from mpishard.comm.backends.base import BackendSetup, CollectiveBackend
+from mpishard.comm.backends.mpi import MpiBackend
+from mpishard.comm.backends.one_rank import OneRank
 from mpishard.comm.debug import CallHistory, CallLog, Family
 from mpishard.comm.env import settings_from_env
 from mpishard.comm.handles import Handle
-from mpishard.comm.nccl import COMM_BACKENDS, choose_comm_backend
-from mpishard.comm.messages import Messages
-from mpishard.comm.runner import Call, Runner
+from mpishard.comm.runner import Runner
 from mpishard.comm.stats import CommStats
 
-__all__ = ["Communicator", "COMM_BACKENDS", "Call"]
+__all__ = ["Communicator"]
 
 
-class Communicator(Runner, Messages, AllToAll):
+class Communicator:
     """A wrapper around one mpi4py communicator.
 
     Args:
@@ -72,10 +67,10 @@ class Communicator(Runner, Messages, AllToAll):
     """
 
     def __init__(self, mpi_comm, name: str = "world", *, debug: bool = False,
-                 timeout: float | None = None, comm_backend: str = "mpi",
+                 timeout: float | None = None, comm_backend: str = DEFAULT_COMM_BACKEND,
                  cuda_aware: bool | None = None, history_size: int = 64,
                  _family: Family | None = None, _owned: bool = False,
-                 _cuda_aware_source: str = "the cuda_aware argument"):
+                 _cuda_aware_source: str = "the cuda_aware argument", _auto: bool = False):
         if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
             raise TypeError(f"Communicator needs an mpi4py intracommunicator such as "
                             f"MPI.COMM_WORLD, got {mpi_comm!r}")
@@ -88,26 +83,29 @@ class Communicator(Runner, Messages, AllToAll):
         self.size = mpi_comm.Get_size()
         self.debug = bool(debug)
         self.timeout = None if timeout is None else float(timeout)
-        self.comm_backend, self.comm_backend_how = choose_comm_backend(comm_backend)
+        backend_name, how = choose_comm_backend(comm_backend)
         self.stats = CommStats()
         self.history = CallHistory(history_size)
         self._cuda_aware_override = cuda_aware
         self._cuda_aware_source = _cuda_aware_source
-        self._cuda_aware: tuple[bool, str] | None = None
-        self._device_path_cache = None          # a gpu.DevicePath once a device array is seen
-        self._nccl = None
+        # split/dup children of an "auto" communicator inherit its choice so far,
+        # and a backend chosen by auto may still check their own group
+        self._auto = _auto or comm_backend == AUTO
         self._owned = _owned
-        if _family is None:
-            _family = Family(self.timeout)
-            _family.auto_backend = comm_backend == "auto"
-        self._family = _family
+        self._family = Family(self.timeout) if _family is None else _family
         self._family.add(self)
-        # split/dup children of an "auto" communicator inherit its choice so far
-        # ("nccl"), and still check for shared GPUs in their own group
-        self._auto_backend = self.comm_backend == "nccl" and (
-            comm_backend == "auto" or _family.auto_backend)
         self._calls = CallLog(mpi_comm, name, debug=self.debug, watchdog=self._family.watchdog,
                               history=self.history, stats=self.stats)
+        setup = BackendSetup(mpi_comm, name, how, auto=self._auto,
+                             host_sync=self.timeout is not None)
+        self._mpi_backend = MpiBackend(setup, cuda_aware, _cuda_aware_source)
+        self._backend = BACKENDS[backend_name].build(setup, self._mpi_backend)
+        self._runner = Runner(self._carrier(self._backend), self._calls, self.rank, self.size)
+
+    def _carrier(self, backend: CollectiveBackend) -> CollectiveBackend:
+        """What runs this communicator's collectives: ``backend``, or for a group
+        of one rank :class:`~mpishard.comm.backends.one_rank.OneRank` (no MPI call)."""
+        return OneRank(backend) if self.size == 1 else backend
 
     @classmethod
     def from_env(cls, mpi_comm, name: str = "world", environ=None, **overrides):
@@ -128,6 +126,29 @@ class Communicator(Runner, Messages, AllToAll):
             settings.pop("_cuda_aware_source", None)
         return cls(mpi_comm, name, **settings)
 
+    # -- what moves the bytes ------------------------------------------------
+    @property
+    def comm_backend(self) -> str:
+        """The backend of the array collectives (``"mpi"``, ``"nccl"``)."""
+        return self._backend.name
+
+    @property
+    def comm_backend_how(self) -> str:
+        """Why that backend: what ``"auto"`` chose and, after its first device
+        collective, what it found."""
+        return self._backend.how
+
+    def backend_how_once_bound(self, local_rank: int) -> str:
+        """:attr:`comm_backend_how`, or what a backend still to decide will say once
+        each rank has bound GPU ``local_rank % visible GPUs`` (collective; decides
+        nothing; ``mpishard info`` prints it)."""
+        return self._backend.how_once_bound(local_rank, self.all_gather_obj)
+
+    @property
+    def cuda_aware(self) -> tuple[bool, str]:
+        """``(whether MPI takes device buffers, how that was decided)``."""
+        return self._mpi_backend.takes_device_arrays
+
     # -- derived communicators -------------------------------------------
     def _child(self, mpi_comm, name: str, owned: bool = True) -> "Communicator":
         return Communicator(mpi_comm, name, debug=self.debug, timeout=self.timeout,
@@ -135,7 +156,7 @@ class Communicator(Runner, Messages, AllToAll):
                             cuda_aware=self._cuda_aware_override,
                             history_size=self.history.maxlen,
                             _family=self._family, _owned=owned,
-                            _cuda_aware_source=self._cuda_aware_source)
+                            _cuda_aware_source=self._cuda_aware_source, _auto=self._auto)
 
     def single(self, name: str) -> "Communicator":
         """A one-rank communicator named ``name`` over ``MPI.COMM_SELF`` (local: no MPI
@@ -179,9 +200,7 @@ class Communicator(Runner, Messages, AllToAll):
 
     def free(self) -> None:
         """Free a communicator made by ``split``/``dup`` (collective; idempotent)."""
-        if self._nccl is not None:
-            self._nccl.close()
-            self._nccl = None
+        self._backend.close()
         if self._owned and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 
@@ -192,9 +211,10 @@ class Communicator(Runner, Messages, AllToAll):
         self.free()
 
     def __repr__(self) -> str:
+        backend = self.comm_backend
         extras = "".join([", debug" if self.debug else "",
                           f", timeout={self.timeout:g}s" if self.timeout else "",
-                          f", {self.comm_backend}" if self.comm_backend != "mpi" else ""])
+                          f", {backend}" if backend != DEFAULT_COMM_BACKEND else ""])
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size}{extras})"
 
     # -- reductions -------------------------------------------------------
@@ -208,22 +228,11 @@ class Communicator(Runner, Messages, AllToAll):
         Returns:
             ``buf``.
         """
-        return self._run(self._all_reduce(buf, op, "all_reduce"), blocking=True)
+        return self._runner.run("all_reduce", True, collectives.all_reduce, buf, op)
 
     def iall_reduce(self, buf, op: str = "sum") -> Handle:
         """Non-blocking :meth:`all_reduce`; ``handle.wait()`` returns ``buf``."""
-        return self._run(self._all_reduce(buf, op, "iall_reduce"), blocking=False)
-
-    def _all_reduce(self, buf, op, where) -> Call:
-        def check():
-            checks.check_array(buf, where, "buf", output=True)
-            return checks.check_reduction(buf, op, where)
-        mpi_op = self._checked(where, check)
-        return Call("all_reduce", "all_reduce", buf.nbytes, buf, ((buf, True, True),),
-                    ("Allreduce", "Iallreduce"), lambda v, _: (MPI.IN_PLACE, v[0], mpi_op),
-                    buf.shape, buf.dtype, f"op={op}", reduction=True,
-                    nccl=lambda g, sync: g.all_reduce(buf, op, host_sync=sync),
-                    divide=buf if op == "avg" else None)
+        return self._runner.run("iall_reduce", False, collectives.all_reduce, buf, op)
 
     def reduce_scatter(self, send, recv=None, op: str = "sum"):
         """Reduce ``send``'s ``size`` equal blocks; rank ``r`` gets block ``r``.
@@ -238,28 +247,13 @@ class Communicator(Runner, Messages, AllToAll):
         Returns:
             ``recv``.
         """
-        return self._run(self._reduce_scatter(send, recv, op, "reduce_scatter"), blocking=True)
+        return self._runner.run("reduce_scatter", True, collectives.reduce_scatter,
+                                send, recv, op, self.size)
 
     def ireduce_scatter(self, send, recv=None, op: str = "sum") -> Handle:
         """Non-blocking :meth:`reduce_scatter`; ``handle.wait()`` returns ``recv``."""
-        return self._run(self._reduce_scatter(send, recv, op, "ireduce_scatter"),
-                         blocking=False)
-
-    def _reduce_scatter(self, send, recv, op, where) -> Call:
-        def check():
-            checks.check_array(send, where, "send")
-            mpi_op = checks.check_reduction(send, op, where)
-            return mpi_op, checks.reduce_scatter_recv(send, recv, self.size, where)
-        mpi_op, recv = self._checked(where, check)
-
-        def local():
-            recv.reshape(-1)[...] = send.reshape(-1)
-        return Call("reduce_scatter", "reduce_scatter", send.nbytes, recv,
-                    ((send, True, False), (recv, False, True)),
-                    ("Reduce_scatter_block", "Ireduce_scatter_block"),
-                    lambda v, _: (v[0], v[1], mpi_op), send.shape, send.dtype, f"op={op}",
-                    local=local, reduction=True, divide=recv if op == "avg" else None,
-                    nccl=lambda g, sync: g.reduce_scatter(send, recv, op, host_sync=sync))
+        return self._runner.run("ireduce_scatter", False, collectives.reduce_scatter,
+                                send, recv, op, self.size)
 
     # -- gathers, broadcasts, all-to-all ------------------------------------
     def all_gather(self, send, recv=None):
@@ -274,46 +268,97 @@ class Communicator(Runner, Messages, AllToAll):
         Returns:
             ``recv``.
         """
-        return self._run(self._all_gather(send, recv, "all_gather"), blocking=True)
+        return self._runner.run("all_gather", True, collectives.all_gather, send, recv,
+                                self.size, self.rank)
 
     def iall_gather(self, send, recv=None) -> Handle:
         """Non-blocking :meth:`all_gather`; ``handle.wait()`` returns ``recv``."""
-        return self._run(self._all_gather(send, recv, "iall_gather"), blocking=False)
-
-    def _all_gather(self, send, recv, where) -> Call:
-        def check():
-            checks.check_array(send, where, "send")
-            return checks.all_gather_recv(send, recv, self.size, self.rank, where)
-        recv, in_place = self._checked(where, check)
-
-        def local():
-            if not in_place:
-                recv.reshape(-1)[...] = send.reshape(-1)
-
-        def args(views, backs):  # unstaged in place: MPI reads our block of recv itself
-            return (MPI.IN_PLACE if in_place and backs[0] is None else views[1], views[0])
-        return Call("all_gather", "all_gather", recv.nbytes, recv,
-                    ((recv, False, True), (send, True, False)), ("Allgather", "Iallgather"),
-                    args, send.shape, send.dtype, local=local,
-                    nccl=lambda g, sync: g.all_gather(send, recv, host_sync=sync))
+        return self._runner.run("iall_gather", False, collectives.all_gather, send, recv,
+                                self.size, self.rank)
 
     def broadcast(self, buf, root: int = 0):
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (in place); returns ``buf``."""
-        return self._run(self._broadcast(buf, root, "broadcast"), blocking=True)
+        return self._runner.run("broadcast", True, collectives.broadcast, buf, root, self.size)
 
     def ibroadcast(self, buf, root: int = 0) -> Handle:
         """Non-blocking :meth:`broadcast`; ``handle.wait()`` returns ``buf``."""
-        return self._run(self._broadcast(buf, root, "ibroadcast"), blocking=False)
+        return self._runner.run("ibroadcast", False, collectives.broadcast, buf, root,
+                                self.size)
 
-    def _broadcast(self, buf, root, where) -> Call:
-        def check():
-            checks.check_array(buf, where, "buf", output=True)
-            return checks.check_root(root, self.size, where)
-        root = self._checked(where, check)
-        return Call("broadcast", "broadcast", buf.nbytes, buf,
-                    ((buf, self.rank == root, self.rank != root),), ("Bcast", "Ibcast"),
-                    lambda v, _: (v[0], root), buf.shape, buf.dtype, f"root={root}",
-                    nccl=lambda g, sync: g.broadcast(buf, root, host_sync=sync))
+    def all_to_all(self, send, recv=None):
+        """Rank ``r`` sends block ``j`` of ``send`` to rank ``j``, receiving into block ``r``.
+
+        Both buffers hold ``size`` equal blocks along the flattened array;
+        afterwards block ``j`` of ``recv`` on rank ``r`` is block ``r`` of rank
+        ``j``'s ``send`` (MPI_Alltoall). This is how context and expert
+        parallelism exchange a sequence or the tokens routed to each expert. It
+        runs through MPI (CUDA-aware or staged) also with ``comm_backend="nccl"``.
+
+        Args:
+            send: a C-contiguous array whose size is a multiple of ``size``.
+            recv: an array of the same size and dtype, not overlapping
+                ``send``, or ``None`` to allocate one shaped like ``send``.
+
+        Returns:
+            ``recv``.
+        """
+        return self._runner.run("all_to_all", True, collectives.all_to_all, send, recv,
+                                self.size)
+
+    def iall_to_all(self, send, recv=None) -> Handle:
+        """Non-blocking :meth:`all_to_all`; ``handle.wait()`` returns ``recv``."""
+        return self._runner.run("iall_to_all", False, collectives.all_to_all, send, recv,
+                                self.size)
+
+    def all_to_all_v(self, send, send_counts, recv_counts=None, recv=None):
+        """Rank ``r`` sends ``send_counts[j]`` rows of ``send`` to rank ``j`` (MPI_Alltoallv).
+
+        ``send``'s rows are grouped by destination (those for rank 0 first);
+        afterwards ``recv`` holds the rows from rank 0, then from rank 1, ...
+        Counts may be zero (nothing to some rank, or everything to one). This is
+        how expert parallelism sends each token to the ranks holding its experts
+        and back. It runs through MPI (CUDA-aware or staged) also with
+        ``comm_backend="nccl"``.
+
+        Args:
+            send: a C-contiguous array of ``sum(send_counts)`` rows.
+            send_counts: rows for each rank (``size`` integers).
+            recv_counts: rows from each rank, or ``None`` to exchange the counts
+                first (one small :meth:`all_to_all` of integers).
+            recv: ``sum(recv_counts)`` rows shaped like ``send``'s, or ``None``.
+
+        Returns:
+            ``recv``.
+        """
+        if recv_counts is None:
+            recv_counts = self.exchange_counts(send_counts)
+        return self._runner.run("all_to_all_v", True, collectives.all_to_all_v, send,
+                                send_counts, recv_counts, recv, self.size, self.rank)
+
+    def exchange_counts(self, send_counts) -> list:
+        """What each rank will send this one: an all-to-all of one integer per rank."""
+        counts = np.asarray([int(c) for c in send_counts], dtype=np.int64)
+        if counts.size != self.size:
+            raise ValueError(f"exchange_counts: {counts.size} counts for {self.size} ranks; "
+                             f"pass one per rank")
+        return self.all_to_all(counts).tolist()
+
+    # -- point to point and small objects (see :mod:`.messages`) -------------
+    def send(self, buf, dest: int, tag: int = 0) -> None:
+        """Send ``buf`` to rank ``dest`` (blocking)."""
+        self.isend(buf, dest, tag).wait()
+
+    def recv(self, buf, source: int, tag: int = 0):
+        """Receive into ``buf`` from rank ``source`` (blocking); returns ``buf``."""
+        return self.irecv(buf, source, tag).wait()
+
+    def isend(self, buf, dest: int, tag: int = 0) -> Handle:
+        """Non-blocking :meth:`send`; ``handle.wait()`` returns ``buf``."""
+        return messages.isend(self._runner, buf, dest, tag)
+
+    def irecv(self, buf, source: int, tag: int = 0) -> Handle:
+        """Non-blocking :meth:`recv`; ``handle.wait()`` returns ``buf``."""
+        return messages.irecv(self._runner, buf, source, tag)
 
     def barrier(self) -> None:
         """Wait until every rank has reached the barrier."""
@@ -323,6 +368,23 @@ class Communicator(Runner, Messages, AllToAll):
                 self.mpi.Barrier()
         finally:
             self._calls.end(entry, "barrier", 0)
+
+    def all_reduce_obj(self, obj, op: str = "sum"):
+        """Reduce a small Python value over all ranks (``sum``, ``prod``,
+        ``max``, ``min``, ``and``, ``or``); every rank gets the result."""
+        return messages.all_reduce_obj(self._calls, self.mpi, obj, op)
+
+    def all_gather_obj(self, obj) -> list:
+        """Every rank's ``obj``, as a list indexed by rank, on every rank."""
+        return messages.all_gather_obj(self._calls, self.mpi, obj)
+
+    def broadcast_obj(self, obj, root: int = 0):
+        """``root``'s ``obj`` on every rank."""
+        return messages.broadcast_obj(self._calls, self.mpi, obj, root)
+
+    def gather_obj(self, obj, root: int = 0):
+        """Every rank's ``obj`` as a list on ``root``; ``None`` elsewhere."""
+        return messages.gather_obj(self._calls, self.mpi, obj, root)
 
     # -- reports -----------------------------------------------------------
     def format_history(self) -> str:

@@ -45,6 +45,7 @@ __all__ = [
     "Watchdog",
     "exchange_fingerprints",
     "caller_location",
+    "caller_stacklevel",
     "rank_prefix",
 ]
 
@@ -74,6 +75,15 @@ def caller_location() -> tuple[str, int]:
     if frame is None:
         return ("?", 0)
     return (frame.f_code.co_filename, frame.f_lineno)
+
+
+def caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for a warning issued by this function's
+    caller, that names the nearest frame outside ``mpishard/comm``."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_COMM_PREFIX):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class CallRecord:
@@ -264,7 +274,6 @@ class Family:
 
     def __init__(self, timeout: float | None, on_timeout=None):
         self.timeout = timeout
-        self.auto_backend = False   # comm_backend="auto" was asked for (nccl.py)
         self._members: list[weakref.ref] = []
         self.watchdog = (Watchdog(timeout, self.report, on_timeout)
                          if timeout else None)

@@ -11,6 +11,8 @@ variable                   meaning
 """
 from __future__ import annotations
 
+from mpishard.comm.backends import DEFAULT_COMM_BACKEND
+
 __all__ = ["ENVIRONMENT", "env_flag", "settings_from_env"]
 
 #: variable -> what it does (``mpishard --help`` prints this table)
@@ -51,7 +53,7 @@ def settings_from_env(environ) -> dict:
         ValueError: a variable that does not parse; the message names it.
     """
     settings = {"debug": bool(env_flag(environ, "MPISHARD_DEBUG")),
-                "comm_backend": environ.get("MPISHARD_COMM_BACKEND") or "mpi"}
+                "comm_backend": environ.get("MPISHARD_COMM_BACKEND") or DEFAULT_COMM_BACKEND}
     raw = environ.get("MPISHARD_TIMEOUT", "").strip()
     try:
         seconds = float(raw) if raw else 0.0

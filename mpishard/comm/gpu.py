@@ -25,7 +25,7 @@ point-to-point calls take device buffers. And Open MPI's
 ``OMPI_MCA_opal_cuda_support=true`` is a request that a build without CUDA
 ignores, so it is not taken as a hint: on Open MPI only
 ``MPIX_Query_cuda_support() == 1`` (or ``MPISHARD_CUDA_AWARE=1``) makes MPI
-CUDA-aware. The NCCL backend (:mod:`mpishard.comm.nccl`) bypasses all of this
+CUDA-aware. The NCCL backend (:mod:`mpishard.comm.backends.nccl`) bypasses all of this
 for its collectives.
 """
 from __future__ import annotations

@@ -13,9 +13,8 @@ import warnings
 
 from mpi4py import MPI
 
-from mpishard.core.backend import cupy_or_none
-from mpishard.comm import nccl
 from mpishard.comm.gpu import loaded_libmpi, nccl_available
+from mpishard.core.backend import cupy_or_none
 
 __all__ = ["node_local_rank", "rank_report", "format_rank_reports", "device_before_mpi"]
 
@@ -122,7 +121,7 @@ def rank_report(comm, backend=None) -> dict:
         "mpi_library": loaded_libmpi() or "?",
         "mpi_vendor": f"{vendor} {'.'.join(map(str, version))}",
         "comm_backend": comm.comm_backend,
-        "comm_backend_how": _backend_how(comm, local_rank),
+        "comm_backend_how": comm.backend_how_once_bound(local_rank),
         "device": _device_description(local_rank, backend),
         "device_before_mpi": None if early is None else (
             f"cuda:{early['device']} ({early['source']}={early['local_rank']})"),
@@ -131,24 +130,6 @@ def rank_report(comm, backend=None) -> dict:
         "nccl_available": nccl_ok,
         "nccl_how": nccl_how,
     }
-
-
-def _backend_how(comm, local_rank: int) -> str:
-    """``comm.comm_backend_how``; for an undecided ``auto``, whether the GPUs the
-    ranks will bind (``local_rank % visible GPUs``) collide (collective)."""
-    how = getattr(comm, "comm_backend_how", comm.comm_backend)
-    if not getattr(comm, "_auto_backend", False):
-        return how
-    try:
-        gpus = int(cupy_or_none().cuda.runtime.getDeviceCount())
-        mine = (socket.gethostname(), nccl.device_identity(local_rank % gpus))
-    except Exception:  # noqa: BLE001 (no GPU here: nothing to collide)
-        mine = (socket.gethostname(), f"none (rank {comm.rank})")
-    clash = nccl.shared_gpu(comm.all_gather_obj(mine))
-    if clash is None:
-        return how
-    return (f"auto: will fall back to MPI at the first device collective: {clash} "
-            f"(NCCL refuses two ranks on one GPU)")
 
 
 def format_rank_reports(reports: list[dict], gpu_lines: bool = True) -> str:

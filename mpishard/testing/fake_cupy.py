@@ -15,6 +15,9 @@ kind        members                                 size (4-rank run)
 
 :func:`make_test_comm` is collective over ``COMM_WORLD`` for every kind but
 ``self``; call it in the same order on all ranks (pytest fixtures do).
+:class:`BackendAtSizeOne` is a communicator whose collectives go through its
+backend (MPI or NCCL) also when it has one rank, where a plain one copies
+locally: the tests and the GPU check drive those paths on one process with it.
 
 :class:`FakeDeviceArray` and :func:`install_fake_cupy` stand in for CuPy on a
 machine without a GPU: the fake array has no buffer protocol, so if a
@@ -29,10 +32,10 @@ import types
 import numpy as np
 from mpi4py import MPI
 
-from mpishard.comm.communicator import Communicator
+from mpishard.comm import Communicator
 
-__all__ = ["COMM_KINDS", "make_test_comm", "required_size", "FakeDeviceArray",
-           "install_fake_cupy"]
+__all__ = ["COMM_KINDS", "make_test_comm", "required_size", "BackendAtSizeOne",
+           "FakeDeviceArray", "install_fake_cupy"]
 
 COMM_KINDS = ("self", "split2", "split3", "world")
 
@@ -42,22 +45,36 @@ def required_size(kind: str) -> int:
     return int(kind[5:]) if kind.startswith("split") else 1
 
 
-def make_test_comm(kind: str, **settings) -> Communicator | None:
-    """A fresh Communicator of ``kind`` (``None`` on ranks that sit out).
+class BackendAtSizeOne(Communicator):
+    """A :class:`~mpishard.comm.Communicator` that runs its collectives on its
+    backend at every size: with one rank too, where a plain one takes them to
+    ``OneRank`` (local copies, no MPI call). ``backend`` is that backend (the
+    GPU check reaches NCCL's group through it)."""
+
+    def _carrier(self, backend):
+        self.backend = backend
+        return backend
+
+
+def make_test_comm(kind: str, *, backend_at_size_one: bool = False,
+                   **settings) -> Communicator | None:
+    """A fresh Communicator of ``kind`` (``None`` on ranks that sit out); a
+    :class:`BackendAtSizeOne` with ``backend_at_size_one``.
 
     Free it with ``comm.free()`` (collective over its members).
     """
     world = MPI.COMM_WORLD
+    make = BackendAtSizeOne if backend_at_size_one else Communicator
     if kind == "self":
-        return Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True, **settings)
+        return make(MPI.COMM_SELF.Dup(), "self", _owned=True, **settings)
     if kind == "world":
-        return Communicator(world.Dup(), "world", _owned=True, **settings)
+        return make(world.Dup(), "world", _owned=True, **settings)
     size = required_size(kind)
     member = world.Get_rank() < size
     mpi_comm = world.Split(0 if member else MPI.UNDEFINED, world.Get_rank())
     if mpi_comm == MPI.COMM_NULL:
         return None
-    return Communicator(mpi_comm, kind, _owned=True, **settings)
+    return make(mpi_comm, kind, _owned=True, **settings)
 
 
 class FakeStream:

@@ -1,9 +1,11 @@
-"""NCCL collectives for CuPy arrays (``comm_backend="nccl"``).
+"""The NCCL backend: reductions, gathers and broadcasts of CuPy arrays through NCCL.
 
 One :class:`NcclGroup` per :class:`~mpishard.comm.Communicator`, created the
 first time that communicator reduces, gathers or broadcasts a device array:
 rank 0 draws a unique id, the id is broadcast over MPI, and every rank builds a
-``cupy.cuda.nccl.NcclCommunicator`` for the same group.
+``cupy.cuda.nccl.NcclCommunicator`` for the same group. Host arrays, dtypes
+NCCL lacks, all-to-all and point to point go to the MPI backend the NCCL
+backend is built over (see [Note: collective backends]).
 
 [Note: NCCL streams]
 NCCL kernels run on the group's own stream, ordered after the caller's work and
@@ -23,7 +25,7 @@ Point-to-point ``send``/``recv`` and the ``*_obj`` forms always use MPI.
 Because the host does not wait, the wall time from issue to return says
 nothing about an NCCL collective. Its statistics use the device time between
 two CUDA events recorded on the NCCL stream around it, read when the
-statistics are read (see [Note: bus bytes] in :mod:`.stats`).
+statistics are read (see [Note: bus bytes] in :mod:`~mpishard.comm.stats`).
 
 [Note: one GPU per rank]
 NCCL refuses a group in which two ranks use the same GPU ("Duplicate GPU
@@ -37,43 +39,154 @@ group. An explicit ``"nccl"`` is left to fail in NCCL with its own message.
 from __future__ import annotations
 
 import socket
+import warnings
 
+import numpy as np
+
+from mpishard.comm.backends.base import BackendSetup, CollectiveBackend, Pending
+from mpishard.comm.debug import caller_stacklevel
 from mpishard.comm.gpu import nccl_available
 from mpishard.comm.handles import EventRequest
+from mpishard.core.backend import cupy_or_none
 
-__all__ = ["NcclGroup", "nccl_dtype", "resolve_comm_backend", "choose_comm_backend",
-           "device_identity", "shared_gpu", "COMM_BACKENDS"]
-
-COMM_BACKENDS = ("mpi", "nccl", "auto")
+__all__ = ["NcclBackend", "NcclGroup", "nccl_dtype", "device_identity", "shared_gpu",
+           "gather_devices"]
 
 
-def choose_comm_backend(comm_backend: str) -> tuple[str, str]:
-    """``("mpi" or "nccl", why)`` for a requested backend (``"auto"``: NCCL if it
-    loads; see [Note: one GPU per rank] for what ``auto`` checks later).
+class NcclBackend(CollectiveBackend):
+    """NCCL for device arrays it has a datatype for; ``fallback`` (MPI) for the rest.
 
-    Raises:
-        ValueError: an unknown name, or ``"nccl"`` where NCCL does not load.
+    Args:
+        setup: the group, why NCCL was chosen, whether ``auto`` chose it (then
+            the first device collective checks [Note: one GPU per rank]) and
+            whether the host waits for NCCL (a watchdog is on).
+        fallback: the group's MPI backend.
     """
-    if comm_backend not in COMM_BACKENDS:
-        raise ValueError(f"unknown comm_backend {comm_backend!r}; use one of {COMM_BACKENDS}")
-    if comm_backend == "mpi":
-        return "mpi", "comm_backend='mpi'"
-    ok, why = nccl_available()
-    if comm_backend == "nccl" and not ok:
-        raise ValueError(f"comm_backend='nccl' but NCCL is unavailable ({why}); install "
-                         f"CuPy with NCCL (pip install 'mpishard[cuda12]' nvidia-nccl-cu12) "
-                         f"or use comm_backend='mpi'")
-    if comm_backend == "nccl":
-        return "nccl", f"comm_backend='nccl' ({why})"
-    if not ok:
-        return "mpi", f"auto: NCCL unavailable ({why})"
-    return "nccl", (f"auto: {why}, unless ranks of one node share a GPU (checked at the "
-                    f"first device collective)")
 
+    label = "NCCL"
+    install_hint = "install CuPy with NCCL (pip install 'mpishard[cuda12]' nvidia-nccl-cu12)"
+    auto_caveat = (", unless ranks of one node share a GPU (checked at the first device "
+                   "collective)")
 
-def resolve_comm_backend(comm_backend: str) -> str:
-    """``"mpi"`` or ``"nccl"`` for a requested backend (:func:`choose_comm_backend`)."""
-    return choose_comm_backend(comm_backend)[0]
+    def __init__(self, setup: BackendSetup, fallback: CollectiveBackend):
+        self.fallback = fallback
+        self.group: NcclGroup | None = None     # built at the first device collective
+        self._setup = setup
+        self._rank = setup.mpi_comm.Get_rank()
+        self.how = setup.how
+        self._undecided = setup.auto            # auto: the shared-GPU check is still owed
+        self._stepped_back = False              # auto found a shared GPU: MPI from now on
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return nccl_available()
+
+    @property
+    def name(self) -> str:
+        return self.fallback.name if self._stepped_back else "nccl"
+
+    @property
+    def takes_device_arrays(self) -> tuple[bool, str]:
+        return True, "NCCL runs on device memory"
+
+    def check_dtype(self, a, where: str) -> None:
+        if not self._has_dtype(a):  # else NCCL's dtypes are NCCL's, whatever MPI has
+            self.fallback.check_dtype(a, where)
+
+    def all_reduce(self, buf, op: str, *, blocking: bool) -> Pending:
+        group = self._group_for(buf)
+        if group is None:
+            return self.fallback.all_reduce(buf, op, blocking=blocking)
+        return self._issued(group.all_reduce(buf, op, host_sync=self._setup.host_sync))
+
+    def reduce_scatter(self, send, recv, op: str, *, blocking: bool) -> Pending:
+        group = self._group_for(send)
+        if group is None:
+            return self.fallback.reduce_scatter(send, recv, op, blocking=blocking)
+        return self._issued(group.reduce_scatter(send, recv, op,
+                                                 host_sync=self._setup.host_sync))
+
+    def all_gather(self, send, recv, *, in_place: bool, blocking: bool) -> Pending:
+        group = self._group_for(recv)
+        if group is None:
+            return self.fallback.all_gather(send, recv, in_place=in_place, blocking=blocking)
+        return self._issued(group.all_gather(send, recv, host_sync=self._setup.host_sync))
+
+    def broadcast(self, buf, root: int, *, blocking: bool) -> Pending:
+        group = self._group_for(buf)
+        if group is None:
+            return self.fallback.broadcast(buf, root, blocking=blocking)
+        return self._issued(group.broadcast(buf, root, host_sync=self._setup.host_sync))
+
+    # NCCL has no all-to-all here, and point to point stays on MPI (CUDA-aware or staged)
+    def all_to_all(self, send, recv, *, blocking: bool) -> Pending:
+        return self.fallback.all_to_all(send, recv, blocking=blocking)
+
+    def all_to_all_v(self, send, send_rows: list, recv, recv_rows: list, *,
+                     blocking: bool) -> Pending:
+        return self.fallback.all_to_all_v(send, send_rows, recv, recv_rows, blocking=blocking)
+
+    def isend(self, buf, dest: int, tag: int) -> Pending:
+        return self.fallback.isend(buf, dest, tag)
+
+    def irecv(self, buf, source: int, tag: int) -> Pending:
+        return self.fallback.irecv(buf, source, tag)
+
+    def how_once_bound(self, local_rank: int, all_gather_obj) -> str:
+        """For an undecided ``auto``: whether the GPUs the ranks will bind collide."""
+        if not self._undecided:
+            return self.how
+        try:
+            gpus = int(cupy_or_none().cuda.runtime.getDeviceCount())
+            mine = (socket.gethostname(), device_identity(local_rank % gpus))
+        except Exception:  # noqa: BLE001 (no GPU here: nothing to collide)
+            mine = (socket.gethostname(), f"none (rank {self._rank})")
+        clash = shared_gpu(all_gather_obj(mine))
+        if clash is None:
+            return self.how
+        return (f"auto: will fall back to MPI at the first device collective: {clash} "
+                f"(NCCL refuses two ranks on one GPU)")
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # -- choosing NCCL or MPI, call by call --------------------------------------
+    def _has_dtype(self, a) -> bool:
+        return type(a) is not np.ndarray and nccl_dtype(a.dtype) is not None
+
+    def _group_for(self, a):
+        """The NCCL group if ``a`` goes through NCCL, else ``None`` (collective the
+        first time: the group is built, after the check of [Note: one GPU per rank])."""
+        if self._stepped_back or type(a) is np.ndarray:
+            return None
+        if self.group is None:
+            if self._undecided and self._step_back_if_gpus_shared():
+                return None
+            self.group = NcclGroup(self._setup.mpi_comm)
+        return self.group if self.group.supports(a) else None
+
+    def _step_back_if_gpus_shared(self) -> bool:
+        """For ``auto``: use MPI when two ranks of one node use one GPU (collective).
+        Returns whether it stepped back."""
+        clash = shared_gpu(gather_devices(self._setup.mpi_comm))
+        self._undecided = False
+        if clash is None:
+            self.how += "; no two ranks share a GPU"
+            return False
+        self._stepped_back = True
+        self.how = f"auto: MPI, not NCCL: {clash}, and NCCL refuses two ranks on one GPU"
+        if self._rank == 0:
+            warnings.warn(f"communicator {self._setup.comm_name!r}: {self.how} (bind one "
+                          f"GPU per rank, or set comm_backend='mpi')", RuntimeWarning,
+                          stacklevel=caller_stacklevel())
+        return True
+
+    @staticmethod
+    def _issued(request) -> Pending:
+        """An NCCL request: complete in stream order, timed on the device."""
+        return Pending(request, device_seconds=getattr(request, "device_seconds", None))
 
 
 def device_identity(device: int | None = None) -> str:
