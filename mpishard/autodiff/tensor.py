@@ -249,23 +249,24 @@ class Tensor:
     def __add__(self, other) -> Tensor:
         return OPS["add"](self, other)
 
+    __radd__ = __add__                  # 2 + a is a + 2
+
     def __sub__(self, other) -> Tensor:
         return OPS["sub"](self, other)
-
-    def __mul__(self, other) -> Tensor:
-        return OPS["mul"](self, other)
-
-    def __truediv__(self, other) -> Tensor:
-        return OPS["div"](self, other)
-
-    __radd__ = __add__                  # 2 + a is a + 2, 2 * a is a * 2
-    __rmul__ = __mul__
 
     def __rsub__(self, other) -> Tensor:
         """``other - self``: ``-self + other`` for a Python number, else ``sub``."""
         if is_python_number(other):
             return OPS["add"](OPS["neg"](self), other)
         return OPS["sub"](other, self)
+
+    def __mul__(self, other) -> Tensor:
+        return OPS["mul"](self, other)
+
+    __rmul__ = __mul__                  # 2 * a is a * 2
+
+    def __truediv__(self, other) -> Tensor:
+        return OPS["div"](self, other)
 
     def __rtruediv__(self, other) -> Tensor:
         """``other / self``: ``self ** -1 * other`` for a Python number, else ``div``."""

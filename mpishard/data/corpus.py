@@ -67,7 +67,14 @@ def default_corpus_files() -> list[Path]:
     return files
 
 
-def _files_under(path: Path) -> list[Path]:
+def token_files_in(path: Path) -> list:
+    """The names of nanoGPT's token files (``train.bin``, ``val.bin``, ``meta.pkl``) that
+    ``path`` is or holds: text loaders refuse them."""
+    return sorted(p.name for p in ([path] if path.is_file() else path.iterdir())
+                  if p.name in _NOT_TEXT)
+
+
+def text_files_under(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     return [p for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith(".")]
@@ -99,14 +106,13 @@ def load_corpus(path: str | Path | None = None, max_bytes: int | None = None,
         if not path.exists():
             raise DataError(f"data path {str(path)!r} does not exist; pass a text file or a "
                             f"folder of text files, or leave --data out for the default corpus")
-        found = sorted(p.name for p in ([path] if path.is_file() else path.iterdir())
-                       if p.name in _NOT_TEXT)
+        found = token_files_in(path)
         if found:
             raise DataError(f"data path {str(path)!r} is, or holds, {', '.join(found)}: token "
                             f"files as nanoGPT's prepare.py writes them, not text, and no "
                             f"folder of token ids (that needs train.bin and val.bin). Point "
                             f"--data at the folder holding both, or at the text itself")
-        files, source = _files_under(path), str(path)
+        files, source = text_files_under(path), str(path)
     available = sum(f.stat().st_size for f in files)
     max_bytes = max_bytes or available
     chunks, total = [], 0

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mpishard.data.corpus import _NOT_TEXT, DEFAULT_CORPUS_BYTES, DataError, _files_under, default_corpus_files
+from mpishard.data.corpus import (DEFAULT_CORPUS_BYTES, DataError, default_corpus_files, text_files_under,
+                                  token_files_in)
 from mpishard.core.parse import parse_bool
 from mpishard.data.tokens import Tokenizer, _tokenizers, dtype_for_vocab
 
@@ -146,8 +147,7 @@ def _sources(text_path, out_dir: Path, max_bytes):
     if not path.exists():
         raise DataError(f"text path {str(path)!r} does not exist; pass a text file, a folder "
                         f"of text files, or 'default' for the built-in corpus")
-    found = sorted(p.name for p in ([path] if path.is_file() else path.iterdir())
-                   if p.name in _NOT_TEXT)
+    found = token_files_in(path)
     if found:
         raise DataError(f"text path {str(path)!r} holds {', '.join(found)}: token ids already "
                         f"(nanoGPT's layout); train on it with --data {path}, or pass the text")
@@ -155,7 +155,7 @@ def _sources(text_path, out_dir: Path, max_bytes):
         raise DataError(f"OUT_DIR {str(out_dir)!r} is TEXT_PATH; write the tokens to a folder "
                         f"of their own")
     out = out_dir.resolve()
-    files = [f for f in _files_under(path) if out not in f.resolve().parents]
+    files = [f for f in text_files_under(path) if out not in f.resolve().parents]
     return files, str(path), max_bytes or None
 
 
