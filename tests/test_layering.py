@@ -40,8 +40,6 @@ def _forbidden(layer: str) -> set:
 
 # layer -> packages/modules it must never import (directly or by relative import)
 FORBIDDEN = {layer: _forbidden(layer) for layer in LAYERS}
-# TEMPORARY while the strategies' memory plans move into planning/
-FORBIDDEN["parallel"].discard("mpishard.planning")
 # the one kernels module that asks CuPy where its CUDA libraries are (lazily, when a
 # product first runs on a device)
 CUPY_ALLOWED = {"kernels/cuda/libs.py"}

@@ -1,7 +1,7 @@
 """The layout planner's context-parallel, hybrid-sharding and sequence-parallel axes.
 
 What needs no run: a :class:`Layout` refuses sizes that do not fit (naming the
-fix), a :class:`LayoutMesh` names its groups as a :class:`Mesh` names its
+fix), a :class:`MeshShape` names its groups as a :class:`Mesh` names its
 communicators (checked against a real mesh on 4 ranks), the plan shards ZeRO
 over ``dp_shard x cp`` and prints the new axes, and the models' activation
 formulas take the split as keywords or from the stage. tests/test_layout_plan.py
@@ -16,7 +16,8 @@ from mpishard.comm import Communicator, Mesh
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.models.gpt.activations import gpt_activation_bytes
 from mpishard.models.llama.activations import llama_activation_bytes
-from mpishard.planning.layout import Layout, LayoutMesh, estimate_layout
+from mpishard.core.mesh_axes import MeshShape
+from mpishard.planning.layout import Layout, estimate_layout, mesh_shape
 from mpishard.planning.memory import estimate_memory
 from mpishard.parallel.compose import build_stage
 
@@ -63,9 +64,8 @@ def test_positional_layouts_keep_their_meaning():
     (dict(dp=2, dp_replicate=2, cp=2), ["dp", "cp", "dp_cp"]),
     (dict(dp=2, tp=2, pp=2, cp=2), ["pp", "dp", "cp", "dp_cp", "tp"]),
 ])
-def test_layout_mesh_names_groups_as_the_mesh_does(sizes, names):
-    mesh = LayoutMesh(sizes.get("dp", 1), sizes.get("tp", 1), sizes.get("pp", 1),
-                      cp=sizes.get("cp", 1), dp_replicate=sizes.get("dp_replicate", 1))
+def test_a_layouts_mesh_shape_names_groups_as_the_mesh_does(sizes, names):
+    mesh = mesh_shape(Layout(**sizes, seq_len=16), 0)
     assert mesh.active_names() == names
     assert mesh.dp_cp.size == sizes.get("dp", 1) * sizes.get("cp", 1)
 
@@ -73,19 +73,22 @@ def test_layout_mesh_names_groups_as_the_mesh_does(sizes, names):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("sizes", [dict(dp=4, dp_replicate=2), dict(dp=2, dp_replicate=2, cp=2),
                                    dict(dp=1, cp=2, tp=2), dict(dp=2, cp=2), dict(dp=4),
-                                   dict(dp=2, pp=2)])
-def test_layout_mesh_matches_a_real_mesh(sizes):
+                                   dict(dp=2, pp=2), dict(dp=4, ep=2), dict(dp=2, cp=2, ep=4),
+                                   dict(dp=2, cp=2, ep=2)])
+def test_a_layouts_mesh_shape_matches_a_real_mesh(sizes):
     world = Communicator(MPI.COMM_WORLD)
     if world.size != 4:
         pytest.skip("needs 4 ranks")
-    full = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, **sizes}
+    full = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "ep": 1, **sizes}
     mesh = Mesh(world, **full)
-    plan = LayoutMesh(full["dp"], full["tp"], full["pp"], cp=full["cp"],
-                      dp_replicate=full["dp_replicate"])
-    assert plan.active_names() == list(mesh.active_axes())
-    for group in ("dp", "tp", "pp", "cp", "dp_replicate", "dp_shard", "dp_cp", "dp_shard_cp"):
-        ours, theirs = getattr(plan, group), getattr(mesh, group)
-        assert ours.size == theirs.size, group
+    shape = MeshShape(pp=full["pp"], dp_replicate=full["dp_replicate"],
+                      dp_shard=full["dp"] // full["dp_replicate"], cp=full["cp"], tp=full["tp"],
+                      ep=full["ep"], world_rank=world.rank)
+    assert shape.active_names() == list(mesh.active_axes())
+    for group in ("dp", "tp", "pp", "cp", "dp_replicate", "dp_shard", "dp_cp", "dp_shard_cp",
+                  "ep", "edp", "edp_shard"):
+        ours, theirs = getattr(shape, group), getattr(mesh, group)
+        assert (ours.size, ours.rank) == (theirs.size, theirs.rank), group
         if theirs.size > 1:
             assert ours.name == theirs.name, group
     mesh.free()
@@ -137,7 +140,7 @@ def test_the_plan_prints_the_new_axes():
                                    dict(tp=2, sequence_parallel=True)])
 def test_activation_formulas_take_the_split_as_keywords(cls, cfg, formula, split):
     tp, cp = split.get("tp", 1), split.get("cp", 1)
-    stage = build_stage(cls(cfg, materialize_now=False), LayoutMesh(1, tp, 1, cp=cp),
+    stage = build_stage(cls(cfg, materialize_now=False), MeshShape(cp=cp, tp=tp),
                         cp_mode=split.get("cp_mode", "ring"),
                         sequence_parallel=split.get("sequence_parallel", False))
     T = 32 // cp

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from mpishard.models import GPT, GPTConfig
+from mpishard.parallel import bubble_fraction
 from mpishard.planning.layout import Layout
-from mpishard.planning import (Link, bubble_fraction, candidate_layouts, load_machine,
-                               machine_from_dict, predict_step, shipped_machines, stage_flops)
+from mpishard.planning import (Link, candidate_layouts, load_machine, machine_from_dict,
+                               predict_step, shipped_machines, stage_flops)
 from mpishard.planning.cost import _exposed, group_spans_nodes
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=8)
@@ -72,6 +73,12 @@ def test_a_group_spans_nodes_when_its_ranks_do():
     assert not group_spans_nodes(lay, "dp_shard", 4)            # ranks 0, 2
     assert group_spans_nodes(lay, "dp_replicate", 4)            # ranks 0, 4
     assert group_spans_nodes(lay, "dp", 2)                      # ranks 0, 2, 4, 6
+    piped = Layout(dp=2, pp=2, seq_len=16)                      # stages 0-1 and 2-3
+    assert group_spans_nodes(piped, "tied", 2) and not group_spans_nodes(piped, "tied", 4)
+    experts = Layout(dp=4, ep=2, seq_len=16)                    # blocks (0, 1) and (2, 3)
+    assert not group_spans_nodes(experts, "ep", 2) and group_spans_nodes(experts, "ep", 1)
+    assert not group_spans_nodes(experts, "edp_shard", 3)       # ranks 0, 2
+    assert group_spans_nodes(experts, "edp_shard", 2)
 
 
 def test_stage_flops_count_every_product_by_hand():

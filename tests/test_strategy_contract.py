@@ -5,7 +5,8 @@ the whole model and, at the end of backward, each gradient is averaged with
 one blocking all-reduce of its own. It registers itself under
 ``test-allreduce-each`` and, with no other edit anywhere, trains against the
 single-process reference, saves and reloads checkpoints (into itself and into
-ZeRO-3), is planned by ``estimate_memory``, appears in ``mpishard estimate`` and
+ZeRO-3), is planned by ``estimate_memory`` (from what its registry line says it
+keeps sharded: nothing), appears in ``mpishard estimate`` and
 trains through ``mpishard train``. It is what docs/concepts.md's "add a
 strategy" walk shows.
 """
@@ -20,14 +21,15 @@ from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.comm import Mesh
 from mpishard.models import GPT
 from mpishard.optim.clip import grad_sq_sum
-from mpishard.parallel import STRATEGIES, Strategy, ZeRO, register_strategy, wrap_model
+from mpishard.parallel import STRATEGIES, Sharded, Strategy, ZeRO, register_strategy, wrap_model
 from mpishard.planning.memory import estimate_memory
 from parity import UNEVEN, make_optimizer, max_rel_err, reference, sub_world, train
 
 NAME = "test-allreduce-each"
 
 
-@register_strategy(NAME, "test only: one blocking all-reduce per gradient after backward")
+@register_strategy(NAME, "test only: one blocking all-reduce per gradient after backward",
+                   keeps_sharded=Sharded.NOTHING)
 class AllReduceEach(Strategy):
     """Replicated parameters; every gradient averaged on its own in ``reduce_grads``."""
 
@@ -47,15 +49,6 @@ class AllReduceEach(Strategy):
         return grad_sq_sum(p.grad for p in self.module.parameters()
                            if self.counts_once(p.spec))
 
-    @classmethod
-    def estimate_memory(cls, model, sizes, **options):
-        plan = sizes.new_plan()
-        n, b = sizes.n_params, sizes.itemsize
-        plan.steady = {"params": n * b, "grads": 0, "optim": sizes.n_states * n * b}
-        plan.peak = {"gathered": 0, "comm": 0}
-        plan.bus_bytes_per_step = int(round(2 * sizes.factor * n * b))
-        return plan
-
 
 def test_registered_once_with_its_summary():
     entry = STRATEGIES[NAME]
@@ -65,6 +58,35 @@ def test_registered_once_with_its_summary():
     with pytest.raises(ValueError, match=f"unknown strategy 'nope'; use one of ddp, zero1, "
                                          f"zero2, zero3.*{NAME}"):
         estimate_memory(GPT(UNEVEN, materialize_now=False), "nope", 2)
+
+
+def test_the_registry_says_what_each_strategy_keeps_sharded():
+    assert [(n, STRATEGIES[n].keeps_sharded) for n in ("ddp", "zero1", "zero2", "zero3")] == \
+        [("ddp", Sharded.NOTHING), ("zero1", Sharded.OPTIMIZER_STATE),
+         ("zero2", Sharded.GRADIENTS), ("zero3", Sharded.PARAMETERS)]
+    assert STRATEGIES["zero2"].cls.max_inflight_reductions == 2
+    assert STRATEGIES[NAME].cls.max_inflight_reductions is None
+    with pytest.raises(ValueError, match="keeps_sharded=4 is not a level of Sharded; pass one "
+                                         "of Sharded.NOTHING, Sharded.OPTIMIZER_STATE"):
+        register_strategy("test-bad-level", "never", keeps_sharded=4)
+    assert "test-bad-level" not in STRATEGIES
+
+
+def test_the_planner_reads_the_registry_line_not_the_name():
+    """ZeRO under another name and the same level is planned byte for byte as zero2."""
+    register_strategy("test-zero-again", "test only", keeps_sharded=Sharded.GRADIENTS,
+                      stage=2)(ZeRO)
+    try:
+        ours = estimate_memory(GPT(UNEVEN, materialize_now=False), "test-zero-again", 4,
+                               dp_replicate=2)
+        zero2 = estimate_memory(GPT(UNEVEN, materialize_now=False), "zero2", 4,
+                                dp_replicate=2)
+    finally:
+        del STRATEGIES["test-zero-again"]
+    assert ours.strategy == "test-zero-again"
+    assert (ours.steady, ours.peak, ours.bus_bytes_by_group) == \
+        (zero2.steady, zero2.peak, zero2.bus_bytes_by_group)
+    assert ours.steady["grads"] < ours.steady["params"]      # gradients sharded, not params
 
 
 @pytest.mark.mpi

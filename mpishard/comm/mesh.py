@@ -19,7 +19,8 @@ nodes (one gradient all-reduce per step) and pipeline stages are outermost
 (point-to-point only). ``dp = dp_replicate x dp_shard`` is the data axis: each
 of its ranks reads different batches, and ``--dp`` is its size.
 
-Derived groups (the same ranks as an axis reuse that axis's communicator):
+Derived groups (the same ranks as an axis reuse that axis's communicator; the
+one table of axes and groups, free of MPI, is :mod:`mpishard.core.mesh_axes`):
 
 - ``dp``: ``dp_replicate x dp_shard``, the ranks that read different data.
 - ``dp_cp``: ``dp x cp``, every rank holding the same parameters (the same
@@ -53,16 +54,10 @@ import os
 
 from mpi4py import MPI
 
-from mpishard.core.mesh_axes import expert_axes_as_plain
 from mpishard.comm.communicator import Communicator
+from mpishard.core.mesh_axes import GROUPS_OUTERMOST_FIRST, MESH_GROUPS, MeshShape
 
-__all__ = ["Mesh", "MESH_AXES", "ranks_per_node", "node_of"]
-
-#: Axis names, outermost first.
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-#: the same rank order with ``dp_shard x cp`` cut into ``edp_shard x ep``
-_EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
-_GIVEN = ("dp", "dp_replicate", "dp_shard", "cp", "tp", "pp")
+__all__ = ["Mesh", "ranks_per_node", "node_of"]
 
 
 def _describe(sizes: dict) -> str:
@@ -144,52 +139,19 @@ class Mesh:
         self.world = world
         self.shape = {"pp": pp, "dp": R * S, "tp": tp, "dp_replicate": R, "dp_shard": S,
                       "cp": cp, "ep": ep}
-        r = world.rank
-        c = {"tp": r % tp, "cp": (r // tp) % cp, "dp_shard": (r // (tp * cp)) % S,
-             "dp_replicate": (r // (tp * cp * S)) % R, "pp": r // (tp * cp * S * R)}
-        c["dp"] = c["dp_replicate"] * S + c["dp_shard"]
-        inner = c["dp_shard"] * cp + c["cp"]          # place in dp_shard x cp
-        c["ep"], c["edp_shard"] = inner % ep, inner // ep
-        self.coords = c
-        sizes = {"pp": pp, "dp_replicate": R, "dp_shard": S, "cp": cp, "tp": tp, "ep": ep,
-                 "edp_shard": S * cp // ep}
-        same = expert_axes_as_plain(ep, cp, S)
+        shape = MeshShape(pp=pp, dp_replicate=R, dp_shard=S, cp=cp, tp=tp, ep=ep,
+                          world_rank=world.rank)
+        self.coords = shape.coords
+        # One communicator per group of MESH_GROUPS, in its order: the first group over
+        # some ranks splits them, later ones over the same ranks reuse it (and its name:
+        # the data axis is "dp" unless both of its parts are real).
         made: dict = {}
-
-        def group(name, axes):
-            """The communicator over ``axes`` (others fixed), reusing one with the same ranks."""
-            axes = tuple(b for a in axes for b in same.get(a, (a,)))
-            members = tuple(a for a in axes if sizes[a] > 1)
-            if not members:      # one rank: its own, and no MPI communicator is needed
-                made[("one", name)] = world.single(name)
-                return made[("one", name)]
-            if members in made:
-                return made[members]
-            order = _EXPERT_AXES if {"ep", "edp_shard"} & set(axes) else MESH_AXES
-            rest = [a for a in order if a not in axes]
-            color = 0
-            for a in rest:
-                color = color * sizes[a] + c[a]
-            key = 0
-            for a in axes:
-                key = key * sizes[a] + c[a]
-            made[members] = world.split(color, key=key, name=name)
-            return made[members]
-
-        # Creation order fixes which name a shared group carries: the data axis is
-        # "dp" unless both of its parts are real (then they keep their own names).
-        self.tp = group("tp", ("tp",))
-        self.cp = group("cp", ("cp",))
-        self.pp = group("pp", ("pp",))
-        self.dp = group("dp", ("dp_replicate", "dp_shard"))
-        self.dp_replicate = group("dp_replicate", ("dp_replicate",))
-        self.dp_shard = group("dp_shard", ("dp_shard",))
-        self.dp_cp = group("dp_cp", ("dp_replicate", "dp_shard", "cp"))
-        self.dp_shard_cp = group("dp_shard_cp", ("dp_shard", "cp"))
-        self.ep = group("ep", ("ep",))
-        self.edp = group("edp", ("dp_replicate", "edp_shard"))
-        self.edp_shard = group("edp_shard", ("edp_shard",))
-        self._groups = list({id(g): g for g in made.values()}.values())
+        for attr, group in shape.groups.items():
+            if group.name not in made:
+                made[group.name] = (world.split(group.color, key=group.rank, name=group.name)
+                                    if group.size > 1 else world.single(group.name))
+            setattr(self, attr, made[group.name])
+        self._groups = list(made.values())
 
     @property
     def dp_rank(self) -> int:
@@ -209,7 +171,7 @@ class Mesh:
 
     def axis(self, name: str) -> Communicator:
         """The communicator of axis or group ``name`` (``"dp"``, ``"tp"``, ``"cp"``, ...)."""
-        if name not in (*MESH_AXES, "dp", "dp_cp", "dp_shard_cp", "ep", "edp", "edp_shard"):
+        if name not in MESH_GROUPS:
             raise ValueError(f"mesh has no axis {name!r}; the axes are pp, dp_replicate, "
                              f"dp_shard, cp and tp, with the groups dp, dp_cp, dp_shard_cp, "
                              f"ep, edp and edp_shard")
@@ -219,8 +181,7 @@ class Mesh:
         """``{name: communicator}`` of the distinct groups with more than one rank,
         outermost first (each communicator once, under its own name)."""
         out = {}
-        for attr in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "dp_shard_cp", "dp_cp",
-                     "ep", "edp_shard", "edp", "tp"):
+        for attr in GROUPS_OUTERMOST_FIRST:
             comm = getattr(self, attr)
             if comm.size > 1 and comm.name not in out:
                 out[comm.name] = comm

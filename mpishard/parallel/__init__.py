@@ -23,7 +23,8 @@ from mpishard.parallel.flat import FlatIndex, FlatShard, padded_size
 from mpishard.parallel.pieces import Piece, gather_full_params, load_pieces, pieces_of
 from mpishard.parallel.pipeline.schedule import Pipeline, bubble_fraction, partition_blocks
 from mpishard.parallel.precision import PRECISIONS, LossScaler, MasterCopies, Precision
-from mpishard.parallel.strategy import STRATEGIES, StepResult, Strategy, StrategyEntry, register_strategy
+from mpishard.parallel.strategy import (STRATEGIES, Sharded, StepResult, Strategy, StrategyEntry,
+                                       register_strategy)
 from mpishard.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                               VocabParallelEmbedding, apply_tensor_plan, split_range,
                               tie_parameters)
@@ -31,9 +32,9 @@ from mpishard.parallel.tensor.ops import copy_to_tp, reduce_from_tp, vocab_paral
 from mpishard.parallel.zero.units import FlatUnit, build_units
 from mpishard.parallel.zero.base import ZeRO, ZeroUnit
 
-__all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_strategy",
+__all__ = ["Strategy", "StepResult", "Sharded", "StrategyEntry", "STRATEGIES", "register_strategy",
            "DataParallel", "ZeRO", "ZeroUnit", "FlatUnit", "FlatShard", "FlatIndex",
-           "padded_size", "build_units", "check_replicas_equal", "EstimateSizes",
+           "padded_size", "build_units", "check_replicas_equal",
            "Piece", "pieces_of", "load_pieces", "gather_full_params",
            "ParallelModel", "build_stage", "stage_blocks", "wrap_model", "Pipeline", "bubble_fraction",
            "partition_blocks", "ColumnParallelLinear", "RowParallelLinear",

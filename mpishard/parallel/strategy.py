@@ -26,14 +26,14 @@ forward hooks       registered on the module in ``__init__`` (gather, settle, ..
 ``pieces(opt)``     what this rank holds, as pieces of global tensors ([Note: pieces])
 ``after_load()``    after checkpoint pieces were written into the buffers
 ``state_dict()``    counters and loss scale for the manifest; ``load_state_dict``
-``estimate_memory(..)`` (a classmethod) predicted per-rank bytes (:mod:`.planner`)
 ==================  ================================================================
 
 A strategy is listed once, with :func:`register_strategy`, in
 :data:`STRATEGIES`; config validation, ``mpishard train``/``estimate``,
 :func:`~mpishard.parallel.wrap_model`, the planner and checkpoints all find it
 there. A new strategy is one class (this base gives it the step, clipping,
-accumulation and replicated checkpoint pieces) plus that one line.
+accumulation and replicated checkpoint pieces) plus that one line, which also
+tells the planner, as data, what it keeps sharded between steps (:class:`Sharded`).
 
 [Note: collective step decisions]
 Clipping and the non-finite check must come out the same on every rank, or
@@ -53,6 +53,7 @@ tied copy on another pipeline stage (``spec.replica``) never.
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -66,8 +67,8 @@ from mpishard.optim.clip import clip_coefficient
 from mpishard.parallel.pieces import gather_full_params, replicated_pieces
 from mpishard.parallel.precision import LossScaler, Precision
 
-__all__ = ["Strategy", "StepResult", "StrategyEntry", "STRATEGIES", "register_strategy",
-           "strategy_entry"]
+__all__ = ["Strategy", "StepResult", "Sharded", "StrategyEntry", "STRATEGIES",
+           "register_strategy", "strategy_entry"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,18 @@ class StepResult:
     step: int
 
 
+class Sharded(enum.IntEnum):
+    """What a strategy keeps sharded between steps: ZeRO's stages, each adding to the last."""
+    NOTHING = 0            # every rank holds everything (DDP)
+    OPTIMIZER_STATE = 1    # ZeRO-1
+    GRADIENTS = 2          # + gradients: ZeRO-2
+    PARAMETERS = 3         # + parameters, gathered per unit to compute: ZeRO-3 / FSDP
+
+
 @dataclass(frozen=True)
 class StrategyEntry:
-    """One line of :data:`STRATEGIES`: a name, the class, and the options the name implies.
+    """One line of :data:`STRATEGIES`: a name, the class, the options the name implies,
+    and what it keeps sharded between steps (:class:`Sharded`, read by the planner).
 
     ``build(module, mesh, **kwargs)`` is ``cls(module, mesh, **options, **kwargs)``.
     """
@@ -91,6 +101,7 @@ class StrategyEntry:
     cls: type
     summary: str
     options: dict = field(default_factory=dict)
+    keeps_sharded: Sharded = Sharded.NOTHING
 
     def build(self, module, mesh, **kwargs):
         return self.cls(module, mesh, **self.options, **kwargs)
@@ -100,20 +111,27 @@ class StrategyEntry:
 STRATEGIES: dict[str, StrategyEntry] = {}
 
 
-def register_strategy(name: str, summary: str, **options):
+def register_strategy(name: str, summary: str, keeps_sharded: Sharded = Sharded.NOTHING,
+                      **options):
     """Class decorator: list a :class:`Strategy` under ``name`` in :data:`STRATEGIES`.
 
-    ``options`` are the keyword arguments the name stands for (``zero2`` is
-    ``ZeRO`` with ``stage=2``). Registering a name twice is an error.
+    ``keeps_sharded`` is a :class:`Sharded` level; ``options`` are the keyword arguments
+    the name stands for (``zero2`` is ``ZeRO`` with ``stage=2``). Registering a name
+    twice is an error.
     """
     if not name or not isinstance(name, str):
         raise ValueError(f"strategy name {name!r} must be a non-empty string")
+    if isinstance(keeps_sharded, bool) or keeps_sharded not in list(Sharded):
+        levels = ", ".join(f"Sharded.{level.name}" for level in Sharded)
+        raise ValueError(f"strategy {name!r}: keeps_sharded={keeps_sharded!r} is not a "
+                         f"level of Sharded; pass one of {levels}")
 
     def register(cls):
         if name in STRATEGIES and STRATEGIES[name].cls is not cls:
             raise ValueError(f"strategy {name!r} is already registered "
                              f"({STRATEGIES[name].cls.__name__}); pick another name")
-        STRATEGIES[name] = StrategyEntry(name, cls, summary, dict(options))
+        STRATEGIES[name] = StrategyEntry(name, cls, summary, dict(options),
+                                         Sharded(keeps_sharded))
         return cls
     return register
 
@@ -128,10 +146,10 @@ def strategy_entry(name: str) -> StrategyEntry:
 class Strategy:
     """Base class of every strategy: the contract's shared half (see [Note: strategy contract]).
 
-    Subclasses implement :meth:`parameters`, :meth:`reduce_grads`,
-    :meth:`local_grad_sq` and :meth:`estimate_memory`, and override
-    :meth:`after_update`, :meth:`pieces` and :meth:`optimizer_target` where
-    they keep something other than whole replicated parameters.
+    Subclasses implement :meth:`parameters`, :meth:`reduce_grads` and
+    :meth:`local_grad_sq`, and override :meth:`after_update`, :meth:`pieces` and
+    :meth:`optimizer_target` where they keep something other than whole replicated
+    parameters.
 
     An unmaterialised model is materialised from ``seed`` (default
     ``module.seed``) before the subclass sees it, unless the class sets
@@ -144,6 +162,9 @@ class Strategy:
 
     #: the class materialises deferred parameters itself (into shards)
     materializes_shards = False
+    #: gradient reductions in flight before backward waits for the oldest (``None``: no
+    #: limit); the planner counts their buffers
+    max_inflight_reductions: int | None = None
 
     def __init__(self, module, mesh, ledger: MemoryLedger | None = None, precision=None,
                  seed: int | None = None):
@@ -223,12 +244,6 @@ class Strategy:
     def local_grad_sq(self) -> float:
         """This rank's share of the squared global gradient norm (see [Note: counted once])."""
         raise NotImplementedError
-
-    @classmethod
-    def estimate_memory(cls, model, sizes, **options):
-        """Predicted per-rank bytes: a :class:`~mpishard.planning.memory.MemoryEstimate` for
-        ``model`` (shapes only) and ``sizes`` (:class:`~mpishard.planning.memory.EstimateSizes`)."""
-        raise NotImplementedError(f"{cls.__name__} has no memory plan")
 
     # -- the contract: defaults -------------------------------------------------
     def scale_grads(self, factor: float) -> None:

@@ -52,11 +52,12 @@ import numpy as np
 
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage
-from mpishard.planning.layout import layout_mesh, memo_for, estimate_layout
+from mpishard.parallel.strategy import Sharded, strategy_entry
+from mpishard.parallel.tensor.layers import matching_modules
+from mpishard.planning.layout import estimate_layout, memo_for, mesh_shape
 from mpishard.planning.memory import layout_itemsizes
-from mpishard.parallel.tensor.layers import _matching
 
-__all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes", "bubble_fraction"]
+__all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes"]
 
 
 @dataclass
@@ -74,11 +75,6 @@ class StepCost:
     @property
     def exposed_comm(self) -> float:
         return sum(v for k, v in self.breakdown.items() if k.startswith("comm "))
-
-
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Share of a pipeline's slots that idle: ``(p - 1) / (m + p - 1)``."""
-    return (pp - 1) / (micro_batches + pp - 1)
 
 
 def _moe_rows(module, rows: int) -> int:
@@ -112,7 +108,7 @@ def stage_flops(stage, layout) -> dict:
             add(path, sum(2.0 * routed * p.shape[1] * p.shape[2] for p in weights),
                 len(weights) * weights[0].shape[0] if weights else 0)
     for pattern in plan.attention:
-        for path, m in _matching(stage, pattern):
+        for path, m in matching_modules(stage, pattern):
             hs = int(m.head_size)
             proj = getattr(m, "c_attn", None)
             heads = (int(proj.weight.shape[0]) // (3 * hs) if proj is not None
@@ -124,24 +120,10 @@ def stage_flops(stage, layout) -> dict:
 
 
 def group_spans_nodes(layout, group: str, ranks_per_node: int) -> bool:
-    """Whether rank 0's ``group`` (a mesh group name) has ranks on two nodes, with ranks
-    placed on nodes in blocks of ``ranks_per_node``."""
-    sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate,
-             "dp_shard": layout.dp_shard, "cp": layout.cp, "tp": layout.tp}
-    axes = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp_replicate", "dp_shard"),
-            "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",),
-            "dp_cp": ("dp_replicate", "dp_shard", "cp"), "dp_shard_cp": ("dp_shard", "cp"),
-            "ep": ("dp_shard", "cp"), "edp": ("dp_replicate", "dp_shard", "cp"),
-            "edp_shard": ("dp_shard", "cp"), "tied": ("pp",)}.get(group, ("pp",))
-    stride, order = 1, ("tp", "cp", "dp_shard", "dp_replicate", "pp")
-    last = 0
-    for axis in order:                       # the largest world rank of rank 0's group
-        if axis in axes:
-            last += (sizes[axis] - 1) * stride
-        stride *= sizes[axis]
-    if group == "ep":                        # ep consecutive ranks of dp_shard x cp
-        last = (layout.ep - 1) * layout.tp
-    return last // ranks_per_node > 0
+    """Whether rank 0's ``group`` (a mesh group name, or ``"tied"``: the pipeline's ends)
+    has ranks on two nodes, with ranks placed on nodes in blocks of ``ranks_per_node``."""
+    return mesh_shape(layout, 0).groups["pp" if group == "tied" else group] \
+        .spans_nodes(ranks_per_node)
 
 
 _KIND = {"tp": "all_reduce", "cp": "send", "pp": "send", "dp": "all_reduce",
@@ -153,10 +135,11 @@ _KIND = {"tp": "all_reduce", "cp": "send", "pp": "send", "dp": "all_reduce",
 def _calls(layout, group: str, n_blocks: int, n_units: int, grad_bytes: float) -> float:
     """Collective calls a step issues on ``group`` (their latency terms)."""
     m = layout.micro_batches
-    if group in ("dp_cp", "dp", "edp") and layout.strategy == "ddp":
+    sharded = strategy_entry(layout.strategy).keeps_sharded
+    if group in ("dp_cp", "dp", "edp") and sharded is Sharded.NOTHING:    # 4 MiB buckets
         return max(1.0, np.ceil(grad_bytes / (4 << 20)))
-    if group in ("dp_shard_cp", "dp_shard", "dp", "edp_shard", "edp"):
-        return n_units * ((2 * m + 1) if layout.strategy == "zero3" else 2)
+    if group in ("dp_shard_cp", "dp_shard", "dp", "edp_shard", "edp"):    # per unit
+        return n_units * ((2 * m + 1) if sharded is Sharded.PARAMETERS else 2)
     if group == "dp_replicate":
         return float(n_units)
     if group == "tp":
@@ -174,10 +157,11 @@ def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
     if not overlap or seconds == 0.0:
         return seconds
     last = seconds / max(calls, 1.0)
-    if layout.strategy == "ddp" and group in ("dp_cp", "dp", "edp"):
+    sharded = strategy_entry(layout.strategy).keeps_sharded
+    if sharded is Sharded.NOTHING and group in ("dp_cp", "dp", "edp"):
         return max(last, seconds - times["backward"])
     if group in ("dp_shard_cp", "dp_shard", "dp", "edp_shard", "edp"):
-        if layout.strategy == "zero3":
+        if sharded is Sharded.PARAMETERS:          # gathered per unit, prefetched
             return max(last, seconds - times["compute"])
         return seconds / 2 + max(0.0, seconds / 2 - times["backward"])
     if group == "cp" and layout.cp_mode == "ring":
@@ -209,7 +193,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
     model_flops = 3 * (total["blocks"] + total["rest"]) * m * layout.dp * layout.cp
     for stage_estimate in plan.stages:
         s = stage_estimate.stage
-        mesh = layout_mesh(layout, s)
+        mesh = mesh_shape(layout, s)
         stage = stages(s) if stages is not None else \
             build_stage(make_model(), mesh, None, layout.cp_mode, layout.sequence_parallel)
         cached = memo_for(memo, stage)
@@ -261,8 +245,9 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
 
 
 def _group_size(mesh, group: str) -> int:
-    axis = getattr(mesh, group, None)
-    return axis.size if axis is not None else 2      # "tied": the pipeline's two ends
+    if group == "tied":                              # the pipeline's two ends
+        return 2
+    return mesh.groups[group].size
 
 
 def _updated_bytes(steady: dict) -> float:
@@ -278,7 +263,7 @@ def _updated_bytes(steady: dict) -> float:
 def _targets(stage, layout) -> int:
     """The optimizer's target arrays: every parameter under DDP in full precision (one
     flat master when mixed), one flat shard per unit under ZeRO."""
-    if layout.strategy == "ddp":
+    if strategy_entry(layout.strategy).keeps_sharded is Sharded.NOTHING:
         return 1 if layout.precision else len(stage.parameters())
     plan = plan_of(stage)
     return len(plan.units) + 1

@@ -9,9 +9,10 @@
 
 [Note: layout plan]
 For every pipeline stage, this builds the stage a rank of that stage builds
-(``build_stage`` over a :class:`LayoutMesh`: sizes, coordinates and the names
-the mesh gives its communicators; tensor-parallel rank 0, which holds the larger
-share of an uneven split; cp ranks all hold as many rows) and adds up, per rank
+(``build_stage`` over a :class:`~mpishard.core.mesh_axes.MeshShape`: sizes,
+coordinates and the names the mesh gives its communicators, of the stage's first
+rank: tensor-parallel rank 0, which holds the larger share of an uneven split; cp
+ranks all hold as many rows) and adds up, per rank
 and step:
 
 * model state and transient buffers: the strategy's :func:`estimate_memory` of
@@ -56,14 +57,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpishard.core.mesh_axes import expert_axes_as_plain
+from mpishard.core.mesh_axes import MeshShape
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage, stage_blocks
 from mpishard.parallel.context.apply import CP_MODES
 from mpishard.planning.memory import MemoryEstimate, layout_itemsizes, estimate_memory, stage_traffic
 from mpishard.parallel.tensor.layers import split_range
 
-__all__ = ["Layout", "LayoutMesh", "StageEstimate", "LayoutEstimate", "estimate_layout"]
+__all__ = ["Layout", "StageEstimate", "LayoutEstimate", "estimate_layout", "mesh_shape"]
 
 
 @dataclass(frozen=True)
@@ -139,61 +140,6 @@ class Layout:
     def local_seq_len(self) -> int:
         """Rows of each sequence on one rank, ``seq_len / cp``."""
         return self.seq_len // self.cp
-
-
-class _Axis:
-    """A mesh axis as far as building a stage needs it: a size, this rank's index, and
-    the name its communicator carries."""
-
-    def __init__(self, size: int, rank: int, name: str = ""):
-        self.size, self.rank, self.name = size, rank, name
-
-
-#: the mesh's groups in the order it creates them (which fixes the name a group of
-#: the same ranks as an earlier one carries) and the axes each spans
-_GROUPS = (("tp", ("tp",)), ("cp", ("cp",)), ("pp", ("pp",)),
-           ("dp", ("dp_replicate", "dp_shard")), ("dp_replicate", ("dp_replicate",)),
-           ("dp_shard", ("dp_shard",)), ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
-           ("dp_shard_cp", ("dp_shard", "cp")), ("ep", ("ep",)),
-           ("edp", ("dp_replicate", "edp_shard")), ("edp_shard", ("edp_shard",)))
-
-
-class LayoutMesh:
-    """The sizes and coordinates of a mesh, without communicators (for planning).
-
-    Has the axes and groups a :class:`~mpishard.comm.Mesh` has (``dp``, ``tp``,
-    ``pp``, ``cp``, ``dp_replicate``, ``dp_shard``, ``dp_cp``, ``dp_shard_cp``),
-    each named as the mesh names its communicator.
-    """
-
-    def __init__(self, dp: int, tp: int, pp: int, pp_rank: int = 0, tp_rank: int = 0,
-                 cp: int = 1, dp_replicate: int = 1, ep: int = 1):
-        if dp % dp_replicate:
-            raise ValueError(f"dp_replicate={dp_replicate} does not divide dp={dp}")
-        S = dp // dp_replicate
-        sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": S,
-                 "cp": cp, "tp": tp, "ep": ep, "edp_shard": S * cp // ep}
-        same = expert_axes_as_plain(ep, cp, S)
-        ranks = {"tp": tp_rank, "pp": pp_rank}
-        names: dict = {}
-        for attr, axes in _GROUPS:
-            axes = tuple(b for a in axes for b in same.get(a, (a,)))
-            members = tuple(a for a in axes if sizes[a] > 1) or (attr,)
-            size = int(np.prod([sizes[a] for a in axes]))
-            setattr(self, attr, _Axis(size, ranks.get(attr, 0), names.setdefault(members, attr)))
-        self.shape = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp_replicate,
-                      "dp_shard": S, "cp": cp, "ep": ep}
-
-    def active_names(self) -> list:
-        """The communicator names of the groups with more than one rank, as
-        :meth:`Mesh.active_axes` orders them."""
-        out = []
-        for attr in ("pp", "dp_replicate", "dp_shard", "dp", "cp", "dp_shard_cp", "dp_cp",
-                     "ep", "edp_shard", "edp", "tp"):
-            axis = getattr(self, attr)
-            if axis.size > 1 and axis.name not in out:
-                out.append(axis.name)
-        return out
 
 
 @dataclass
@@ -288,14 +234,14 @@ def _check_heads(model, layout: Layout) -> None:
                          f"divides {heads}")
 
 
-def _bus(mesh: LayoutMesh, by_group: dict) -> dict:
+def _bus(mesh: MeshShape, by_group: dict) -> dict:
     """Bytes per mesh group -> bytes per communicator name (``dp``, ``tp``, ``pp`` always)."""
     out = {"dp": 0, "tp": 0, "pp": 0}
     out.update({name: 0 for name in mesh.active_names()})
     for attr, n in by_group.items():
-        axis = getattr(mesh, attr)
-        if axis.size > 1 or attr in ("dp", "tp", "pp"):
-            out[axis.name] = out.get(axis.name, 0) + n
+        group = mesh.groups[attr]
+        if group.size > 1 or attr in ("dp", "tp", "pp"):
+            out[group.name] = out.get(group.name, 0) + n
     return out
 
 
@@ -313,11 +259,12 @@ def _stages_to_plan(model, layout: Layout, stage_of, representative: bool) -> li
 
 
 @functools.lru_cache(maxsize=4096)
-def layout_mesh(layout: Layout, stage: int) -> LayoutMesh:
-    """The :class:`LayoutMesh` of ``layout``'s pipeline stage ``stage`` (cached: a search
-    asks for the same ones many times)."""
-    return LayoutMesh(layout.dp, layout.tp, layout.pp, stage, cp=layout.cp,
-                      dp_replicate=layout.dp_replicate, ep=layout.ep)
+def mesh_shape(layout: Layout, stage: int) -> MeshShape:
+    """The :class:`~mpishard.core.mesh_axes.MeshShape` of the first rank of ``layout``'s
+    pipeline stage ``stage`` (cached: a search asks for the same ones many times)."""
+    sizes = {axis: int(getattr(layout, axis))          # a Layout may hold NumPy integers
+             for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    return MeshShape(**sizes, world_rank=stage * int(layout.dp * layout.cp * layout.tp))
 
 
 def memo_for(memo, stage):
@@ -355,7 +302,7 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
     n_params = whole(("parameters",), model.num_parameters)
     stages = []
     for s in _stages_to_plan(model, layout, stage_of, representative):
-        mesh = layout_mesh(layout, s)
+        mesh = mesh_shape(layout, s)
         stage = stage_of(s) if stage_of is not None else \
             build_stage(model, mesh, stage_estimate, layout.cp_mode, layout.sequence_parallel)
         if hasattr(stage, "set_activation_checkpointing") and \

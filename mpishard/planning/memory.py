@@ -1,11 +1,12 @@
 """Memory planner: per-rank bytes by category before spending any compute.
 
-``estimate_memory`` asks the registered strategy (see [Note: strategy contract])
-for its plan; each strategy reads the same layout it builds (ZeRO: the units of
-[Note: flat unit layout]) from an unmaterialised model, so the figures are the
-ledger's figures: steady-state bytes for parameters, gradients and optimizer
-state, and peaks for the transient categories (gathered units, communication
-buffers). It also predicts the bus bytes each rank moves per step, in all and
+``estimate_memory`` reads what the registered strategy keeps sharded between
+steps (its :class:`~mpishard.parallel.strategy.Sharded` level, see [Note:
+strategy contract]) and applies that level's formula (model_state.py), which
+reads the same layout the strategy builds (ZeRO: the units of [Note: flat unit
+layout]) from an unmaterialised model, so the figures are the ledger's figures:
+steady-state bytes for parameters, gradients and optimizer state, and peaks for
+the transient categories (gathered units, communication buffers). It also predicts the bus bytes each rank moves per step, in all and
 per mesh group (``bus_bytes_by_group``: ``"dp_cp"`` for DDP's all-reduce,
 ``"dp_shard_cp"`` and ``"dp_replicate"`` for ZeRO's shard group and replicas).
 :func:`stage_traffic` adds what a pipeline stage moves over ``tp``, ``cp`` and
@@ -25,10 +26,11 @@ from mpishard.core.dtypes import resolve_dtype
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
 from mpishard.parallel.context.attention import ring_kv_bytes
 from mpishard.parallel.precision import Precision
-from mpishard.parallel.strategy import strategy_entry
-from mpishard.parallel.tensor.layers import ColumnParallelLinear, _matching
+from mpishard.parallel.strategy import Sharded, strategy_entry
+from mpishard.parallel.tensor.layers import ColumnParallelLinear, matching_modules
+from mpishard.planning.model_state import replicated_state, sharded_state
 
-__all__ = ["MemoryEstimate", "EstimateSizes", "estimate_memory", "OPTIMIZER_STATES", "window_peak",
+__all__ = ["MemoryEstimate", "EstimateSizes", "estimate_memory", "OPTIMIZER_STATES",
            "layout_itemsizes", "stage_traffic"]
 
 #: flat state arrays per parameter element
@@ -81,7 +83,7 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class EstimateSizes:
-    """What every strategy's memory formula reads (handed to ``Strategy.estimate_memory``).
+    """What the model-state formulas of model_state.py read.
 
     Attributes:
         strategy: the registered name being planned.
@@ -132,17 +134,9 @@ class EstimateSizes:
         return self.n_params - experts, experts
 
     def new_plan(self) -> MemoryEstimate:
-        """An empty :class:`MemoryEstimate` with this header, for a strategy to fill."""
+        """An empty :class:`MemoryEstimate` with this header, for a formula to fill."""
         return MemoryEstimate(self.strategy, self.dp_size, self.n_params, self.itemsize,
                           precision=self.precision)
-
-
-def window_peak(sizes: list, window: int) -> int:
-    """Largest sum of ``window`` consecutive entries (buffers alive together)."""
-    if not sizes:
-        return 0
-    window = min(window, len(sizes))
-    return max(sum(sizes[i:i + window]) for i in range(len(sizes) - window + 1))
 
 
 def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
@@ -185,7 +179,10 @@ def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw"
         precision=(f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
                    if mixed else None), micro_batches=micro_batches, dp_replicate=dp_replicate,
         ep=ep)
-    return entry.cls.estimate_memory(model, sizes, **entry.options)
+    if entry.keeps_sharded is Sharded.NOTHING:
+        return replicated_state(model, sizes)
+    return sharded_state(model, sizes, entry.keeps_sharded,
+                         entry.cls.max_inflight_reductions)
 
 
 # -- a pipeline stage's traffic (see [Note: layout plan] in layout.py) -----------------
@@ -219,7 +216,7 @@ def _tp_bytes(stage, layout, plan, wire: int, act) -> int:
     held_only = set(plan.pipeline.first) if plan.pipeline and not stage.first_stage else set()
     ring = 0      # all-reduces count 2 (tp - 1) / tp, gathers and scatters (tp - 1) / tp
     for pattern, style in plan.tensor:
-        for path, module in _matching(stage, pattern):
+        for path, module in matching_modules(stage, pattern):
             if path in held_only:    # e.g. the token table on the last stage: only tied
                 continue
             again = _again(layout, plan, path)
@@ -278,7 +275,7 @@ def _cp_bytes(stage, layout, plan, act) -> int:
     B, n = layout.batch_size, layout.local_seq_len
     total = 0.0
     for pattern in plan.attention:
-        for path, module in _matching(stage, pattern):
+        for path, module in matching_modules(stage, pattern):
             h, hs = _local_heads(module)
             again = _again(layout, plan, path)
             if layout.cp_mode == "ring":    # each block sent and received; a recompute

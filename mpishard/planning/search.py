@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mpishard.parallel import STRATEGIES
-from mpishard.planning.layout import Layout, LayoutMesh, estimate_layout
 from mpishard.parallel.compose import build_stage
-from mpishard.planning.cost import StepCost, bubble_fraction, predict_step
+from mpishard.parallel.pipeline.schedule import bubble_fraction
+from mpishard.parallel.strategy import STRATEGIES, Sharded
+from mpishard.planning.cost import StepCost, predict_step
+from mpishard.planning.layout import Layout, estimate_layout, mesh_shape
 
 __all__ = ["Ranked", "candidate_layouts", "rank_layouts", "format_table"]
 
@@ -71,8 +72,9 @@ def candidate_layouts(ranks: int, ranks_per_node: int, seq_len: int, global_batc
                 shard = max(d for d in _divisors(dp) if d <= inside)
                 for replicate in sorted({1, dp // shard}):
                     for strategy in strategies or list(STRATEGIES):
-                        if replicate > 1 and strategy == "ddp":
-                            continue
+                        if replicate > 1 and \
+                                STRATEGIES[strategy].keeps_sharded is Sharded.NOTHING:
+                            continue       # hybrid sharding replicates shards: none here
                         per_dp = global_batch // dp
                         for mbs in [b for b in (1, 2, 4, 8) if per_dp % b == 0]:
                             m = per_dp // mbs
@@ -102,8 +104,7 @@ class StageCache:
             key = (layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.sequence_parallel,
                    layout.ep, s)
             if key not in self.stages:
-                mesh = LayoutMesh(layout.dp, layout.tp, layout.pp, s, cp=layout.cp,
-                                  dp_replicate=layout.dp_replicate, ep=layout.ep)
+                mesh = mesh_shape(layout, s)
                 # a pipeline stage is built anew from the (only read) whole model
                 source = self.whole if layout.pp > 1 else self.make_model()
                 self.stages[key] = build_stage(source, mesh, None, layout.cp_mode,

@@ -30,7 +30,7 @@ from mpishard.parallel.expert.layers import is_expert_param
 from mpishard.parallel.flat import FlatIndex
 from mpishard.parallel.pieces import Piece, _state_views, _target_index, replicated_pieces
 from mpishard.parallel.precision import MasterCopies
-from mpishard.parallel.strategy import Strategy, register_strategy
+from mpishard.parallel.strategy import Sharded, Strategy, register_strategy
 
 __all__ = ["DataParallel", "check_replicas_equal"]
 
@@ -120,7 +120,7 @@ def stage_grad(p, view) -> None:
 
 
 @register_strategy("ddp", "data parallel: every rank holds the whole model; gradients "
-                   "averaged in buckets during backward")
+                   "averaged in buckets during backward", keeps_sharded=Sharded.NOTHING)
 class DataParallel(Strategy):
     """Replicate the model on every dp rank and average gradients in buckets.
 
@@ -311,22 +311,3 @@ class DataParallel(Strategy):
             pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
                                 p.spec.global_runs(), arr, owner) for kind, arr in views.items())
         return pieces
-
-    @classmethod
-    def estimate_memory(cls, model, sizes, **_):
-        """Whole parameters, gradient buckets (the gradients themselves, also at dp 1)
-        and optimizer state on every rank; the buckets all-reduced over ``dp_cp``, those
-        of experts split over ep over ``edp``."""
-        s, n = sizes, sizes.n_params
-        plan = s.new_plan()
-        plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
-                       "grads": n * s.reduce_itemsize,
-                       "optim": s.n_states * n * s.itemsize}
-        plan.peak = {"gathered": 0, "comm": 0}
-        dense, experts = s.expert_split(model)
-        edp = s.dp_size // s.ep
-        plan.bus_bytes_by_group = {
-            "dp_cp": int(round(2 * s.factor * dense * s.reduce_itemsize)),
-            "edp": int(round(2 * (edp - 1) / edp * experts * s.reduce_itemsize))}
-        plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
-        return plan

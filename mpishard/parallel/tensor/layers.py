@@ -60,7 +60,8 @@ from mpishard.parallel.tensor.sequence import gather_from_sp, gathered_linear, r
 from mpishard.parallel.tensor.ops import _summed, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters", "split_range"]
+           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters", "split_range",
+           "matching_modules"]
 
 
 def split_range(n: int, parts: int, index: int) -> tuple:
@@ -180,7 +181,7 @@ class VocabParallelCrossEntropy(Module):
 
 # -- applying a plan -------------------------------------------------------------
 
-def _matching(model, pattern: str) -> list:
+def matching_modules(model, pattern: str) -> list:
     """``(path, module)`` of every module whose dotted path matches ``pattern``
     (``*`` matches one path component)."""
     cache = model.structure_cache("matching")
@@ -270,7 +271,7 @@ def apply_tensor_plan(model, tp, plan=None, sequence_parallel: bool = False) -> 
                          f"parallel_plan() has no sequence_entry); turn off sequence "
                          f"parallelism")
     for pattern, style in plan.tensor:
-        for path, module in _matching(model, pattern):
+        for path, module in matching_modules(model, pattern):
             model.set_submodule(path, _swap(model, path, module, style, tp, sequence_parallel))
     tie_parameters(model, plan.tied)
     if sequence_parallel:

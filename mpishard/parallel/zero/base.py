@@ -38,7 +38,7 @@ from mpishard.parallel.data.ddp import check_replicas_equal, stage_grad
 from mpishard.parallel.expert.layers import expert_units, is_expert_param
 from mpishard.parallel.pieces import unit_pieces
 from mpishard.parallel.precision import MasterCopies
-from mpishard.parallel.strategy import Strategy, register_strategy
+from mpishard.parallel.strategy import Sharded, Strategy, register_strategy
 from mpishard.parallel.zero.units import FlatUnit, build_units
 
 __all__ = ["ZeRO", "ZeroUnit", "build_units"]
@@ -173,11 +173,12 @@ class ZeroUnit:
 
 
 @register_strategy("zero3", "ZeRO-3 / FSDP: parameters, gradients and optimizer state "
-                   "sharded; units gathered around their forward and backward", stage=3)
+                   "sharded; units gathered around their forward and backward",
+                   keeps_sharded=Sharded.PARAMETERS, stage=3)
 @register_strategy("zero2", "ZeRO-2: gradients and optimizer state sharded, parameters "
-                   "whole", stage=2)
+                   "whole", keeps_sharded=Sharded.GRADIENTS, stage=2)
 @register_strategy("zero1", "ZeRO-1: optimizer state sharded, parameters and gradients "
-                   "whole", stage=1)
+                   "whole", keeps_sharded=Sharded.OPTIMIZER_STATE, stage=1)
 class ZeRO(Strategy):
     """Shard optimizer state (stage 1), + gradients (2), + parameters (3) over ``mesh.dp``.
 
@@ -350,9 +351,3 @@ class ZeRO(Strategy):
                     lo, hi = layout.shard_range_of(i)
                     pieces.append(g[lo:hi])
         return grad_sq_sum(pieces)
-
-    @classmethod
-    def estimate_memory(cls, model, sizes, stage: int = 3, **_):
-        """Per-rank bytes of stage ``stage``: see :func:`~mpishard.planning.zero_memory.zero_memory_estimate`."""
-        from mpishard.planning.zero_memory import zero_memory_estimate  # noqa: PLC0415 (planning reads parallel)
-        return zero_memory_estimate(model, sizes, stage, cls.max_inflight_reductions)

@@ -1,25 +1,59 @@
-"""ZeRO's memory plan: per-rank bytes of stages 1-3 from the units the strategy builds.
+"""Per-rank model-state bytes and data-parallel traffic, by what a strategy keeps sharded.
 
-Read by :meth:`ZeRO.estimate_memory <mpishard.parallel.zero.base.ZeRO.estimate_memory>` (see
-[Note: flat unit layout] in units.py and the planner in planner.py).
+:func:`~mpishard.planning.memory.estimate_memory` reads the registered strategy's
+:class:`~mpishard.parallel.strategy.Sharded` level (see [Note: strategy
+contract]) and applies one of these to the :class:`EstimateSizes` it computed:
+:func:`replicated_state` when nothing is sharded (DDP), :func:`sharded_state`
+for ZeRO's stages, from the same units the strategy builds (see [Note: flat unit
+layout] in units.py). Each returns ``sizes.new_plan()`` filled in: a
+:class:`~mpishard.planning.memory.MemoryEstimate`.
 """
 from __future__ import annotations
 
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.expert.layers import expert_units
-from mpishard.planning.memory import MemoryEstimate, window_peak
+from mpishard.parallel.strategy import Sharded
 from mpishard.parallel.zero.units import build_units
 
-__all__ = ["zero_memory_estimate"]
+__all__ = ["replicated_state", "sharded_state", "window_peak"]
 
 
-def zero_memory_estimate(model, sizes, stage: int, max_inflight: int) -> MemoryEstimate:
-    """Per-rank bytes of stage ``stage`` (see [Note: flat unit layout]); the same
-    units the strategy builds, read from the model's shapes, sharded over
-    ``sizes.shard_size`` ranks (``dp_shard x cp``; experts split over ep over
-    ``edp_shard``, ``ep`` times fewer) and, under hybrid sharding, each reduced
-    shard averaged over ``dp_replicate``."""
+def window_peak(sizes: list, window: int) -> int:
+    """Largest sum of ``window`` consecutive entries (buffers alive together)."""
+    if not sizes:
+        return 0
+    window = min(window, len(sizes))
+    return max(sum(sizes[i:i + window]) for i in range(len(sizes) - window + 1))
+
+
+def replicated_state(model, sizes):
+    """Nothing sharded: whole parameters, gradient buckets (the gradients themselves,
+    also at dp 1) and optimizer state on every rank; the buckets all-reduced over
+    ``dp_cp``, those of experts split over ep over ``edp``."""
+    s, n = sizes, sizes.n_params
+    plan = s.new_plan()
+    plan.steady = {"params": n * s.itemsize + (n * s.compute_itemsize if s.mixed else 0),
+                   "grads": n * s.reduce_itemsize,
+                   "optim": s.n_states * n * s.itemsize}
+    plan.peak = {"gathered": 0, "comm": 0}
+    dense, experts = s.expert_split(model)
+    edp = s.dp_size // s.ep
+    plan.bus_bytes_by_group = {
+        "dp_cp": int(round(2 * s.factor * dense * s.reduce_itemsize)),
+        "edp": int(round(2 * (edp - 1) / edp * experts * s.reduce_itemsize))}
+    plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
+    return plan
+
+
+def sharded_state(model, sizes, sharded: Sharded, max_inflight: int | None):
+    """ZeRO's stage ``sharded`` (see [Note: flat unit layout]); the same units the
+    strategy builds, read from the model's shapes, sharded over ``sizes.shard_size``
+    ranks (``dp_shard x cp``; experts split over ep over ``edp_shard``, ``ep`` times
+    fewer) and, under hybrid sharding, each reduced shard averaged over
+    ``dp_replicate``; at most ``max_inflight`` reductions (``None``: any number) in
+    flight besides the one being launched."""
     s, shard = sizes, sizes.shard_size
+    whole_params = sharded < Sharded.PARAMETERS
     names, experts = expert_units(model, list(plan_of(model).units))
     expert_shard = shard // s.ep
     units = _units(model, names, shard, expert_shard, experts)
@@ -29,29 +63,30 @@ def zero_memory_estimate(model, sizes, stage: int, max_inflight: int) -> MemoryE
     # A reduction in flight holds its flat buffer, plus a receive buffer when the
     # reduce dtype is not the shard's (mixed precision). Stage 1 reduces from its
     # full gradient buffer (counted as grads), in backward's order.
+    whole_grads = sharded is Sharded.OPTIMIZER_STATE
     order = [u for u in units if u.module is not None][::-1] + [
         u for u in units if u.module is None]
-    in_flight = [(0 if stage == 1 else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
+    in_flight = [(0 if whole_grads else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
                  for u in order]
     plan = s.new_plan()
-    copy = padded_n * cb if stage < 3 else (shards_n * cb if s.mixed else 0)
+    copy = padded_n * cb if whole_params else (shards_n * cb if s.mixed else 0)
 
     def aliased(u):   # see ZeroUnit.allocate_grads (expert units are never aliased)
-        return stage == 1 and shard == 1 and s.dp_replicate == 1 and rb == b and \
+        return whole_grads and shard == 1 and s.dp_replicate == 1 and rb == b and \
             u.name not in experts
-    plan.steady = {"params": (shards_n * b if stage == 3 or s.mixed else 0) + copy,
+    plan.steady = {"params": (shards_n * b if not whole_params or s.mixed else 0) + copy,
                    "grads": sum(0 if aliased(u) else u.shard_size * b for u in units)
-                   + (padded_n * rb if stage == 1 else 0),
+                   + (padded_n * rb if whole_grads else 0),
                    "optim": s.n_states * shards_n * b}
     root = sum(u.padded * cb for u in units if u.module is None)
-    gathered = root + _gathered_peak(units, experts, cb) if stage == 3 else 0
-    plan.peak = {"gathered": gathered,
-                 "comm": window_peak(in_flight, max_inflight + 1)}
+    gathered = 0 if whole_params else root + _gathered_peak(units, experts, cb)
+    window = len(in_flight) if max_inflight is None else max_inflight + 1
+    plan.peak = {"gathered": gathered, "comm": window_peak(in_flight, window)}
     by_group = {"dp_shard_cp": 0, "edp_shard": 0}
     for u in units:
         group, n = ("edp_shard", expert_shard) if u.name in experts else ("dp_shard_cp",
                                                                           shard)
-        if stage < 3:  # reduce-scatter the gradients, all-gather the compute copy
+        if whole_params:  # reduce-scatter the gradients, all-gather the compute copy
             moved = u.padded * (rb + cb)
         else:  # gather every block twice (forward, backward) per micro-batch, the
             # root once, reduce-scatter all once
