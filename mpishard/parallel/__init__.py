@@ -18,15 +18,16 @@ from mpishard.parallel.context.apply import CP_MODES, SequenceShard, apply_conte
 from mpishard.parallel.context.attention import (heads_to_seq, ring_attention, ring_kv_bytes, seq_to_heads,
                      ulysses_attention, zigzag_positions, zigzag_slice)
 from mpishard.parallel.tensor.sequence import gather_from_sp, reduce_scatter_to_sp, scatter_to_sp, sp_rows
-from mpishard.parallel.data.ddp import DataParallel, check_replicas_equal
+from mpishard.parallel.data.ddp import DataParallel
 from mpishard.parallel.flat import FlatIndex, FlatShard, padded_size
+from mpishard.parallel.plans import split_range
+from mpishard.parallel.replicas import check_replicas_equal
 from mpishard.parallel.pieces import Piece, gather_full_params, load_pieces, pieces_of
 from mpishard.parallel.pipeline.schedule import Pipeline, bubble_fraction, partition_blocks
 from mpishard.parallel.precision import PRECISIONS, LossScaler, MasterCopies, Precision
 from mpishard.parallel.strategy import STRATEGIES, StepResult, Strategy, StrategyEntry, register_strategy
 from mpishard.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
-                              VocabParallelEmbedding, apply_tensor_plan, split_range,
-                              tie_parameters)
+                              VocabParallelEmbedding, apply_tensor_plan, tie_parameters)
 from mpishard.parallel.tensor.ops import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 from mpishard.parallel.zero.units import FlatUnit, build_units
 from mpishard.parallel.zero.base import ZeRO, ZeroUnit

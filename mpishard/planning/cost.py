@@ -54,7 +54,7 @@ from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage
 from mpishard.planning.layout import layout_mesh, memo_for, estimate_layout
 from mpishard.planning.memory import layout_itemsizes
-from mpishard.parallel.tensor.layers import _matching
+from mpishard.parallel.plans import matching_modules
 
 __all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes", "bubble_fraction"]
 
@@ -112,7 +112,7 @@ def stage_flops(stage, layout) -> dict:
             add(path, sum(2.0 * routed * p.shape[1] * p.shape[2] for p in weights),
                 len(weights) * weights[0].shape[0] if weights else 0)
     for pattern in plan.attention:
-        for path, m in _matching(stage, pattern):
+        for path, m in matching_modules(stage, pattern):
             hs = int(m.head_size)
             proj = getattr(m, "c_attn", None)
             heads = (int(proj.weight.shape[0]) // (3 * hs) if proj is not None

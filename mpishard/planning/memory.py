@@ -26,7 +26,8 @@ from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, Voc
 from mpishard.parallel.context.attention import ring_kv_bytes
 from mpishard.parallel.precision import Precision
 from mpishard.parallel.strategy import strategy_entry
-from mpishard.parallel.tensor.layers import ColumnParallelLinear, _matching
+from mpishard.parallel.plans import matching_modules
+from mpishard.parallel.tensor.layers import ColumnParallelLinear
 
 __all__ = ["MemoryEstimate", "EstimateSizes", "estimate_memory", "OPTIMIZER_STATES", "window_peak",
            "layout_itemsizes", "stage_traffic"]
@@ -219,7 +220,7 @@ def _tp_bytes(stage, layout, plan, wire: int, act) -> int:
     held_only = set(plan.pipeline.first) if plan.pipeline and not stage.first_stage else set()
     ring = 0      # all-reduces count 2 (tp - 1) / tp, gathers and scatters (tp - 1) / tp
     for pattern, style in plan.tensor:
-        for path, module in _matching(stage, pattern):
+        for path, module in matching_modules(stage, pattern):
             if path in held_only:    # e.g. the token table on the last stage: only tied
                 continue
             again = _again(layout, plan, path)
@@ -278,7 +279,7 @@ def _cp_bytes(stage, layout, plan, act) -> int:
     B, n = layout.batch_size, layout.local_seq_len
     total = 0.0
     for pattern in plan.attention:
-        for path, module in _matching(stage, pattern):
+        for path, module in matching_modules(stage, pattern):
             h, hs = _local_heads(module)
             again = _again(layout, plan, path)
             if layout.cp_mode == "ring":    # each block sent and received; a recompute

@@ -6,9 +6,8 @@ Read by :meth:`ZeRO.estimate_memory <mpishard.parallel.zero.base.ZeRO.estimate_m
 from __future__ import annotations
 
 from mpishard.nn.sharding import plan_of
-from mpishard.parallel.expert.layers import expert_units
 from mpishard.planning.memory import MemoryEstimate, window_peak
-from mpishard.parallel.zero.units import build_units
+from mpishard.parallel.zero.units import build_units, expert_units
 
 __all__ = ["zero_memory_estimate"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.context.attention import ring_attention, ulysses_attention, zigzag_positions, zigzag_slice
-from mpishard.parallel.tensor.layers import _matching
+from mpishard.parallel.plans import matching_modules
 
 __all__ = ["SequenceShard", "apply_context_plan", "CP_MODES"]
 
@@ -83,6 +83,6 @@ def apply_context_plan(model, cp, mode: str = "ring", plan=None):
                          f"parallel_plan() names no attention modules); use cp=1")
     model.sequence = shard
     for pattern in plan.attention:
-        for _, module in _matching(model, pattern):
+        for _, module in matching_modules(model, pattern):
             module.sequence = shard
     return model

@@ -51,24 +51,17 @@ import dataclasses
 
 from mpishard.autodiff import nn_ops
 from mpishard.autodiff.ops import mul
+from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import xp_of
 from mpishard.nn import Constant, Embedding, Linear, Module, Normal, Parameter
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
-from mpishard.autodiff.shape_ops import reshape
+from mpishard.parallel.plans import matching_modules, split_range
 from mpishard.parallel.tensor.sequence import gather_from_sp, gathered_linear, reduce_scatter_to_sp, scatter_to_sp
 from mpishard.parallel.tensor.ops import _summed, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters", "split_range"]
-
-
-def split_range(n: int, parts: int, index: int) -> tuple:
-    """``(start, stop)`` of part ``index`` when ``n`` items go to ``parts`` ranks
-    (the first ``n % parts`` ranks get one more)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
+           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters"]
 
 
 def _split_param(global_shape, blocks, dim, init, decay, dtype) -> Parameter:
@@ -180,18 +173,6 @@ class VocabParallelCrossEntropy(Module):
 
 # -- applying a plan -------------------------------------------------------------
 
-def _matching(model, pattern: str) -> list:
-    """``(path, module)`` of every module whose dotted path matches ``pattern``
-    (``*`` matches one path component)."""
-    cache = model.structure_cache("matching")
-    if pattern not in cache:
-        want = pattern.split(".")
-        cache[pattern] = [(path, m) for path, m in model.named_modules()
-                          if path and len(path.split(".")) == len(want)
-                          and all(w in ("*", p) for w, p in zip(want, path.split(".")))]
-    return cache[pattern]
-
-
 def _groups(n: int, unit: int, parts: int, what: str, path: str, tp) -> tuple:
     """This rank's ``(first, stop)`` group of the ``n // (parts * unit)`` per segment."""
     if n % parts or (n // parts) % unit:
@@ -270,7 +251,7 @@ def apply_tensor_plan(model, tp, plan=None, sequence_parallel: bool = False) -> 
                          f"parallel_plan() has no sequence_entry); turn off sequence "
                          f"parallelism")
     for pattern, style in plan.tensor:
-        for path, module in _matching(model, pattern):
+        for path, module in matching_modules(model, pattern):
             model.set_submodule(path, _swap(model, path, module, style, tp, sequence_parallel))
     tie_parameters(model, plan.tied)
     if sequence_parallel:

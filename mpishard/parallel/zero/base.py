@@ -34,12 +34,12 @@ from mpishard.nn.init import seed_dropout
 from mpishard.nn.parameter import init_array
 from mpishard.nn.sharding import plan_of
 from mpishard.optim.clip import grad_sq_sum
-from mpishard.parallel.data.ddp import check_replicas_equal, stage_grad
-from mpishard.parallel.expert.layers import expert_units, is_expert_param
+from mpishard.parallel.flat import stage_grad
 from mpishard.parallel.pieces import unit_pieces
 from mpishard.parallel.precision import MasterCopies
+from mpishard.parallel.replicas import check_replicas_equal, is_expert_param
 from mpishard.parallel.strategy import Strategy, register_strategy
-from mpishard.parallel.zero.units import FlatUnit, build_units
+from mpishard.parallel.zero.units import FlatUnit, build_units, expert_units
 
 __all__ = ["ZeRO", "ZeroUnit", "build_units"]
 
