@@ -1,7 +1,8 @@
 """ZeRO's memory plan: per-rank bytes of stages 1-3 from the units the strategy builds.
 
-Read by :meth:`ZeRO.estimate_memory <mpishard.parallel.zero.base.ZeRO.estimate_memory>` (see
-[Note: flat unit layout] in units.py and the planner in planner.py).
+Read by :meth:`ZeroStrategy.estimate_memory
+<mpishard.parallel.zero.base.ZeroStrategy.estimate_memory>` (see [Note: flat unit
+layout] in units.py and the planner in planner.py).
 """
 from __future__ import annotations
 
