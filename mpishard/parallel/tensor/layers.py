@@ -73,7 +73,33 @@ def _split_param(global_shape, blocks, dim, init, decay, dtype) -> Parameter:
     return p
 
 
-class ColumnParallelLinear(Module):
+class _SplitLinear(Module):
+    """A linear layer (weight ``[out, in]``) whose weight is split over ``tp`` along
+    ``split_dim``: this rank holds the feature ``blocks`` of that dimension. The bias
+    follows the output features: split with them, or whole when the inputs are split."""
+
+    #: 0: the output features are split (weight rows), 1: the input features (columns)
+    split_dim: int
+
+    def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
+                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        split = (out_features, in_features)[self.split_dim]
+        self.blocks = tuple(blocks or [split_range(split, tp.size, tp.rank)])
+        self.weight = _split_param((out_features, in_features), self.blocks, self.split_dim,
+                                   Normal(init_std), True, dtype)
+        if not bias:
+            self.bias = None
+        elif self.split_dim == 0:
+            self.bias = _split_param((out_features,), self.blocks, 0, Constant(0.0), False, dtype)
+        else:
+            self.bias = Parameter((out_features,), Constant(0.0), False, dtype)
+
+
+class ColumnParallelLinear(_SplitLinear):
     """Output features split over ``tp``: ``y_local = f(x) @ W_local.T + b_local``.
 
     Args:
@@ -83,17 +109,7 @@ class ColumnParallelLinear(Module):
             (default: an even split).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
-                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        self.blocks = tuple(blocks or [split_range(out_features, tp.size, tp.rank)])
-        self.weight = _split_param((out_features, in_features), self.blocks, 0, Normal(init_std),
-                                   True, dtype)
-        self.bias = _split_param((out_features,), self.blocks, 0, Constant(0.0), False, dtype) \
-            if bias else None
+    split_dim = 0
 
     def forward(self, x, bias=True):
         b = self.bias if bias else None
@@ -106,23 +122,15 @@ class ColumnParallelLinear(Module):
         return self.forward(x, bias=False)
 
 
-class RowParallelLinear(Module):
+class RowParallelLinear(_SplitLinear):
     """Input features split over ``tp``: ``y = g(x_local @ W_local.T) + b``.
 
     ``x_local`` is the split output of a column-parallel layer; the bias is
-    replicated and added once, after the all-reduce.
+    replicated and added once, after the all-reduce. Arguments as
+    :class:`ColumnParallelLinear`'s (``blocks``: input-feature ranges).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
-                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        self.blocks = tuple(blocks or [split_range(in_features, tp.size, tp.rank)])
-        self.weight = _split_param((out_features, in_features), self.blocks, 1, Normal(init_std),
-                                   True, dtype)
-        self.bias = Parameter((out_features,), Constant(0.0), False, dtype) if bias else None
+    split_dim = 1
 
     def forward(self, x_local):
         y = self.forward_unbiased(x_local)
