@@ -79,7 +79,7 @@ def _units(model, names, shard: int, expert_shard: int, experts) -> list:
 
 def _gathered_peak(units, experts, itemsize: int) -> int:
     """Stage 3's most gathered bytes at once over the block units (root aside), in the
-    order forward calls them (see [Note: prefetch order] in zero_stage3.py): a unit with
+    order forward calls them (see [Note: prefetch order] in parallel/zero/stage3.py): a unit with
     the one prefetched after it, and a unit inside another (a block's experts) also
     with that one, forward; in backward, with the one prefetched before its outer unit."""
     calls = [u for u in units if u.module is not None]

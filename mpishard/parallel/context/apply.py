@@ -12,7 +12,7 @@ table, Llama's rotary angles) are the rows' global positions; attention is
 ``all-to-all`` (DeepSpeed-Ulysses: sequence-split to head-split and back).
 Gradients are averaged over ``dp x cp`` (``mesh.dp_cp``), and the loss is
 normalised by the global count of valid targets (see [Note: global token
-count] in pipeline.py).
+count] in parallel/pipeline/schedule.py).
 
 A model takes part through its plan's ``attention`` patterns: those modules,
 and the model itself, get a ``sequence`` attribute (a :class:`SequenceShard`)
