@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CosineSchedule", "ConstantSchedule"]
+__all__ = ["CosineSchedule"]
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,3 @@ class CosineSchedule:
         ratio = (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
         coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
         return self.min_lr + coeff * (self.lr - self.min_lr)
-
-
-@dataclass(frozen=True)
-class ConstantSchedule:
-    """The same learning rate at every step."""
-
-    lr: float
-
-    def __call__(self, step: int) -> float:
-        return self.lr

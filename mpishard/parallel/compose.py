@@ -187,7 +187,7 @@ class ParallelModel:
         """Forward and backward of this dp rank's batch (the same on its cp, tp and pp
         peers); returns this rank's share of the mean loss: averaged over ``mesh.dp_cp``
         it is the mean over every valid target of the step (see [Note: global token
-        count] in pipeline.py)."""
+        count] in pipeline/schedule.py)."""
         return self.pipeline.train_step(*self._local(x, y))
 
     def eval_step(self, x, y) -> float:

@@ -1,4 +1,5 @@
-"""Flat buffers: many arrays in one contiguous buffer, and the optimizer's view of one.
+"""Flat buffers: many arrays in one contiguous buffer, the optimizer's view of one, and
+a parameter's gradient moved into its slot of one.
 
 One collective on one large buffer beats many on small ones (the per-call
 latency is paid once), so data parallelism all-reduces *buckets* of gradients
@@ -29,7 +30,7 @@ import numpy as np
 
 from mpishard.core.backend import xp_of
 
-__all__ = ["FlatIndex", "FlatShard", "padded_size"]
+__all__ = ["FlatIndex", "FlatShard", "padded_size", "stage_grad"]
 
 
 def padded_size(numel: int, multiple: int) -> int:
@@ -147,3 +148,15 @@ class FlatShard:
 
     def __repr__(self) -> str:
         return f"FlatShard({self.name!r}, {self.data.size} elements)"
+
+
+def stage_grad(p, view) -> None:
+    """``p``'s gradient into ``view`` (its slot in a strategy's gradient buffer), unless
+    backward computed it there already (``grad_out``, see [Note: gradient buffers] in
+    mpishard/autodiff/tensor.py); zeros when it has none. ``view`` becomes ``p.grad``,
+    so a next micro-batch adds into it."""
+    if p.grad is None:
+        view[...] = 0
+    elif p.grad is not view:
+        view[...] = p.grad
+    p.grad = view

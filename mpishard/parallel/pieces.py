@@ -19,8 +19,8 @@ import numpy as np
 
 from mpishard.core.backend import to_numpy, xp_of
 
-__all__ = ["Piece", "pieces_of", "replicated_pieces", "unit_pieces", "load_pieces",
-           "gather_full_params"]
+__all__ = ["Piece", "TargetSlices", "pieces_of", "replicated_pieces", "unit_pieces",
+           "load_pieces", "gather_full_params"]
 
 
 @dataclass
@@ -55,64 +55,70 @@ class Piece:
         return sum(b - a for a, b in self.runs)
 
 
-def _state_views(optimizer, target_index: int, lo: int, hi: int) -> dict:
-    if optimizer is None:
-        return {}
-    state = optimizer.state[target_index]
-    return {name: arr[lo:hi] for name, arr in state.items()}
+class TargetSlices:
+    """One element range of an optimizer target, as pieces: its values and every state
+    the optimizer keeps for it (allocated here, so each state has its array).
+
+    Args:
+        optimizer: the optimizer whose targets these are, or ``None`` (values only).
+    """
+
+    def __init__(self, optimizer=None):
+        self.optimizer = optimizer
+        self.index: dict = {}        # id(target) -> its index in optimizer.params
+        if optimizer is not None:
+            optimizer.allocate_state()
+            self.index = {id(t): i for i, t in enumerate(optimizer.params)}
+
+    def pieces(self, name: str, spec, target, span: tuple, runs: list,
+               owner: bool) -> list[Piece]:
+        """Elements ``span = (lo, hi)`` of ``target`` (flat), which hold the ``runs`` of
+        parameter ``name`` (shard spec ``spec``): a ``"param"`` piece and one per state."""
+        lo, hi = span
+        views = {"param": target.data.reshape(-1)[lo:hi]}
+        if id(target) in self.index:
+            state = self.optimizer.state[self.index[id(target)]]
+            views.update({kind: arr[lo:hi] for kind, arr in state.items()})
+        return [Piece(name, kind, spec.global_shape, spec.dtype, runs, arr, owner)
+                for kind, arr in views.items()]
 
 
 def replicated_pieces(strategy, optimizer=None) -> list[Piece]:
     """Pieces of a model every dp rank holds whole: each parameter (through
     ``strategy.optimizer_target``, the float32 master under mixed precision)
     and its optimizer state, owned by dp rank 0."""
-    index = _target_index(optimizer)
+    slices = TargetSlices(optimizer)
     pieces: list[Piece] = []
     for name, p in strategy.module.named_parameters():
         owner = strategy.replica_group(p).rank == 0 and strategy.counts_once(p.spec)
         target = strategy.optimizer_target(p)
-        flat = target.data.reshape(-1)
-        views = {"param": flat}
-        if id(target) in index:
-            views.update(_state_views(optimizer, index[id(target)], 0, flat.size))
-        pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
-                            p.spec.global_runs(), arr, owner) for kind, arr in views.items())
+        pieces += slices.pieces(name, p.spec, target, (0, target.data.size),
+                                p.spec.global_runs(), owner)
     return pieces
 
 
 def unit_pieces(strategy, units, optimizer=None) -> list[Piece]:
     """Pieces of flat units (ZeRO): for each unit, this rank's slice of every
     parameter in it (``unit.target``, a :class:`FlatShard`) and of its state."""
-    index = _target_index(optimizer)
+    slices = TargetSlices(optimizer)
     pieces: list[Piece] = []
     replicate = getattr(strategy, "replicate", None)   # hybrid sharding: replica 0 owns
     first_replica = replicate is None or replicate.rank == 0
     for unit in units:
-        target, layout = unit.target, unit.layout
+        layout = unit.layout
         for i, (name, p) in enumerate(zip(layout.names, layout.params)):
             lo, hi = layout.shard_range_of(i)
             if hi <= lo:
                 continue
-            views = {"param": target.data[lo:hi]}
-            if id(target) in index:
-                views.update(_state_views(optimizer, index[id(target)], lo, hi))
             owner = first_replica and strategy.counts_once(p.spec)
-            runs = p.spec.global_runs(p.spec.flat.owned)
-            pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype, runs, arr, owner)
-                          for kind, arr in views.items())
+            pieces += slices.pieces(name, p.spec, unit.target, (lo, hi),
+                                    p.spec.global_runs(p.spec.flat.owned), owner)
     return pieces
 
 
 def pieces_of(strategy, optimizer=None) -> list[Piece]:
     """``strategy.pieces(optimizer)``: every piece this rank holds (see [Note: pieces])."""
     return strategy.pieces(optimizer)
-
-
-def _target_index(optimizer) -> dict:
-    if optimizer is None:
-        return {}
-    optimizer.allocate_state()
-    return {id(t): i for i, t in enumerate(optimizer.params)}
 
 
 def gather_full_params(strategy) -> dict:

@@ -335,14 +335,6 @@ class Strategy:
                 "added, removed or replaced); build the model completely, then wrap it once")
         return math.sqrt(flags[0])
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Divide out the loss scale and clip to ``max_norm`` (``None``: no clipping),
-        as one scaling of the gradients; returns the unscaled norm before clipping."""
-        norm, factor = self.grad_factor(max_norm)
-        if factor != 1.0:
-            self.scale_grads(factor)
-        return norm
-
     def grad_factor(self, max_norm: float | None) -> tuple:
         """``(norm, factor)``: the unscaled global gradient norm, and what to multiply
         the gradients by to divide out the loss scale and clip to ``max_norm`` (1.0

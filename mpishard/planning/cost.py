@@ -53,9 +53,9 @@ import numpy as np
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage
 from mpishard.parallel.strategy import Sharded, strategy_entry
-from mpishard.parallel.tensor.layers import matching_modules
 from mpishard.planning.layout import estimate_layout, memo_for, mesh_shape
 from mpishard.planning.memory import layout_itemsizes
+from mpishard.parallel.plans import matching_modules
 
 __all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes"]
 

@@ -62,7 +62,7 @@ from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage, stage_blocks
 from mpishard.parallel.context.apply import CP_MODES
 from mpishard.planning.memory import MemoryEstimate, layout_itemsizes, estimate_memory, stage_traffic
-from mpishard.parallel.tensor.layers import split_range
+from mpishard.parallel.plans import split_range
 
 __all__ = ["Layout", "StageEstimate", "LayoutEstimate", "estimate_layout", "mesh_shape"]
 

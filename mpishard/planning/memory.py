@@ -26,8 +26,9 @@ from mpishard.core.dtypes import resolve_dtype
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
 from mpishard.parallel.context.attention import ring_kv_bytes
 from mpishard.parallel.precision import Precision
+from mpishard.parallel.plans import matching_modules
 from mpishard.parallel.strategy import Sharded, strategy_entry
-from mpishard.parallel.tensor.layers import ColumnParallelLinear, matching_modules
+from mpishard.parallel.tensor.layers import ColumnParallelLinear
 from mpishard.planning.model_state import replicated_state, sharded_state
 
 __all__ = ["MemoryEstimate", "EstimateSizes", "estimate_memory", "OPTIMIZER_STATES",

@@ -11,9 +11,8 @@ layout] in units.py). Each returns ``sizes.new_plan()`` filled in: a
 from __future__ import annotations
 
 from mpishard.nn.sharding import plan_of
-from mpishard.parallel.expert.layers import expert_units
 from mpishard.parallel.strategy import Sharded
-from mpishard.parallel.zero.units import build_units
+from mpishard.parallel.zero.units import build_units, expert_units
 
 __all__ = ["replicated_state", "sharded_state", "window_peak"]
 
@@ -114,7 +113,7 @@ def _units(model, names, shard: int, expert_shard: int, experts) -> list:
 
 def _gathered_peak(units, experts, itemsize: int) -> int:
     """Stage 3's most gathered bytes at once over the block units (root aside), in the
-    order forward calls them (see [Note: prefetch order] in zero_stage3.py): a unit with
+    order forward calls them (see [Note: prefetch order] in parallel/zero/stage3.py): a unit with
     the one prefetched after it, and a unit inside another (a block's experts) also
     with that one, forward; in backward, with the one prefetched before its outer unit."""
     calls = [u for u in units if u.module is not None]

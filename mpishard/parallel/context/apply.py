@@ -12,7 +12,7 @@ table, Llama's rotary angles) are the rows' global positions; attention is
 ``all-to-all`` (DeepSpeed-Ulysses: sequence-split to head-split and back).
 Gradients are averaged over ``dp x cp`` (``mesh.dp_cp``), and the loss is
 normalised by the global count of valid targets (see [Note: global token
-count] in pipeline.py).
+count] in parallel/pipeline/schedule.py).
 
 A model takes part through its plan's ``attention`` patterns: those modules,
 and the model itself, get a ``sequence`` attribute (a :class:`SequenceShard`)
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.context.attention import ring_attention, ulysses_attention, zigzag_positions, zigzag_slice
-from mpishard.parallel.tensor.layers import matching_modules
+from mpishard.parallel.plans import matching_modules
 
 __all__ = ["SequenceShard", "apply_context_plan", "CP_MODES"]
 

@@ -22,17 +22,15 @@ one flat gradient buffer, both in the master's order.
 """
 from __future__ import annotations
 
-import hashlib
-
-from mpishard.core.backend import to_numpy, xp_of
+from mpishard.core.backend import xp_of
 from mpishard.optim.clip import grad_sq_sum
-from mpishard.parallel.expert.layers import is_expert_param
-from mpishard.parallel.flat import FlatIndex
-from mpishard.parallel.pieces import Piece, _state_views, _target_index, replicated_pieces
+from mpishard.parallel.flat import FlatIndex, stage_grad
+from mpishard.parallel.pieces import TargetSlices, replicated_pieces
 from mpishard.parallel.precision import MasterCopies
+from mpishard.parallel.replicas import check_replicas_equal, is_expert_param
 from mpishard.parallel.strategy import Sharded, Strategy, register_strategy
 
-__all__ = ["DataParallel", "check_replicas_equal"]
+__all__ = ["DataParallel"]
 
 # [Note: bucket launch order]
 # MPI matches collectives on a communicator by the order in which ranks issue
@@ -59,28 +57,6 @@ def _bucket_groups(params, bucket_bytes: int, itemsize: int) -> list:
     return groups
 
 
-def check_replicas_equal(module, comm, what: str = "parameters", select=None) -> None:
-    """Raise on every rank if the module's parameters (those ``select(p)`` accepts, by
-    default all) differ between ranks of ``comm``.
-
-    Compares a SHA-256 per parameter (one small all-gather of digests).
-    """
-    if comm.size == 1:
-        return
-    named = [(n, p) for n, p in module.named_parameters() if select is None or select(p)]
-    digests = [hashlib.sha256(to_numpy(p.data).tobytes()).hexdigest()[:16] for _, p in named]
-    everyone = comm.all_gather_obj(digests)
-    names = [n for n, _ in named]
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            first = next((names[i] for i, (a, b) in enumerate(zip(everyone[0], theirs))
-                          if a != b), "the parameter list")
-            raise ValueError(
-                f"{what} differ across ranks at wrap time: rank {rank} differs from rank 0 "
-                f"first at {first}; build the model with the same seed on every rank, or "
-                f"pass sync_params='broadcast' to copy rank 0's values")
-
-
 class _Bucket:
     __slots__ = ("params", "flat", "views", "ready", "handle", "comm", "scale")
 
@@ -105,18 +81,6 @@ class _Bucket:
     def stage(self, i: int) -> None:
         """Copy ``params[i]``'s gradient into the bucket; its ``grad`` becomes the bucket view."""
         stage_grad(self.params[i], self.views[i])
-
-
-def stage_grad(p, view) -> None:
-    """``p``'s gradient into ``view`` (its slot in a strategy's gradient buffer), unless
-    backward computed it there already (``grad_out``, see [Note: gradient buffers] in
-    mpishard/autodiff/tensor.py); zeros when it has none. ``view`` becomes ``p.grad``,
-    so a next micro-batch adds into it."""
-    if p.grad is None:
-        view[...] = 0
-    elif p.grad is not view:
-        view[...] = p.grad
-    p.grad = view
 
 
 @register_strategy("ddp", "data parallel: every rank holds the whole model; gradients "
@@ -149,7 +113,7 @@ class DataParallel(Strategy):
         self._master_of: dict = {}
         self._range_of: dict = {}
         # Experts split over ep are replicated over edp only, and their averaged
-        # gradients scaled by 1 / ep (see [Note: expert dispatch] in expert_parallel.py).
+        # gradients scaled by 1 / ep (see [Note: expert dispatch] in parallel/expert/layers.py).
         # Buckets at every dp size, also 1 (where nothing is sent): gradients then
         # always live in ledger-counted buffers, as the plan says.
         xp = xp_of(params[0].data)
@@ -299,15 +263,11 @@ class DataParallel(Strategy):
         and optimizer state are its slice of the flat master (see :meth:`_make_masters`)."""
         if not self.mixed:
             return replicated_pieces(self, optimizer)
-        index = _target_index(optimizer)
+        slices = TargetSlices(optimizer)
         pieces = []
         for p in self.module.parameters():
             lo, hi, name = self._range_of[id(p)]
-            target = self._master_of[id(p)]
-            views = {"param": target.data[lo:hi]}
-            if id(target) in index:
-                views.update(_state_views(optimizer, index[id(target)], lo, hi))
             owner = self.replica_group(p).rank == 0 and self.counts_once(p.spec)
-            pieces.extend(Piece(name, kind, p.spec.global_shape, p.spec.dtype,
-                                p.spec.global_runs(), arr, owner) for kind, arr in views.items())
+            pieces += slices.pieces(name, p.spec, self._master_of[id(p)], (lo, hi),
+                                    p.spec.global_runs(), owner)
         return pieces

@@ -43,10 +43,9 @@ from mpishard.autodiff.moe_ops import permute_rows
 from mpishard.autodiff.tensor import Tensor
 from mpishard.core.backend import xp_of
 from mpishard.nn import Parameter
-from mpishard.parallel.tensor.layers import split_range
+from mpishard.parallel.plans import split_range
 
-__all__ = ["ExpertShard", "apply_expert_plan", "all_to_all_v", "is_expert_param",
-           "check_experts_divide", "expert_units"]
+__all__ = ["ExpertShard", "apply_expert_plan", "all_to_all_v", "check_experts_divide"]
 
 
 @register_op
@@ -148,23 +147,3 @@ def apply_expert_plan(model, ep) -> None:
                 local.data = xp_of(p.data).ascontiguousarray(p.data[lo:hi])
             setattr(experts, name, local)      # keeps its place among the parameters
         moe.dispatch = shard
-
-
-def is_expert_param(p) -> bool:
-    """Whether ``p`` is split over the ep group (its gradient goes over ``mesh.edp``)."""
-    return p.spec.ep_range is not None
-
-
-def expert_units(module, unit_names) -> tuple:
-    """``(unit names, expert unit names)``: ZeRO's units with every module that holds
-    experts split over ep made a unit of its own, listed after the unit it sits in
-    (the order forward calls them; its state shards over the ranks holding the same
-    experts)."""
-    experts = [name for name, m in module.named_modules()
-               if any(p is not None and is_expert_param(p) for p in m._parameters.values())]
-    out = []
-    for name in unit_names:
-        out.append(name)
-        out += [e for e in experts if e.startswith(name + ".") and e not in out]
-    out += [e for e in experts if e not in out]
-    return out, experts

@@ -51,25 +51,17 @@ import dataclasses
 
 from mpishard.autodiff import nn_ops
 from mpishard.autodiff.ops import mul
+from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import xp_of
 from mpishard.nn import Constant, Embedding, Linear, Module, Normal, Parameter
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
-from mpishard.autodiff.shape_ops import reshape
+from mpishard.parallel.plans import matching_modules, split_range
 from mpishard.parallel.tensor.sequence import gather_from_sp, gathered_linear, reduce_scatter_to_sp, scatter_to_sp
 from mpishard.parallel.tensor.ops import _summed, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters", "split_range",
-           "matching_modules"]
-
-
-def split_range(n: int, parts: int, index: int) -> tuple:
-    """``(start, stop)`` of part ``index`` when ``n`` items go to ``parts`` ranks
-    (the first ``n % parts`` ranks get one more)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
+           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters"]
 
 
 def _split_param(global_shape, blocks, dim, init, decay, dtype) -> Parameter:
@@ -81,7 +73,33 @@ def _split_param(global_shape, blocks, dim, init, decay, dtype) -> Parameter:
     return p
 
 
-class ColumnParallelLinear(Module):
+class _SplitLinear(Module):
+    """A linear layer (weight ``[out, in]``) whose weight is split over ``tp`` along
+    ``split_dim``: this rank holds the feature ``blocks`` of that dimension. The bias
+    follows the output features: split with them, or whole when the inputs are split."""
+
+    #: 0: the output features are split (weight rows), 1: the input features (columns)
+    split_dim: int
+
+    def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
+                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        split = (out_features, in_features)[self.split_dim]
+        self.blocks = tuple(blocks or [split_range(split, tp.size, tp.rank)])
+        self.weight = _split_param((out_features, in_features), self.blocks, self.split_dim,
+                                   Normal(init_std), True, dtype)
+        if not bias:
+            self.bias = None
+        elif self.split_dim == 0:
+            self.bias = _split_param((out_features,), self.blocks, 0, Constant(0.0), False, dtype)
+        else:
+            self.bias = Parameter((out_features,), Constant(0.0), False, dtype)
+
+
+class ColumnParallelLinear(_SplitLinear):
     """Output features split over ``tp``: ``y_local = f(x) @ W_local.T + b_local``.
 
     Args:
@@ -91,17 +109,7 @@ class ColumnParallelLinear(Module):
             (default: an even split).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
-                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        self.blocks = tuple(blocks or [split_range(out_features, tp.size, tp.rank)])
-        self.weight = _split_param((out_features, in_features), self.blocks, 0, Normal(init_std),
-                                   True, dtype)
-        self.bias = _split_param((out_features,), self.blocks, 0, Constant(0.0), False, dtype) \
-            if bias else None
+    split_dim = 0
 
     def forward(self, x, bias=True):
         b = self.bias if bias else None
@@ -114,23 +122,15 @@ class ColumnParallelLinear(Module):
         return self.forward(x, bias=False)
 
 
-class RowParallelLinear(Module):
+class RowParallelLinear(_SplitLinear):
     """Input features split over ``tp``: ``y = g(x_local @ W_local.T) + b``.
 
     ``x_local`` is the split output of a column-parallel layer; the bias is
-    replicated and added once, after the all-reduce.
+    replicated and added once, after the all-reduce. Arguments as
+    :class:`ColumnParallelLinear`'s (``blocks``: input-feature ranges).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp, bias: bool = True,
-                 init_std: float = 0.02, dtype: str = "float32", blocks=None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        self.blocks = tuple(blocks or [split_range(in_features, tp.size, tp.rank)])
-        self.weight = _split_param((out_features, in_features), self.blocks, 1, Normal(init_std),
-                                   True, dtype)
-        self.bias = Parameter((out_features,), Constant(0.0), False, dtype) if bias else None
+    split_dim = 1
 
     def forward(self, x_local):
         y = self.forward_unbiased(x_local)
@@ -180,18 +180,6 @@ class VocabParallelCrossEntropy(Module):
 
 
 # -- applying a plan -------------------------------------------------------------
-
-def matching_modules(model, pattern: str) -> list:
-    """``(path, module)`` of every module whose dotted path matches ``pattern``
-    (``*`` matches one path component)."""
-    cache = model.structure_cache("matching")
-    if pattern not in cache:
-        want = pattern.split(".")
-        cache[pattern] = [(path, m) for path, m in model.named_modules()
-                          if path and len(path.split(".")) == len(want)
-                          and all(w in ("*", p) for w, p in zip(want, path.split(".")))]
-    return cache[pattern]
-
 
 def _groups(n: int, unit: int, parts: int, what: str, path: str, tp) -> tuple:
     """This rank's ``(first, stop)`` group of the ``n // (parts * unit)`` per segment."""

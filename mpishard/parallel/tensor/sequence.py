@@ -6,7 +6,7 @@ tensor-parallel matrix products (layer norms, dropout, residual adds), each
 tp rank keeps only a contiguous block of the activation rows instead of a
 full replica. Activations are ``(N, C)`` rows with ``N = B*T`` (b-major);
 rank ``r`` of ``tp`` holds rows ``[r*N/tp, (r+1)*N/tp)`` (:func:`sp_rows`).
-Megatron's ``f`` and ``g`` (:mod:`.tp_ops`) become:
+Megatron's ``f`` and ``g`` (:mod:`.ops`) become:
 
 - :func:`gather_from_sp` (replaces ``f``, in front of a column-parallel layer):
   all-gather of the row blocks in forward, reduce-scatter (sum) of the

@@ -14,12 +14,17 @@ of the buffer (or is cast into it), so the all-gather runs in place. Use
 """
 from __future__ import annotations
 
-from mpishard.parallel.zero.base import ZeRO, ZeroUnit
+from mpishard.parallel.strategy import Sharded, register_strategy
+from mpishard.parallel.zero.base import ZeroStrategy, ZeroUnit
 
 __all__ = ["ShardedStateZeRO"]
 
 
-class ShardedStateZeRO(ZeRO):
+@register_strategy("zero2", "ZeRO-2: gradients and optimizer state sharded, parameters "
+                   "whole", keeps_sharded=Sharded.GRADIENTS, stage=2)
+@register_strategy("zero1", "ZeRO-1: optimizer state sharded, parameters and gradients "
+                   "whole", keeps_sharded=Sharded.OPTIMIZER_STATE, stage=1)
+class ShardedStateZeRO(ZeroStrategy):
     """ZeRO stages 1 and 2 (see the module docstring); build it as ``ZeRO(stage=1|2)``."""
 
     stages = (1, 2)
@@ -27,8 +32,7 @@ class ShardedStateZeRO(ZeRO):
     def _make_unit(self, layout) -> ZeroUnit:
         ledger, xp, cd = self.ledger, self.xp, self.compute_dtype
         dp, scale = self.unit_group(layout)
-        unit = ZeroUnit(layout, dp, ledger, xp, self.reduce_dtype,
-                        keep_full_grads=self.stage == 1, replicate=self.replicate, scale=scale)
+        unit = ZeroUnit(layout, dp, self.context, scale, keep_full_grads=self.stage == 1)
         unit.full = ledger.zeros("params", (layout.padded,), cd, f"params {layout.label}", xp=xp)
         block = unit.full[layout.shard_start:layout.shard_stop]  # this rank's, in compute dtype
         master = block if not self.mixed else ledger.zeros(

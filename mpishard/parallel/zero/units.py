@@ -16,8 +16,9 @@ import dataclasses
 
 from mpishard.nn.parameter import FlatPlacement, Parameter
 from mpishard.parallel.flat import FlatIndex
+from mpishard.parallel.replicas import is_expert_param
 
-__all__ = ["FlatUnit", "build_units"]
+__all__ = ["FlatUnit", "build_units", "expert_units"]
 
 
 class FlatUnit:
@@ -137,3 +138,18 @@ def build_units(module, unit_names, dp_size: int, dp_rank: int, root_unit: bool 
                              f"that cover them or pass root_unit=True")
         units.append(FlatUnit("", rest, dp_size, dp_rank, None))
     return units
+
+
+def expert_units(module, unit_names) -> tuple:
+    """``(unit names, expert unit names)``: ZeRO's units with every module that holds
+    experts split over ep made a unit of its own, listed after the unit it sits in
+    (the order forward calls them; its state shards over the ranks holding the same
+    experts)."""
+    experts = [name for name, m in module.named_modules()
+               if any(p is not None and is_expert_param(p) for p in m._parameters.values())]
+    out = []
+    for name in unit_names:
+        out.append(name)
+        out += [e for e in experts if e.startswith(name + ".") and e not in out]
+    out += [e for e in experts if e not in out]
+    return out, experts
