@@ -75,7 +75,7 @@ def test_the_registry_says_what_each_strategy_keeps_sharded():
 def test_the_planner_reads_the_registry_line_not_the_name():
     """ZeRO under another name and the same level is planned byte for byte as zero2."""
     register_strategy("test-zero-again", "test only", keeps_sharded=Sharded.GRADIENTS,
-                      stage=2)(ZeRO)
+                      stage=2)(STRATEGIES["zero2"].cls)
     try:
         ours = estimate_memory(GPT(UNEVEN, materialize_now=False), "test-zero-again", 4,
                                dp_replicate=2)
