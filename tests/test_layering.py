@@ -1,10 +1,11 @@
 """The shape of the package, checked by reading the source.
 
-Imports only point down the layers (cli/train > checkpoint > parallel > comm >
-nn/optim/models > autodiff > kernels > backend), there is no import cycle anywhere in
-mpishard/, and no module grows past MAX_LINES.
+Imports only point down the layers (LAYERS, as docs/concepts.md draws them), there is
+no import cycle anywhere in mpishard/, no module grows past MAX_LINES, and
+docs/concepts.md's "where things go" table names files and registries that exist.
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "mpishard"
 MAX_LINES = 600
 
-# The layers, lowest first (docs/concepts.md, "The house"): a folder may import
+# The layers, lowest first (docs/concepts.md, "The shape of the code"): a folder may import
 # the folders listed before it and none after, except as written in MAY_ALSO.
 LAYERS = ["core", "kernels", "autodiff", "nn", "optim", "models", "comm", "parallel",
           "planning", "checkpoint", "data", "recipes", "config", "hf", "bench", "run", "cli"]
@@ -192,3 +193,73 @@ def test_cycle_checker_finds_a_cycle(tmp_path):
     assert found == [["pkg.a", "pkg.b", "pkg.c"]]
     (pkg / "c.py").write_text("C = 3\n")
     assert cycles(import_graph(pkg)) == []
+
+
+CONCEPTS = PKG.parent / "docs" / "concepts.md"
+
+
+def _concepts_section() -> str:
+    text = CONCEPTS.read_text()
+    start = text.index("## The shape of the code")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_documented_layers_are_the_checked_ones():
+    line = next(l for l in _concepts_section().splitlines() if l.startswith("layers: "))
+    assert [name.strip() for name in line[len("layers: "):].split("<")] == LAYERS
+
+
+def test_every_folder_of_the_package_is_a_documented_layer():
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - {"testing"} == set(LAYERS), sorted(folders ^ set(LAYERS))
+
+
+def _where_things_go() -> dict:
+    section = _concepts_section()
+    table = section[section.index("### Where things go"):]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("a "):
+            rows[cells[0]] = re.findall(r"`(mpishard/[^`]+)`", cells[1])
+    return rows
+
+
+def _expand(path: str) -> list:
+    """A documented path with ``<family>`` / ``<axis>`` as the real paths it stands for."""
+    if "<family>" in path:
+        families = sorted(p.name for p in (PKG / "models").iterdir()
+                          if p.is_dir() and (p / "spec.py").exists())
+        return [path.replace("<family>", f) for f in families]
+    if "<axis>" in path:
+        axes = sorted(p.name for p in (PKG / "parallel").iterdir()
+                      if p.is_dir() and (p / "__init__.py").exists())
+        return [path.replace("<axis>", a) for a in axes]
+    return [path]
+
+
+def test_where_things_go_matches_the_code():
+    rows = _where_things_go()
+    assert set(rows) == {"a model family", "a strategy", "a kernel", "a collective backend"}
+    root = PKG.parent
+    for what, paths in rows.items():
+        assert paths, what
+        for documented in paths:
+            model_module = documented.endswith("<family>/model.py")
+            for path in _expand(documented):
+                if model_module:          # a family may take another family's module
+                    continue
+                assert (root / path).exists(), f"docs/concepts.md ({what}) names {path}"
+    # the registries hold one line per thing
+    from mpishard.comm.backends import BACKENDS
+    from mpishard.kernels.protocol import KernelSet
+    from mpishard.models.registry import MODELS
+    from mpishard.parallel import STRATEGIES
+    families = [p.parent.name for p in (PKG / "models").glob("*/spec.py")]
+    assert families and all(f in MODELS for f in families), (families, sorted(MODELS))
+    registering = [p for p in (PKG / "parallel").glob("*/*.py")
+                   if "@register_strategy(" in p.read_text()]
+    assert {e.cls.__module__ for e in STRATEGIES.values()} == {module_name(p) for p in registering}
+    assert {p.stem for p in (PKG / "comm" / "backends").glob("*.py")} - {
+        "__init__", "base", "one_rank"} <= set(BACKENDS)
+    assert [n for n in dir(KernelSet) if not n.startswith("_")]
