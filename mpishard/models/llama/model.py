@@ -97,10 +97,12 @@ class LlamaConfig:
             if kind != "llama3":
                 raise ValueError(f"LlamaConfig: rope_scaling type {kind!r} is not implemented; "
                                  f"mpishard has Llama 3's ('llama3') or none")
-            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if k not in scaling]
+            keys = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+            missing = [k for k in keys if k not in scaling]
             if missing:
                 raise ValueError(f"LlamaConfig: rope_scaling lacks {', '.join(missing)}")
+            self.rope_scaling = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
     @property
     def head_size(self) -> int:
