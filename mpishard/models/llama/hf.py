@@ -136,6 +136,10 @@ def dense_config(config, dtype: str) -> dict:
 def write_config(config, dtype: str) -> dict:
     """The config.json transformers reads as this model's ``LlamaConfig``, or as a
     ``MixtralConfig`` for a mixture of experts in Mixtral's form."""
+    if config.qkv_bias:
+        raise ValueError("biases on q, k and v only have no LlamaForCausalLM form (its "
+                         "attention_bias biases o_proj too); build the model as a "
+                         "Qwen2Config (mpishard.models.qwen2), Qwen2ForCausalLM's")
     if not config.moe_experts:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 **dense_config(config, dtype), "head_dim": config.head_size,

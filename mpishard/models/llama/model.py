@@ -1,7 +1,8 @@
 """The Llama family (Llama 2 and 3, and the many models shaped like it), in Hugging Face's layout.
 
 RMS norm, rotary position embeddings (theta, and Llama 3's frequency scaling),
-a SwiGLU MLP, grouped-query attention (``n_kv_head <= n_head``), no biases, a
+a SwiGLU MLP, grouped-query attention (``n_kv_head <= n_head``), no biases (or,
+with ``qkv_bias``, biases on the q, k and v projections, as Qwen2 has them), a
 tied or untied output head. Parameter names and shapes are those of
 ``transformers``' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj.weight``,
 weights ``[out, in]``, rotary embeddings on the two halves of each head), so
@@ -56,6 +57,7 @@ class LlamaConfig:
     #                                    "original_max_position_embeddings"}
     rms_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False   # tie_word_embeddings
+    qkv_bias: bool = False         # biases on q_proj, k_proj and v_proj (Qwen2's; not o_proj)
     init_std: float = 0.02         # initializer_range
     # mixture of experts (Mixtral's names): 0 experts is a dense model
     moe_experts: int = 0           # num_local_experts
@@ -131,14 +133,15 @@ class RMSNorm(Module):
 
 
 class LlamaAttention(Module):
-    """q/k/v projections, rotary embeddings, grouped-query causal attention, ``o_proj``."""
+    """q/k/v projections (biased with ``qkv_bias``), rotary embeddings, grouped-query causal
+    attention, ``o_proj``."""
 
     def __init__(self, config: LlamaConfig, dtype: str = "float32"):
         super().__init__()
-        C, hs, std = config.n_embd, config.head_size, config.init_std
-        self.q_proj = Linear(C, config.n_head * hs, False, std, dtype)
-        self.k_proj = Linear(C, config.n_kv_head * hs, False, std, dtype)
-        self.v_proj = Linear(C, config.n_kv_head * hs, False, std, dtype)
+        C, hs, std, bias = config.n_embd, config.head_size, config.init_std, config.qkv_bias
+        self.q_proj = Linear(C, config.n_head * hs, bias, std, dtype)
+        self.k_proj = Linear(C, config.n_kv_head * hs, bias, std, dtype)
+        self.v_proj = Linear(C, config.n_kv_head * hs, bias, std, dtype)
         self.o_proj = Linear(config.n_head * hs, C, False, std, dtype)
         self.head_size, self.group = hs, config.n_head // config.n_kv_head
         self.sequence = None   # set under context parallelism (the plan's ``attention``)
