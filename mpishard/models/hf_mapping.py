@@ -27,7 +27,7 @@ class HFMapping:
     Attributes:
         architectures: ``model_type`` -> the ``architectures`` names read for it (the
             first is the one written).
-        read_config: ``(ConfigReader) -> [model] keys`` of a folder's config.json
+        read_config: ``(ConfigReader) -> [model] keys`` (but ``name``) of a folder's config.json
             (its ``model_type`` is one of ``architectures``); a ValueError naming the
             key, its value and the fix for anything the family cannot reproduce.
         write_config: ``(config, dtype name) -> config.json`` that transformers reads

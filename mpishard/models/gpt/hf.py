@@ -30,7 +30,7 @@ _IGNORED = re.compile(r"(^|\.)attn\.(masked_)?bias$|^lm_head\.weight$")
 def read_config(r: ConfigReader) -> dict:
     """The ``[model]`` keys of a GPT-2 config.json."""
     n_embd = r.integer("n_embd", 768)
-    keys = dict(name="gpt", vocab_size=r.integer("vocab_size", 50257),
+    keys = dict(vocab_size=r.integer("vocab_size", 50257),
                 block_size=r.integer("n_positions", 1024), n_layer=r.integer("n_layer", 12),
                 n_head=r.integer("n_head", 12), n_embd=n_embd, bias=True)
     inner = r.raw.get("n_inner")

@@ -21,7 +21,7 @@ import re
 from mpishard.models.hf_mapping import ConfigReader, HFMapping, HFTensor, named_tensors
 from mpishard.models.llama.model import Llama
 
-__all__ = ["LLAMA", "dense_keys", "rope_keys", "dense_config", "llama_tensors",
+__all__ = ["LLAMA", "dense_keys", "rope_keys", "dense_config", "llama_tensors", "ignorable",
            "LLAMA3_KEYS", "KEY_NAMES"]
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -34,12 +34,12 @@ KEY_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
 _ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def dense_keys(r: ConfigReader, name: str = "llama") -> dict:
+def dense_keys(r: ConfigReader) -> dict:
     """The ``[model]`` keys of the dense Llama shape in a config.json (no bias check)."""
     raw = r.raw
     n_embd, n_head = r.integer("hidden_size", 4096), r.integer("num_attention_heads", 32)
     kv = raw.get("num_key_value_heads")
-    keys = dict(name=name, vocab_size=r.integer("vocab_size", 32000),
+    keys = dict(vocab_size=r.integer("vocab_size", 32000),
                 block_size=r.integer("max_position_embeddings", 2048),
                 n_layer=r.integer("num_hidden_layers", 32), n_head=n_head,
                 n_kv_head=n_head if kv is None else r.integer("num_key_value_heads"),

@@ -13,7 +13,8 @@ from mpishard.models.spec import TEXT_KEYS, ModelKey, ModelSpec
 
 __all__ = ["LLAMA_SPEC", "LLAMA_KEYS", "llama_config", "attention_heads"]
 
-#: the ``[model]`` keys of a Llama-shaped model (LlamaConfig's fields, RoPE scaling flat)
+#: the ``[model]`` keys of a dense Llama-shaped model (LlamaConfig's fields, RoPE scaling
+#: flat); the Llama family adds ``bias`` and the mixture of experts' keys
 LLAMA_KEYS = (
     ModelKey("n_kv_head", 0, "key/value heads, dividing n_head (0: n_head)", low=0,
              estimate=True, shapes=True),
@@ -32,8 +33,7 @@ LLAMA_KEYS = (
     ModelKey("tie_embeddings", False, "the output layer is the token table", estimate=True,
              shapes=True),
     ModelKey("dropout", 0.0, "dropout probability (the Llama family: 0 only)", low=0.0,
-             high=1.0),
-    *MOE_KEYS)
+             high=1.0))
 
 
 def rope_scaling(keys: dict) -> dict | None:
@@ -47,7 +47,8 @@ def rope_scaling(keys: dict) -> dict | None:
 
 
 def llama_config(keys: dict, config_class=LlamaConfig, **fields):
-    """``config_class`` (LlamaConfig or a variant's) from ``[model]`` keys, and ``fields``."""
+    """``config_class`` (LlamaConfig or a variant's) from ``[model]`` keys (the
+    ``moe_*`` ones where the family has them), and ``fields``."""
     if keys["dropout"]:
         raise ValueError(f"dropout = {keys['dropout']}: the Llama family trains without "
                          f"dropout here; use dropout = 0")
@@ -102,7 +103,8 @@ LLAMA_SPEC = ModelSpec(
     "grouped-query attention, no biases", task="text", model_class=Llama,
     config_class=LlamaConfig,
     keys=(*LLAMA_KEYS, ModelKey("bias", False, "biases (Llama: none; --model qwen2 has "
-                                "them on q, k and v)", estimate=True, shapes=True)),
+                                "them on q, k and v)", estimate=True, shapes=True),
+          *MOE_KEYS),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
     check_split=check_moe_split, hf=LLAMA)
