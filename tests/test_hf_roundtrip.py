@@ -1,6 +1,7 @@
 """transformers -> `mpishard train --init-from` (4 ranks) -> `checkpoint export` -> transformers.
 
-A random transformers model (vocabulary 260, so the built-in byte corpus fits) is
+A random transformers model (GPT-2, Llama, Qwen2; vocabulary 260, so the built-in
+byte corpus fits) is
 saved with its own ``save_pretrained``, fine-tuned for one step with learning rate 0
 under ZeRO-3 and under tp 2 x pp 2 (``mpiexec -n 4``), exported with
 ``mpishard checkpoint export CK OUT --format hf``, and loaded back by transformers:
@@ -45,6 +46,7 @@ def mpishard(*args, n=None, timeout=400):
     ("gpt2", ["--tp", "2", "--pp", "2", "--strategy", "ddp"]),
     ("llama", ["--strategy", "zero3"]),
     ("llama", ["--tp", "2", "--pp", "2", "--strategy", "zero1"]),
+    ("qwen2", ["--tp", "2", "--strategy", "zero3"]),
 ])
 def test_init_from_train_export_roundtrip(kind, layout, tmp_path):
     original = make_hf(kind, tmp_path / "in", vocab=260)

@@ -11,12 +11,13 @@ from mpishard.models.gpt.spec import GPT_SPEC
 from mpishard.models.hf_mapping import CONFIG, ConfigReader, read_config_json
 from mpishard.models.llama.spec import LLAMA_SPEC
 from mpishard.models.mlp import MLP_SPEC
+from mpishard.models.qwen2.spec import QWEN2_SPEC
 from mpishard.models.spec import ModelSpec
 
 __all__ = ["MODELS", "spec_of", "folder_keys"]
 
 #: ``--model`` name -> :class:`~mpishard.models.spec.ModelSpec`, one line a family
-MODELS = {spec.name: spec for spec in (GPT_SPEC, LLAMA_SPEC, MLP_SPEC)}
+MODELS = {spec.name: spec for spec in (GPT_SPEC, LLAMA_SPEC, QWEN2_SPEC, MLP_SPEC)}
 
 
 def spec_of(model_or_config) -> ModelSpec:
