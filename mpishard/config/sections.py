@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mpishard.config.model_section import ModelConfig
 from mpishard.config.options import _strategies, opt
+from mpishard.config.support import check_supported
 from mpishard.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -317,9 +318,11 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
 
 def load_config(path: str | Path | None, overrides: dict | None = None,
                 notes: list | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names).
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names), checked
+    for what the model and the axes can honour ([Note: refused before anything is
+    built] in mpishard/config/support.py).
 
-    Deprecation notes (flat keys) are appended to ``notes`` when given.
+    Notes (flat keys, how tp splits heads) are appended to ``notes`` when given.
     """
     values: dict = {}
     notes = [] if notes is None else notes
@@ -333,4 +336,6 @@ def load_config(path: str | Path | None, overrides: dict | None = None,
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
         values = flat_values(raw, str(path), notes)
     values.update(overrides or {})
-    return config_from_dict(values, "config key")
+    cfg = config_from_dict(values, "config key")
+    notes.extend(check_supported(cfg))
+    return cfg

@@ -256,10 +256,10 @@ def check_moe_layout(config, whole: bool) -> None:
                          "moe_aux_coef and moe_z_coef to 0")
 
 
-def check_moe_split(config, sizes: AxisSizes) -> None:
+def check_moe_split(config, sizes: AxisSizes) -> list:
     """ValueError naming the fix for a split a model's ``moe_*`` fields cannot take:
     expert parallelism of a dense model or of experts it does not divide, the auxiliary
-    losses over pipeline stages or with activation checkpointing."""
+    losses over pipeline stages or with activation checkpointing; else no notes."""
     if sizes.ep > 1 and not config.moe_experts:
         raise ValueError(f"ep = {sizes.ep}: expert parallelism splits the experts of a "
                          f"mixture of experts, and this model is dense (moe_experts = 0); "
@@ -269,6 +269,7 @@ def check_moe_split(config, sizes: AxisSizes) -> None:
                          f"{config.moe_experts}; use an ep that divides {config.moe_experts}")
     check_moe_layout(config, sizes.pp == 1)
     check_moe_checkpointing(config, sizes.activation_checkpointing)
+    return []
 
 
 def check_moe_checkpointing(config, enabled: bool) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["ModelKey", "ModelSpec", "AxisSizes", "TEXT_KEYS"]
+__all__ = ["ModelKey", "ModelSpec", "AxisSizes", "TEXT_KEYS", "split_counts"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class AxisSizes:
     activation_checkpointing: bool = False
 
 
+def split_counts(n: int, parts: int) -> str:
+    """How ``n`` items go to ``parts`` ranks, the first ``n % parts`` one more: ``"2+1+1"``."""
+    base, extra = divmod(n, parts)
+    return "+".join(str(base + (i < extra)) for i in range(parts))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family (see [Note: model specs]).
@@ -90,8 +96,10 @@ class ModelSpec:
             ``(query heads on this tp rank, head size)``.
         axes: the mesh axes beyond data parallelism it splits over (of ``tp``,
             ``pp``, ``cp``, ``sp``, ``ep``).
-        check_split: ``(config, AxisSizes) -> None``, a ValueError for a split this
-            family cannot honour (checked with the configuration), or ``None``.
+        check_split: ``(config, AxisSizes) -> notes``: a ValueError naming the fix for
+            a split this family cannot honour (checked with the configuration, before
+            anything is built), else lines for the plan on how it splits (a list,
+            possibly empty); or ``None``.
         hf: its Hugging Face mapping, or ``None``.
         positions_key: the ``[model]`` key holding the context the model is made for
             when that may exceed the context a run trains at (rotary positions), or

@@ -5,7 +5,7 @@ from mpishard.models.gpt.activations import gpt_activation_bytes
 from mpishard.models.gpt.hf import GPT2
 from mpishard.models.gpt.model import GPT, GPTConfig
 from mpishard.models.moe import MOE_KEYS, check_moe_split, moe_fields
-from mpishard.models.spec import TEXT_KEYS, AxisSizes, ModelKey, ModelSpec
+from mpishard.models.spec import TEXT_KEYS, AxisSizes, ModelKey, ModelSpec, split_counts
 
 __all__ = ["GPT_SPEC"]
 
@@ -16,13 +16,18 @@ def build_config(keys: dict) -> GPTConfig:
                      bias=keys["bias"], **moe_fields(keys))
 
 
-def check_split(config: GPTConfig, sizes: AxisSizes) -> None:
+def check_split(config: GPTConfig, sizes: AxisSizes) -> list:
     """What the GPT cannot do on a split: dropout in context-parallel attention, and
-    the mixture of experts' limits (:func:`~mpishard.models.moe.check_moe_split`)."""
+    the mixture of experts' limits (:func:`~mpishard.models.moe.check_moe_split`); a
+    note on heads that tp splits unevenly."""
     if config.dropout > 0 and sizes.cp > 1:
         raise ValueError(f"dropout = {config.dropout} with cp = {sizes.cp}: context-parallel "
                          f"attention has no dropout; use dropout = 0, or cp = 1")
     check_moe_split(config, sizes)
+    if sizes.tp > 1 and config.n_head % sizes.tp:
+        return [f"tp = {sizes.tp}: heads {split_counts(config.n_head, sizes.tp)} of n_head = "
+                f"{config.n_head} per tensor-parallel rank"]
+    return []
 
 
 def attention_heads(attention) -> tuple:

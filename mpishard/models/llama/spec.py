@@ -9,9 +9,9 @@ from mpishard.models.llama.activations import llama_activation_bytes
 from mpishard.models.llama.hf import LLAMA
 from mpishard.models.llama.model import Llama, LlamaConfig
 from mpishard.models.moe import MOE_KEYS, check_moe_split, moe_fields
-from mpishard.models.spec import TEXT_KEYS, ModelKey, ModelSpec
+from mpishard.models.spec import TEXT_KEYS, AxisSizes, ModelKey, ModelSpec, split_counts
 
-__all__ = ["LLAMA_SPEC", "LLAMA_KEYS", "llama_config", "attention_heads"]
+__all__ = ["LLAMA_SPEC", "LLAMA_KEYS", "llama_config", "attention_heads", "check_split"]
 
 #: the ``[model]`` keys of a dense Llama-shaped model (LlamaConfig's fields, RoPE scaling
 #: flat); the Llama family adds ``bias`` and the mixture of experts' keys
@@ -67,6 +67,19 @@ def build_config(keys: dict) -> LlamaConfig:
     return llama_config(keys)
 
 
+def check_split(config: LlamaConfig, sizes: AxisSizes) -> list:
+    """The mixture of experts' limits (:func:`~mpishard.models.moe.check_moe_split`), and
+    a note on how tp splits the heads where it does not divide the key/value heads (the
+    plan keeps those whole on every rank, their gradients summed over tp)."""
+    check_moe_split(config, sizes)
+    tp, kv = sizes.tp, config.n_kv_head
+    if tp == 1 or kv % tp == 0:
+        return []
+    return [f"tp = {tp}: query heads {split_counts(config.n_head, tp)} of n_head = "
+            f"{config.n_head} per tensor-parallel rank; the {kv} key/value heads do not "
+            f"divide by {tp}, so every rank keeps them whole (their gradients summed over tp)"]
+
+
 def attention_heads(attention) -> tuple:
     """``(query heads, head size)`` of one attention on this tp rank."""
     hs = int(attention.head_size)
@@ -107,4 +120,4 @@ LLAMA_SPEC = ModelSpec(
           *MOE_KEYS),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
-    check_split=check_moe_split, hf=LLAMA)
+    check_split=check_split, hf=LLAMA)

@@ -20,8 +20,7 @@ from mpishard.models.hf_mapping import ConfigReader, HFMapping
 from mpishard.models.llama.activations import llama_activation_bytes
 from mpishard.models.llama.hf import KEY_NAMES, dense_config, dense_keys, ignorable, llama_tensors
 from mpishard.models.llama.model import Llama, LlamaConfig
-from mpishard.models.llama.spec import LLAMA_KEYS, attention_heads, llama_config
-from mpishard.models.moe import check_moe_split
+from mpishard.models.llama.spec import LLAMA_KEYS, attention_heads, check_split, llama_config
 from mpishard.models.spec import ModelKey, ModelSpec
 
 __all__ = ["Qwen2Config", "QWEN2_SPEC"]
@@ -94,4 +93,4 @@ QWEN2_SPEC = ModelSpec(
                    shapes=True)),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
-    check_split=check_moe_split, hf=QWEN2)
+    check_split=check_split, hf=QWEN2)
