@@ -199,7 +199,8 @@ def test_worst_errors_summary(capsys):
 def test_model_fields_and_config(tmp_path):
     make_hf("llama3", tmp_path / "l")
     fields = hf.model_fields(tmp_path / "l")
-    assert fields == dict(name="llama", vocab_size=100, block_size=128, n_layer=2, n_head=4,
+    assert fields == dict(name="llama", vocab_size=100, block_size=128, positions=128,
+                          n_layer=2, n_head=4,
                           n_kv_head=2, n_embd=32, intermediate_size=48, rope_theta=5000.0,
                           rope_scaling="llama3", rope_factor=4.0, rope_low_freq_factor=1.0,
                           rope_high_freq_factor=4.0, rope_original_max_position=64,

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from mpishard.config.init_from import shape_from_folder
 from mpishard.config.model_section import ModelConfig
 from mpishard.config.options import _strategies, opt
 from mpishard.config.support import check_supported
@@ -318,11 +319,12 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
 
 def load_config(path: str | Path | None, overrides: dict | None = None,
                 notes: list | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names), checked
-    for what the model and the axes can honour ([Note: refused before anything is
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names), then the
+    shape of an ``init_from`` folder ([Note: the shape of an init-from folder] in
+    mpishard/config/init_from.py), checked for what the model and the axes can honour ([Note: refused before anything is
     built] in mpishard/config/support.py).
 
-    Notes (flat keys, how tp splits heads) are appended to ``notes`` when given.
+    Notes (flat keys, the folder's shape, how tp splits heads) are appended to ``notes`` when given.
     """
     values: dict = {}
     notes = [] if notes is None else notes
@@ -336,6 +338,6 @@ def load_config(path: str | Path | None, overrides: dict | None = None,
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
         values = flat_values(raw, str(path), notes)
     values.update(overrides or {})
-    cfg = config_from_dict(values, "config key")
+    cfg = config_from_dict(shape_from_folder(values, notes), "config key")
     notes.extend(check_supported(cfg))
     return cfg

@@ -19,25 +19,8 @@ import json
 
 from mpishard.models import MODELS, folder_keys, spec_of
 
-__all__ = ["model_fields", "shape_from_folder", "config_from_fields", "config_from_pretrained",
+__all__ = ["model_fields", "config_from_fields", "config_from_pretrained",
            "hf_config", "mapping_of", "check_model_matches"]
-
-
-def shape_from_folder(model_cfg, path) -> list:
-    """Set the ``[model]`` section ``model_cfg`` (a run's, in place) to the shape of the
-    folder's ``config.json``; returns a note. A Llama keeps the run's shorter
-    ``block_size`` (rotary positions: any shorter length trains), a GPT-2 takes its
-    ``n_positions`` (its position table has that many rows)."""
-    fields = model_fields(path)
-    trained, longest = model_cfg.block_size, fields["block_size"]
-    if fields["name"] == "llama" and trained < longest:
-        fields["block_size"] = trained
-    for key, value in fields.items():
-        setattr(model_cfg, key, value)
-    context = (f"; sequences of {trained} tokens (it takes up to {longest:,}: --block-size)"
-               if fields["block_size"] < longest else "")
-    return [f"--init-from {path}: the [model] shape comes from its config.json "
-            f"({fields['name']}, {fields['n_layer']} layers, width {fields['n_embd']}){context}"]
 
 
 def model_fields(path) -> dict:

@@ -102,10 +102,8 @@ class ModelSpec:
             possibly empty); or ``None``.
         hf: its Hugging Face mapping, or ``None``.
         positions_key: the ``[model]`` key holding the context the model is made for
-            when that may exceed the context a run trains at (rotary positions), or
-            ``None``: ``block_size`` is both (a learned position table).
-        context_reach: ``[model]`` keys -> the longest sequence the model can train
-            at (``None``: its ``block_size``).
+            when a run may train at another (rotary positions; the model config checks
+            how far), or ``None``: ``block_size`` is both (a learned position table).
     """
 
     name: str
@@ -123,7 +121,6 @@ class ModelSpec:
     check_split: Callable | None = None
     hf: object | None = None
     positions_key: str | None = None
-    context_reach: Callable | None = None
 
     def key(self, name: str) -> ModelKey | None:
         """This family's :class:`ModelKey` called ``name``, or ``None``."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 
@@ -275,22 +274,8 @@ def agreed(world: Communicator, local_work):
     return value
 
 
-def take_shape_from(cfg: TrainConfig) -> list:
-    """With ``--init-from`` a Hugging Face folder, its ``config.json`` sets the ``[model]``
-    shape (mpishard.hf.shape_from_folder); returns a note."""
-    if not cfg.run.init_from or not (Path(cfg.run.init_from) / "config.json").is_file():
-        return []
-    from mpishard.hf import shape_from_folder  # noqa: PLC0415 (only runs that start from weights)
-
-    try:
-        return shape_from_folder(cfg.model, cfg.run.init_from)
-    except ValueError as err:           # an unknown architecture, an unsupported option
-        raise ConfigError(str(err)) from None
-
-
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     """Plan, build, train, report. Returns the summary dict (on every rank)."""
-    notes = [*notes, *take_shape_from(cfg)]
     trainer = Trainer(cfg, world)
     for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")

@@ -27,8 +27,9 @@ __all__ = ["LLAMA", "dense_keys", "rope_keys", "dense_config", "llama_tensors", 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
 #: config field -> its config.json key, for messages
-KEY_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-             "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size",
+KEY_NAMES = {"positions": "max_position_embeddings", "n_layer": "num_hidden_layers",
+             "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+             "n_embd": "hidden_size",
              "rms_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
              "rope_scaling": "rope_scaling"}
 _ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -39,8 +40,9 @@ def dense_keys(r: ConfigReader) -> dict:
     raw = r.raw
     n_embd, n_head = r.integer("hidden_size", 4096), r.integer("num_attention_heads", 32)
     kv = raw.get("num_key_value_heads")
-    keys = dict(vocab_size=r.integer("vocab_size", 32000),
-                block_size=r.integer("max_position_embeddings", 2048),
+    positions = r.integer("max_position_embeddings", 2048)
+    keys = dict(vocab_size=r.integer("vocab_size", 32000), block_size=positions,
+                positions=positions,
                 n_layer=r.integer("num_hidden_layers", 32), n_head=n_head,
                 n_kv_head=n_head if kv is None else r.integer("num_key_value_heads"),
                 n_embd=n_embd, intermediate_size=r.integer("intermediate_size", 11008),
@@ -127,7 +129,7 @@ def dense_config(config, dtype: str) -> dict:
             "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
             "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
             "num_key_value_heads": config.n_kv_head, "hidden_act": "silu",
-            "max_position_embeddings": config.block_size, "rms_norm_eps": config.rms_eps,
+            "max_position_embeddings": config.positions, "rms_norm_eps": config.rms_eps,
             "rope_theta": config.rope_theta, "rope_scaling": scaling,
             "tie_word_embeddings": config.tie_embeddings, "attention_dropout": 0.0,
             "initializer_range": config.init_std, "bos_token_id": None, "eos_token_id": None}
@@ -193,4 +195,4 @@ LLAMA = HFMapping(
                    "mixtral": ("MixtralForCausalLM", "MixtralModel")},
     read_config=read_config, write_config=write_config, tensors=llama_tensors,
     base_prefix="model.", ignorable=ignorable, key_names=KEY_NAMES,
-    loose_fields=("dropout", "init_std", "block_size"))
+    loose_fields=("dropout", "init_std", "block_size", "positions"))

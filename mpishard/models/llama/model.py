@@ -45,7 +45,7 @@ class LlamaConfig:
     comments)."""
 
     vocab_size: int = 32000        # vocab_size
-    block_size: int = 2048         # max_position_embeddings: the longest sequence trained
+    block_size: int = 2048         # the longest sequence trained (at most the reach below)
     n_layer: int = 16              # num_hidden_layers
     n_head: int = 16               # num_attention_heads
     n_kv_head: int = 0             # num_key_value_heads (0: n_head, no grouping)
@@ -58,6 +58,9 @@ class LlamaConfig:
     rms_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False   # tie_word_embeddings
     qkv_bias: bool = False         # biases on q_proj, k_proj and v_proj (Qwen2's; not o_proj)
+    positions: int = 0             # max_position_embeddings: the context the model is made
+    #                                for (0: block_size); a run trains at block_size, up to
+    #                                it or, with llama3 scaling, to factor x the original
     init_std: float = 0.02         # initializer_range
     # mixture of experts (Mixtral's names): 0 experts is a dense model
     moe_experts: int = 0           # num_local_experts
@@ -105,6 +108,22 @@ class LlamaConfig:
             if missing:
                 raise ValueError(f"LlamaConfig: rope_scaling lacks {', '.join(missing)}")
             self.rope_scaling = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+        if self.positions == 0:
+            self.positions = self.block_size
+        if self.block_size > self.reach:
+            raise ValueError(f"LlamaConfig: block_size = {self.block_size} is beyond the "
+                             f"{self.positions} positions the model is made for (positions, "
+                             f"max_position_embeddings) and no rope scaling reaches it; "
+                             f"train at --block-size {self.reach} or less")
+
+    @property
+    def reach(self) -> int:
+        """The longest sequence the model takes: its positions, or as far as Llama 3's
+        frequency scaling stretches the original context (``factor`` times it)."""
+        scaling = self.rope_scaling
+        stretched = 0 if scaling is None else int(
+            scaling["factor"] * scaling["original_max_position_embeddings"])
+        return max(self.positions, stretched)
 
     @property
     def head_size(self) -> int:

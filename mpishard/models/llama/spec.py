@@ -33,7 +33,10 @@ LLAMA_KEYS = (
     ModelKey("tie_embeddings", False, "the output layer is the token table", estimate=True,
              shapes=True),
     ModelKey("dropout", 0.0, "dropout probability (the Llama family: 0 only)", low=0.0,
-             high=1.0))
+             high=1.0),
+    ModelKey("positions", 0, "the context the model is made for, its "
+             "max_position_embeddings (0: block_size); block_size may be shorter, or longer "
+             "as far as llama3 scaling reaches; --init-from sets it from the folder", low=0))
 
 
 def rope_scaling(keys: dict) -> dict | None:
@@ -56,7 +59,7 @@ def llama_config(keys: dict, config_class=LlamaConfig, **fields):
                         intermediate_size=keys["intermediate_size"],
                         rope_theta=keys["rope_theta"], rope_scaling=rope_scaling(keys),
                         rms_eps=keys["rms_eps"], tie_embeddings=keys["tie_embeddings"],
-                        **moe_fields(keys), **fields)
+                        positions=keys["positions"], **moe_fields(keys), **fields)
 
 
 def build_config(keys: dict) -> LlamaConfig:
@@ -120,4 +123,4 @@ LLAMA_SPEC = ModelSpec(
           *MOE_KEYS),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
-    check_split=check_split, hf=LLAMA)
+    check_split=check_split, hf=LLAMA, positions_key="positions")

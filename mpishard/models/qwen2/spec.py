@@ -72,7 +72,7 @@ QWEN2 = HFMapping(
     architectures={"qwen2": ("Qwen2ForCausalLM", "Qwen2Model")},
     read_config=read_config, write_config=write_config, tensors=llama_tensors,
     base_prefix="model.", ignorable=ignorable, key_names=KEY_NAMES,
-    loose_fields=("dropout", "init_std", "block_size"))
+    loose_fields=("dropout", "init_std", "block_size", "positions"))
 
 _DEFAULTS = {"rope_theta": 1000000.0, "rms_eps": 1e-6}
 
@@ -93,4 +93,4 @@ QWEN2_SPEC = ModelSpec(
                    shapes=True)),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
-    check_split=check_split, hf=QWEN2)
+    check_split=check_split, hf=QWEN2, positions_key="positions")
