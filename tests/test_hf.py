@@ -4,14 +4,16 @@ Small random transformers models (2 layers, width 32, vocabulary 100) are saved 
 their own ``save_pretrained`` and loaded with ``mpishard.hf.from_pretrained``: GPT-2
 (``GPT2LMHeadModel``, Conv1D weights, fused q|k|v) and Llama (``LlamaForCausalLM``:
 grouped-query attention, untied head, RoPE theta 5000; a variant with Llama 3 scaling
-whose three frequency bands are all populated, and a tied one). Logits, the mean
+whose three frequency bands are all populated, and a tied one) and Qwen2
+(``Qwen2ForCausalLM``: Llama's shape with q/k/v biases; untied, and tied with one
+key/value head). Logits, the mean
 cross-entropy on given targets and every parameter's gradient agree to 1e-10 in
 float64 and 1e-5 in float32 (max-norm relative error per tensor).
 
 transformers computes a few things in float32 whatever the model's dtype (Llama's
 RMS norm and softmax upcast with ``torch.float32``, its rotary tables with
 ``torch.float``). For the float64 comparison those names are pointed at float64 in
-transformers' Llama and RoPE modules (:func:`float64_transformers`), so the reference
+transformers' Llama, Qwen2 and RoPE modules (:func:`float64_transformers`), so the reference
 is transformers' own code, evaluated in float64 throughout.
 
 Exports go the other way: transformers loads what ``save_pretrained``/``export_checkpoint``
@@ -70,10 +72,24 @@ def llama_config(vocab=100, tie=False, scaling=None, kv=2, positions=64, **kw):
                                     bos_token_id=None, eos_token_id=None, **kw)
 
 
+def qwen2_config(vocab=100, tie=False, kv=2, **kw):
+    """Qwen2: Llama's shape with q/k/v biases (randomised like every parameter)."""
+    return transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=kv, max_position_embeddings=64,
+                                    rms_norm_eps=1e-6,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 5000.0},
+                                    tie_word_embeddings=tie, attention_dropout=0.0,
+                                    bos_token_id=None, eos_token_id=None, **kw)
+
+
 KINDS = {"gpt2": lambda vocab: gpt2_config(vocab),
          "llama": lambda vocab: llama_config(vocab),
          "llama3": lambda vocab: llama_config(vocab, scaling=LLAMA3, positions=128),
-         "llama_tied": lambda vocab: llama_config(vocab, tie=True, kv=1)}
+         "llama_tied": lambda vocab: llama_config(vocab, tie=True, kv=1),
+         "qwen2": lambda vocab: qwen2_config(vocab),
+         "qwen2_tied": lambda vocab: qwen2_config(vocab, tie=True, kv=1)}
 
 
 def make_hf(kind: str, folder, dtype=torch.float32, seed=0, vocab=100, **save):
@@ -101,8 +117,9 @@ class _Float64Torch:
 def float64_transformers(monkeypatch):
     import transformers.modeling_rope_utils as rope_utils
     import transformers.models.llama.modeling_llama as modeling_llama
+    import transformers.models.qwen2.modeling_qwen2 as modeling_qwen2
 
-    for module in (modeling_llama, rope_utils):
+    for module in (modeling_llama, modeling_qwen2, rope_utils):
         monkeypatch.setattr(module, "torch", _Float64Torch())
 
 
@@ -182,7 +199,8 @@ def test_worst_errors_summary(capsys):
 def test_model_fields_and_config(tmp_path):
     make_hf("llama3", tmp_path / "l")
     fields = hf.model_fields(tmp_path / "l")
-    assert fields == dict(name="llama", vocab_size=100, block_size=128, n_layer=2, n_head=4,
+    assert fields == dict(name="llama", vocab_size=100, block_size=128, positions=128,
+                          n_layer=2, n_head=4,
                           n_kv_head=2, n_embd=32, intermediate_size=48, rope_theta=5000.0,
                           rope_scaling="llama3", rope_factor=4.0, rope_low_freq_factor=1.0,
                           rope_high_freq_factor=4.0, rope_original_max_position=64,
@@ -226,7 +244,7 @@ def test_save_pretrained_loads_in_transformers(kind, tmp_path):
     from safetensors.numpy import load_file
 
     saved = load_file(tmp_path / "out" / "model.safetensors")
-    assert ("lm_head.weight" in saved) == (kind in ("llama", "llama3"))   # untied heads only
+    assert ("lm_head.weight" in saved) == (kind in ("llama", "llama3", "qwen2"))   # untied only
 
 
 def test_gpt_without_biases_exports_zero_biases(tmp_path):
@@ -327,6 +345,8 @@ def edit_config(folder: Path, **changes):
     ("llama", {"mlp_bias": True}, "mlp_bias=true"),
     ("llama", {"hidden_act": "gelu"}, r"hidden_act=\"gelu\""),
     ("llama", {"head_dim": 16}, r"head_dim=16 is not supported: .* = 8 wide"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ("qwen2", {"hidden_act": "gelu"}, r"hidden_act=\"gelu\""),
 ])
 def test_unsupported_configs_are_refused(kind, changes, message, tmp_path):
     make_hf(kind, tmp_path)

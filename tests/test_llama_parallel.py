@@ -6,7 +6,9 @@ divides by 3 or 4), trained 6 AdamW steps with clipping active and different
 data per dp rank: DDP and ZeRO-1/2/3 at dp 1-4; tensor parallel with the
 key/value heads split (tp 2) and kept whole on every rank with their gradients
 summed (tp 3, 4, and tp 2 with one key/value head); pipelines with 1F1B and
-GPipe; and compositions. Checkpoints saved on one layout load on another.
+GPipe; and compositions. Checkpoints saved on one layout load on another. Qwen2
+(the Llama with q/k/v biases, mpishard.models.qwen2) on dp 2 x tp 2 under ZeRO-3,
+cp 2 x tp 2 with sequence parallelism, and two pipeline stages.
 """
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from mpi4py import MPI
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.comm import Communicator, Mesh
 from mpishard.models import Llama, LlamaConfig
+from mpishard.models.qwen2.spec import Qwen2Config
 from mpishard.parallel import ParallelModel, wrap_model
 from parity import batch, make_optimizer, max_rel_err, reference, sub_world, train
 
@@ -27,7 +30,9 @@ TIED = LlamaConfig(vocab_size=37, block_size=8, n_layer=4, n_head=4, n_kv_head=2
                    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 2.0,
                                  "original_max_position_embeddings": 4})
-CONFIGS = {"gqa": GQA, "one_kv": ONE_KV, "tied": TIED}
+QWEN2 = Qwen2Config(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=16,
+                    intermediate_size=40, rope_theta=500.0)
+CONFIGS = {"gqa": GQA, "one_kv": ONE_KV, "tied": TIED, "qwen2": QWEN2}
 STEPS, MAX_NORM, TOL, DATA_DP = 6, 0.5, 1e-10, 2
 _REF = {}
 
@@ -58,11 +63,12 @@ def test_strategies_match_one_process(size, kind):
         assert max_rel_err(params, ref_params) <= TOL
 
 
-def train_layout(comm, name, dp, tp, pp, strategy, schedule="1f1b", micro=1):
+def train_layout(comm, name, dp, tp, pp, strategy, schedule="1f1b", micro=1, cp=1, sp=False):
     cfg = CONFIGS[name]
-    mesh = Mesh(comm, dp=dp, tp=tp, pp=pp)
+    mesh = Mesh(comm, dp=dp, tp=tp, pp=pp, cp=cp)
     run = ParallelModel(Llama(cfg, dtype="float64", materialize_now=False), mesh,
-                        strategy=strategy, micro_batches=micro, schedule=schedule)
+                        strategy=strategy, micro_batches=micro, schedule=schedule,
+                        sequence_parallel=sp)
     opt = make_optimizer(run.parameters(), run.ledger)
     share = DATA_DP // dp
     losses = []
@@ -73,7 +79,7 @@ def train_layout(comm, name, dp, tp, pp, strategy, schedule="1f1b", micro=1):
         result = run.step(opt, max_norm=MAX_NORM)
         assert not result.skipped and result.grad_norm > MAX_NORM
         buf = np.array([loss])
-        mesh.dp.all_reduce(buf, op="avg")
+        mesh.dp_cp.all_reduce(buf, op="avg")
         losses.append(buf[0])
     return np.array(losses), run.gather_full_params(), run, opt
 
@@ -103,6 +109,33 @@ def test_layout_matches_one_process(layout):
             return
         ref_losses, ref_params = _reference(name)
         losses, params, _, _ = train_layout(comm, name, dp, tp, pp, strategy, schedule, micro)
+        assert float(np.max(np.abs(losses - ref_losses) / ref_losses)) <= TOL
+        assert max_rel_err(params, ref_params) <= TOL
+
+
+QWEN2_LAYOUTS = [  # (dp, tp, pp, cp, sequence parallel, strategy)
+    (2, 2, 1, 1, False, "zero3"),
+    (1, 2, 1, 2, True, "zero3"),
+    (2, 1, 2, 1, False, "ddp"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", QWEN2_LAYOUTS,
+                         ids=lambda l: "dp{}-tp{}-pp{}-cp{}-sp{:d}-{}".format(*l))
+def test_qwen2_matches_one_process(layout):
+    """The q/k/v biases split with their heads under tp (and the rows under sp)."""
+    dp, tp, pp, cp, sp, strategy = layout
+    if MPI.COMM_WORLD.size < dp * tp * pp * cp:
+        pytest.skip(f"needs {dp * tp * pp * cp} ranks")
+    with sub_world(dp * tp * pp * cp) as comm:
+        if comm is None:
+            return
+        ref_losses, ref_params = _reference("qwen2")
+        assert any(n.endswith("q_proj.bias") for n in ref_params)
+        losses, params, _, _ = train_layout(comm, "qwen2", dp, tp, pp, strategy,
+                                            micro=pp, cp=cp, sp=sp)
         assert float(np.max(np.abs(losses - ref_losses) / ref_losses)) <= TOL
         assert max_rel_err(params, ref_params) <= TOL
 

@@ -13,6 +13,14 @@ from mpishard.config.sections import KEYS, RENAMED, SECTIONS, TrainConfig, load_
 __all__ = ["add_config_flags", "config_from_args"]
 
 
+def _default(key) -> str:
+    """The default ``--help`` shows: the key's, or each model family's for its own keys."""
+    families = key.meta["families"]
+    if not families:
+        return _shown(key.default)
+    return ", ".join(f"{_shown(k.default)} for {name}" for name, k in families.items())
+
+
 def _shown(value) -> str:
     if isinstance(value, list):
         return ",".join(map(str, value))
@@ -36,7 +44,7 @@ def add_config_flags(parser, command: str = "train") -> None:
             listed = f"; one of {', '.join(choices)}" if choices else ""
             kwargs = dict(dest=key.flat, default=None, type=converters[key.type],
                           metavar=key.type.upper(),
-                          help=f"{key.meta['help']}{listed} (default: {_shown(key.default)})")
+                          help=f"{key.meta['help']}{listed} (default: {_default(key)})")
             if key.type == "bool":
                 kwargs.update(nargs="?", const=True)
             names = [key.flag] + [f"--{old.replace('_', '-')}" for old, new in RENAMED.items()

@@ -11,24 +11,28 @@ __all__ = ["opt"]
 
 
 def opt(default, help: str, *, flag: str | None = None, choices=None, low=None,
-        above=None, high=None, estimate: bool = False):
+        above=None, high=None, estimate: bool = False, aliases: dict | None = None,
+        families: dict | None = None):
     """A config field: its default, what it means, and the values it admits.
 
     ``choices`` is a tuple or a function returning one (registries are read
     when validating); ``low``/``above``/``high`` bound numbers (``>=``, ``>``,
     ``<``); ``flag`` is its flat name when not the field's own; ``estimate``:
-    ``mpishard estimate`` reads it too.
+    ``mpishard estimate`` reads it too; ``aliases``: other spellings taken as a
+    value (``{"bf16": "bfloat16"}``); ``families``: for a model family's own
+    ``[model]`` key, family name -> its :class:`~mpishard.models.ModelKey` (the
+    default and bounds that apply under that family).
     """
     meta = dict(help=help, flag=flag, choices=choices, low=low, above=above, high=high,
-                estimate=estimate)
+                estimate=estimate, aliases=aliases or {}, families=families or {})
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
 def _models():
-    from mpishard.recipes import RECIPES  # noqa: PLC0415 (the registry fills on import)
-    return tuple(RECIPES)
+    from mpishard.models import MODELS  # noqa: PLC0415
+    return tuple(MODELS)
 
 
 def _presets():

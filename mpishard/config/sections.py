@@ -9,7 +9,9 @@ key has one flag name, unique across sections (``lr`` is ``--lr``; the model's
 carries its own help text, which ``--help`` prints. Precedence: defaults < TOML
 file < command-line flags. A key or flag that does not exist is an error naming
 the closest real one; top-level (flat) keys, as written before the sections
-existed, are still read, with a note saying where each belongs now.
+existed, are still read, with a note saying where each belongs now. The
+``[model]`` section (mpishard/config/model_section.py) holds each model
+family's own keys with that family's defaults ([Note: per-family model keys]).
 """
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from mpishard.config.options import _models, _presets, _strategies, opt
+from mpishard.config.init_from import shape_from_folder
+from mpishard.config.model_section import ModelConfig
+from mpishard.config.options import _strategies, opt
+from mpishard.config.support import check_supported
 from mpishard.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -27,59 +32,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "ModelConfig", "ParallelConfig", "OptimConfig", "DataConfig",
+__all__ = ["TrainConfig", "ParallelConfig", "OptimConfig", "DataConfig",
            "RunConfig", "ConfigError", "SECTIONS", "KEYS", "Key", "load_config",
            "config_from_dict"]
-
-
-@dataclass
-class ModelConfig:
-    """[model] what is trained"""
-
-    name: str = opt("gpt", "which model: gpt (nanoGPT's GPT-2), llama (the Llama family) "
-                    "or mlp (a digits classifier)", flag="model", choices=_models, estimate=True)
-    preset: str = opt("", "a published or small shape that fills the keys below (any given "
-                      "key still wins)", choices=_presets, estimate=True)
-    vocab_size: int = opt(0, "tokens in the vocabulary (0: from the data, 256 for text read "
-                          "as bytes, meta.json's for token ids)", low=0, estimate=True)
-    block_size: int = opt(64, "context length in tokens", low=1, estimate=True)
-    n_layer: int = opt(2, "transformer blocks", low=1, estimate=True)
-    n_head: int = opt(4, "attention heads per block", low=1, estimate=True)
-    n_embd: int = opt(64, "model width (a multiple of n_head)", low=1, estimate=True)
-    n_kv_head: int = opt(0, "llama: key/value heads, dividing n_head (0: n_head)", low=0,
-                         estimate=True)
-    intermediate_size: int = opt(0, "llama: the MLP's width (0: 8 n_embd / 3 rounded up to "
-                                 "256)", low=0, estimate=True)
-    rope_theta: float = opt(10000.0, "llama: rotary embedding base", above=0.0, estimate=True)
-    rope_scaling: str = opt("none", "llama: rotary frequency scaling", choices=("none", "llama3"),
-                            estimate=True)
-    rope_factor: float = opt(8.0, "llama3 scaling: factor", above=0.0)
-    rope_low_freq_factor: float = opt(1.0, "llama3 scaling: low-frequency factor", above=0.0)
-    rope_high_freq_factor: float = opt(4.0, "llama3 scaling: high-frequency factor", above=0.0)
-    rope_original_max_position: int = opt(8192, "llama3 scaling: the context the frequencies "
-                                          "were trained for", low=1)
-    rms_eps: float = opt(1e-5, "llama: RMS norm epsilon", above=0.0)
-    tie_embeddings: bool = opt(False, "llama: the output layer is the token table (gpt: "
-                               "always)", estimate=True)
-    moe_experts: int = opt(0, "experts per mixture-of-experts MLP (0: dense)", low=0,
-                           estimate=True)
-    moe_top_k: int = opt(2, "experts each token is routed to", low=1, estimate=True)
-    moe_every: int = opt(1, "every n-th block has experts (1: all)", low=1, estimate=True)
-    moe_capacity: float = opt(0.0, "expert capacity factor (0: dropless)", low=0.0,
-                              estimate=True)
-    moe_aux_coef: float = opt(0.001, "weight of the load-balancing loss", low=0.0)
-    moe_z_coef: float = opt(0.0, "weight of the router z-loss", low=0.0)
-    moe_router: str = opt("softmax", "router scores (sigmoid: DeepSeek-V3's)",
-                          choices=("softmax", "sigmoid"), estimate=True)
-    moe_shared_expert: bool = opt(False, "one more MLP every token goes through",
-                                  estimate=True)
-    dropout: float = opt(0.0, "dropout probability", low=0.0, high=1.0)
-    bias: bool = opt(True, "biases in linear and layer-norm layers", estimate=True)
-    hidden: list = opt([128, 128], "MLP hidden widths, e.g. [128, 64]", estimate=True)
-    dtype: str = opt("float32", "master weights and optimizer state: float32 or float64",
-                     choices=("float32", "float64"), estimate=True)
-    activation_checkpointing: bool = opt(False, "recompute each block's activations in "
-                                         "backward instead of keeping them", estimate=True)
 
 
 @dataclass
@@ -108,8 +63,9 @@ class ParallelConfig:
     pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"),
                                  estimate=True)
     precision: str = opt("float32", "compute precision: float32, or float16/bfloat16 with "
-                         "float32 masters (mixed precision)",
-                         choices=("float32", "float16", "bfloat16"), estimate=True)
+                         "float32 masters (mixed precision); fp32, fp16 and bf16 too",
+                         choices=("float32", "float16", "bfloat16"), estimate=True,
+                         aliases={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
     layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
                       "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
                       "micro-steps and checkpointing; the global batch stays)",
@@ -259,7 +215,10 @@ def _closest(name: str, names) -> str:
 
 
 def _coerce(key: Key, value, where: str):
-    """``value`` as the key's type, or a ConfigError naming the key."""
+    """``value`` as the key's type (an alias as the value it stands for), or a ConfigError
+    naming the key."""
+    if isinstance(value, str):
+        value = key.meta["aliases"].get(value, value)
     if key.type == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if key.type == "list":
@@ -277,8 +236,15 @@ def _coerce(key: Key, value, where: str):
     raise ConfigError(f"{where} {key.flat!r} wants a {key.type}, got {value!r}")
 
 
-def _check(key: Key, value) -> None:
+def _check(key: Key, value, family: str) -> None:
+    """ConfigError unless ``value`` is one ``key`` admits (under model ``family``, for a
+    family's own key: [Note: per-family model keys]); ``None`` is a key not read."""
+    if value is None:
+        return
     m, label = key.meta, f"{key.flat} = {value!r}"
+    own = m["families"].get(family)
+    if own is not None:
+        m = dict(choices=own.choices, low=own.low, above=own.above, high=own.high)
     choices = m["choices"]() if callable(m["choices"]) else m["choices"]
     if choices is not None and value not in choices:
         raise ConfigError(f"{label} is not one of {', '.join(choices)}")
@@ -320,8 +286,9 @@ def flat_values(raw: dict, where: str, notes: list) -> dict:
 
 
 def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
-    """A checked :class:`TrainConfig` from flat names -> values (defaults for the rest;
-    a ``preset`` fills the model keys not given)."""
+    """A checked :class:`TrainConfig` from flat names -> values (defaults for the rest,
+    the model family's for its own keys; a ``preset`` fills the model keys not given;
+    ``None`` is a key the family does not read, as saved configs hold it)."""
     preset = values.get("preset") or ""
     if preset:
         from mpishard.config.presets import PRESETS  # noqa: PLC0415
@@ -335,10 +302,11 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
         if flat not in KEYS:
             raise ConfigError(f"unknown config key {flat!r}{_closest(flat, KEYS)}")
         key = KEYS[flat]
-        parts[key.section][key.name] = _coerce(key, value, where)
+        if value is not None:
+            parts[key.section][key.name] = _coerce(key, value, where)
     cfg = TrainConfig(**{s: SECTIONS[s](**v) for s, v in parts.items()})
     for key in KEYS.values():
-        _check(key, getattr(getattr(cfg, key.section), key.name))
+        _check(key, getattr(getattr(cfg, key.section), key.name), cfg.model.name)
     run = cfg.run
     if run.resume and not run.checkpoint_dir:
         raise ConfigError("resume = true needs checkpoint_dir: the directory to resume from "
@@ -351,9 +319,12 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
 
 def load_config(path: str | Path | None, overrides: dict | None = None,
                 notes: list | None = None) -> TrainConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names).
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names), then the
+    shape of an ``init_from`` folder ([Note: the shape of an init-from folder] in
+    mpishard/config/init_from.py), checked for what the model and the axes can honour ([Note: refused before anything is
+    built] in mpishard/config/support.py).
 
-    Deprecation notes (flat keys) are appended to ``notes`` when given.
+    Notes (flat keys, the folder's shape, how tp splits heads) are appended to ``notes`` when given.
     """
     values: dict = {}
     notes = [] if notes is None else notes
@@ -367,10 +338,6 @@ def load_config(path: str | Path | None, overrides: dict | None = None,
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
         values = flat_values(raw, str(path), notes)
     values.update(overrides or {})
-    return config_from_dict(values, "config key")
-
-
-def as_flat(cfg: TrainConfig) -> dict:
-    """Flat name -> value of every key (what flags and the metrics header show)."""
-    return {k.flat: getattr(getattr(cfg, k.section), k.name) for k in KEYS.values()}
-
+    cfg = config_from_dict(shape_from_folder(values, notes), "config key")
+    notes.extend(check_supported(cfg))
+    return cfg

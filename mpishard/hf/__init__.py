@@ -17,9 +17,9 @@ transposed tensor] (files.py), [Note: loading Hugging Face weights onto any
 layout] (load.py), [Note: writing a model folder] (folder.py) and
 [Note: streaming a strategy's export] (save.py).
 """
-from mpishard.hf.config import config_from_pretrained, hf_config, model_fields, shape_from_folder
+from mpishard.hf.config import config_from_pretrained, hf_config, model_fields
 from mpishard.hf.load import from_pretrained, load_pretrained
 from mpishard.hf.save import export_checkpoint, save_pretrained
 
-__all__ = ["model_fields", "shape_from_folder", "config_from_pretrained", "from_pretrained", "load_pretrained",
+__all__ = ["model_fields", "config_from_pretrained", "from_pretrained", "load_pretrained",
            "save_pretrained", "export_checkpoint", "hf_config"]

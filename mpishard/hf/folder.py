@@ -29,7 +29,7 @@ from mpishard import __version__
 from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import ITEMSIZE, numel
 from mpishard.checkpoint.shards import SafetensorsWriter, fsync_path
-from mpishard.hf.config import CONFIG
+from mpishard.models.hf_mapping import CONFIG
 from mpishard.hf.files import INDEX, SINGLE
 
 __all__ = ["FolderWriter", "plan_shards"]

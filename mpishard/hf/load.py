@@ -26,10 +26,11 @@ from mpishard.checkpoint.consolidate import load_consolidated
 from mpishard.checkpoint.errors import CheckpointError
 from mpishard.nn.init import seed_dropout
 from mpishard.parallel.pieces import load_pieces
-from mpishard.hf.config import (CONFIG, check_model_matches, config_from_fields, model_class,
-                     model_fields)
+from mpishard.hf.config import check_model_matches, config_from_fields, mapping_of, model_fields
 from mpishard.hf.files import HFWeights
-from mpishard.hf.names import BASE_PREFIX, ignorable, tensor_plan
+from mpishard.hf.names import tensor_plan
+from mpishard.models import spec_of
+from mpishard.models.hf_mapping import CONFIG
 
 __all__ = ["from_pretrained", "load_pretrained", "match_tensors"]
 
@@ -53,14 +54,14 @@ def match_tensors(weights: HFWeights, config) -> dict:
     """mpishard name -> ``(key in the files, HFTensor)`` for every parameter of the model
     ``config`` builds; every tensor present with its shape, none left over.
 
-    Names are also found without transformers' base-model prefix (a checkpoint
-    saved from ``GPT2Model``, as OpenAI's ``gpt2`` is: ``h.0.attn.c_attn.weight``).
+    Names are also found without transformers' base-model prefix (the mapping's
+    ``base_prefix``: a checkpoint saved from ``GPT2Model``, as OpenAI's ``gpt2`` is).
 
     Raises:
         CheckpointError: rule ``missing-tensor``, ``shape`` or ``unexpected-tensor``.
     """
-    cls = model_class(config).__name__
-    prefix, tied = BASE_PREFIX[cls], cls == "GPT" or config.tie_embeddings
+    mapping = mapping_of(config)
+    prefix = mapping.base_prefix
     found, missing, shapes = {}, [], []
     for t in tensor_plan(config):
         if t.name is None:
@@ -81,7 +82,7 @@ def match_tensors(weights: HFWeights, config) -> dict:
     used = {k for key, _ in found.values()
             for k in (key if isinstance(key, tuple) else (key,))}
     unexpected = sorted(k for k in weights.entries if k not in used
-                        and not ignorable(cls, k, tied))
+                        and not mapping.ignorable(k, config))
     where = weights.folder
     if missing:
         raise CheckpointError(where, "missing-tensor", f"{len(missing)} tensors the model needs "
@@ -90,7 +91,8 @@ def match_tensors(weights: HFWeights, config) -> dict:
         raise CheckpointError(where, "shape", "; ".join(shapes[:5]))
     if unexpected:
         raise CheckpointError(where, "unexpected-tensor", f"the files hold tensors this "
-                              f"{cls} has not: {', '.join(unexpected[:5])}; is config.json "
+                              f"{spec_of(config).model_class.__name__} has not: "
+                              f"{', '.join(unexpected[:5])}; is config.json "
                               f"the one these weights were saved with?")
     return found
 
@@ -112,8 +114,8 @@ def read_tensor(weights: HFWeights, key, t, runs) -> np.ndarray:
 
 
 def from_pretrained(path, dtype: str = "float32", backend=None, seed: int = 0):
-    """A whole, materialised :class:`~mpishard.models.GPT` or :class:`~mpishard.models.Llama`
-    from the Hugging Face folder ``path``, read tensor by tensor (one process).
+    """A whole, materialised model (:class:`~mpishard.models.GPT`, :class:`~mpishard.models.Llama`,
+    ...) from the Hugging Face folder ``path``, read tensor by tensor (one process).
 
     Args:
         path: a folder with ``config.json`` and ``model.safetensors`` (or shards and
@@ -129,8 +131,8 @@ def from_pretrained(path, dtype: str = "float32", backend=None, seed: int = 0):
     path = Path(path)
     fields = model_fields(path)
     config = config_from_fields(fields)
-    model = model_class(config)(config, seed=seed, dtype=dtype, backend=backend,
-                                materialize_now=False)
+    model = spec_of(config).model_class(config, seed=seed, dtype=dtype, backend=backend,
+                                        materialize_now=False)
     backend = model.backend
     with HFWeights(path) as weights:
         found = match_tensors(weights, config)

@@ -34,7 +34,7 @@ from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.locate import resolve_checkpoint
 from mpishard.checkpoint.reader import ShardReader, verify_checkpoint
 from mpishard.parallel.strategy import Strategy
-from mpishard.hf.config import hf_config, model_class
+from mpishard.hf.config import hf_config, mapping_of
 from mpishard.hf.folder import FolderWriter
 from mpishard.hf.names import tensor_plan
 
@@ -96,7 +96,7 @@ def _write(writer, t, full: np.ndarray) -> None:
 
 def _save_module(model, path: Path, max_shard_bytes: int) -> Path:
     config = getattr(model, "config", None)
-    model_class(config)
+    mapping_of(config)                # raises for a model without a Hugging Face form
     params = dict(model.named_parameters())
     partial = [n for n, p in params.items() if p.data is None or p.spec.tp_dim is not None
                or p.spec.ep_range is not None or p.spec.flat is not None]
@@ -106,14 +106,14 @@ def _save_module(model, path: Path, max_shard_bytes: int) -> Path:
                          "tensor-parallel or ZeRO-sharded, or unmaterialised"
                          f"{': ' + partial[0] if partial else ''}); pass its strategy")
     dtype = next(iter(params.values())).spec.dtype
-    plan = tensor_plan(config)
+    plan, written = tensor_plan(config), hf_config(config, dtype)
     writer = FolderWriter(path, _layout(plan, dtype), max_shard_bytes)
     try:
         for t in plan:
             full = (np.zeros(t.shape, dtype) if t.name is None
                     else np.asarray(to_numpy(params[t.name].data), dtype=dtype))
             _write(writer, t, full)
-        return writer.finish(hf_config(config, dtype))
+        return writer.finish(written)
     except BaseException:
         writer.abort()
         raise
@@ -126,15 +126,14 @@ def _save_strategy(strategy, path: Path, world, max_shard_bytes: int) -> Path:
             owned.setdefault(piece.name, []).append(piece)
     mine = {name: [sum(p.size for p in ps), sum(len(p.runs) for p in ps), ps[0].dtype]
             for name, ps in owned.items()}
-    err, plan = None, None
+    err, plan, written = None, None, None
+    dtype = str(strategy.master_dtype)
     try:
         config = strategy.module.config
-        model_class(config)
-        plan = tensor_plan(config)
+        plan, written = tensor_plan(config), hf_config(config, dtype)
     except Exception as exc:  # noqa: BLE001 -- agreed
         err = exc
     counts = agree(world, err, f"exporting to {path}", mine)
-    dtype = str(strategy.master_dtype)
     writer, err = None, None
     if world.rank == 0:
         try:
@@ -177,7 +176,7 @@ def _save_strategy(strategy, path: Path, world, max_shard_bytes: int) -> Path:
         raise
     if world.rank == 0:
         try:
-            writer.finish(hf_config(config, dtype))
+            writer.finish(written)
         except Exception as exc:  # noqa: BLE001
             err = exc
             writer.abort()
@@ -211,8 +210,10 @@ def _gather_tensor(t, owned: dict, counts: list, world, dtype: str) -> np.ndarra
 
 
 def config_of_manifest(manifest):
-    """The GPTConfig or LlamaConfig a checkpoint was trained with (its ``extra["config"]``)."""
+    """The model config (GPTConfig, LlamaConfig, ...) a checkpoint was trained with (its
+    ``extra["config"]``)."""
     from mpishard.config.sections import KEYS, ConfigError, config_from_dict, flat_values  # noqa: PLC0415
+    from mpishard.models import MODELS  # noqa: PLC0415
     from mpishard.recipes import recipe_for  # noqa: PLC0415
 
     raw = manifest.extra.get("config")
@@ -228,9 +229,10 @@ def config_of_manifest(manifest):
                and KEYS[k.replace("-", "_")].section == "model"}
     try:
         cfg = config_from_dict(flat_values(raw, manifest.path, []), manifest.path)
-        if cfg.model.name not in ("gpt", "llama"):
-            raise ConfigError(f"model {cfg.model.name!r} has no Hugging Face form; gpt and "
-                              f"llama do")
+        if MODELS[cfg.model.name].hf is None:
+            forms = ", ".join(name for name, spec in MODELS.items() if spec.hf is not None)
+            raise ConfigError(f"model {cfg.model.name!r} has no Hugging Face form; these "
+                              f"have: {forms}")
         return recipe_for(cfg).model_config()
     except ConfigError as err:
         raise CheckpointError(manifest.path, "config", str(err)) from None
@@ -273,6 +275,7 @@ def export_checkpoint(ckpt_path, out_dir, max_shard_bytes: int = 5 * 2**30, *,
         raise CheckpointError(manifest.path, "mismatch", "the checkpoint does not fit its "
                               "config: " + "; ".join(problems[:5]))
     dtype = next(iter(params.values())).dtype
+    written = hf_config(config, dtype)
     writer = FolderWriter(out_dir, [(t.key, dtype, t.hf_shape) for t in plan], max_shard_bytes)
     try:
         with ShardReader(step_dir, manifest) as reader:
@@ -285,7 +288,7 @@ def export_checkpoint(ckpt_path, out_dir, max_shard_bytes: int = 5 * 2**30, *,
                     reader.read_into(t.name, "param", [(0, n)], full)
                 writer.write(t.key, _as_array(t, full))
                 del full
-        return writer.finish(hf_config(config, dtype))
+        return writer.finish(written)
     except BaseException:
         writer.abort()
         raise

@@ -13,9 +13,10 @@ from mpishard.autodiff.tensor import Tensor
 from mpishard.core.backend import Backend
 from mpishard.nn import Linear, Module, ModuleList
 from mpishard.nn.init import materialize
+from mpishard.models.spec import ModelKey, ModelSpec
 from mpishard.nn.sharding import ShardingPlan
 
-__all__ = ["MLPClassifier"]
+__all__ = ["MLPClassifier", "MLP_SPEC"]
 
 
 class MLPClassifier(Module):
@@ -73,3 +74,12 @@ class MLPClassifier(Module):
                 h = relu(h)
         loss = softmax_ops.cross_entropy(h, targets) if targets is not None else None
         return h, loss
+
+
+#: ``--model mlp``, on scikit-learn's digits (mpishard/recipes/digits.py); data parallel only
+MLP_SPEC = ModelSpec(
+    name="mlp", summary="a ReLU MLP classifier (the digits)", task="digits",
+    model_class=MLPClassifier,
+    keys=(ModelKey("hidden", [128, 128], "MLP hidden widths, e.g. [128, 64]", estimate=True,
+                   shapes=True),),
+    sharding=MLPClassifier.parallel_plan, axes=frozenset())

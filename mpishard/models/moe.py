@@ -37,10 +37,33 @@ from mpishard.autodiff.ops import mul, sum, tanh  # noqa: A004 (the op)
 from mpishard.autodiff.shape_ops import getitem, reshape
 from mpishard.autodiff.softmax_ops import log_softmax, softmax
 from mpishard.core.backend import to_numpy, xp_of
+from mpishard.models.spec import AxisSizes, ModelKey
 from mpishard.nn import Constant, Linear, Module, Normal, Parameter
 
 __all__ = ["MoE", "MoEExperts", "GELUExperts", "Route", "load_balancing_loss",
-           "router_z_loss", "with_router_losses"]
+           "router_z_loss", "with_router_losses", "MOE_KEYS", "moe_fields", "check_moe_split"]
+
+#: the ``[model]`` keys of a mixture of experts, which the GPT and the Llama family read
+#: (their configs' ``moe_*`` fields; Mixtral's names in models/llama/model.py)
+MOE_KEYS = (
+    ModelKey("moe_experts", 0, "experts per mixture-of-experts MLP (0: dense)", low=0,
+             estimate=True, shapes=True),
+    ModelKey("moe_top_k", 2, "experts each token is routed to", low=1, estimate=True),
+    ModelKey("moe_every", 1, "every n-th block has experts (1: all)", low=1, estimate=True,
+             shapes=True),
+    ModelKey("moe_capacity", 0.0, "expert capacity factor (0: dropless)", low=0.0,
+             estimate=True),
+    ModelKey("moe_aux_coef", 0.001, "weight of the load-balancing loss", low=0.0),
+    ModelKey("moe_z_coef", 0.0, "weight of the router z-loss", low=0.0),
+    ModelKey("moe_router", "softmax", "router scores (sigmoid: DeepSeek-V3's)",
+             choices=("softmax", "sigmoid"), estimate=True),
+    ModelKey("moe_shared_expert", False, "one more MLP every token goes through",
+             estimate=True, shapes=True))
+
+
+def moe_fields(keys: dict) -> dict:
+    """The ``moe_*`` config fields among ``[model]`` keys (those given)."""
+    return {k.name: keys[k.name] for k in MOE_KEYS if k.name in keys}
 
 
 class Route:
@@ -232,6 +255,22 @@ def check_moe_layout(config, whole: bool) -> None:
         raise ValueError("the mixture-of-experts auxiliary losses span every block; "
                          "pipeline stages cannot compute them yet: use pp=1, or set "
                          "moe_aux_coef and moe_z_coef to 0")
+
+
+def check_moe_split(config, sizes: AxisSizes) -> list:
+    """ValueError naming the fix for a split a model's ``moe_*`` fields cannot take:
+    expert parallelism of a dense model or of experts it does not divide, the auxiliary
+    losses over pipeline stages or with activation checkpointing; else no notes."""
+    if sizes.ep > 1 and not config.moe_experts:
+        raise ValueError(f"ep = {sizes.ep}: expert parallelism splits the experts of a "
+                         f"mixture of experts, and this model is dense (moe_experts = 0); "
+                         f"use ep = 1, or give --moe-experts")
+    if config.moe_experts % sizes.ep:
+        raise ValueError(f"ep = {sizes.ep} does not divide moe_experts = "
+                         f"{config.moe_experts}; use an ep that divides {config.moe_experts}")
+    check_moe_layout(config, sizes.pp == 1)
+    check_moe_checkpointing(config, sizes.activation_checkpointing)
+    return []
 
 
 def check_moe_checkpointing(config, enabled: bool) -> None:

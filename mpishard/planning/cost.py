@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpishard.models import spec_of
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage
 from mpishard.parallel.strategy import Sharded, strategy_entry
@@ -109,10 +110,7 @@ def stage_flops(stage, layout) -> dict:
                 len(weights) * weights[0].shape[0] if weights else 0)
     for pattern in plan.attention:
         for path, m in matching_modules(stage, pattern):
-            hs = int(m.head_size)
-            proj = getattr(m, "c_attn", None)
-            heads = (int(proj.weight.shape[0]) // (3 * hs) if proj is not None
-                     else int(m.q_proj.weight.shape[0]) // hs)
+            heads, hs = spec_of(stage).attention_heads(m)
             flops = 4.0 * layout.batch_size * layout.local_seq_len * layout.seq_len * heads * hs
             add(path, flops, 2)
             out["attention"] += flops

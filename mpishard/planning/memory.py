@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpishard.core.dtypes import resolve_dtype
+from mpishard.models import spec_of
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
 from mpishard.parallel.context.attention import ring_kv_bytes
 from mpishard.parallel.precision import Precision
@@ -258,13 +259,10 @@ def _sp_extra(stage, layout, plan, rows: int, wire: int, act) -> int:
     return total
 
 
-def _local_heads(module) -> tuple:
-    """``(heads, head_size)`` of an attention module on this tp rank (its query heads)."""
-    hs = int(module.head_size)
-    proj = getattr(module, "c_attn", None)
-    if proj is not None:                                   # fused q | k | v
-        return int(proj.weight.shape[0]) // (3 * hs), hs
-    return int(module.q_proj.weight.shape[0]) // hs, hs
+def _local_heads(stage, module) -> tuple:
+    """``(heads, head_size)`` of an attention module of ``stage`` on this tp rank (its
+    query heads), as the model's spec reads them."""
+    return spec_of(stage).attention_heads(module)
 
 
 def _cp_bytes(stage, layout, plan, act) -> int:
@@ -277,7 +275,7 @@ def _cp_bytes(stage, layout, plan, act) -> int:
     total = 0.0
     for pattern in plan.attention:
         for path, module in matching_modules(stage, pattern):
-            h, hs = _local_heads(module)
+            h, hs = _local_heads(stage, module)
             again = _again(layout, plan, path)
             if layout.cp_mode == "ring":    # each block sent and received; a recompute
                 block = B * n * 2 * h * hs  # passes the K/V blocks around once more

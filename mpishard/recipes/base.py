@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpishard.models import MODELS
+
 __all__ = ["Recipe", "RECIPES", "register_recipe", "recipe_for"]
 
-#: ``--model`` name -> :class:`Recipe` subclass
+#: task (a model spec's ``task``) -> :class:`Recipe` subclass
 RECIPES: dict = {}
 
 
 def register_recipe(name: str):
-    """Class decorator: the recipe behind ``--model name``."""
+    """Class decorator: the recipe of the model families whose spec's task is ``name``."""
     def register(cls):
         RECIPES[name] = cls
         return cls
@@ -18,8 +20,8 @@ def register_recipe(name: str):
 
 
 def recipe_for(cfg) -> "Recipe":
-    """The recipe of ``cfg.model.name`` (validated by the config already)."""
-    return RECIPES[cfg.model.name](cfg)
+    """The recipe of ``cfg.model.name``'s task (the name validated by the config already)."""
+    return RECIPES[MODELS[cfg.model.name].task](cfg)
 
 
 class Recipe:

@@ -8,7 +8,7 @@ from mpishard.recipes.base import Recipe, register_recipe
 __all__ = ["Digits"]
 
 
-@register_recipe("mlp")
+@register_recipe("digits")
 class Digits(Recipe):
     """A ReLU MLP on 64 pixels, 10 classes; one sample is one token for throughput."""
 

@@ -1,8 +1,10 @@
-"""Language models on text (``--model gpt``, ``--model llama``): bytes, or token files.
+"""Language models on text (every family whose spec's task is ``text``: ``--model gpt``,
+``--model llama``, ...): bytes, or token files.
 
 Text is read as bytes (256 symbols) unless ``--data`` names a folder of token
 files (``train.bin``/``val.bin``, see docs/data.md). The model is built from the
-``[model]`` section; a ``--preset`` fills it with a published shape.
+``[model]`` section by its family's spec; a ``--preset`` fills it with a
+published shape.
 """
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ import numpy as np
 
 from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, load_corpus
 from mpishard.core.errors import ConfigError
-from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
+from mpishard.models import MODELS
 from mpishard.data.tokens import is_token_dir, load_tokens, open_tokenizer
 from mpishard.recipes.base import Recipe, register_recipe
 
-__all__ = ["TextLM", "TextGPT", "TextLlama"]
+__all__ = ["TextLM"]
 
 
+@register_recipe("text")
 class TextLM(Recipe):
     """A causal language model trained on the bytes of a text file or folder, or on the
     token ids of a token folder."""
@@ -28,16 +31,18 @@ class TextLM(Recipe):
         self.tokens_per_sample = cfg.model.block_size
 
     def model_config(self):
-        """The model's own config dataclass from ``[model]`` (a ConfigError if it does not fit)."""
-        raise NotImplementedError
-
-    def model_class(self):
-        raise NotImplementedError
+        """The model's own config dataclass from ``[model]`` (a ConfigError if it does not
+        fit); the vocabulary is the data's until they are read."""
+        m = self.cfg.model
+        try:
+            return MODELS[m.name].config_of(m, vocab_size=m.vocab_size or VOCAB_SIZE)
+        except ValueError as err:     # n_embd not a multiple of n_head, ...
+            raise ConfigError(str(err)) from None
 
     def model(self, backend):
-        return self.model_class()(self.model_config(), seed=self.cfg.run.seed,
-                                  dtype=self.cfg.model.dtype, backend=backend,
-                                  materialize_now=False)
+        return MODELS[self.cfg.model.name].model_class(
+            self.model_config(), seed=self.cfg.run.seed, dtype=self.cfg.model.dtype,
+            backend=backend, materialize_now=False)
 
     def load_data(self) -> str:
         cfg = self.cfg
@@ -110,57 +115,3 @@ class TextLM(Recipe):
         """The tokenizer of token data (None for bytes): a tokenizer.json, or the characters
         of nanoGPT's meta.pkl (a DataError when the folder has neither)."""
         return open_tokenizer(self.cfg.data.path) if is_token_dir(self.cfg.data.path) else None
-
-
-def moe_fields(m) -> dict:
-    """The ``[model]`` section's ``moe_*`` keys, which GPTConfig and LlamaConfig share."""
-    return {k: getattr(m, k) for k in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity",
-                                       "moe_aux_coef", "moe_z_coef", "moe_router",
-                                       "moe_shared_expert")}
-
-
-@register_recipe("gpt")
-class TextGPT(TextLM):
-    """nanoGPT's GPT (learned positions, LayerNorm, GELU MLP, tied head)."""
-
-    def model_class(self):
-        return GPT
-
-    def model_config(self) -> GPTConfig:
-        m = self.cfg.model
-        try:
-            return GPTConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size,
-                             n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                             dropout=m.dropout, bias=m.bias, **moe_fields(m))
-        except ValueError as err:     # n_embd not a multiple of n_head, ...
-            raise ConfigError(str(err)) from None
-
-
-@register_recipe("llama")
-class TextLlama(TextLM):
-    """The Llama family (RMS norm, rotary embeddings, SwiGLU, grouped-query attention)."""
-
-    def model_class(self):
-        return Llama
-
-    def model_config(self) -> LlamaConfig:
-        m = self.cfg.model
-        if m.dropout:
-            raise ConfigError(f"dropout = {m.dropout}: the Llama family trains without "
-                              f"dropout here; use dropout = 0")
-        if m.bias:
-            raise ConfigError("bias = true: Llama's layers have no biases; use bias = false "
-                              "(--bias false)")
-        scaling = None if m.rope_scaling == "none" else {
-            "rope_type": "llama3", "factor": m.rope_factor,
-            "low_freq_factor": m.rope_low_freq_factor,
-            "high_freq_factor": m.rope_high_freq_factor,
-            "original_max_position_embeddings": m.rope_original_max_position}
-        try:
-            return LlamaConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size,
-                               n_layer=m.n_layer, n_head=m.n_head, n_kv_head=m.n_kv_head,
-                               n_embd=m.n_embd, intermediate_size=m.intermediate_size,
-                               rope_theta=m.rope_theta, rope_scaling=scaling, rms_eps=m.rms_eps,
-                               tie_embeddings=m.tie_embeddings, **moe_fields(m))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None

@@ -26,13 +26,18 @@ from mpishard.checkpoint import CheckpointError, latest_checkpoint, read_manifes
 from mpishard.checkpoint.locate import complete_steps
 from mpishard.checkpoint.writer import delete_checkpoints
 from mpishard.config.sections import ConfigError, config_from_dict, flat_values
+from mpishard.models import MODELS
 
-__all__ = ["check_run_files", "SHAPING_MODEL_KEYS"]
+__all__ = ["check_run_files", "shaping_keys"]
 
-#: [model] settings that change the parameters a checkpoint holds
-SHAPING_MODEL_KEYS = ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd",
-                      "bias", "hidden", "n_kv_head", "intermediate_size", "tie_embeddings",
-                      "moe_experts", "moe_every", "moe_shared_expert")
+
+def shaping_keys(name: str) -> tuple:
+    """The [model] settings that change the parameters a checkpoint of model family
+    ``name`` holds: the shape every model has, and the family's keys that shape (its
+    spec's)."""
+    spec = MODELS.get(name)
+    own = tuple(k.name for k in spec.keys if k.shapes) if spec is not None else ()
+    return ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", *own)
 
 
 def _records(path: Path) -> int:
@@ -74,7 +79,8 @@ def _resumed_run(cfg, world_size: int) -> list:
         return []
     before = config_from_dict(flat_values(saved, str(step_dir), []))
     # vocab_size 0 is "from the data", settled only when the data are read
-    differ = [(k, getattr(before.model, k), getattr(cfg.model, k)) for k in SHAPING_MODEL_KEYS
+    differ = [(k, getattr(before.model, k), getattr(cfg.model, k))
+              for k in shaping_keys(cfg.model.name)
               if getattr(before.model, k) != getattr(cfg.model, k)
               and not (k == "vocab_size" and getattr(cfg.model, k) == 0)]
     if differ:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from mpishard.checkpoint import (CheckpointError, StopSignals, load_checkpoint, 
                          module_rng_states, save_checkpoint)
 from mpishard.comm import Communicator, Mesh, node_local_rank
 from mpishard.config.sections import ConfigError, TrainConfig
+from mpishard.config.support import check_supported
 from mpishard.data.corpus import DataError
 from mpishard.kernels import check_settings as check_kernel_settings
 from mpishard.run.log import RankLogger
@@ -66,7 +66,7 @@ class Trainer:
                              ep=p.ep)
         except ValueError as err:  # raised alike on every rank, before communicating
             raise ConfigError(str(err)) from None
-        check_sequence_split(cfg, self.recipe.tokens_per_sample, self.mesh)
+        check_supported(cfg)      # again after --layout auto (config/support.py)
         resolve_global_batch(cfg, self.mesh.dp.size)
         local_rank = node_local_rank(world)
         self.backend = agreed(world, lambda: Backend.resolve(
@@ -231,27 +231,6 @@ def own_line(record: dict, ledger, mesh) -> str:
             f"held, collectives {waited}")
 
 
-def check_sequence_split(cfg: TrainConfig, seq_len: int, mesh) -> None:
-    """Refuse a sequence that context or sequence parallelism cannot split (the same
-    ConfigError on every rank, before any step)."""
-    p, m = cfg.parallel, cfg.model
-    cp, tp = mesh.cp.size, mesh.tp.size
-    if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(f"sequence length {seq_len} does not divide by 2 x cp = {2 * cp} "
-                          f"(context parallelism gives each rank two of 2*cp chunks); use a "
-                          f"--block-size that is a multiple of {2 * cp} or another --cp")
-    if cp > 1 and p.cp_mode == "all-to-all" and m.n_head % (tp * cp):
-        raise ConfigError(f"--cp-mode all-to-all splits the heads over tp x cp = {tp * cp} "
-                          f"ranks, but n_head = {m.n_head} does not divide by {tp * cp}; use "
-                          f"--cp-mode ring, or a cp and tp whose product divides {m.n_head}")
-    rows = cfg.optim.batch_size * (seq_len // cp)
-    if p.sequence_parallel and tp > 1 and rows % tp:
-        raise ConfigError(f"sequence parallelism splits the {rows} rows of each micro-batch "
-                          f"(batch x sequence / cp) over tp = {tp}; use a --batch-size or "
-                          f"--block-size that makes them divisible by {tp}, or "
-                          f"--sequence-parallel false")
-
-
 def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
     """The :class:`~mpishard.planning.layout.Layout` a config trains (``dp`` data-parallel ranks)."""
     p, o = cfg.parallel, cfg.optim
@@ -295,30 +274,8 @@ def agreed(world: Communicator, local_work):
     return value
 
 
-def take_shape_from(cfg: TrainConfig) -> list:
-    """With ``--init-from`` a Hugging Face folder, its ``config.json`` sets the ``[model]``
-    shape (mpishard.hf.shape_from_folder); returns a note. A path that is neither such a
-    folder nor a ``.safetensors`` file is a ConfigError, before anything is planned."""
-    path = Path(cfg.run.init_from)
-    if not cfg.run.init_from or (path.suffix == ".safetensors" and path.is_file()):
-        return []
-    if not (path / "config.json").is_file():
-        found = ("does not exist" if not path.exists() else
-                 "is a folder without a config.json" if path.is_dir() else "is not a folder")
-        raise ConfigError(f"--init-from {path} {found}; pass a Hugging Face model folder "
-                          f"(config.json and its safetensors files) or a consolidated "
-                          f"mpishard .safetensors file")
-    from mpishard.hf import shape_from_folder  # noqa: PLC0415 (only runs that start from weights)
-
-    try:
-        return shape_from_folder(cfg.model, cfg.run.init_from)
-    except ValueError as err:           # an unknown architecture, an unsupported option
-        raise ConfigError(str(err)) from None
-
-
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     """Plan, build, train, report. Returns the summary dict (on every rank)."""
-    notes = [*notes, *agreed(world, lambda: take_shape_from(cfg))]
     trainer = Trainer(cfg, world)
     for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")

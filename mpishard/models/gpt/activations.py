@@ -55,76 +55,20 @@ under checkpointing) and the gradients, which this does not count.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from mpishard.kernels import fused_attention
+from mpishard.models.activations import (attention_bytes, graph_objects, head_and_loss,
+                                         micro_batch, routing_indices, row_parallel,
+                                         stage_input, width)
 
-__all__ = ["gpt_activation_bytes", "split_of", "attention_bytes", "token_rows", "head_and_loss",
-           "routing_indices"]
+__all__ = ["gpt_activation_bytes"]
 
-#: the graph's Python objects (tensors, closures): measured, bytes
-_OBJECTS_BASE, _OBJECTS_PER_BLOCK, _OBJECTS_PER_CHECKPOINTED_BLOCK = 8 << 10, 8 << 10, 1536
-#: sequence parallelism's extra objects (gathers, scatters, per-use parameter sums), and
-#: context-parallel attention's per block
-_OBJECTS_SP_BASE, _OBJECTS_SP_PER_BLOCK = 3584, 3840
-_OBJECTS_CP_PER_BLOCK = {"ring": 3072, "all-to-all": 4096}
 #: a mixture-of-experts block's graph has more (the router's and the dispatch's steps)
 _OBJECTS_MOE_PER_BLOCK = 11 << 10
-
-
-def _width(linear) -> int:
-    """This rank's output features of a (possibly column-parallel) linear layer."""
-    return int(linear.weight.shape[0])
 
 
 def _biased(linear, sp: int) -> int:
     """1, or 2 where a row-parallel layer's bias is added apart (see the table)."""
     return 1 + (sp > 1 and linear.bias is not None)
-
-
-def _row_parallel(linear) -> bool:
-    return int(linear.weight.shape[1]) != int(linear.in_features)
-
-
-def _objects(n_blocks: int, checkpointing: bool, sp: int, cp: int, cp_mode: str,
-             per_block: int = _OBJECTS_PER_BLOCK) -> int:
-    """Bytes of the graph's Python objects (measured constants)."""
-    if checkpointing:
-        per_block = _OBJECTS_PER_CHECKPOINTED_BLOCK
-    else:
-        per_block += (_OBJECTS_SP_PER_BLOCK if sp > 1 else 0) + (
-            _OBJECTS_CP_PER_BLOCK.get(cp_mode, 0) if cp > 1 else 0)
-    return _OBJECTS_BASE + n_blocks * per_block + (_OBJECTS_SP_BASE if sp > 1 else 0)
-
-
-def split_of(model, cp=None, cp_mode=None, sp=None) -> tuple:
-    """``(cp, cp_mode, sp)``: the context-parallel size and mode and the sequence-parallel
-    split; each ``None`` is read from ``model`` (its ``sequence`` shard, its
-    ``sequence_parallel_size``), else no split."""
-    seq = getattr(model, "sequence", None)
-    if cp is None:
-        cp = int(seq.cp.size) if seq is not None else 1
-    if cp_mode is None:
-        cp_mode = seq.mode if seq is not None else "ring"
-    if sp is None:
-        sp = int(getattr(model, "sequence_parallel_size", 1))
-    return int(cp), cp_mode, int(sp)
-
-
-def attention_bytes(B: int, h: int, T: int, hs: int, c: int, f: int, cp: int = 1,
-                    cp_mode: str = "ring", fused: bool = False) -> int:
-    """What one attention of ``h`` heads of ``hs`` over ``T`` local rows of ``B``
-    sequences keeps (weights or their context-parallel stand-ins, and its output);
-    ``fused``: a GPU's flash-style kernels (:func:`mpishard.kernels.fused_attention`),
-    which keep their head-major output and a log-sum-exp per row instead of weights."""
-    N, A = B * T, h * hs
-    if cp == 1 and fused:
-        return N * A * c + B * h * T * f + N * A * c
-    if cp == 1:
-        return B * h * T * T * f + N * A * c
-    if cp_mode == "ring":                                   # output, log-sum-exp
-        return N * A * f + B * h * T * f + N * A * c
-    return 3 * N * A * c + B * h * cp * T * T * f + 2 * N * A * c   # all-to-all
 
 
 def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
@@ -138,33 +82,25 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
     ``1 / cp`` of it). ``checkpointing``: whether blocks recompute in backward
     (default: as the model is set). ``cp``, ``cp_mode`` (``"ring"`` or
     ``"all-to-all"``) and ``sp`` (the tp ranks sequence parallelism splits rows
-    over, 1 without it): default as the model is set (:func:`split_of`).
+    over, 1 without it): default as the model is set
+    (:func:`~mpishard.models.activations.split_of`).
     """
     cfg = model.config
-    cp, cp_mode, sp = split_of(model, cp, cp_mode, sp)
-    c = np.dtype(dtype).itemsize
-    f = 4 if c == 2 else c
-    B, T, C = batch_size, seq_len, cfg.n_embd
-    N = B * T
-    Ns = N // sp                                            # rows outside the tp layers
     blocks = list(model.transformer.h.values())
-    if checkpointing is None:
-        checkpointing = any(b.activation_checkpointing for b in blocks)
-    total = _objects(len(blocks), checkpointing, sp, cp, cp_mode)
-    if model.first_stage:
-        total += token_rows(model.transformer.wte, N, C, c) + T * C * c + 8 * T + N * C * c
+    m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp)
+    B, T, N, Ns, C, c, f, cp, sp = m.B, m.T, m.N, m.Ns, m.C, m.c, m.f, m.cp, m.sp
+    total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode)
+    total += stage_input(model.transformer.wte if model.first_stage else None, m)
+    if model.first_stage:                                   # positions, their sum
+        total += T * C * c + 8 * T + N * C * c
         if cfg.dropout > 0:
             total += N * C * (4 + c)
-        if sp > 1:
-            total += Ns * C * c                             # this rank's rows, cut
-    else:
-        total += Ns * C * c                                 # the received activations
     for block in blocks:
-        if checkpointing:
+        if m.checkpointing:
             total += Ns * C * c
             continue
         attn, mlp = block.attn, block.mlp
-        qkv = _width(attn.c_attn)
+        qkv = width(attn.c_attn)
         heads = qkv // (3 * attn.head_size)
         norms = 2 * (Ns * C * (c + f) + Ns * f)
         if hasattr(mlp, "experts"):   # a mixture of GELU experts (as Llama's, with 4C)
@@ -175,21 +111,21 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
             if mlp.router != "softmax":
                 linears += 3 * N * E * c                    # sigmoid's steps
             if mlp.dispatch is not None:                    # expert parallel, even routing
-                linears += 4 * M * C * c                    # (see llama_activations.py)
+                linears += 4 * M * C * c                    # (see models/llama/activations.py)
             linears += routing_indices(N, E, k, c) + _OBJECTS_MOE_PER_BLOCK
             if "shared_expert" in mlp._modules:             # a GPT MLP every row goes through
                 linears += 2 * N * C * c + N * H * c + N * H * (c + f)
                 if cfg.bias or cfg.dropout > 0:             # its output's bias or dropout
                     linears += N * C * c
-            reduced = Ns * C * c * _biased(attn.c_proj, sp) * _row_parallel(attn.c_proj)
+            reduced = Ns * C * c * _biased(attn.c_proj, sp) * row_parallel(attn.c_proj)
             gelu = M * H * c
         else:
-            linears = N * qkv * c + N * C * c + N * _width(mlp.c_fc) * c + N * C * c
-            reduced = Ns * C * c * sum(_biased(lin, sp) * _row_parallel(lin)
+            linears = N * qkv * c + N * C * c + N * width(mlp.c_fc) * c + N * C * c
+            reduced = Ns * C * c * sum(_biased(lin, sp) * row_parallel(lin)
                                        for lin in (attn.c_proj, mlp.c_proj))
-            gelu = N * _width(mlp.c_fc) * (c + f)
+            gelu = N * width(mlp.c_fc) * (c + f)
         fused = fused_attention(model.backend.xp, attn.head_size, cfg.dropout > 0)
-        attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, cp_mode, fused)
+        attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, m.cp_mode, fused)
         adds = 2 * Ns * C * c
         # the residual branches' draws: attention's and the MLP's (a mixture of experts'
         # output has none; its shared expert, a GPT MLP, has its own), and the weights'
@@ -200,26 +136,3 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         total += Ns * C * (c + f) + Ns * f                  # ln_f
         total += head_and_loss(model.lm_head, N, c, f)
     return int(total)
-
-
-def token_rows(table, N: int, C: int, c: int) -> int:
-    """The looked-up token rows (vocabulary-parallel: the masked lookup and its mask too)."""
-    split_vocab = int(table.weight.shape[0]) != int(table.num_embeddings)
-    return 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
-
-
-def routing_indices(N: int, E: int, k: int, c: int) -> int:
-    """What a mixture of experts' routing keeps beside its activations: each pair's
-    token and slot ids and the rows' expert ranking (int64: ``2 N k + N E``), the row
-    ids ``N`` (int64) and the sum of each row's top-k probabilities ``N c``."""
-    return 8 * (2 * N * k + N * E + N) + N * c
-
-
-def head_and_loss(lm_head, N: int, c: int, f: int) -> int:
-    """Logits, and the loss's per-row target ids, flags, maxima and sums of
-    exponentials (both cross-entropies recompute their softmax in backward; the
-    vocabulary-parallel one keeps row ids and its own target flags too)."""
-    vocab = _width(lm_head)
-    if vocab != int(lm_head.out_features):              # split over tp
-        return N * vocab * c + N * (18 + 2 * f)
-    return N * vocab * c + N * (9 + 2 * f)

@@ -1,6 +1,6 @@
 """What one forward pass of a Llama (or a stage of it) keeps alive for backward, in bytes.
 
-Counted as for the GPT (see [Note: activation bytes] in gpt_activations.py, where
+Counted as for the GPT (see [Note: activation bytes] in models/gpt/activations.py, where
 ``c`` and ``f`` are defined), per micro-batch of ``N = B * T`` rows, with ``h``
 and ``h_kv`` this rank's query and key/value heads, ``hs`` the head size and
 ``F`` this rank's share of the MLP width:
@@ -29,18 +29,17 @@ h_kv) f``.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from mpishard.kernels import fused_attention
-from mpishard.models.gpt.activations import (_objects, _row_parallel, _width, attention_bytes, head_and_loss,
-                              routing_indices, split_of, token_rows)
+from mpishard.models.activations import (attention_bytes, graph_objects, head_and_loss,
+                                         micro_batch, routing_indices, row_parallel,
+                                         stage_input, width)
 
 __all__ = ["llama_activation_bytes"]
 
 
 def _row_split(linear) -> bool:
     """Whether tp splits the output features (a column-parallel layer)."""
-    return _width(linear) != int(linear.out_features)
+    return width(linear) != int(linear.out_features)
 
 def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
     """The MLP's share: SwiGLU's, or a mixture of experts' (router logits and
@@ -60,8 +59,8 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
         return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
             + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + (
                 _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c if shared is not None else 0)
-    F = _width(mlp.gate_proj)
-    return N * C * c + Ns * C * c * _row_parallel(mlp.down_proj) \
+    F = width(mlp.gate_proj)
+    return N * C * c + Ns * C * c * row_parallel(mlp.down_proj) \
         + 2 * N * F * c + N * F * (c + f)                                 # down; gate, up, SwiGLU
 
 
@@ -75,29 +74,19 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
     """Bytes ``model`` keeps for backward after one micro-batch ``(batch_size, seq_len)``;
     the arguments are :func:`~mpishard.models.gpt.activations.gpt_activation_bytes`'s."""
     cfg = model.config
-    cp, cp_mode, sp = split_of(model, cp, cp_mode, sp)
-    c = np.dtype(dtype).itemsize
-    f = 4 if c == 2 else c
-    B, T, C, hs = batch_size, seq_len, cfg.n_embd, cfg.head_size
-    N = B * T
-    Ns = N // sp                                            # rows outside the tp layers
     blocks = list(model.model.layers.values())
-    if checkpointing is None:
-        checkpointing = any(b.activation_checkpointing for b in blocks)
-    total = _objects(len(blocks), checkpointing, sp, cp, cp_mode, _OBJECTS_PER_BLOCK)
+    m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp)
+    B, T, N, Ns, C, c, f, cp, sp = m.B, m.T, m.N, m.Ns, m.C, m.c, m.f, m.cp, m.sp
+    hs = cfg.head_size
+    total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode, _OBJECTS_PER_BLOCK)
+    total += stage_input(model.model.embed_tokens if model.first_stage else None, m)
     norm = Ns * C * (c + f) + Ns * f
-    if model.first_stage:
-        total += token_rows(model.model.embed_tokens, N, C, c)
-        if sp > 1:
-            total += Ns * C * c                             # this rank's rows, cut
-    else:
-        total += Ns * C * c                                 # the received activations
     for block in blocks:
-        if checkpointing:
+        if m.checkpointing:
             total += Ns * C * c
             continue
         attn, mlp = block.self_attn, block.mlp
-        h, h_kv = _width(attn.q_proj) // hs, _width(attn.k_proj) // hs
+        h, h_kv = width(attn.q_proj) // hs, width(attn.k_proj) // hs
         total += 2 * norm
         if sp > 1:   # the whole key/value projections' gathered inputs
             total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
@@ -107,8 +96,8 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
             total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
             total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
         fused = not attn.takes_fused_path() and fused_attention(model.backend.xp, hs, False)
-        total += attention_bytes(B, h, T, hs, c, f, cp, cp_mode, fused)   # attention
-        total += N * C * c + Ns * C * c * _row_parallel(attn.o_proj)     # o
+        total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
+        total += N * C * c + Ns * C * c * row_parallel(attn.o_proj)     # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:

@@ -1,7 +1,8 @@
 """The Llama family (Llama 2 and 3, and the many models shaped like it), in Hugging Face's layout.
 
 RMS norm, rotary position embeddings (theta, and Llama 3's frequency scaling),
-a SwiGLU MLP, grouped-query attention (``n_kv_head <= n_head``), no biases, a
+a SwiGLU MLP, grouped-query attention (``n_kv_head <= n_head``), no biases (or,
+with ``qkv_bias``, biases on the q, k and v projections, as Qwen2 has them), a
 tied or untied output head. Parameter names and shapes are those of
 ``transformers``' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj.weight``,
 weights ``[out, in]``, rotary embeddings on the two halves of each head), so
@@ -44,7 +45,7 @@ class LlamaConfig:
     comments)."""
 
     vocab_size: int = 32000        # vocab_size
-    block_size: int = 2048         # max_position_embeddings: the longest sequence trained
+    block_size: int = 2048         # the longest sequence trained (at most the reach below)
     n_layer: int = 16              # num_hidden_layers
     n_head: int = 16               # num_attention_heads
     n_kv_head: int = 0             # num_key_value_heads (0: n_head, no grouping)
@@ -56,6 +57,10 @@ class LlamaConfig:
     #                                    "original_max_position_embeddings"}
     rms_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False   # tie_word_embeddings
+    qkv_bias: bool = False         # biases on q_proj, k_proj and v_proj (Qwen2's; not o_proj)
+    positions: int = 0             # max_position_embeddings: the context the model is made
+    #                                for (0: block_size); a run trains at block_size, up to
+    #                                it or, with llama3 scaling, to factor x the original
     init_std: float = 0.02         # initializer_range
     # mixture of experts (Mixtral's names): 0 experts is a dense model
     moe_experts: int = 0           # num_local_experts
@@ -97,10 +102,28 @@ class LlamaConfig:
             if kind != "llama3":
                 raise ValueError(f"LlamaConfig: rope_scaling type {kind!r} is not implemented; "
                                  f"mpishard has Llama 3's ('llama3') or none")
-            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if k not in scaling]
+            keys = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+            missing = [k for k in keys if k not in scaling]
             if missing:
                 raise ValueError(f"LlamaConfig: rope_scaling lacks {', '.join(missing)}")
+            self.rope_scaling = {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+        if self.positions == 0:
+            self.positions = self.block_size
+        if self.block_size > self.reach:
+            raise ValueError(f"LlamaConfig: block_size = {self.block_size} is beyond the "
+                             f"{self.positions} positions the model is made for (positions, "
+                             f"max_position_embeddings) and no rope scaling reaches it; "
+                             f"train at --block-size {self.reach} or less")
+
+    @property
+    def reach(self) -> int:
+        """The longest sequence the model takes: its positions, or as far as Llama 3's
+        frequency scaling stretches the original context (``factor`` times it)."""
+        scaling = self.rope_scaling
+        stretched = 0 if scaling is None else int(
+            scaling["factor"] * scaling["original_max_position_embeddings"])
+        return max(self.positions, stretched)
 
     @property
     def head_size(self) -> int:
@@ -129,14 +152,15 @@ class RMSNorm(Module):
 
 
 class LlamaAttention(Module):
-    """q/k/v projections, rotary embeddings, grouped-query causal attention, ``o_proj``."""
+    """q/k/v projections (biased with ``qkv_bias``), rotary embeddings, grouped-query causal
+    attention, ``o_proj``."""
 
     def __init__(self, config: LlamaConfig, dtype: str = "float32"):
         super().__init__()
-        C, hs, std = config.n_embd, config.head_size, config.init_std
-        self.q_proj = Linear(C, config.n_head * hs, False, std, dtype)
-        self.k_proj = Linear(C, config.n_kv_head * hs, False, std, dtype)
-        self.v_proj = Linear(C, config.n_kv_head * hs, False, std, dtype)
+        C, hs, std, bias = config.n_embd, config.head_size, config.init_std, config.qkv_bias
+        self.q_proj = Linear(C, config.n_head * hs, bias, std, dtype)
+        self.k_proj = Linear(C, config.n_kv_head * hs, bias, std, dtype)
+        self.v_proj = Linear(C, config.n_kv_head * hs, bias, std, dtype)
         self.o_proj = Linear(config.n_head * hs, C, False, std, dtype)
         self.head_size, self.group = hs, config.n_head // config.n_kv_head
         self.sequence = None   # set under context parallelism (the plan's ``attention``)

@@ -1,0 +1,98 @@
+"""Every combination a model or an axis cannot train is refused by the CLI's config check.
+
+Each case runs ``mpishard train ... --dry-run`` in this process (``main``): the
+configuration check refuses it with exit status 2 and one line on stderr, before
+any data is read or any model is built (one that slipped through would print a
+plan and exit 0, or fail on the mesh with another message). See [Note: refused
+before anything is built] in mpishard/config/support.py. Two cases run under
+``mpiexec -n 2``: one line in all from both ranks, and the note of how tp = 3
+splits 4 heads over 2 key/value heads, printed once.
+"""
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from mpishard.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+LLAMA, GPT = ["--preset", "llama-tiny"], ["--preset", "gpt-tiny"]
+MOE = [*LLAMA, "--moe-experts", "4"]
+
+CASES = {  # id: (flags, what the one line says)
+    "dropout-cp": ([*GPT, "--dropout", "0.1", "--cp", "2"],
+                   "dropout = 0.1 with cp = 2: context-parallel attention has no dropout"),
+    "ep-dense": ([*LLAMA, "--ep", "2"], "ep = 2: expert parallelism splits the experts"),
+    "ep-divide": ([*MOE, "--ep", "3"], "ep = 3 does not divide moe_experts = 4"),
+    "moe-pp": ([*MOE, "--pp", "2"], "pipeline stages cannot compute them yet"),
+    "moe-checkpointing": ([*MOE, "--activation-checkpointing", "true"],
+                          "activation checkpointing would recompute the routers"),
+    "tp-heads": ([*LLAMA, "--tp", "8"], "tp = 8 is larger than n_head = 4"),
+    "pp-blocks": ([*GPT, "--pp", "3"], "pp = 3 is larger than n_layer = 2"),
+    "cp-chunks": ([*GPT, "--cp", "3"], "sequence length 64 does not divide by 2 x cp = 6"),
+    "a2a-heads": ([*LLAMA, "--cp", "8", "--cp-mode", "all-to-all"],
+                  "n_head = 4 does not divide by 8"),
+    "sp-rows": ([*GPT, "--tp", "4", "--sequence-parallel", "true", "--batch-size", "1",
+                 "--block-size", "6"], "splits the 6 rows of each micro-batch"),
+    "mlp-tp": (["--model", "mlp", "--tp", "2"], "the mlp model does not split its layers"),
+    "mlp-pp": (["--model", "mlp", "--pp", "2"], "the mlp model does not split its blocks"),
+    "mlp-cp": (["--model", "mlp", "--cp", "2"], "the mlp model does not split its sequences"),
+    "llama-bias": ([*LLAMA, "--bias", "true"], "Llama's layers have no biases"),
+    "llama-dropout": ([*LLAMA, "--dropout", "0.1"], "trains without dropout"),
+    "qwen2-no-bias": (["--model", "qwen2", "--bias", "false"], "Qwen2 has biases on q, k"),
+    "odd-head": ([*LLAMA, "--n-embd", "60"], "head size 15 is odd"),
+    "kv-heads": ([*LLAMA, "--n-kv-head", "3"], "n_kv_head=3 must divide n_head=4"),
+    "width-heads": ([*GPT, "--n-embd", "63"], "n_embd=63 is not divisible by n_head=4"),
+}
+
+
+@pytest.fixture
+def keep_hooks(monkeypatch):
+    """main() installs an abort-on-exception hook; put the test process's back after."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refused_in_the_config_check_with_one_line(case, keep_hooks, capsys):
+    flags, message = CASES[case]
+    status = main(["train", *flags, "--steps", "1", "--dry-run", "true"])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, out.err + out.out
+    assert lines[0].startswith("mpishard: error: ") and message in lines[0], lines[0]
+    assert "dry run" not in out.out and "parameters" not in out.out   # nothing was planned
+
+
+def test_precision_abbreviations(keep_hooks):
+    from mpishard.config.sections import load_config
+
+    for short, name in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
+        assert load_config(None, {"precision": short}).parallel.precision == name
+
+
+def _mpishard(n: int, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    return subprocess.run([str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m",
+                           "mpishard", "train", *args], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to python")
+def test_two_ranks_say_one_line_and_a_split_is_told_once():
+    out = _mpishard(2, *GPT, "--dropout", "0.1", "--cp", "2", "--steps", "1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "mpishard: error: dropout = 0.1 with cp = 2: context-parallel attention has no "
+        "dropout; use dropout = 0, or cp = 1"], out.stderr
+    out = _mpishard(3, *LLAMA, "--tp", "3", "--steps", "1", "--dry-run", "true")
+    assert out.returncode == 0, out.stderr
+    told = [line for line in (out.stdout + out.stderr).splitlines() if "tp = 3:" in line]
+    assert len(told) == 1 and "query heads 2+1+1 of n_head = 4" in told[0], told
+    assert "the 2 key/value heads do not divide by 3" in told[0]
