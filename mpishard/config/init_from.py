@@ -47,8 +47,15 @@ def shape_from_folder(values: dict, notes: list) -> dict:
             or a given key contradicts it.
     """
     path = values.get("init_from") or ""
-    if not path or not (Path(path) / CONFIG).is_file():
+    if not path or (Path(path).suffix == ".safetensors" and Path(path).is_file()):
         return values
+    if not (Path(path) / CONFIG).is_file():
+        found = ("does not exist" if not Path(path).exists() else
+                 "is a folder without a config.json" if Path(path).is_dir() else
+                 "is not a folder")
+        raise ConfigError(f"--init-from {path} {found}; pass a Hugging Face model folder "
+                          f"(config.json and its safetensors files) or a consolidated "
+                          f"mpishard .safetensors file")
     try:
         keys = folder_keys(path)
     except ValueError as err:           # an unknown architecture, an unsupported option
