@@ -183,7 +183,7 @@ def test_data_cuts_are_said_and_token_folders_refused(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--lr=-1e-3"], "lr must be >= 0.0, got -0.001"),
-    (["--tp", "2", "--pp", "2"], "tp=2 x pp=2 = 4 exceeds the world size 2"),
+    (["--tp", "2", "--pp", "2", "--n-layer", "2"], "tp=2 x pp=2 = 4 exceeds the world size 2"),
     (["--dropout", "1.5"], "dropout = 1.5: must be below 1.0"),
 ])
 def test_an_agreed_error_is_one_line_and_no_abort(args, message):
