@@ -27,7 +27,7 @@ CASES = {  # id: (flags, what the one line says)
     "dropout-cp": ([*GPT, "--dropout", "0.1", "--cp", "2"],
                    "dropout = 0.1 with cp = 2: context-parallel attention has no dropout"),
     "ep-dense": ([*LLAMA, "--ep", "2"], "ep = 2: expert parallelism splits the experts"),
-    "ep-divide": ([*MOE, "--ep", "3"], "ep = 3 does not divide moe_experts = 4"),
+    "ep-divide": ([*MOE, "--ep", "3"], "expert parallelism ep=3 does not divide moe_experts = 4"),
     "moe-pp": ([*MOE, "--pp", "2"], "pipeline stages cannot compute them yet"),
     "moe-checkpointing": ([*MOE, "--activation-checkpointing", "true"],
                           "activation checkpointing would recompute the routers"),

@@ -266,7 +266,7 @@ def check_moe_split(config, sizes: AxisSizes) -> list:
                          f"mixture of experts, and this model is dense (moe_experts = 0); "
                          f"use ep = 1, or give --moe-experts")
     if config.moe_experts % sizes.ep:
-        raise ValueError(f"ep = {sizes.ep} does not divide moe_experts = "
+        raise ValueError(f"expert parallelism ep={sizes.ep} does not divide moe_experts = "
                          f"{config.moe_experts}; use an ep that divides {config.moe_experts}")
     check_moe_layout(config, sizes.pp == 1)
     check_moe_checkpointing(config, sizes.activation_checkpointing)
