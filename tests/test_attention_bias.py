@@ -41,5 +41,5 @@ def test_attention_with_the_bias_is_attention_on_the_biased_rows(xp, dtype, drop
 
 def test_a_bias_of_the_wrong_shape_is_refused():
     qkv = Tensor(np.zeros((6, 12)))
-    with pytest.raises(ValueError, match=r"pass c_attn's bias, \(12,\)"):
+    with pytest.raises(ValueError, match=r"pass the q/k/v projection's bias, \(12,\)"):
         causal_self_attention(qkv, 2, 2, bias=Tensor(np.zeros(4)))

@@ -16,7 +16,7 @@ many launches as keeping the buffer, without its memory between forward and
 backward), and the output's gradient once; the softmax's backward kernel writes
 the dropped weights again on its way (the values' gradient needs them, and they
 are not kept); the three gradients land in one head-major buffer and go back to
-the packed layout in one kernel that also sums c_attn's bias gradient.
+the packed layout in one kernel that also sums the q/k/v projection's bias gradient.
 
 With ``MPISHARD_ATTENTION=fused`` and no dropout of the weights
 (:func:`mpishard.kernels.fused_attention`), the products and the softmax are instead
@@ -55,7 +55,7 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     (``backward(g, need_bias, bias_out)``: the bias's gradient, with ``need_bias``, into
     ``bias_out`` if given; else None).
     ``cd``: the products' dtype; ``sd``: the softmax's (float32 for 16-bit); ``bias``:
-    c_attn's, when ``qkv_data`` is its output without it."""
+    the q/k/v projection's, when ``qkv_data`` is its output without it."""
     xp = xp_of(qkv_data)
     N, width = qkv_data.shape
     T, C = N // B, width // 3
@@ -95,7 +95,7 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
         da = cast(da, cd)
         batched_matmul(da, k, out=dh[0])
         batched_matmul(da, q, trans_a=True, out=dh[1])
-        # packed again (cast once), with c_attn's bias gradient: one kernel
+        # packed again (cast once), with the q/k/v projection's bias gradient: one kernel
         return kernels.unpack_heads(dh, need_bias, bias_out, qkv_data.dtype)
     return out.reshape(N, C), backward
 

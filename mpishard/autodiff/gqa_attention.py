@@ -1,8 +1,8 @@
 """Grouped-query attention with rotary embeddings straight from the input rows, for a
 Llama block whose q/k/v projections are plain ``Linear`` layers.
 
-The parameters stay those of ``transformers`` (``q_proj``, ``k_proj`` and
-``v_proj``, each its own ``[out, in]`` weight); only the arithmetic is grouped
+The parameters stay those of ``transformers`` (the query, key and
+value projections, each its own ``[out, in]`` weight); only the arithmetic is grouped
 in :func:`gqa_attention`:
 
 * one matrix product against the three weights stacked for the step (a copy of
@@ -15,7 +15,7 @@ in :func:`gqa_attention`:
   rotation is a product with ``exp(i angle)`` (4.7x faster than the half-swap
   on the 64-wide heads measured). Attention scores are dot products over whole
   heads, unchanged when the query and key rows share an order; the gradients
-  of ``q_proj`` and ``k_proj`` are put back in their own order;
+  of the query and key projections are put back in their own order;
 * the ``group`` query heads that share a key/value head attend as one
   ``(group * T, hs)`` matrix against that head's ``(T, hs)`` keys, so no
   key/value head is copied per query head and their gradients come out summed
@@ -115,9 +115,9 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
         batch_size: ``B``.
 
     Returns:
-        ``(B*T, n_head hs)``: the heads' outputs side by side, for ``o_proj``.
+        ``(B*T, n_head hs)``: the heads' outputs side by side, for the output projection.
 
-    The arithmetic of ``q_proj``, ``k_proj``, ``v_proj``, then
+    The arithmetic of the query, key and value projections, then
     :func:`~.rms_rope_swiglu.rope_qkv` and :func:`~.softmax_ops.causal_self_attention`,
     with the ``1/sqrt(hs)`` scale in the query's rotation. Keeps the rotated,
     scaled queries, the rotated keys, the values and the softmax weights for

@@ -183,12 +183,12 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     """Multi-head causal attention on packed ``[q | k | v]`` rows.
 
     Args:
-        qkv: ``(B*T, 3*C)`` rows, the output of the ``c_attn`` projection, with
+        qkv: ``(B*T, 3*C)`` rows, the output of the fused q/k/v projection, with
             ``C = n_head * head_size`` (q, k, v side by side, heads inside each).
         n_head: number of heads in ``qkv`` (local heads under tensor parallelism).
         batch_size: ``B``; ``T`` is ``rows // B``.
         dropout_p, rng, training: dropout on the attention weights.
-        bias: ``c_attn``'s bias ``(3*C,)`` when ``qkv`` is its output without it (see
+        bias: that projection's bias ``(3*C,)`` when ``qkv`` is its output without it (see
             :func:`mpishard.nn.unbiased`): added on the way into the heads' layout
             (on a GPU in the same copy), its gradient the column sum of ``qkv``'s.
 
@@ -221,7 +221,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
         if tuple(bias.shape) != (width,) or bias.data.dtype != qkv.data.dtype:
             raise ValueError(f"causal_self_attention: bias of shape {tuple(bias.shape)} and "
                              f"dtype {bias.data.dtype} for qkv {tuple(qkv.shape)} "
-                             f"{qkv.data.dtype}; pass c_attn's bias, ({width},)")
+                             f"{qkv.data.dtype}; pass the q/k/v projection's bias, ({width},)")
 
     parents = (qkv,) if bias is None else (qkv, bias)
     if xp is not np:                                      # whole-batch products, flags

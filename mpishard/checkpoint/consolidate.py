@@ -7,7 +7,7 @@
     >>> model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
 The export holds every parameter under its model name (nanoGPT's, for the GPT:
-``transformer.h.0.attn.c_attn.weight``, ...) with its global shape (weights
+``transformer.h.0.mlp.c_fc.weight``, ...) with its global shape (weights
 ``[out, in]``, as ``torch.nn.Linear`` stores them) and dtype, plus each tied
 alias as its own copy (``lm_head.weight``, tied to ``transformer.wte.weight``),
 because ``load_state_dict`` expects every name of the state dict. Optimizer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, make_dataclass
 
-from mpishard.config.options import _models, _presets, opt
+from mpishard.config.options import model_names, preset_names, opt
 from mpishard.models import MODELS
 
 __all__ = ["ModelConfig", "ModelKeys", "family_fields"]
@@ -26,9 +26,9 @@ class ModelKeys:
     """[model] what is trained"""
 
     name: str = opt("gpt", "which model family: " + ", ".join(MODELS) + " (docs/models.md)",
-                    flag="model", choices=_models, estimate=True)
+                    flag="model", choices=model_names, estimate=True)
     preset: str = opt("", "a published or small shape that fills the keys below (any given "
-                      "key still wins)", choices=_presets, estimate=True)
+                      "key still wins)", choices=preset_names, estimate=True)
     vocab_size: int = opt(0, "tokens in the vocabulary (0: from the data, 256 for text read "
                           "as bytes, meta.json's for token ids)", low=0, estimate=True)
     block_size: int = opt(64, "context length in tokens", low=1, estimate=True)

@@ -30,16 +30,16 @@ def opt(default, help: str, *, flag: str | None = None, choices=None, low=None,
     return field(default=default, metadata=meta)
 
 
-def _models():
+def model_names():
     from mpishard.models import MODELS  # noqa: PLC0415
     return tuple(MODELS)
 
 
-def _presets():
+def preset_names():
     from mpishard.config.presets import PRESETS  # noqa: PLC0415
     return ("", *PRESETS)
 
 
-def _strategies():
+def strategy_names():
     from mpishard.parallel import STRATEGIES  # noqa: PLC0415
     return tuple(STRATEGIES)

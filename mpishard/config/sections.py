@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mpishard.config.init_from import shape_from_folder
 from mpishard.config.model_section import ModelConfig
-from mpishard.config.options import _strategies, opt
+from mpishard.config.options import strategy_names, opt
 from mpishard.config.support import check_supported
 from mpishard.core.errors import ConfigError
 
@@ -41,7 +41,7 @@ __all__ = ["TrainConfig", "ParallelConfig", "OptimConfig", "DataConfig",
 class ParallelConfig:
     """[parallel] how the model is split over the ranks"""
 
-    strategy: str = opt("zero3", "data-parallel strategy over dp", choices=_strategies,
+    strategy: str = opt("zero3", "data-parallel strategy over dp", choices=strategy_names,
                         estimate=True)
     dp: int = opt(0, "data-parallel size dp_replicate x dp_shard (0: world size / "
                   "(tp * cp * pp))", low=0, estimate=True)

@@ -34,7 +34,7 @@ import numpy as np
 from mpishard.data.corpus import (DEFAULT_CORPUS_BYTES, DataError, default_corpus_files, text_files_under,
                                   token_files_in)
 from mpishard.core.parse import parse_bool
-from mpishard.data.tokens import Tokenizer, _tokenizers, dtype_for_vocab
+from mpishard.data.tokens import Tokenizer, tokenizers_module, dtype_for_vocab
 
 __all__ = ["prepare", "add_prepare_command", "main", "train_bpe_tokenizer"]
 
@@ -126,7 +126,7 @@ def train_bpe_tokenizer(texts, vocab_size: int) -> Tokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` included) trained on an
     iterator of strings; deterministic for the same strings. May hold fewer tokens when
     the text has too few distinct pairs to merge."""
-    tokenizers = _tokenizers()
+    tokenizers = tokenizers_module()
     from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
 
     inner = tokenizers.Tokenizer(models.BPE())
@@ -223,7 +223,7 @@ def prepare(text_path, out_dir, tokenizer=None, train_bpe=None, val_fraction=0.1
                         f"little for a training and a validation part; use more text")
     split = total - n_val
     given = Tokenizer.from_file(tokenizer) if tokenizer is not None else None
-    _tokenizers()   # refuse before writing when tokenizers is missing
+    tokenizers_module()   # refuse before writing when tokenizers is missing
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = {name: out_dir / f"{name}.tmp" for name in OUTPUTS}

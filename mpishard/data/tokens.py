@@ -330,7 +330,7 @@ def open_tokenizer(path):
                     f"ids into {folder}")
 
 
-def _tokenizers():
+def tokenizers_module():
     try:
         import tokenizers  # noqa: PLC0415
     except ImportError as err:
@@ -361,7 +361,7 @@ class Tokenizer:
             DataError: ``tokenizers`` is not installed, or the file is missing or
                 not a tokenizer.
         """
-        tokenizers = _tokenizers()
+        tokenizers = tokenizers_module()
         path = Path(path)
         if not path.is_file():
             raise DataError(f"tokenizer file {str(path)!r} does not exist; pass the "

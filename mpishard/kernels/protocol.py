@@ -120,7 +120,7 @@ class KernelSet(Protocol):
     def unpack_heads(self, h, need_sum: bool = False, out_sum=None, dtype=None):
         """``(rows, sums)``: attention's head-major ``(3, B, nh, T, hs)`` q, k and v
         gradients as packed ``(B*T, 3*nh*hs)`` rows (column ``(w*nh + head)*hs + j``) in
-        ``dtype`` (default h's), and with ``need_sum`` their column sums, c_attn's bias
+        ``dtype`` (default h's), and with ``need_sum`` their column sums, the fused q/k/v projection's bias
         gradient (as :func:`mpishard.kernels.rows.col_sum`: 16-bit summed in float32,
         into ``out_sum`` if given), else None."""
 

@@ -2,7 +2,7 @@
 
 Modeled on ``torch.nn.Module``: assigning a :class:`Parameter` or a
 :class:`Module` to an attribute registers it, in assignment order, so
-``named_parameters()`` yields nanoGPT's names (``transformer.h.0.attn.c_attn.weight``).
+``named_parameters()`` yields nanoGPT's names (``transformer.h.0.mlp.c_fc.weight``).
 Forward pre/post hooks are the coupling points strategies use (ZeRO-3 gathers a
 unit's parameters in a pre-hook and releases them in a post-hook).
 """

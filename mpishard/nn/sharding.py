@@ -1,7 +1,7 @@
 """A model's parallel plan: how it may be split, written as data the model owns.
 
     plan = model.parallel_plan()
-    plan.tensor      # (("transformer.h.*.attn.c_attn", ColumnParallel(parts=3, ...)), ...)
+    plan.tensor      # (("transformer.h.*.attn.<qkv projection>", ColumnParallel(parts=3, ...)), ...)
     plan.units       # ("transformer.h.0", "transformer.h.1", ...)   ZeRO units
     plan.pipeline    # PipelinePlan(blocks="transformer.h", first=(...), last=(...))
     plan.tied        # (("lm_head.weight", "transformer.wte.weight"),)
@@ -83,7 +83,7 @@ class VocabParallelLoss:
     """A cross-entropy module computed from logits split by vocabulary, following
     the column split of the module at ``logits`` (the output projection)."""
 
-    logits: str = "lm_head"
+    logits: str
 
 
 #: the styles :func:`mpishard.parallel.apply_tensor_plan` knows

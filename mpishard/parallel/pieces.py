@@ -28,7 +28,7 @@ class Piece:
     """One owned run of one global tensor.
 
     Attributes:
-        name: the parameter's name (``transformer.h.0.attn.c_attn.weight``).
+        name: the parameter's name (``transformer.h.0.mlp.c_fc.weight``).
         kind: ``"param"`` or an optimizer state name (``"exp_avg"``, ...).
         global_shape: shape of the whole tensor.
         dtype: dtype name.

@@ -238,7 +238,7 @@ mpishard_bias_dropout_backward_{T}(
 
 /* Attention's q, k and v gradients from the head-major (3, B, nh, Tn, hs) buffer h
    back to packed rows (B Tn, n = 3 nh hs), column (w nh + head) hs + j, with has_sum
-   their column sums (c_attn's bias gradient) into sums. Blocks as above: a warp's
+   their column sums (the fused q/k/v projection's bias gradient) into sums. Blocks as above: a warp's
    32 columns are 32 neighbouring elements of a head on both sides. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
 mpishard_unpack_heads_{T}(

@@ -58,7 +58,7 @@ from mpishard.nn import Constant, Embedding, Linear, Module, Normal, Parameter
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
 from mpishard.parallel.plans import matching_modules, split_range
 from mpishard.parallel.tensor.sequence import gather_from_sp, gathered_linear, reduce_scatter_to_sp, scatter_to_sp
-from mpishard.parallel.tensor.ops import _summed, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from mpishard.parallel.tensor.ops import summed_copy, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters"]
@@ -303,7 +303,7 @@ class _SummedUse(Tensor):
         super().__init__(param.data)
         if is_grad_enabled() and param.requires_grad:
             self.requires_grad, self._parents, self._op = True, (param,), "copy_to_tp"
-            self._backward = lambda g: (_summed(g, tp),)
+            self._backward = lambda g: (summed_copy(g, tp),)
 
 
 def _use_summed(module, names, tp) -> None:

@@ -32,7 +32,7 @@ from mpishard.core.backend import xp_of
 __all__ = ["copy_to_tp", "reduce_from_tp", "vocab_parallel_cross_entropy"]
 
 
-def _summed(array, comm):
+def summed_copy(array, comm):
     """A contiguous copy of ``array`` summed over ``comm`` (bfloat16 via float32).
 
     ``xp.array(..., order="C")`` rather than ``ascontiguousarray``: the latter
@@ -56,7 +56,7 @@ def copy_to_tp(x, comm) -> Tensor:
         return x
 
     def backward(g):
-        return (_summed(g, comm),)
+        return (summed_copy(g, comm),)
     return make_result(x.data, (x,), backward, "copy_to_tp")
 
 
@@ -66,7 +66,7 @@ def reduce_from_tp(x, comm) -> Tensor:
     x = as_tensor(x)
     if comm.size == 1:
         return x
-    return make_result(_summed(x.data, comm), (x,), lambda g: (g,), "reduce_from_tp")
+    return make_result(summed_copy(x.data, comm), (x,), lambda g: (g,), "reduce_from_tp")
 
 
 @register_op
