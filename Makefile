@@ -22,8 +22,8 @@ VENV ?= .venv-$(MPI)
 MPIEXEC_FLAGS ?= --oversubscribe --allow-run-as-root
 # Open MPI's mpiexec refuses to run as root (containers, CI) and to start more
 # ranks than cores. The flags above cover the Makefile's own launches; these
-# variables cover the mpiexec that tests start themselves (tests/test_cli.py,
-# tests/test_slurm.py). PRTE_* is Open MPI 5's launcher (PRRTE), as in the wheel.
+# variables cover the mpiexec that tests start themselves (tests/cli/test_cli.py,
+# tests/cli/test_slurm.py). PRTE_* is Open MPI 5's launcher (PRRTE), as in the wheel.
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 export PRTE_MCA_rmaps_default_mapping_policy ?= :oversubscribe
@@ -74,13 +74,13 @@ test-mpi: $(REFERENCE_STAMP)
 
 # the layouts of eight ranks (oversubscribed, tiny models): their own leg
 test-mpi8: $(REFERENCE_STAMP)
-	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/test_long_context.py tests/test_comm_mesh_axes.py \
-		tests/test_expert_parallel.py
+	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/parallel/test_long_context.py tests/comm/test_comm_mesh_axes.py \
+		tests/parallel/test_expert_parallel.py
 
 # The CuPy-strict legs: the array-module tests (every module under test, strict
 # included) and the strict module's own (host-sync budget, exact resume, models),
 # serially and on NP ranks. test-serial and test-mpi run the same files.
-STRICT_TESTS := tests/test_array_modules.py $(wildcard tests/test_strict_*.py)
+STRICT_TESTS := tests/testing/test_array_modules.py $(wildcard tests/testing/test_strict_*.py)
 test-strict: $(REFERENCE_STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)

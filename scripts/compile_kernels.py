@@ -17,7 +17,7 @@ elementwise bodies that also take float16 data (``ops_src.FLOAT16_SOURCES``) wit
 the launchers build it: the row kernels, the norms' (also on float16 rows), the
 multi-tensor kernels and the fused attention's (head sizes 64, 128 and 24). It does
 not run them: the GPU check compares each kernel with NumPy's reference
-(tests/test_kernels.py).
+(tests/kernels/test_kernels.py).
 
 The float16 bodies need CUDA's ``cuda_fp16.h``, from ``$CUDA_PATH/include`` or
 the ``nvidia-cuda-runtime-cu12`` wheel; without it they are skipped, and said so.

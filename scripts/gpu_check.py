@@ -51,11 +51,11 @@ TOTAL_LIMIT_S = 455      # the whole check, on a fresh machine
 RUNNER_SLACK_S = 10      # the runner's own start, JSON writes, mpiexec start-up
 KILL_GRACE_S = 8         # SIGINT 4 s, SIGTERM 2 s, SIGKILL 2 s: inside each part's limit
 
-TEST_FILES = ["tests/test_array_modules.py", "tests/test_kernels.py", "tests/test_gemm.py",
-              "tests/test_comm_staging.py", "tests/test_comm_float16.py",
-              "tests/test_mixed_precision.py",
-              "tests/test_fused_attention.py::test_fused_kernels_on_each_array_module",
-              "tests/test_multi_tensor.py::test_multi_tensor_kernels_on_each_array_module"]
+TEST_FILES = ["tests/testing/test_array_modules.py", "tests/kernels/test_kernels.py", "tests/kernels/test_gemm.py",
+              "tests/comm/test_comm_staging.py", "tests/comm/test_comm_float16.py",
+              "tests/parallel/test_mixed_precision.py",
+              "tests/kernels/test_fused_attention.py::test_fused_kernels_on_each_array_module",
+              "tests/kernels/test_multi_tensor.py::test_multi_tensor_kernels_on_each_array_module"]
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",
                 "--timeout-method=thread"]
 ONE_GPU = ("one GPU: NCCL refuses two ranks on one GPU and the MPI wheel is not CUDA-aware, "

@@ -12,7 +12,7 @@ the losses it gives without (bit-identical on NumPy; within 1e-5 on CuPy,
 whose scatter-add in the embedding's backward adds in no fixed order). Prints
 one line per run, writes the loss curves and step times to ``--result``, and
 exits non-zero on any failure. (Each op and a GPT step against NumPy are in
-tests/test_array_modules.py, which the GPU check runs on CuPy.)
+tests/testing/test_array_modules.py, which the GPU check runs on CuPy.)
 """
 from __future__ import annotations
 

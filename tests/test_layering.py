@@ -263,3 +263,12 @@ def test_where_things_go_matches_the_code():
     assert {p.stem for p in (PKG / "comm" / "backends").glob("*.py")} - {
         "__init__", "base", "one_rank"} <= set(BACKENDS)
     assert [n for n in dir(KernelSet) if not n.startswith("_")]
+
+
+def test_the_tests_mirror_the_package():
+    """A test lives in the folder of the package folder it tests (project-wide checks, such
+    as this file, at the top); tests/ckpt_scripts and tests/mpi_scripts are helpers."""
+    tests = PKG.parent / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {"ckpt_scripts", "mpi_scripts"} <= set(LAYERS) | {"testing"}, folders
+    assert not {p.name for p in tests.glob("*/test_*.py")} & {p.name for p in tests.glob("test_*.py")}

@@ -5,7 +5,7 @@
     y, t = k.gelu_forward(a)             # 2-D rows in float32 / float64
 
 Every kernel set provides the same kernels, :class:`.protocol.KernelSet` (each
-kernel's signature and contract; ``tests/test_kernels.py`` holds every set to it):
+kernel's signature and contract; ``tests/kernels/test_kernels.py`` holds every set to it):
 
 * :mod:`.cpu.ops` for NumPy arrays: cache-blocked passes, spread over
   ``MPISHARD_THREADS`` threads (default 1, see :mod:`.cpu.threads`);

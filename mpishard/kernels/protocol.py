@@ -3,7 +3,7 @@
 A kernel set is a module that provides every member of :class:`KernelSet`, with
 these signatures: :mod:`.reference` (the plain math, which the tests compare the
 others against), :mod:`.cpu.ops` (NumPy) and :mod:`.cuda.ops` (CuPy, and the strict
-module that stands in for it). ``tests/test_kernels.py`` checks each set against
+module that stands in for it). ``tests/kernels/test_kernels.py`` checks each set against
 this class (every name, every signature), so a kernel added here and missing in a
 set fails there. Adding a kernel: its entry here, its reference, CPU and CUDA
 entries, and tests.

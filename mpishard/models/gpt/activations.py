@@ -49,7 +49,7 @@ With activation checkpointing a block keeps only its output, ``N C c`` (its
 input is the previous block's output). The graph's own Python objects (tensors,
 closures) add a few KiB per block (more under sequence and context parallelism),
 counted as measured on CPython 3.11. The ledger measures the same quantity
-(``MemoryLedger.measure_activations``); tests/test_layout_plan.py holds the two
+(``MemoryLedger.measure_activations``); tests/planning/test_layout_plan.py holds the two
 together. Backward needs one block's worth more for a moment (its recompute,
 under checkpointing) and the gradients, which this does not count.
 """

@@ -13,7 +13,7 @@ Using Model Parallelism" (2019, arXiv:1909.08053), section 3 and figure 3:
   by vocabulary, with three all-reduces of one number per row.
 
 Each is registered in ``OPS`` like every other op and has a gradient check
-that runs across ranks (tests/test_parallel_tp_ops.py): the tp group as one
+that runs across ranks (tests/parallel/test_parallel_tp_ops.py): the tp group as one
 function, its inputs perturbed rank by rank. ``f`` and ``g`` return their input
 unchanged when the communicator has one rank. bfloat16 activations and
 gradients are summed in float32 (MPI has no bfloat16 arithmetic) and cast

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 FAST = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
         "--batch-size", "2", "--max-bytes", "20000", "--eval-batches", "1", "--progress", "false"]

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from test_hf import batch, load_quietly, make_hf  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to python")]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 SHRINK = ["--steps", "2", "--eval-batches", "1", "--max-bytes", "40000", "--sample-tokens", "4",

@@ -8,7 +8,7 @@ ZeRO-1/2, tp2, pp2 and tp2 x pp2 (1F1B), at world sizes 1, 2 and 4, reads exactl
 ``BUDGET`` = 2 values on the rank that reads most: the step's loss and the
 gradient norm (which also decides a skip and the loss scale).
 
-    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/test_strict_syncs.py
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/testing/test_strict_syncs.py
 """
 import importlib.util
 from pathlib import Path
@@ -19,7 +19,7 @@ from mpi4py import MPI
 from parity import sub_world
 
 _spec = importlib.util.spec_from_file_location(
-    "bench_syncs", Path(__file__).resolve().parent.parent / "benchmarks" / "syncs.py")
+    "bench_syncs", Path(__file__).resolve().parents[2] / "benchmarks" / "syncs.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

@@ -3,7 +3,7 @@
 Every :class:`MeshShape` group, for every world rank of many shapes (expert axes
 included), against an independent enumeration: its ranks (size, this rank's index,
 lowest and highest world rank), one colour per group, and the name the mesh gives its
-communicator (the first group over the same ranks). tests/test_comm_mesh_axes.py checks
+communicator (the first group over the same ranks). tests/comm/test_comm_mesh_axes.py checks
 the real :class:`~mpishard.comm.Mesh` against the same enumeration under mpiexec.
 """
 import itertools

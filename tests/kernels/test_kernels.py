@@ -754,7 +754,7 @@ def test_compile_kernels_covers_every_cuda_source():
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("compile_kernels",
                                                   root / "scripts" / "compile_kernels.py")
     script = importlib.util.module_from_spec(spec)

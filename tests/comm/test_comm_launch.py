@@ -18,7 +18,7 @@ from mpishard.comm import Communicator, LauncherMismatch, check_launcher
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "mpi_scripts"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 

@@ -4,7 +4,7 @@ What needs no run: a :class:`Layout` refuses sizes that do not fit (naming the
 fix), a :class:`MeshShape` names its groups as a :class:`Mesh` names its
 communicators (checked against a real mesh on 4 ranks), the plan shards ZeRO
 over ``dp_shard x cp`` and prints the new axes, and the models' activation
-formulas take the split as keywords or from the stage. tests/test_layout_plan.py
+formulas take the split as keywords or from the stage. tests/planning/test_layout_plan.py
 holds the figures against runs.
 """
 import dataclasses

@@ -10,7 +10,7 @@ import pytest
 
 from mpishard.run.plot import PlotError, add_plot_command, load_metrics, metrics_figure, plot_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 STEPS = 6
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",

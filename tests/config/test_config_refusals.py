@@ -18,7 +18,7 @@ import pytest
 
 from mpishard.cli.main import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LLAMA, GPT = ["--preset", "llama-tiny"], ["--preset", "gpt-tiny"]
 MOE = [*LLAMA, "--moe-experts", "4"]

@@ -14,7 +14,7 @@ from mpishard.data.corpus import BatchSampler, DataError
 from mpishard.data.tokens import (RUN_TOKENS, SAMPLE_RUNS, TokenArray, Tokenizer, dtype_for_vocab,
                              is_token_dir, load_tokens)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_tokens(folder: Path, train, val, meta=None, dtype="uint16") -> Path:

@@ -15,7 +15,7 @@ from mpishard.data.corpus import DataError
 from mpishard.data.prepare import add_prepare_command, main, prepare
 from mpishard.data.tokens import Tokenizer, load_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 ODD = "naïve café 日本語 — ünïcode\t tabs\r\n  <|endoftext|> inside\n"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "slurm"
 TEMPLATES = ["cpu.sbatch", "gpu.sbatch", "multinode.sbatch"]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

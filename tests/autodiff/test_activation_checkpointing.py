@@ -1,8 +1,8 @@
 """Activation checkpointing (``recompute``, ``GPT.set_activation_checkpointing``).
 
-    python -m pytest -q tests/test_activation_checkpointing.py
+    python -m pytest -q tests/autodiff/test_activation_checkpointing.py
     OMP_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py -m pytest -q --with-mpi \
-        tests/test_activation_checkpointing.py
+        tests/autodiff/test_activation_checkpointing.py
 
 Checkpointing must not change a single bit: losses, gradients and trained
 parameters are compared with ``np.array_equal`` against the same run without

@@ -3,7 +3,7 @@
 Forward values by hand, adjoints (<A x, y> = <x, A^T y> with A^T run as the
 op's backward), round trips, dtypes, non-contiguous inputs and the error for
 row counts that do not divide. The finite-difference checks of the same ops
-are tests/sp_cases.py, run by tests/test_parallel_tp_ops.py.
+are tests/sp_cases.py, run by tests/parallel/test_parallel_tp_ops.py.
 """
 import contextlib
 from types import SimpleNamespace

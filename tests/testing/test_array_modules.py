@@ -1,9 +1,9 @@
 """The core paths on every array module: NumPy and the CuPy-strict module always, CuPy
 where a GPU is visible.
 
-    pytest tests/test_array_modules.py                        # NumPy, strict (+ CuPy with a GPU)
-    MPISHARD_TEST_BACKENDS=cupy pytest tests/test_array_modules.py
-    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/test_array_modules.py
+    pytest tests/testing/test_array_modules.py                        # NumPy, strict (+ CuPy with a GPU)
+    MPISHARD_TEST_BACKENDS=cupy pytest tests/testing/test_array_modules.py
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/testing/test_array_modules.py
 
 The strict module (mpishard.testing.strict) computes with NumPy but refuses what CuPy
 refuses (``np.asarray`` of a device array, NumPy arrays as operands) and draws

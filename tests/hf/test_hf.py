@@ -441,7 +441,7 @@ def test_cli_export_formats(tmp_path):
 
     make_hf("gpt2", tmp_path / "in", vocab=260)
     checkpoint_of(tmp_path / "in", tmp_path / "ckpt", train_config(tmp_path / "in"))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "mpishard", "checkpoint", "export", *args],

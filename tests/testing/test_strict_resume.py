@@ -7,7 +7,7 @@ two steps and resumed in a fresh process continues with the same masks: its
 next losses and parameters equal the uninterrupted run's bit for bit. Without
 restoring them the masks, and so the losses, differ.
 
-    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/test_strict_resume.py
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/testing/test_strict_resume.py
 """
 import numpy as np
 import pytest

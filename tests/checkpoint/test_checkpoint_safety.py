@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "mpishard" / "checkpoint"
+PACKAGE = Path(__file__).resolve().parents[2] / "mpishard" / "checkpoint"
 FORBIDDEN_NAMES = {"pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle",
                    "allow_pickle", "eval", "exec", "__import__"}
 # mpi4py's pickling methods, and Communicator's *_obj forms that call them

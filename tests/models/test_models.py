@@ -143,7 +143,7 @@ def test_matches_pytorch_nanogpt():
     torch = pytest.importorskip("torch")
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from torch_nanogpt import GPT as TorchGPT
 
     cfg = GPTConfig(**TINY)

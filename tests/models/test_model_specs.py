@@ -14,7 +14,7 @@ from mpishard.config.presets import PRESETS
 from mpishard.config.sections import KEYS, config_from_dict, load_config
 from mpishard.models import MODELS, spec_of
 
-PKG = Path(__file__).resolve().parent.parent / "mpishard"
+PKG = Path(__file__).resolve().parents[2] / "mpishard"
 TEXT = [name for name, spec in MODELS.items() if spec.build_config is not None]
 
 
