@@ -66,8 +66,11 @@ demo: $(STAMP)
 test: $(REFERENCE_STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi test-mpi8
 
+# the one-rank tests spread over the cores (pytest-xdist); TEST_WORKERS=0 runs them in
+# this process
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-serial: $(REFERENCE_STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi tests
+	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi -n $(TEST_WORKERS) tests
 
 test-mpi: $(REFERENCE_STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests

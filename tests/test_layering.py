@@ -259,7 +259,9 @@ def test_where_things_go_matches_the_code():
     assert families and all(f in MODELS for f in families), (families, sorted(MODELS))
     registering = [p for p in (PKG / "parallel").glob("*/*.py")
                    if "@register_strategy(" in p.read_text()]
-    assert {e.cls.__module__ for e in STRATEGIES.values()} == {module_name(p) for p in registering}
+    shipped = {e.cls.__module__ for e in STRATEGIES.values()
+               if e.cls.__module__.startswith("mpishard.")}  # tests register their own too
+    assert shipped == {module_name(p) for p in registering}
     assert {p.stem for p in (PKG / "comm" / "backends").glob("*.py")} - {
         "__init__", "base", "one_rank"} <= set(BACKENDS)
     assert [n for n in dir(KernelSet) if not n.startswith("_")]
