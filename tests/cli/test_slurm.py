@@ -642,6 +642,8 @@ def test_data_weights_and_checkpoints_reach_every_rank(template, shims, tmp_path
         assert flags["--data"] == "data/books" and flags["--init-from"] == "models/tiny-llama"
         assert flags["--checkpoint-dir"] == str(ckpt) and flags["--resume"] == "true"
         assert flags["--config"] == "my.toml"
+        if template != "cpu.sbatch":     # GPU templates: bfloat16 weights keep their range
+            assert flags["--precision"] == "float32"
     assert (ckpt / "step-7").is_dir()                          # USR1 "checkpointed" there
     shims[1].unlink()
     result, lines = submit(template, shims, tmp_path, VENV=str(venv), CONFIG=None,
@@ -649,5 +651,7 @@ def test_data_weights_and_checkpoints_reach_every_rank(template, shims, tmp_path
     assert result.returncode == 0, result.stdout + result.stderr
     for args in calls(lines, "python"):
         assert not {"--config", "--data", "--init-from"} & set(args)
+        if template != "cpu.sbatch":     # from scratch on GPUs: float16, loss-scaled
+            assert args[args.index("--precision") + 1] == "float16"
         run_dir = tmp_path / "runs" / f"{JOB_NAMES[template]}-{JOB_ID}"
         assert args[args.index("--checkpoint-dir") + 1] == str(run_dir / "checkpoints")
