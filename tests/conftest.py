@@ -3,7 +3,19 @@
 The suite runs twice: serially (``pytest --with-mpi``: MPI tests at world size
 1) and under ``mpiexec -n 4 python -m mpi4py -m pytest --with-mpi``. In the
 multi-rank run only tests marked ``@pytest.mark.mpi`` run; the others already
-ran serially and would only repeat on every rank.
+ran serially and would only repeat on every rank, and so are the one-rank
+cases of tests parametrized by their sub-world's size (``size`` or ``dp_size``,
+as in ``parity.sub_world(size)``): the serial run ran them on a world of one,
+and under mpiexec they would hold three ranks idle. A test file without the
+``mark.mpi`` mark in its text is not even imported there (its imports, torch's
+among them, would cost every rank seconds for tests that all skip); the serial
+run checks that every MPI test is in a file that says so.
+
+Under mpiexec every rank waits for the others before each MPI test, sleeping
+between polls of a non-blocking barrier (:func:`parity.wait_for_every_rank`):
+a rank that sat a test out (a sub-world of fewer ranks) would otherwise spin in
+the next test's first collective, taking the CPU the working ranks need when
+ranks outnumber cores.
 
 Tests that take the ``array_backend`` fixture run once per array module:
 NumPy and the CuPy-strict module (:mod:`mpishard.testing.strict`: NumPy memory behind
@@ -35,12 +47,54 @@ def _world_size() -> int:
     return 1
 
 
+MPI_MARK = "mark.mpi"
+
+
+def _has_mpi_tests(path: Path) -> bool:
+    return MPI_MARK in path.read_text(encoding="utf-8")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if (_world_size() > 1 and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and not _has_mpi_tests(collection_path)):
+        return True
+    return None
+
+
+#: the parameters that name an MPI test's sub-world size (``parity.sub_world(size)``)
+SUB_WORLD_SIZE = ("size", "dp_size")
+
+
+def _one_rank_case(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(callspec.params.get(name) == 1
+                                        for name in SUB_WORLD_SIZE)
+
+
 def pytest_collection_modifyitems(config, items):
     if _world_size() > 1:
         skip = pytest.mark.skip(reason="not an MPI test: runs in the serial leg")
+        skip_one = pytest.mark.skip(reason="a one-rank case: runs in the serial leg")
         for item in items:
             if "mpi" not in item.keywords:
                 item.add_marker(skip)
+            elif _one_rank_case(item):
+                item.add_marker(skip_one)
+        return
+    unseen = sorted({str(item.path.relative_to(ROOT)) for item in items
+                     if item.get_closest_marker("mpi") and not _has_mpi_tests(item.path)})
+    if unseen:
+        raise pytest.UsageError(
+            f"{', '.join(unseen)} hold MPI tests but no {MPI_MARK!r} in their text, so the "
+            f"mpiexec legs would not collect them; mark them with @pytest.mark.mpi there")
+
+
+def pytest_runtest_setup(item):
+    if _world_size() > 1 and "mpi" in item.keywords:
+        from parity import wait_for_every_rank
+
+        wait_for_every_rank()
 
 
 ARRAY_BACKENDS = ("numpy", "strict", "cupy")

@@ -9,12 +9,16 @@ shuffles and barriers that no CPU test exercises: on the CuPy-strict module the
 kernel set runs its reference math instead. Here ``g++`` compiles the same CUDA
 source as C++20 against a small shim (:data:`SHIM`) and runs it:
 
-* each launch starts one host thread per CUDA thread of a block; the threads walk
-  the grid's blocks one at a time together, meeting at a barrier between blocks,
-  so ``__shared__`` variables (static storage) belong to the one block running;
-* ``__syncthreads()`` is a barrier of the block's threads, ``__shfl_*_sync`` an
+* each CUDA thread of a block is a fiber (``ucontext``, its own stack) of the one
+  host thread that calls the launch; in turn, each fiber runs until it waits at a
+  barrier or ends (thousands of host threads meeting at barriers cost a 2-core
+  machine seconds a launch in context switches). The fibers walk the grid's blocks
+  one at a time together, meeting at a barrier between blocks, so ``__shared__``
+  variables (static storage) belong to the one block running;
+* ``__syncthreads()`` is a barrier of the block's fibers, ``__shfl_*_sync`` an
   exchange through a per-warp slot between two barriers of the warp's 32 lanes
-  (lanes numbered as on a GPU: x fastest, 32 to a warp), ``atomicAdd`` takes a lock;
+  (lanes numbered as on a GPU: x fastest, 32 to a warp); ``atomicAdd`` is a plain
+  add (no fiber is switched out inside one);
 * ``__half`` is the compiler's IEEE binary16 ``_Float16`` (``numpy.float16``'s
   format), converted with round-to-nearest-even like ``__float2half_rn``;
 * arguments are checked as CuPy would pass them, and more strictly: a NumPy
@@ -26,14 +30,15 @@ source as C++20 against a small shim (:data:`SHIM`) and runs it:
   reading garbage (``HostKernel.null_pointers`` names them).
 
 A warp shuffle in a warp of fewer than 32 threads (undefined on a GPU) fails the
-launch. What it proves: the kernel's arithmetic, indexing, shared memory and
+launch, and so do threads waiting at a barrier that the others never reach (a hang
+on a GPU). What it proves: the kernel's arithmetic, indexing, shared memory and
 barriers give the reference results for the launch shapes the caller uses. What
 it does not: speed, register and shared-memory limits, the device's own rounding
 (``exp``, ``tanh``, and multiply-adds NVRTC contracts into FMAs, which this build
 does not), memory races that a barrier-exact schedule hides, reads of shared
 memory before any write (here zeros, or the last block's values; on a GPU
-garbage), or anything of the GPU's memory model. Compiled libraries are cached by the hash of their source under the system
-temporary directory.
+garbage), or anything of the GPU's memory model. Compiled libraries are cached by the hash of
+their source under the system temporary directory.
 """
 from __future__ import annotations
 
@@ -53,29 +58,49 @@ __all__ = ["HostModule", "HostKernel", "host_compiler", "SHIM"]
 
 SHIM = r"""
 #include <algorithm>
-#include <atomic>
-#include <barrier>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <pthread.h>
+#include <ucontext.h>
 #include <vector>
 
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
 namespace emu {
+/* A barrier of fibers: the last to arrive opens it, the others yield until it has. */
+struct Barrier { unsigned expected = 0, arrived = 0; unsigned long generation = 0; };
+struct Fiber { ucontext_t context; dim3 thread_idx, block_idx; int lane = 0, warp = 0;
+               bool done = false; };
 inline dim3 grid_dim, block_dim;
-inline thread_local dim3 thread_idx, block_idx;
-inline thread_local int lane = 0, warp = 0;
-inline std::barrier<>* block_barrier = nullptr;
-inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+/* the running fiber's indices (the scheduler sets them before it resumes one) */
+inline dim3 thread_idx, block_idx;
+inline int lane = 0, warp = 0;
+inline Barrier block_barrier;
+inline std::vector<Barrier> warp_barriers;
 inline std::vector<unsigned> warp_lanes;
-inline std::atomic<bool> partial_shuffle{false};
+inline bool partial_shuffle = false;
 inline unsigned char warp_slots[32][32][8];
-inline std::mutex atomic_lock;
+inline std::vector<Fiber> fibers;
+inline std::vector<std::unique_ptr<char[]>> stacks;
+inline ucontext_t scheduler;
+inline unsigned current = 0;
+inline unsigned long progress = 0;      /* arrivals, openings and ends: what a round must see */
+inline std::function<void()>* body = nullptr;
+constexpr size_t STACK_BYTES = 1 << 18;
+
+inline void yield() {
+  Fiber& f = fibers[current];
+  f.block_idx = block_idx;
+  swapcontext(&f.context, &scheduler);
+}
+inline void arrive_and_wait(Barrier& b) {
+  const unsigned long generation = b.generation;
+  ++progress;
+  if (++b.arrived == b.expected) { b.arrived = 0; ++b.generation; return; }
+  while (b.generation == generation) yield();
+}
 }
 #define threadIdx (emu::thread_idx)
 #define blockIdx (emu::block_idx)
@@ -90,16 +115,16 @@ inline std::mutex atomic_lock;
 #define __restrict__
 #define warpSize 32
 
-inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barriers[emu::warp]->arrive_and_wait(); }
+inline void __syncthreads() { emu::arrive_and_wait(emu::block_barrier); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::arrive_and_wait(emu::warp_barriers[emu::warp]); }
 
 template <class V> V emu_exchange(V v, int src, bool keep) {
   if (emu::warp_lanes[emu::warp] < 32) emu::partial_shuffle = true;  /* undefined on a GPU */
   std::memcpy(emu::warp_slots[emu::warp][emu::lane], &v, sizeof(V));
-  emu::warp_barriers[emu::warp]->arrive_and_wait();
+  emu::arrive_and_wait(emu::warp_barriers[emu::warp]);
   V r = v;
   if (!keep) std::memcpy(&r, emu::warp_slots[emu::warp][src], sizeof(V));
-  emu::warp_barriers[emu::warp]->arrive_and_wait();
+  emu::arrive_and_wait(emu::warp_barriers[emu::warp]);
   return r;
 }
 template <class V> V __shfl_xor_sync(unsigned, V v, int m, int w = 32) {
@@ -116,10 +141,8 @@ template <class V> V __shfl_up_sync(unsigned, V v, unsigned d, int w = 32) {
 template <class V> V __shfl_sync(unsigned, V v, int src, int w = 32) {
   return emu_exchange(v, (emu::lane / w) * w + (src % w), false);
 }
-template <class V> V atomicAdd(V* p, V v) {
-  std::lock_guard<std::mutex> g(emu::atomic_lock);
-  V old = *p; *p = old + v; return old;
-}
+/* one host thread runs every fiber, and a fiber is never switched out inside a call */
+template <class V> V atomicAdd(V* p, V v) { V old = *p; *p = old + v; return old; }
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
@@ -130,49 +153,62 @@ using std::max;
 using std::min;
 
 namespace emu {
-struct Start { std::function<void()>* body; unsigned linear; };
-inline void* run_thread(void* arg) {
-  Start* s = static_cast<Start*>(arg);
-  const unsigned bx = block_dim.x, by = block_dim.y;
-  thread_idx.x = s->linear % bx;
-  thread_idx.y = (s->linear / bx) % by;
-  thread_idx.z = s->linear / (bx * by);
-  lane = s->linear % 32;
-  warp = s->linear / 32;
+inline void run_fiber() {
   for (unsigned z = 0; z < grid_dim.z; ++z)
     for (unsigned y = 0; y < grid_dim.y; ++y)
       for (unsigned x = 0; x < grid_dim.x; ++x) {
         block_idx.x = x; block_idx.y = y; block_idx.z = z;
-        (*s->body)();
-        block_barrier->arrive_and_wait();     /* the block's shared memory is free again */
+        (*body)();
+        arrive_and_wait(block_barrier);     /* the block's shared memory is free again */
       }
-  return nullptr;
+  fibers[current].done = true;             /* and back to the scheduler (uc_link) */
+  ++progress;
 }
-inline int launch(dim3 grid, dim3 block, std::function<void()> body) {
+inline int launch(dim3 grid, dim3 block, std::function<void()> kernel) {
   grid_dim = grid;
   block_dim = block;
   const unsigned n = block.x * block.y * block.z;
   if (n == 0 || n > 1024) return 1;
-  std::barrier<> bar(n);
-  block_barrier = &bar;
+  body = &kernel;
+  block_barrier = Barrier{n};
   warp_barriers.clear();
   warp_lanes.clear();
   partial_shuffle = false;
   for (unsigned w = 0; w * 32 < n; ++w) {
-    warp_barriers.emplace_back(new std::barrier<>(std::min(32u, n - 32 * w)));
+    warp_barriers.push_back(Barrier{std::min(32u, n - 32 * w)});
     warp_lanes.push_back(std::min(32u, n - 32 * w));
   }
-  std::vector<Start> starts(n);
-  std::vector<pthread_t> threads(n);
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setstacksize(&attr, 1 << 18);
+  while (stacks.size() < n) stacks.emplace_back(new char[STACK_BYTES]);
+  fibers.assign(n, Fiber{});
   for (unsigned i = 0; i < n; ++i) {
-    starts[i] = Start{&body, i};
-    if (pthread_create(&threads[i], &attr, run_thread, &starts[i]) != 0) return 2;
+    Fiber& f = fibers[i];
+    f.thread_idx.x = i % block.x;
+    f.thread_idx.y = (i / block.x) % block.y;
+    f.thread_idx.z = i / (block.x * block.y);
+    f.lane = i % 32;
+    f.warp = i / 32;
+    if (getcontext(&f.context) != 0) return 2;
+    f.context.uc_stack.ss_sp = stacks[i].get();
+    f.context.uc_stack.ss_size = STACK_BYTES;
+    f.context.uc_link = &scheduler;
+    makecontext(&f.context, run_fiber, 0);
   }
-  for (unsigned i = 0; i < n; ++i) pthread_join(threads[i], nullptr);
-  pthread_attr_destroy(&attr);
+  /* Round robin: each fiber runs until it waits at a barrier or ends. A round in
+     which no fiber arrived anywhere or ended is a deadlock (a barrier that some
+     thread never reaches: a hang on a GPU). */
+  for (unsigned live = n; live;) {
+    const unsigned long before = progress;
+    live = 0;
+    for (unsigned i = 0; i < n; ++i) {
+      Fiber& f = fibers[i];
+      if (f.done) continue;
+      current = i;
+      thread_idx = f.thread_idx; block_idx = f.block_idx; lane = f.lane; warp = f.warp;
+      swapcontext(&scheduler, &f.context);
+      live += !f.done;
+    }
+    if (live && progress == before) return 4;
+  }
   return partial_shuffle ? 3 : 0;
 }
 }
@@ -287,6 +323,9 @@ class HostKernel:
         if rc == 3:
             raise RuntimeError(f"{self.name}: a warp shuffle in a warp of fewer than 32 "
                                f"threads (block {block}): undefined on a GPU")
+        if rc == 4:
+            raise RuntimeError(f"{self.name}: threads wait at a barrier that others never "
+                               f"reach (block {block}): a hang on a GPU")
         if rc:
             raise RuntimeError(f"{self.name}: launch of grid {grid} x block {block} failed "
                                f"(code {rc}: at most 1,024 threads a block)")

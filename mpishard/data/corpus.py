@@ -11,6 +11,7 @@ download. Any file or folder of text works with ``--data PATH``.
 """
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,17 +55,20 @@ class Corpus:
         return VOCAB_SIZE
 
 
+#: folders of the standard library left out of the default corpus (and not walked:
+#: a site-packages can hold ten times the library's own files)
+_NOT_CORPUS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
+                         "__pycache__", "lib2to3"})
+
+
 def default_corpus_files() -> list[Path]:
     """The standard library's ``.py`` files (tests and site-packages excluded), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for path in sorted(root.rglob("*.py")):
-        parts = set(path.relative_to(root).parts)
-        if parts & {"site-packages", "dist-packages", "test", "tests", "idle_test",
-                    "__pycache__", "lib2to3"}:
-            continue
-        files.append(path)
-    return files
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _NOT_CORPUS]
+        files.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return sorted(files)
 
 
 def token_files_in(path: Path) -> list:

@@ -26,7 +26,7 @@ from mpishard.checkpoint import CheckpointError
 from mpishard.comm import Mesh
 from mpishard.hf.files import HFWeights
 from mpishard.parallel import ParallelModel
-from parity import sub_world
+from parity import sub_world, wait_for_every_rank
 
 pytestmark = pytest.mark.mpi
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
@@ -56,6 +56,7 @@ def folders(tmp_path_factory):
             made["bad"] = str(base / "bad")
         except BaseException as exc:  # noqa: BLE001 -- shared, so no rank waits
             made = {"error": repr(exc)}
+    wait_for_every_rank()  # asleep while rank 0 builds, not spinning in the bcast
     made = MPI.COMM_WORLD.bcast(made, root=0)
     if "error" in made:
         pytest.skip(f"could not build the transformers folders: {made['error']}")
