@@ -1,7 +1,8 @@
 """Shared test set-up.
 
-The suite runs twice: serially (``pytest --with-mpi``: MPI tests at world size
-1) and under ``mpiexec -n 4 python -m mpi4py -m pytest --with-mpi``. In the
+The suite runs twice: serially (``pytest --with-mpi``, in ``make test`` on two
+pytest-xdist workers: MPI tests at world size 1) and under ``mpiexec -n 4 python
+-m mpi4py -m pytest --with-mpi``. In the
 multi-rank run only tests marked ``@pytest.mark.mpi`` run; the others already
 ran serially and would only repeat on every rank, and so are the one-rank
 cases of tests parametrized by their sub-world's size (``size`` or ``dp_size``,
