@@ -39,6 +39,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
+# tests/ mirrors the package's folders; a test may reuse another folder's builders
+# (test_hf's transformers models, test_meta_pkl's nanoGPT folder), also when run alone
+for _folder in sorted((ROOT / "tests").iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def _world_size() -> int:

@@ -82,6 +82,21 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def run_mpishard(*args, n=None, timeout=120, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """``python -m mpishard ARGS``, or with ``n`` the same under ``mpiexec -n N python -m
+    mpi4py``, from the source tree, 1 BLAS thread, outside the job this process may run in."""
+    cmd = [sys.executable, "-m", "mpishard", *map(str, args)]
+    if n is not None:
+        cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard",
+               *map(str, args)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               **(env or {}))
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd or ROOT)
+
+
 def mpiexec_command(script: str, *args, np_: int = 2) -> list:
     """``mpiexec -n N python -m mpi4py tests/ckpt_scripts/SCRIPT ARGS`` (Open MPI flags added)."""
     from mpi4py import MPI

@@ -1,7 +1,5 @@
 """The mpishard command: each command runs; each bad input gives its message and exit code."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,16 +11,7 @@ FAST = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16
         "--batch-size", "2", "--max-bytes", "20000", "--eval-batches", "1", "--progress", "false"]
 
 
-def mpishard(*args, n=None, timeout=120, cwd=None, env=None):
-    cmd = [sys.executable, "-m", "mpishard", *args]
-    if n is not None:
-        cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               **(env or {}))
-    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(var, None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=cwd or ROOT)
+from ckpt_scripts.common import run_mpishard as mpishard  # noqa: E402
 
 
 def test_help_and_version():

@@ -8,8 +8,6 @@ before anything is built] in mpishard/config/support.py. Two cases run under
 ``mpiexec -n 2``: one line in all from both ranks, and the note of how tp = 3
 splits 4 heads over 2 key/value heads, printed once.
 """
-import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -75,13 +73,11 @@ def test_precision_abbreviations(keep_hooks):
         assert load_config(None, {"precision": short}).parallel.precision == name
 
 
+from ckpt_scripts.common import run_mpishard  # noqa: E402
+
+
 def _mpishard(n: int, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(var, None)
-    return subprocess.run([str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m",
-                           "mpishard", "train", *args], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    return run_mpishard("train", *args, n=n, timeout=300)
 
 
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to python")

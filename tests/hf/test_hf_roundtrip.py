@@ -10,8 +10,6 @@ exactly (``torch.equal``).
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,16 +27,11 @@ pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to python")]
 
 
+from ckpt_scripts.common import run_mpishard  # noqa: E402
+
+
 def mpishard(*args, n=None, timeout=400):
-    cmd = [sys.executable, "-m", "mpishard", *args]
-    if n is not None:
-        cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard",
-               *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(var, None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+    return run_mpishard(*args, n=n, timeout=timeout)
 
 
 @pytest.mark.parametrize("kind, layout", [

@@ -17,12 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
-def mpishard(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "mpishard", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+from ckpt_scripts.common import run_mpishard as mpishard  # noqa: E402
 
 
 def test_llama_8b_estimate_matches_the_hand_count():

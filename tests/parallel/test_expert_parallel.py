@@ -308,7 +308,7 @@ def test_the_plan_holds_the_run_s_model_state_and_the_exchange_moves_the_routed_
 def test_ep_through_the_cli_trains_as_ep1_and_is_planned_and_refused(tmp_path):
     import json
 
-    from test_cli import mpishard
+    from ckpt_scripts.common import run_mpishard as mpishard
     common = ("train", "--model", "llama", "--preset", "llama-tiny", "--moe-experts", "4",
               "--dtype", "float64", "--steps", "3", "--max-bytes", "60000", "--eval-batches",
               "1", "--progress", "false")

@@ -161,7 +161,7 @@ def test_candidates_respect_the_model_and_the_batch():
 
 
 def test_plan_prints_a_ranked_table_and_json():
-    from test_cli import mpishard
+    from ckpt_scripts.common import run_mpishard as mpishard
     out = mpishard("plan", "--preset", "gpt2", "--ranks", "8", "--ranks-per-node", "8",
                    "--machine", "h100-sxm", "--global-batch", "64", "--top", "3")
     assert out.returncode == 0, out.stderr
@@ -185,7 +185,7 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     assert (a, b) == pytest.approx((1.0, 2.0))
     a, b = fit_line([1, 2], [1, 2.5])                 # a negative intercept: through 0
     assert a == 0.0 and b == pytest.approx(6 / 5)
-    from test_cli import mpishard
+    from ckpt_scripts.common import run_mpishard as mpishard
     path = tmp_path / "m.json"
     out = mpishard("bench", "calibrate", "-o", str(path), "--repeats", "2", n=2, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,16 +22,7 @@ XL = ["--vocab-size", "50304", "--n-layer", "48", "--n-head", "25", "--n-embd", 
       "--block-size", "1024", "--batch-size", "1"]
 
 
-def mpishard(*args, n=None, timeout=120):
-    cmd = [sys.executable, "-m", "mpishard", *map(str, args)]
-    if n is not None:
-        cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard",
-               *map(str, args)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(var, None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+from ckpt_scripts.common import run_mpishard as mpishard  # noqa: E402
 
 
 def figures(text: str) -> dict:
