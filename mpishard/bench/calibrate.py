@@ -70,10 +70,12 @@ def model_shapes(model, rows: int) -> list:
 
 
 def fit_line(x, y) -> tuple:
-    """Least-squares ``y = a + b x`` with ``a >= 0``: returns ``(a, b)``."""
+    """Least-squares ``y = a + b x`` with ``a >= 0`` and ``b > 0`` (a time per byte or per
+    flop): returns ``(a, b)``. Timings too noisy for that line (a negative intercept, or
+    a larger size measured no slower) are fitted through the origin instead."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     b, a = np.polyfit(x, y, 1)
-    if a < 0:                         # through the origin instead
+    if a < 0 or b <= 0:               # through the origin instead
         a, b = 0.0, float(np.dot(x, y) / np.dot(x, x))
     return float(a), float(b)
 

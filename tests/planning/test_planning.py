@@ -183,6 +183,8 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     from mpishard.bench.calibrate import fit_line
     a, b = fit_line([1, 2, 3, 4], [3, 5, 7, 9])
     assert (a, b) == pytest.approx((1.0, 2.0))
+    a, b = fit_line([1, 2, 3], [2, 1.9, 1.8])          # no slower when larger (noise)
+    assert a == 0.0 and b > 0
     a, b = fit_line([1, 2], [1, 2.5])                 # a negative intercept: through 0
     assert a == 0.0 and b == pytest.approx(6 / 5)
     from ckpt_scripts.common import run_mpishard as mpishard
