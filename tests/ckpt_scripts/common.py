@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,17 @@ def run_mpishard(*args, n=None, timeout=120, cwd=None, env=None) -> subprocess.C
         env.pop(var, None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=cwd or ROOT)
+
+
+#: Open MPI's launcher adds this block to stderr when a rank exits with a non-zero status
+_LAUNCHER_NOTE = re.compile(r"-{20,}\n[^\n]*(?:prterun|mpirun|mpiexec)[^\n]*non-zero status.*?-{20,}\n",
+                            re.S)
+
+
+def ranks_stderr(text: str) -> str:
+    """What the ranks wrote on stderr: ``text`` without the launcher's own note about a
+    non-zero exit (Open MPI prints one, MPICH none)."""
+    return _LAUNCHER_NOTE.sub("", text)
 
 
 def mpiexec_command(script: str, *args, np_: int = 2) -> list:

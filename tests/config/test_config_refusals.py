@@ -73,7 +73,7 @@ def test_precision_abbreviations(keep_hooks):
         assert load_config(None, {"precision": short}).parallel.precision == name
 
 
-from ckpt_scripts.common import run_mpishard  # noqa: E402
+from ckpt_scripts.common import ranks_stderr, run_mpishard  # noqa: E402
 
 
 def _mpishard(n: int, *args):
@@ -84,7 +84,7 @@ def _mpishard(n: int, *args):
 def test_two_ranks_say_one_line_and_a_split_is_told_once():
     out = _mpishard(2, *GPT, "--dropout", "0.1", "--cp", "2", "--steps", "1")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines() == [
+    assert ranks_stderr(out.stderr).strip().splitlines() == [
         "mpishard: error: dropout = 0.1 with cp = 2: context-parallel attention has no "
         "dropout; use dropout = 0, or cp = 1"], out.stderr
     out = _mpishard(3, *LLAMA, "--tp", "3", "--steps", "1", "--dry-run", "true")
