@@ -36,14 +36,10 @@ REFERENCE_STAMP := $(VENV)/.installed-reference
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 # the serial leg's worker processes (pytest-xdist; WORKERS=0 runs it in this one)
 WORKERS ?= 2
-# pip compiles what it installs on one core, a third of a fresh venv's time; the
-# venv's packages are compiled afterwards on every core instead (pip's own
-# failures to compile, as torch's Python 3.12 test files, are ignored alike)
+# pip would compile every file it installs, on one core (torch, sympy, transformers:
+# most of a fresh venv's time, and most of it never imported); instead Python writes
+# the bytecode of what the tests and runs import, the first time they import it
 PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check --no-compile
-COMPILE_VENV := $(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
-# The tests start hundreds of Python processes, which PYTHONDONTWRITEBYTECODE
-# keeps from writing bytecode: the tree's modules are compiled once before each leg
-COMPILE_TREE := $(PY) -m compileall -q mpishard tests
 EXTRAS := $(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits
 # The tests match PyTorch and transformers as references; torch is pinned to a
 # CPU build that exists as a wheel (override TORCH to pick another).
@@ -51,7 +47,6 @@ TORCH ?= torch==2.13.0
 # Oversubscribed ranks must not also spawn BLAS threads.
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
-export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: demo test test-serial test-mpi test-mpi8 test-strict bench bench-syncs gpu-wheels venv \
 	clean
@@ -61,7 +56,6 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[$(EXTRAS)]'
-	$(COMPILE_VENV)
 	touch $(STAMP)
 
 # everything above and the test and benchmark references (make demo does not need
@@ -69,7 +63,6 @@ $(STAMP): pyproject.toml
 $(REFERENCE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[$(EXTRAS),reference,mkl]' '$(TORCH)'
-	$(COMPILE_VENV)
 	touch $(STAMP) $(REFERENCE_STAMP)
 
 demo: $(STAMP)
@@ -82,16 +75,13 @@ test: $(REFERENCE_STAMP)
 	$(MAKE) --no-print-directory test-serial test-mpi test-mpi8
 
 test-serial: $(REFERENCE_STAMP)
-	$(COMPILE_TREE)
 	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi -n $(WORKERS) --dist worksteal tests
 
 test-mpi: $(REFERENCE_STAMP)
-	$(COMPILE_TREE)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests
 
 # the layouts of eight ranks (oversubscribed, tiny models): their own leg
 test-mpi8: $(REFERENCE_STAMP)
-	$(COMPILE_TREE)
 	$(MPIEXEC) -n 8 $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi tests/parallel/test_long_context.py tests/comm/test_comm_mesh_axes.py \
 		tests/parallel/test_expert_parallel.py
 
@@ -100,7 +90,6 @@ test-mpi8: $(REFERENCE_STAMP)
 # serially and on NP ranks. test-serial and test-mpi run the same files.
 STRICT_TESTS := tests/testing/test_array_modules.py $(wildcard tests/testing/test_strict_*.py)
 test-strict: $(REFERENCE_STAMP)
-	$(COMPILE_TREE)
 	$(PY) -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m pytest $(PYTEST_FLAGS) --with-mpi $(STRICT_TESTS)
 

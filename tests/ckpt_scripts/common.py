@@ -78,8 +78,7 @@ def clean_env(**extra) -> dict:
            if k in LAUNCHER_SETTINGS or k.startswith("PRTE_MCA_")
            or not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPISHARD_",
                                 "SLURM_", "PRTE_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               PYTHONDONTWRITEBYTECODE="1", **extra)
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **extra)
     return env
 
 

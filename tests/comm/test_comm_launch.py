@@ -30,8 +30,7 @@ def launch(script, *args, np=2, env=None, python_args=(), limit=30):
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPISHARD_",
                                   "SLURM_"))}
-    clean.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                 PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+    clean.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **(env or {}))
     extra = ["--oversubscribe", "--allow-run-as-root"] if MPI.get_vendor()[0] == "Open MPI" else []
     cmd = [str(MPIEXEC), *extra, "-n", str(np), sys.executable, *python_args,
            str(SCRIPTS / script), *args]

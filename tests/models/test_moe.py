@@ -9,14 +9,21 @@ from mpishard.autodiff import Tensor
 from mpishard.models import Llama, LlamaConfig
 from mpishard.models.moe import MoE, load_balancing_loss, router_z_loss
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def torch():
+    """PyTorch for the tests against transformers, imported by them alone: the MPI
+    cases of this file run on every rank, which need neither."""
+    return pytest.importorskip("torch")
 
 CFG = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=16,
            intermediate_size=12, moe_experts=4, moe_top_k=2, rope_theta=10000.0)
 
 
 def mixtral(cfg: LlamaConfig, aux: float):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
@@ -30,7 +37,7 @@ def mixtral(cfg: LlamaConfig, aux: float):
 
 
 @pytest.fixture
-def float64_routers(monkeypatch):
+def float64_routers(monkeypatch, torch):
     """transformers routes in float32 (``.float()``) whatever the model's dtype; keep
     float64 tensors in float64 so the comparison can be exact to rounding."""
     import transformers.modeling_rope_utils as rope_utils
@@ -45,7 +52,7 @@ def float64_routers(monkeypatch):
 
 
 @pytest.mark.parametrize("aux,z", [(0.02, 0.0), (0.0, 0.0), (0.02, 0.01)])
-def test_mixtral_shaped_llama_matches_transformers(aux, z, float64_routers):
+def test_mixtral_shaped_llama_matches_transformers(aux, z, float64_routers, torch):
     cfg = LlamaConfig(**CFG, moe_aux_coef=aux, moe_z_coef=z)
     ours = Llama(cfg, seed=3, dtype="float64")
     ref = mixtral(cfg, aux)
@@ -214,7 +221,7 @@ def test_moe_trains_through_the_cli_and_plots_expert_load(tmp_path):
     assert "46,702,792,704 parameters" in est.stdout      # Mixtral 8x7B's published 46.7B
 
 
-def test_mixtral_folders_load_and_export(tmp_path, float64_routers):
+def test_mixtral_folders_load_and_export(tmp_path, float64_routers, torch):
     """A transformers Mixtral folder loads into mpishard with the same logits; mpishard's
     export loads back into transformers without a missing or unexpected key."""
     from mpishard import hf
