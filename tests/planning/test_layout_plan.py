@@ -1,7 +1,7 @@
 """The layout plan against what a run of that layout holds and moves.
 
-Each layout trains one step of a small GPT or Llama through ParallelModel on 4
-ranks (activations measured on the step, as mpishard train does) and compares,
+Each layout trains two steps of a small GPT or Llama through ParallelModel on 4
+ranks (activations measured on the second, as mpishard train does) and compares,
 on every rank, its ledger (parameters, gradients, optimizer state, gathered
 units, communication buffers, activations) and the bus bytes each of its mesh
 communicators and the tied-parameter group moved with :func:`estimate_layout`'s
@@ -69,12 +69,17 @@ def _run(model, layout, world):
     run.module.set_activation_checkpointing(layout.activation_checkpointing)
     opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
     opt.allocate_state()
+    x = np.random.default_rng(mesh.dp_rank).integers(
+        0, model.config.vocab_size, (layout.batch_size * layout.micro_batches, layout.seq_len))
+    # measured on the second step, as mpishard train does: the first one's Python
+    # allocations that stay (a module imported on first use, a filled cache) are not
+    # activations
+    run.train_step(x, x)
+    run.step(opt)
     run.ledger.reset_peak()
     comms = {**mesh.active_axes(), **({"tied": run.pipeline.tie} if run.pipeline.tie else {})}
     for comm in comms.values():
         comm.stats.reset()
-    x = np.random.default_rng(mesh.dp_rank).integers(
-        0, model.config.vocab_size, (layout.batch_size * layout.micro_batches, layout.seq_len))
     run.pipeline.measure_activations = True
     run.train_step(x, x)
     run.pipeline.measure_activations = False
