@@ -18,6 +18,7 @@ long-lived array the library allocates. Nothing here is global; pass it on.
 from __future__ import annotations
 
 import contextlib
+import gc
 import tracemalloc
 import weakref
 from dataclasses import dataclass, field
@@ -321,10 +322,12 @@ class MemoryLedger:
                 _, loss = model(x, y)
             m.nbytes        # also bytes_by_category()["activations"]
 
-        Counted: bytes allocated inside the ``with`` block and still alive at
-        its end (the arrays the graph keeps for backward, the outputs, the
-        graph's small Python objects), minus arrays the ledger already counts
-        in another category (e.g. ZeRO-3's gathered units). NumPy: by
+        Counted: bytes allocated inside the ``with`` block and still reachable
+        at its end (the arrays the graph keeps for backward, the outputs, the
+        graph's small Python objects; cyclic garbage is collected before the
+        figure is read, so where the collector's thresholds fall does not
+        count), minus arrays the ledger already counts in another category
+        (e.g. ZeRO-3's gathered units). NumPy: by
         :mod:`tracemalloc` (NumPy reports its data buffers to it), started for
         the block and stopped after; Python allocations run slower meanwhile.
         Where tracemalloc was already tracing, and on CuPy (the memory pool's
@@ -340,8 +343,15 @@ class MemoryLedger:
             An :class:`ActivationMeasurement`; its ``nbytes`` is set on exit.
         """
         measurement = ActivationMeasurement()
-        ledger_before = dict(self._live)
         on_device = self.cupy_pool is not None
+        if on_device:        # the pool's figure would see older garbage freed inside
+            gc.collect()
+        # what exists now is frozen, so that the last collection looks at the block's
+        # objects only (a full one, with a large heap, takes tenths of a second)
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
+        ledger_before = dict(self._live)
         started = False
         if on_device:
             used_before = int(self.cupy_pool.used_bytes())
@@ -352,11 +362,14 @@ class MemoryLedger:
             used_before = tracemalloc.get_traced_memory()[0]
         try:
             yield measurement
+            gc.collect()
             if on_device:
                 grown = int(self.cupy_pool.used_bytes()) - used_before
             else:
                 grown = tracemalloc.get_traced_memory()[0] - used_before
         finally:
+            if freeze:
+                gc.unfreeze()
             if started:
                 tracemalloc.stop()
         # An entry is the same tuple object for as long as its array is tracked.
