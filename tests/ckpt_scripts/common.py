@@ -97,14 +97,15 @@ def run_mpishard(*args, n=None, timeout=120, cwd=None, env=None) -> subprocess.C
                           cwd=cwd or ROOT)
 
 
-#: Open MPI's launcher adds this block to stderr when a rank exits with a non-zero status
-_LAUNCHER_NOTE = re.compile(r"-{20,}\n[^\n]*(?:prterun|mpirun|mpiexec)[^\n]*non-zero status.*?-{20,}\n",
-                            re.S)
+#: Open MPI's launcher adds this block to stderr when a rank exits with a non-zero status, and
+#: its PMIx server may add a line of its own when a rank is gone before it reads its last message
+_LAUNCHER_NOTE = re.compile(r"-{20,}\n[^\n]*(?:prterun|mpirun|mpiexec)[^\n]*non-zero status.*?-{20,}\n"
+                            r"|^\[[^\]\n]*\] PMIX ERROR: [^\n]*\n", re.S | re.M)
 
 
 def ranks_stderr(text: str) -> str:
-    """What the ranks wrote on stderr: ``text`` without the launcher's own note about a
-    non-zero exit (Open MPI prints one, MPICH none)."""
+    """What the ranks wrote on stderr: ``text`` without the launcher's own notes about a
+    non-zero exit (Open MPI prints them, MPICH none)."""
     return _LAUNCHER_NOTE.sub("", text)
 
 
