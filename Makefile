@@ -38,7 +38,10 @@ PYTEST_FLAGS ?= -q -p no:cacheprovider
 WORKERS ?= 2
 # pip would compile every file it installs, on one core (torch, sympy, transformers:
 # most of a fresh venv's time, and most of it never imported); instead Python writes
-# the bytecode of what the tests and runs import, the first time they import it
+# the bytecode of what the tests and runs import, the first time they import it, even
+# where the environment says not to (a container's PYTHONDONTWRITEBYTECODE=1 has every
+# one of the suite's hundreds of processes compile numpy, torch and mpishard anew)
+unexport PYTHONDONTWRITEBYTECODE
 PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check --no-compile
 EXTRAS := $(MPI),test,tokens,hf,plot,progress,checkpoint,bench,digits
 # The tests match PyTorch and transformers as references; torch is pinned to a
