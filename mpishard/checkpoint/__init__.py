@@ -16,13 +16,13 @@ from mpishard.checkpoint.format import Manifest, read_manifest
 from mpishard.checkpoint.locate import latest_checkpoint, resolve_checkpoint
 from mpishard.checkpoint.inspect import Inspection, inspect_checkpoint
 from mpishard.checkpoint.reader import ShardReader, load_checkpoint, verify_checkpoint
-from mpishard.checkpoint.signals import StopSignals
+from mpishard.checkpoint.signals import INTERRUPT_TOO, StopSignals
 from mpishard.checkpoint.state import (generator_state, load_module_rng_states, module_rng_states,
                     set_generator_state)
 from mpishard.checkpoint.writer import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "latest_checkpoint",
            "resolve_checkpoint", "read_manifest", "Manifest", "ShardReader", "consolidate",
-           "load_consolidated", "inspect_checkpoint", "Inspection", "StopSignals",
+           "load_consolidated", "inspect_checkpoint", "Inspection", "StopSignals", "INTERRUPT_TOO",
            "CheckpointError", "generator_state", "set_generator_state", "module_rng_states",
            "load_module_rng_states"]

@@ -88,8 +88,8 @@ def _cmd_train(args) -> int:
     cfg = config_from_args(args, notes)
     if cfg.parallel.layout == "auto":     # planned on rank 0, the same layout everywhere
         notes.append(_agreed_layout(world, cfg))
-    run(cfg, world, notes)
-    return 0
+    summary = run(cfg, world, notes)
+    return 130 if summary.get("interrupted") else 0     # a shell's status after Ctrl-C
 
 
 def _agreed_layout(world, cfg) -> str:

@@ -42,9 +42,11 @@ def install_abort_hook(*communicators, threads: bool = True) -> None:
     The hook prints the traceback with every line prefixed by
     ``[mpishard rank R/N]`` (so interleaved output from many ranks stays
     readable), then the call histories of ``communicators`` (see
-    [Note: collective order]), then calls ``MPI.COMM_WORLD.Abort(1)`` (130 for
-    Ctrl-C), which ends every rank with a non-zero exit code instead of leaving
-    the others waiting in their next collective.
+    [Note: collective order]), then calls ``MPI.COMM_WORLD.Abort(1)``, which ends
+    every rank with a non-zero exit code instead of leaving the others waiting in
+    their next collective. Ctrl-C (``KeyboardInterrupt``) prints one line and aborts
+    with 130. (A training loop catches the first Ctrl-C itself and saves: see
+    :class:`~mpishard.checkpoint.StopSignals`.)
 
     Args:
         *communicators: Communicators whose recent collectives to print.
@@ -52,7 +54,10 @@ def install_abort_hook(*communicators, threads: bool = True) -> None:
     """
     def abort(exc_type, exc, tb):
         try:
-            sys.stderr.write(_report(exc_type, exc, tb, communicators))
+            if issubclass(exc_type, KeyboardInterrupt):   # Ctrl-C: not a failure to explain
+                sys.stderr.write(f"{rank_prefix()} interrupted (Ctrl-C)\n")
+            else:
+                sys.stderr.write(_report(exc_type, exc, tb, communicators))
             sys.stderr.flush()
         finally:
             MPI.COMM_WORLD.Abort(130 if issubclass(exc_type, KeyboardInterrupt) else 1)

@@ -19,8 +19,8 @@ import numpy as np
 
 from mpishard.core.agree import agree, rebuild_same_type
 from mpishard.core.backend import Backend
-from mpishard.checkpoint import (CheckpointError, StopSignals, load_checkpoint, load_module_rng_states,
-                         module_rng_states, save_checkpoint)
+from mpishard.checkpoint import (INTERRUPT_TOO, CheckpointError, StopSignals, load_checkpoint,
+                                 load_module_rng_states, module_rng_states, save_checkpoint)
 from mpishard.comm import Communicator, Mesh, node_local_rank
 from mpishard.config.sections import ConfigError, TrainConfig
 from mpishard.config.support import check_supported
@@ -171,7 +171,8 @@ class Trainer:
         self.log.info(f"step {self.steps_done}: val loss {first_val:.4f}")
         metrics.write({"step": self.steps_done, "val_loss": first_val})
         record, stopped = {}, False
-        with StopSignals() as stop, progress_bar(cfg, self.world.rank, self.steps_done) as bar:
+        with StopSignals(INTERRUPT_TOO) as stop, \
+                progress_bar(cfg, self.world.rank, self.steps_done) as bar:
             while self.steps_done < cfg.optim.steps:
                 record = self.run_step()
                 if metrics.active:   # a collective (gather to rank 0): only when it is written
@@ -197,7 +198,8 @@ class Trainer:
         metrics.close()
         return {"val_loss_start": first_val, "val_loss_end": last_val,
                 "train_loss_end": record.get("loss"), "steps": self.steps_done,
-                "stopped": stopped, "skipped_steps": self.strategy.skipped_steps}
+                "stopped": stopped, "interrupted": stop.interrupted,
+                "skipped_steps": self.strategy.skipped_steps}
 
     def _due(self, interval: int) -> bool:
         return bool(interval) and self.steps_done % interval == 0
@@ -248,7 +250,8 @@ def stop_reason(stop, stopped: bool, run) -> str:
         return "loss is not finite; stopping"
     saved = ("checkpoint saved, stopping" if run.checkpoint_dir else
              "stopping (no --checkpoint-dir, nothing saved)")
-    return f"{stop.received or 'signal on another rank'}; {saved}"
+    got = "Ctrl-C" if stop.received == "SIGINT" else stop.received or "signal on another rank"
+    return f"{got}; {saved}"
 
 
 def _kernel_settings() -> None:

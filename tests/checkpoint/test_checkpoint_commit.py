@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from ckpt_scripts.common import build
-from mpishard.checkpoint import (CheckpointError, StopSignals, generator_state,
+from mpishard.checkpoint import (INTERRUPT_TOO, CheckpointError, StopSignals, generator_state,
                                  latest_checkpoint, load_checkpoint, load_module_rng_states,
                                  module_rng_states, resolve_checkpoint,
                                  save_checkpoint, set_generator_state, verify_checkpoint)
@@ -171,3 +171,18 @@ def test_stop_signals_set_a_flag_and_restore_handlers():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == "SIGUSR1" and stop.should_stop(world)
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_ctrl_c_is_caught_once_when_asked_for_and_reads_as_interrupted():
+    world = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
+    with StopSignals() as stop:                      # Slurm's signals only: Ctrl-C is not
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with StopSignals(INTERRUPT_TOO) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT" and stop.should_stop(world) and stop.interrupted
+        with pytest.raises(KeyboardInterrupt):       # a second Ctrl-C does not wait
+            os.kill(os.getpid(), signal.SIGINT)
+    with StopSignals(INTERRUPT_TOO) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.should_stop(world) and not stop.interrupted
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

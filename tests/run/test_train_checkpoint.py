@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 
+from ckpt_scripts.common import MPIEXEC, clean_env, ranks_stderr
 from test_cli import FAST, ROOT, mpishard
 
 
@@ -58,6 +60,40 @@ def test_sigusr1_checkpoints_and_exits_zero(tmp_path):
     sample = mpishard("sample", "--checkpoint", str(ckpt), "--prompt", "def ", "--tokens", "20")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 20
+
+
+def test_ctrl_c_saves_at_a_step_boundary_exits_130_and_resumes_bit_exact(tmp_path):
+    """Ctrl-C at a terminal signals mpiexec and every rank (one process group): the run
+    finishes its step, saves, says so in one line and exits 130, as a shell reports."""
+    args = [*FAST, "--steps", "200"]
+    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=2)
+    assert whole.returncode == 0, whole.stderr
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                             "mpishard", "train", *args, "--checkpoint-dir", str(ckpt),
+                             "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(), cwd=ROOT, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (metrics.exists() and len(_losses(metrics)) >= 2):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)               # what the terminal's Ctrl-C does
+    out, err = proc.communicate(timeout=60)
+    step = max(_losses(metrics))
+    assert 2 <= step < 200 and "Traceback" not in err, out + err
+    if MPI.get_vendor()[0] == "Open MPI":    # its mpiexec ends the job on Ctrl-C: status 1,
+        assert proc.returncode == 1, out + err   # the ranks' last lines unread; they saved
+    else:
+        assert proc.returncode == 130 and ranks_stderr(err) == "", out + err
+        assert f"step {step}: Ctrl-C; checkpoint saved, stopping" in out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step-{step}"]
+    resumed = mpishard("train", *args, "--checkpoint-dir", ckpt, "--resume", "true",
+                       "--metrics", tmp_path / "rest.jsonl", n=2)
+    assert resumed.returncode == 0, resumed.stderr
+    first, rest = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "rest.jsonl")
+    assert sorted(rest) == list(range(step + 1, 201))
+    assert all(first[k] == rest[k] for k in rest)      # bit-identical
+    assert all(first[k] == v for k, v in _losses(metrics).items())
 
 
 def test_resume_without_checkpoint_and_bad_path_are_one_line(tmp_path):
