@@ -25,8 +25,10 @@ from pathlib import Path
 
 
 def _env(tree: Path) -> dict:
+    # as a user runs it: no launcher variables, and OpenBLAS picks its own kernel
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPI_"))}
+           if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPI_"))
+           and k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(tree))
     return env
@@ -41,6 +43,15 @@ def _times(cmd: list, tree: Path, marker: str | None) -> list:
     if marker:
         lines = [ln[len(marker):] for ln in lines if ln.startswith(marker)]
     return json.loads(lines[-1])["times"]
+
+
+def _blas_kernel(tree: Path) -> str:
+    """The BLAS and the kernel it picked in a worker's environment (threadpoolctl's view)."""
+    code = ("import numpy, threadpoolctl; print(', '.join(f\"{i['internal_api']} "
+            "{i.get('architecture')}\" for i in threadpoolctl.threadpool_info()))")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(tree), capture_output=True,
+                         text=True, timeout=120)
+    return out.stdout.strip() or f"unknown ({out.stderr.strip()[-200:]})"
 
 
 def _step_cmd(tree: Path, steps: int, warmup: int) -> tuple:
@@ -89,6 +100,7 @@ def main(argv=None) -> dict:
                       f"{statistics.median(got):.3f} s", file=sys.stderr, flush=True)
     result = {"benchmark": "compare_trees", "before": str(trees["before"]),
               "after": str(trees["after"]), "load_avg_1min": round(os.getloadavg()[0], 2),
+              "blas": _blas_kernel(trees["after"]),
               "cases": {}}
     for case, by_tree in times.items():
         med = {name: statistics.median(t) for name, t in by_tree.items()}

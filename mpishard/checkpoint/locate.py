@@ -10,7 +10,7 @@ from pathlib import Path
 from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import LATEST, LATEST_RE, MANIFEST, STEP_RE
 
-__all__ = ["complete_steps", "latest_checkpoint", "resolve_checkpoint"]
+__all__ = ["complete_steps", "latest_checkpoint", "resolve_checkpoint", "resume_candidates"]
 
 
 def complete_steps(root) -> dict:
@@ -50,6 +50,16 @@ def latest_checkpoint(root):
         return root / named
     steps = complete_steps(root)
     return steps[max(steps)] if steps else None
+
+
+def resume_candidates(root) -> list:
+    """The complete checkpoints under ``root``, in the order a resume tries them: the
+    one :func:`latest_checkpoint` picks, then the others from the highest step down."""
+    first = latest_checkpoint(root)
+    if first is None:
+        return []
+    rest = [path for _, path in sorted(complete_steps(root).items(), reverse=True)]
+    return [first] + [path for path in rest if path != first]
 
 
 def resolve_checkpoint(path) -> Path:

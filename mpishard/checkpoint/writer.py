@@ -287,14 +287,14 @@ def _prune(root: Path, keep_last: int, committed: int) -> None:
 
 def delete_checkpoints(root) -> int:
     """Delete every checkpoint under ``root`` (complete ones, killed saves' leftovers,
-    ``latest``); returns how many complete checkpoints there were. Not collective:
-    rank 0 calls it (``mpishard train --overwrite true``)."""
+    damaged ones set aside, ``latest``); returns how many complete checkpoints there
+    were. Not collective: rank 0 calls it (``mpishard train --overwrite true``)."""
     root = Path(root)
     if not root.is_dir():
         return 0
     complete = len(complete_steps(root))
     for entry in sorted(root.iterdir()):
-        if re.fullmatch(r"step-\d+(\.old|\.tmp)?", entry.name):
+        if re.fullmatch(r"step-\d+(\.old|\.tmp)?(\.damaged(-\d+)?)?", entry.name):
             _remove_tree(entry)
         elif _LEFTOVER.fullmatch(entry.name) or entry.name == LATEST:
             _delete(entry)

@@ -130,7 +130,10 @@ class RunConfig:
     checkpoint_dir: str = opt("", "where step-N/ checkpoints go (empty: none)")
     checkpoint_interval: int = opt(0, "steps between checkpoints (0: only at the end)", low=0)
     keep_last: int = opt(2, "checkpoints to keep", low=1)
-    resume: bool = opt(False, "resume from the newest checkpoint in checkpoint_dir")
+    resume: bool = opt(False, "resume from the newest checkpoint in checkpoint_dir that "
+                       "verifies (a damaged newer one is renamed step-N.damaged)")
+    resume_from: str = opt("", "resume from this checkpoint instead: step-N in "
+                           "checkpoint_dir, or a step directory's path (implies resume)")
     overwrite: bool = opt(False, "start afresh where checkpoint_dir or the metrics file hold "
                           "an earlier run: its checkpoints are deleted, its metrics "
                           "replaced")
@@ -308,6 +311,13 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
     for key in KEYS.values():
         _check(key, getattr(getattr(cfg, key.section), key.name), cfg.model.name)
     run = cfg.run
+    if run.resume_from and not run.checkpoint_dir:
+        raise ConfigError(f"resume_from = {run.resume_from!r} needs checkpoint_dir: where "
+                          f"the resumed run saves (--checkpoint-dir DIR)")
+    if run.resume_from and run.overwrite:
+        raise ConfigError("resume_from and overwrite = true contradict each other: resume "
+                          "continues a run, overwrite deletes it")
+    run.resume = run.resume or bool(run.resume_from)
     if run.resume and not run.checkpoint_dir:
         raise ConfigError("resume = true needs checkpoint_dir: the directory to resume from "
                           "(--checkpoint-dir DIR)")

@@ -9,7 +9,8 @@ builds a model (rank 0 looks, every rank raises alike: [Note: agreed errors]):
   its next saves would repoint ``latest`` and prune the old run's checkpoints,
   and the metrics would be truncated. ``--resume true`` continues that run;
   ``--overwrite true`` deletes its checkpoints and replaces its metrics;
-* ``--resume true`` needs a complete checkpoint there, written for the same
+* ``--resume true`` needs a complete checkpoint there (the newest whose manifest
+  reads; ``--resume-from step-N`` picks one), written for the same
   model: the ``[model]`` settings that shape parameters (name, vocabulary,
   widths, depth, ...) are compared with the saved config, each difference named;
 * a resume on another number of ranks changes the global batch (sequences per
@@ -22,13 +23,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpishard.core.agree import agree, rebuild_same_type
-from mpishard.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from mpishard.checkpoint.locate import complete_steps
+from mpishard.checkpoint import CheckpointError, read_manifest
+from mpishard.checkpoint.format import LATEST_RE, MANIFEST
+from mpishard.checkpoint.locate import complete_steps, resume_candidates
 from mpishard.checkpoint.writer import delete_checkpoints
 from mpishard.config.sections import ConfigError, config_from_dict, flat_values
 from mpishard.models import MODELS
 
-__all__ = ["check_run_files", "shaping_keys"]
+__all__ = ["check_run_files", "chosen_checkpoint", "shaping_keys"]
 
 
 def shaping_keys(name: str) -> tuple:
@@ -66,14 +68,43 @@ def _fresh_run(cfg) -> None:
                               f"earlier run; {fix} --metrics")
 
 
+def chosen_checkpoint(run) -> Path:
+    """The step directory ``resume_from`` names: ``step-N`` in ``checkpoint_dir``, or a
+    step directory's path. Raises a one-line ConfigError when it is neither."""
+    named = Path(run.resume_from)
+    inside = Path(run.checkpoint_dir) / run.resume_from
+    for step_dir in ((inside, named) if LATEST_RE.fullmatch(run.resume_from) else (named,)):
+        if (step_dir / MANIFEST).is_file():
+            return step_dir
+    raise ConfigError(f"--resume-from {run.resume_from} is neither a complete step-N in "
+                      f"{run.checkpoint_dir} nor a step directory with a {MANIFEST}; "
+                      f"mpishard checkpoint inspect {run.checkpoint_dir} shows what is there")
+
+
+def _newest_readable(root: Path):
+    """The checkpoint a resume will try first whose manifest reads, or ``None``: a damaged
+    newer one is set aside when the resume loads (see [Note: damaged checkpoints])."""
+    for step_dir in resume_candidates(root):
+        try:
+            return step_dir, read_manifest(step_dir)
+        except CheckpointError:
+            continue
+    return None
+
+
 def _resumed_run(cfg, world_size: int) -> list:
     root = Path(cfg.run.checkpoint_dir)
-    step_dir = latest_checkpoint(root) if root.is_dir() else None
-    if step_dir is None:
-        why = "it does not exist" if not root.exists() else "it holds none"
+    if cfg.run.resume_from:
+        step_dir = chosen_checkpoint(cfg.run)
+        found = step_dir, read_manifest(step_dir)
+    else:
+        found = _newest_readable(root) if root.is_dir() else None
+    if found is None:
+        why = ("it does not exist" if not root.exists() else
+               "it holds none that reads" if complete_steps(root) else "it holds none")
         raise CheckpointError(str(root), "no-checkpoint", f"--resume found no complete "
                               f"checkpoint here ({why}); leave out --resume to start a new run")
-    manifest = read_manifest(step_dir)
+    step_dir, manifest = found
     saved = manifest.extra.get("config")
     if not saved:
         return []

@@ -168,15 +168,21 @@ def progress_bar(cfg, rank: int, start: int = 0) -> Progress:
 class MetricsFile:
     """One JSON line per record, written by rank 0; ``active`` on every rank alike.
 
-    A resumed run (``append``) continues its file; a new run starts it afresh.
+    A new run starts its file afresh. A run resumed at step ``resumed_at``
+    continues it from that step: the records of the earlier run's steps after the
+    checkpoint (which the resumed run trains again), its validation records from
+    that step on, and a line a kill cut short are dropped first, so the file holds
+    each step's training record once.
     """
 
-    def __init__(self, path: str, world, append: bool):
+    def __init__(self, path: str, world, resumed_at: int | None = None):
         self.active = bool(path)
         self._file = None
         if self.active and world.rank == 0:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a" if append else "w", encoding="utf-8")
+            if resumed_at is not None:
+                _rewind(Path(path), resumed_at)
+            self._file = open(path, "w" if resumed_at is None else "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if self._file is not None:
@@ -187,3 +193,26 @@ class MetricsFile:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _rewind(path: Path, step: int) -> None:
+    """Keep the records of ``path`` before ``step``, and the training record of ``step``
+    (see :class:`MetricsFile`); replaced atomically."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            at = int(record["step"])
+        except (ValueError, TypeError, KeyError):
+            continue                        # cut short by a kill, or not a record
+        if at < step or (at == step and "loss" in record):
+            kept.append(line + "\n")
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)

@@ -20,7 +20,8 @@ import numpy as np
 from mpishard.core.agree import agree, rebuild_same_type
 from mpishard.core.backend import Backend
 from mpishard.checkpoint import (INTERRUPT_TOO, CheckpointError, StopSignals, load_checkpoint,
-                                 load_module_rng_states, module_rng_states, save_checkpoint)
+                                 load_module_rng_states, load_newest_valid, module_rng_states,
+                                 save_checkpoint)
 from mpishard.comm import Communicator, Mesh, node_local_rank
 from mpishard.config.sections import ConfigError, TrainConfig
 from mpishard.config.support import check_supported
@@ -30,7 +31,7 @@ from mpishard.run.log import RankLogger
 from mpishard.optim import SGD, Adam, AdamW, CosineSchedule
 from mpishard.parallel import ParallelModel
 from mpishard.planning.layout import Layout, estimate_layout
-from mpishard.run.preflight import check_run_files
+from mpishard.run.preflight import check_run_files, chosen_checkpoint
 from mpishard.recipes import recipe_for
 from mpishard.run.report import MetricsFile, describe_plan, expert_load, progress_bar
 
@@ -108,19 +109,29 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------
     def resume(self) -> None:
-        """Continue from the newest complete checkpoint in ``checkpoint_dir`` (any layout)."""
-        where = self.cfg.run.checkpoint_dir
+        """Continue from ``resume_from``, or else from the newest checkpoint in
+        ``checkpoint_dir`` that verifies (see [Note: damaged checkpoints]); any layout."""
+        run = self.cfg.run
         try:
-            extra = load_checkpoint(where, self.strategy, self.opt, world=self.world)
+            if run.resume_from:
+                step_dir = chosen_checkpoint(run)
+                extra = load_checkpoint(step_dir, self.strategy, self.opt, world=self.world)
+                skipped = []
+            else:
+                extra, step_dir, skipped = load_newest_valid(run.checkpoint_dir, self.strategy,
+                                                             self.opt, world=self.world)
         except CheckpointError as err:           # raised identically on every rank
             if err.rule == "no-checkpoint":
-                raise CheckpointError(where, "no-checkpoint", "--resume found no complete "
-                                      "checkpoint here; leave out --resume to start a new "
-                                      "run") from None
+                raise CheckpointError(run.checkpoint_dir, "no-checkpoint", "--resume found no "
+                                      "complete checkpoint here; leave out --resume to start "
+                                      "a new run") from None
             raise
+        for damaged, moved, err in skipped:
+            self.log.info(f"skipped the damaged checkpoint {damaged}, set aside as "
+                          f"{moved.name}: {err}")
         self.sampler.load_state_dict(extra["data"])
         load_module_rng_states(self.strategy.module, extra["rng"])
-        self.log.info(f"resumed from step {self.steps_done} ({where})")
+        self.log.info(f"resumed from step {self.steps_done} ({step_dir})")
 
     def save(self):
         """Checkpoint parameters, optimizer state, data position and RNG (collective)."""
@@ -166,7 +177,8 @@ class Trainer:
     def fit(self) -> dict:
         """Train to ``steps``: each step evaluates, checkpoints, logs, and may stop."""
         cfg, run = self.cfg, self.cfg.run
-        metrics = MetricsFile(run.metrics, self.world, append=self.steps_done > 0)
+        metrics = MetricsFile(run.metrics, self.world,
+                              resumed_at=self.steps_done if run.resume else None)
         first_val = self.evaluate()
         self.log.info(f"step {self.steps_done}: val loss {first_val:.4f}")
         metrics.write({"step": self.steps_done, "val_loss": first_val})

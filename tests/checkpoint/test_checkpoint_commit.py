@@ -186,3 +186,53 @@ def test_ctrl_c_is_caught_once_when_asked_for_and_reads_as_interrupted():
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.should_stop(world) and not stop.interrupted
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_resume_tries_latest_first_then_the_highest_steps(tmp_path):
+    from mpishard.checkpoint.locate import resume_candidates
+    from mpishard.checkpoint.recover import set_aside
+
+    for step in (2, 4, 6):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / "manifest.json").write_text("{}")
+    (tmp_path / "step-8").mkdir()                                   # no manifest: incomplete
+    (tmp_path / "latest").write_text("step-4\n")
+    assert [p.name for p in resume_candidates(tmp_path)] == ["step-4", "step-6", "step-2"]
+    assert set_aside(tmp_path / "step-4").name == "step-4.damaged"
+    (tmp_path / "step-4").mkdir()
+    assert set_aside(tmp_path / "step-4").name == "step-4.damaged-2"
+    assert [p.name for p in resume_candidates(tmp_path)] == ["step-6", "step-2"]
+    assert resume_candidates(tmp_path / "none") == []
+
+
+def test_load_newest_valid_skips_damage_but_not_a_checkpoint_of_another_model(tmp_path, model):
+    from mpishard.checkpoint import load_newest_valid
+    from mpishard.models import GPTConfig
+
+    strategy, opt = model
+    _set_params(strategy, 2.0)
+    save_checkpoint(tmp_path, 2, strategy, opt)
+    _set_params(strategy, 4.0)
+    shard = save_checkpoint(tmp_path, 4, strategy, opt) / "rank-0.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    _set_params(strategy, 0.0)
+    extra, step_dir, skipped = load_newest_valid(tmp_path, strategy, opt)
+    assert step_dir.name == "step-2" and strategy.steps == 0
+    assert all(np.all(u.target.data == 2.0) for u in strategy.units)
+    assert [(a.name, b.name, e.rule) for a, b, e in skipped] == \
+        [("step-4", "step-4.damaged", "truncated")]
+    other = build("zero3", strategy.mesh.world, "float32",
+                  cfg=GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=12))
+    with pytest.raises(CheckpointError, match="does not fit this model") as err:
+        load_newest_valid(tmp_path, other, make_optimizer(other.parameters()))
+    assert err.value.rule == "mismatch" and (tmp_path / "step-2").is_dir()
+    with pytest.raises(CheckpointError) as err:
+        load_newest_valid(tmp_path / "none", strategy, opt)
+    assert err.value.rule == "no-checkpoint"
+    shard = tmp_path / "step-2" / "rank-0.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    (tmp_path / "step-4.damaged").rename(tmp_path / "step-4")
+    with pytest.raises(CheckpointError, match="step-4") as err:     # none verifies
+        load_newest_valid(tmp_path, strategy, opt)
+    assert err.value.rule == "truncated" and (tmp_path / "step-2").is_dir() \
+        and (tmp_path / "step-4").is_dir()

@@ -65,11 +65,11 @@ def test_sigusr1_checkpoints_and_exits_zero(tmp_path):
 def test_ctrl_c_saves_at_a_step_boundary_exits_130_and_resumes_bit_exact(tmp_path):
     """Ctrl-C at a terminal signals mpiexec and every rank (one process group): the run
     finishes its step, saves, says so in one line and exits 130, as a shell reports."""
-    args = [*FAST, "--steps", "200"]
-    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=2)
+    args = [*FAST, "--steps", "120"]
+    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=4)
     assert whole.returncode == 0, whole.stderr
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    proc = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+    proc = subprocess.Popen([str(MPIEXEC), "-n", "4", sys.executable, "-m", "mpi4py", "-m",
                              "mpishard", "train", *args, "--checkpoint-dir", str(ckpt),
                              "--metrics", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -80,7 +80,7 @@ def test_ctrl_c_saves_at_a_step_boundary_exits_130_and_resumes_bit_exact(tmp_pat
     os.killpg(proc.pid, signal.SIGINT)               # what the terminal's Ctrl-C does
     out, err = proc.communicate(timeout=60)
     step = max(_losses(metrics))
-    assert 2 <= step < 200 and "Traceback" not in err, out + err
+    assert 2 <= step < 120 and "Traceback" not in err, out + err
     if MPI.get_vendor()[0] == "Open MPI":    # its mpiexec ends the job on Ctrl-C: status 1,
         assert proc.returncode == 1, out + err   # the ranks' last lines unread; they saved
     else:
@@ -88,10 +88,10 @@ def test_ctrl_c_saves_at_a_step_boundary_exits_130_and_resumes_bit_exact(tmp_pat
         assert f"step {step}: Ctrl-C; checkpoint saved, stopping" in out
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step-{step}"]
     resumed = mpishard("train", *args, "--checkpoint-dir", ckpt, "--resume", "true",
-                       "--metrics", tmp_path / "rest.jsonl", n=2)
+                       "--metrics", tmp_path / "rest.jsonl", n=4)
     assert resumed.returncode == 0, resumed.stderr
     first, rest = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "rest.jsonl")
-    assert sorted(rest) == list(range(step + 1, 201))
+    assert sorted(rest) == list(range(step + 1, 121))
     assert all(first[k] == rest[k] for k in rest)      # bit-identical
     assert all(first[k] == v for k, v in _losses(metrics).items())
 
@@ -103,3 +103,69 @@ def test_resume_without_checkpoint_and_bad_path_are_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
     out = mpishard("sample", "--checkpoint", str(tmp_path / "missing"))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+
+
+def _records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _truncate_a_shard(step_dir):
+    shard = sorted(Path(step_dir).glob("rank-*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) - 40])
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumes(tmp_path):
+    """A truncated shard in the newest checkpoint: --resume continues bit-exactly from
+    the one before, in one line naming the one it skipped; retention then keeps
+    keep_last valid checkpoints and never counts or deletes the damaged one."""
+    args = [*FAST, "--steps", "9", "--checkpoint-interval", "3", "--dropout", "0.1"]
+    whole = tmp_path / "whole"
+    out = mpishard("train", *args, "--checkpoint-dir", whole, "--keep-last", "3",
+                   "--metrics", whole / "m.jsonl", n=4)
+    assert out.returncode == 0, out.stderr
+    ckpt = tmp_path / "ck"
+    shutil.copytree(whole, ckpt)
+    shutil.rmtree(ckpt / "step-9")                      # as if killed after step 6's save
+    (ckpt / "latest").write_text("step-6\n")
+    _truncate_a_shard(ckpt / "step-6")
+    m = ckpt / "m.jsonl"
+    m.write_text("".join(line + "\n" for line in m.read_text().splitlines()
+                         if json.loads(line)["step"] <= 7) + '{"step": 8, "lo')   # killed
+    out = mpishard("train", *args, "--checkpoint-dir", ckpt, "--keep-last", "2", "--resume",
+                   "true", "--metrics", m, n=4)
+    assert out.returncode == 0, out.stderr
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("skipped")]
+    assert len(skipped) == 1 and f"skipped the damaged checkpoint {ckpt / 'step-6'}, set " \
+        "aside as step-6.damaged:" in skipped[0] and "truncated" in skipped[0], out.stdout
+    assert f"resumed from step 3 ({ckpt / 'step-3'})" in out.stdout
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == \
+        ["step-6", "step-6.damaged", "step-9"]
+    first, again = _records(whole / "m.jsonl"), _records(m)
+    trained = [r["step"] for r in again if "loss" in r]
+    assert trained == list(range(1, 10))                # each step once, in order
+    assert [r["loss"] for r in again if "loss" in r] == [r["loss"] for r in first
+                                                           if "loss" in r]   # bit-identical
+    out = mpishard("train", *args, "--checkpoint-dir", ckpt, "--overwrite", "true", n=2)
+    assert out.returncode == 0 and not (ckpt / "step-6.damaged").exists(), out.stderr
+
+
+def test_resume_from_picks_a_checkpoint_and_refuses_one_that_is_not_there(tmp_path):
+    args = [*FAST, "--steps", "6", "--checkpoint-interval", "2", "--keep-last", "3"]
+    ckpt = tmp_path / "ck"
+    out = mpishard("train", *args, "--checkpoint-dir", ckpt, "--metrics", tmp_path / "m.jsonl",
+                   n=2)
+    assert out.returncode == 0, out.stderr
+    out = mpishard("train", *args, "--checkpoint-dir", ckpt, "--resume-from", "step-2",
+                   "--metrics", tmp_path / "m.jsonl", n=2)
+    assert out.returncode == 0 and "resumed from step 2" in out.stdout, out.stderr
+    again = _records(tmp_path / "m.jsonl")
+    assert [r["step"] for r in again if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in again if "val_loss" in r and "loss" not in r] == [0, 2, 6]
+    for value, found in (("step-5", f"is neither a complete step-N in {ckpt}"),
+                         (str(tmp_path), "nor a step directory with a manifest.json")):
+        out = mpishard("train", *args, "--checkpoint-dir", ckpt, "--resume-from", value, n=2)
+        assert out.returncode == 2 and found in out.stderr, out.stderr
+        assert len(ranks_stderr(out.stderr).splitlines()) == 1, out.stderr
+    out = mpishard("train", *args, "--resume-from", "step-2")
+    assert out.returncode == 2 and "needs checkpoint_dir" in out.stderr, out.stderr
