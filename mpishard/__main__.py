@@ -108,6 +108,11 @@ def bind_device_before_mpi(argv: list, environ=None) -> dict | None:
 
 
 def _main() -> None:
+    if sys.argv[1:2] == ["supervise"]:     # starts the job's launcher; is no MPI process
+        import mpi4py  # noqa: PLC0415
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
     bind_device_before_mpi(sys.argv[1:])
     from mpishard.cli.main import main  # noqa: PLC0415 (after the GPU is bound)
 

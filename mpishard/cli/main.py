@@ -92,6 +92,36 @@ def _cmd_train(args) -> int:
     return 130 if summary.get("interrupted") else 0     # a shell's status after Ctrl-C
 
 
+def _cmd_supervise(args) -> int:
+    """``mpishard supervise``: one plain process, no MPI (see mpishard/run/supervise.py)."""
+    from mpishard.config.flags import config_from_args
+    from mpishard.config.sections import ConfigError
+    from mpishard.run.supervise import supervise, train_args
+
+    job = args.job[1:] if args.job[:1] == ["--"] else args.job
+    try:
+        if not job:
+            raise ConfigError("mpishard supervise needs the job's command after --: "
+                              "mpishard supervise -- mpiexec -n 4 python -m mpi4py -m "
+                              "mpishard train ...")
+        if args.max_restarts < 0 or args.backoff < 0:
+            raise ConfigError(f"--max-restarts {args.max_restarts} and --backoff "
+                              f"{args.backoff:g} must not be negative")
+        try:
+            ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        except ValueError:
+            raise ConfigError(f"--ranks {args.ranks} is not a list of rank counts; pass "
+                              f"e.g. --ranks 4,2") from None
+        if any(r < 1 for r in ranks):
+            raise ConfigError(f"--ranks {args.ranks}: each count must be at least 1")
+        train = [a.replace("{ranks}", "1") for a in train_args(job)]
+        cfg = config_from_args(_parse(build_parser(), ["train", *train]), [])
+        return supervise(job, cfg, args.max_restarts, args.backoff, ranks)
+    except ConfigError as err:
+        print(f"mpishard: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
 def _agreed_layout(world, cfg) -> str:
     """``--layout auto``: rank 0 plans, every rank takes its choice (or its error)."""
     from mpishard.config.sections import ConfigError
@@ -274,6 +304,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_commands(sub)
     add_prepare_command(sub)
 
+    supervise = sub.add_parser(
+        "supervise", help="run a training job; restart it from its newest checkpoint when "
+        "it fails", formatter_class=_Formatter,
+        description=_wrap("Run a training job and, when it fails for another reason than a "
+                          "usage or configuration error (status 2) or Ctrl-C (130), "
+                          "restart it with --resume true from its newest complete "
+                          "checkpoint, up to --max-restarts times. Each restart is one line "
+                          "here and one record in the run's metrics file. Not under "
+                          "mpiexec: it starts the job's own launcher."),
+        epilog="example: mpishard supervise --max-restarts 5 -- mpiexec -n 4 python -m "
+               "mpi4py -m mpishard train --config run.toml --checkpoint-dir ckpt")
+    supervise.add_argument("--max-restarts", type=int, default=3, help="restarts at most")
+    supervise.add_argument("--backoff", type=float, default=5.0, help="seconds before the "
+                           "first restart (doubling after each, at most 60)")
+    supervise.add_argument("--ranks", default="", help="ranks of each attempt, e.g. 4,2: "
+                           "{ranks} in the command is replaced by them in turn")
+    supervise.add_argument("job", nargs=argparse.REMAINDER, help="-- and the job's command")
+    supervise.set_defaults(func=_cmd_supervise)
+
     sample = sub.add_parser("sample", help="generate text from a language-model checkpoint "
                             "(any layout)")
     sample.add_argument("--checkpoint", required=True,
@@ -316,6 +365,8 @@ def main(argv=None) -> int:
     that overran only, so it aborts the job, naming the rank.
     """
     args = _parse(build_parser(), argv)
+    if args.command == "supervise":         # no MPI here: the job has its own launcher
+        return _cmd_supervise(args)
     from mpishard.core.backend import BackendUnavailable, OutOfMemoryBudget
     from mpishard.checkpoint import CheckpointError
     from mpishard.comm import LauncherMismatch, install_abort_hook

@@ -29,6 +29,7 @@ from mpishard.checkpoint.locate import complete_steps, resume_candidates
 from mpishard.checkpoint.writer import delete_checkpoints
 from mpishard.config.sections import ConfigError, config_from_dict, flat_values
 from mpishard.models import MODELS
+from mpishard.run.report import metric_records
 
 __all__ = ["check_run_files", "chosen_checkpoint", "shaping_keys"]
 
@@ -40,14 +41,6 @@ def shaping_keys(name: str) -> tuple:
     spec = MODELS.get(name)
     own = tuple(k.name for k in spec.keys if k.shapes) if spec is not None else ()
     return ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", *own)
-
-
-def _records(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except OSError:
-        return 0
 
 
 def _fresh_run(cfg) -> None:
@@ -62,7 +55,7 @@ def _fresh_run(cfg) -> None:
                               f"checkpoint(s) of an earlier run ({shown}); {fix} "
                               f"--checkpoint-dir")
     if run.metrics and not run.overwrite:
-        n = _records(Path(run.metrics))
+        n = metric_records(Path(run.metrics))
         if n:
             raise ConfigError(f"metrics file {run.metrics} already holds {n} records of an "
                               f"earlier run; {fix} --metrics")

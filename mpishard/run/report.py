@@ -15,7 +15,8 @@ import numpy as np
 from mpishard.core.backend import to_numpy
 from mpishard.comm import format_rank_reports, rank_report
 
-__all__ = ["describe_plan", "expert_load", "mesh_text", "format_groups", "thread_warning", "progress_bar",
+__all__ = ["rewind_metrics", "metric_records", "describe_plan", "expert_load", "mesh_text",
+           "format_groups", "thread_warning", "progress_bar",
            "Progress", "MetricsFile"]
 
 
@@ -168,11 +169,13 @@ def progress_bar(cfg, rank: int, start: int = 0) -> Progress:
 class MetricsFile:
     """One JSON line per record, written by rank 0; ``active`` on every rank alike.
 
-    A new run starts its file afresh. A run resumed at step ``resumed_at``
-    continues it from that step: the records of the earlier run's steps after the
-    checkpoint (which the resumed run trains again), its validation records from
-    that step on, and a line a kill cut short are dropped first, so the file holds
-    each step's training record once.
+    A new run starts its file afresh (keeping it when it holds only events, records
+    without a ``"step"``: a supervisor's restarts before the first checkpoint). A run
+    resumed at step ``resumed_at`` continues it from that step: the records of the
+    earlier run's steps after the checkpoint (which the resumed run trains again),
+    its validation records from that step on, and a line a kill cut short are
+    dropped first (:func:`rewind_metrics`), so the file holds each step's training
+    record once; events stay.
     """
 
     def __init__(self, path: str, world, resumed_at: int | None = None):
@@ -181,8 +184,9 @@ class MetricsFile:
         if self.active and world.rank == 0:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             if resumed_at is not None:
-                _rewind(Path(path), resumed_at)
-            self._file = open(path, "w" if resumed_at is None else "a", encoding="utf-8")
+                rewind_metrics(Path(path), resumed_at)
+            fresh = resumed_at is None and metric_records(Path(path)) > 0
+            self._file = open(path, "w" if fresh else "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if self._file is not None:
@@ -195,21 +199,44 @@ class MetricsFile:
             self._file = None
 
 
-def _rewind(path: Path, step: int) -> None:
-    """Keep the records of ``path`` before ``step``, and the training record of ``step``
-    (see :class:`MetricsFile`); replaced atomically."""
+def _parsed(path: Path) -> list:
+    """``(line, record)`` for each line of ``path`` (``record`` None where it does not
+    parse as a JSON object: a line a kill cut short)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return
-    kept = []
+    except (FileNotFoundError, UnicodeDecodeError):
+        return []
+    out = []
     for line in lines:
         try:
             record = json.loads(line)
-            at = int(record["step"])
-        except (ValueError, TypeError, KeyError):
-            continue                        # cut short by a kill, or not a record
-        if at < step or (at == step and "loss" in record):
+        except ValueError:
+            record = None
+        out.append((line, record if isinstance(record, dict) else None))
+    return out
+
+
+def metric_records(path: Path) -> int:
+    """How many lines of ``path`` are an earlier run's: all but blank ones and events
+    (records without a ``"step"``)."""
+    return sum(1 for line, record in _parsed(Path(path))
+               if line.strip() and (record is None or "step" in record))
+
+
+def rewind_metrics(path: Path, step: int) -> None:
+    """Keep the records of ``path`` before ``step``, the training record of ``step``, and
+    the events (records without a ``"step"``), in order; replaced atomically."""
+    path = Path(path)
+    lines = _parsed(path)
+    kept = []
+    for line, record in lines:
+        try:
+            at = None if record is None or "step" not in record else int(record["step"])
+        except (ValueError, TypeError):
+            continue
+        if record is None:
+            continue                        # cut short by a kill
+        if at is None or at < step or (at == step and "loss" in record):
             kept.append(line + "\n")
     if len(kept) == len(lines):
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from mpishard.core.backend import Backend
 from mpishard.checkpoint import (INTERRUPT_TOO, CheckpointError, StopSignals, load_checkpoint,
                                  load_module_rng_states, load_newest_valid, module_rng_states,
                                  save_checkpoint)
+from mpishard.checkpoint.format import step_dir_name
 from mpishard.comm import Communicator, Mesh, node_local_rank
 from mpishard.config.sections import ConfigError, TrainConfig
 from mpishard.config.support import check_supported
@@ -196,10 +198,15 @@ class Trainer:
                     bar.line(f"step {self.steps_done}: val loss {record['val_loss']:.4f}",
                              self.log)
                 stopped = stop.should_stop(self.world)           # collective, every step
-                if run.checkpoint_dir and (stopped or self.steps_done == cfg.optim.steps
-                                           or self._due(run.checkpoint_interval)):
-                    record["checkpoint"] = str(self.save())
+                saving = bool(run.checkpoint_dir) and (
+                    stopped or self.steps_done == cfg.optim.steps
+                    or self._due(run.checkpoint_interval))
+                if saving:   # recorded first: a kill between the two leaves no step unlogged
+                    record["checkpoint"] = str(Path(run.checkpoint_dir) /
+                                               step_dir_name(self.steps_done))
                 metrics.write(record)
+                if saving:
+                    self.save()
                 bar.report(record, self.log)
                 if stopped or not math.isfinite(record["loss"]):
                     self.log.info(f"step {self.steps_done}: {stop_reason(stop, stopped, run)}")

@@ -119,6 +119,33 @@ def mpiexec_command(script: str, *args, np_: int = 2) -> list:
             str(SCRIPTS / script), *[str(a) for a in args]]
 
 
+def rank_pids(marker) -> list:
+    """The process ids of the ranks (Python processes under a launcher, not the launcher
+    nor a supervisor) whose command line holds ``marker`` (a path given to the run, say
+    its --metrics file)."""
+    marker, pids = str(marker).encode(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:          # the process ended, or is not ours to read
+            continue
+        if marker in argv and b"mpi4py" in argv and b"supervise" not in argv \
+                and Path(os.fsdecode(argv[0])).name.startswith("python"):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def kill_a_rank(pids: list, rng, sig=9) -> int | None:
+    """Send ``sig`` (SIGKILL) to one of ``pids``, chosen by ``rng``; the pid, or None."""
+    for pid in rng.sample(pids, len(pids)):
+        try:
+            os.kill(pid, sig)
+            return pid
+        except ProcessLookupError:
+            continue
+    return None
+
+
 def _mapped_files() -> set:
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):

@@ -1,0 +1,220 @@
+"""``mpishard supervise``: run a training job; restart it from its newest checkpoint if it fails.
+
+    mpishard supervise --max-restarts 5 -- mpiexec -n 4 python -m mpi4py -m mpishard train \\
+        --config run.toml --checkpoint-dir ckpt
+
+[Note: supervised restarts]
+The supervisor is one plain process (no MPI) that starts the job's command and
+waits for it. How the job ended decides what follows:
+
+* status 0: done; 2: a usage or configuration error, which a restart would
+  repeat (final); 130: Ctrl-C, the run saved and a person wants it stopped
+  (final); the supervisor's own SIGTERM or SIGUSR1 (Slurm's warning) is passed
+  to the job as SIGUSR1 (which MPICH's and Open MPI's launchers pass on to the
+  ranks; Open MPI's ends the job on SIGTERM), the job saves and stops, and that
+  is final too;
+* anything else (a rank killed, a node lost, an abort): restart, after
+  ``backoff`` seconds (doubling each time, at most 60), up to
+  ``max_restarts`` times. The restarted command continues the run
+  (``--resume true``) when ``checkpoint_dir`` holds a complete checkpoint, and
+  otherwise starts it again.
+
+Each restart is one line on stdout and one record in the run's metrics file,
+``{"event": "restart", "attempt": ..., "exit_code": ..., "cause": ..., "resume":
+...}``, with the cause: the exit status, the signal that ended the launcher,
+and the first rank that reported a failure (``[mpishard rank R/N]`` on stderr,
+which the supervisor passes through as it reads it, or the rank Open MPI's
+launcher saw end first). Records without a
+``"step"`` are events: a resumed run keeps them (see :class:`MetricsFile`).
+
+With ``ranks`` (``--ranks 4,2``), ``{ranks}`` in the command is the number of
+ranks of each attempt: the first attempt takes the first, each restart the
+next, the last one for the rest. A run resumed on fewer data-parallel ranks
+keeps its global batch only when ``--global-batch`` is given (the restarted
+command adds the first attempt's when it has none).
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpishard.core.errors import ConfigError
+
+__all__ = ["Supervisor", "supervise", "train_args"]
+
+#: exit statuses a restart would not change
+FINAL = {0: "done", 2: "a usage or configuration error", 130: "Ctrl-C"}
+
+_RANK_PREFIX = "[mpishard rank "
+#: Open MPI's launcher names the rank it saw end first
+_OPEN_MPI_RANK = re.compile(r"noticed that process rank (\d+) with PID")
+
+
+def train_args(command: list) -> list:
+    """The arguments after ``mpishard train`` in ``command``; ConfigError if there is none."""
+    for i, token in enumerate(command[:-1]):
+        if Path(token).name == "mpishard" and command[i + 1] == "train":
+            return command[i + 2:]
+    raise ConfigError(f"mpishard supervise: the command {' '.join(command)!r} does not run "
+                      f"'mpishard train'; give it as: mpishard supervise -- mpiexec -n 4 python "
+                      f"-m mpi4py -m mpishard train ...")
+
+
+def _flag(args: list, name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
+@dataclass
+class Supervisor:
+    """One supervised job: its command and restart policy (see [Note: supervised restarts]).
+
+    Args:
+        command: the job's command line; ``{ranks}`` is replaced by each attempt's ranks.
+        cfg: the :class:`~mpishard.config.sections.TrainConfig` of its ``mpishard train``
+            arguments (see :func:`train_args`).
+        max_restarts: restarts after failures, at most.
+        backoff: seconds before the first restart (doubling, at most 60).
+        ranks: ranks per attempt (``[4, 2]``); empty: the command as it is.
+    """
+
+    command: list
+    cfg: object
+    max_restarts: int = 3
+    backoff: float = 5.0
+    ranks: list = field(default_factory=list)
+    out = sys.stdout
+    err = sys.stderr
+
+    def __post_init__(self):
+        if self.ranks and not any("{ranks}" in token for token in self.command):
+            raise ConfigError(f"--ranks {','.join(map(str, self.ranks))} needs {{ranks}} in the "
+                              f"command, where the number of ranks goes (mpiexec -n {{ranks}})")
+        if not self.ranks and any("{ranks}" in token for token in self.command):
+            raise ConfigError("the command has {ranks}: pass --ranks, the ranks of each "
+                              "attempt (--ranks 4,2)")
+        if not self.cfg.run.checkpoint_dir:
+            raise ConfigError("mpishard supervise needs --checkpoint-dir (or [run] "
+                              "checkpoint_dir): without checkpoints every restart would "
+                              "start again from step 0")
+        self._job = None
+        self._stopping = None
+
+    # -- one attempt ---------------------------------------------------------------
+    def _attempt_command(self, attempt: int, resume: bool) -> list:
+        ranks = self.ranks[min(attempt, len(self.ranks) - 1)] if self.ranks else None
+        command = [t.replace("{ranks}", str(ranks)) for t in self.command]
+        args = train_args(self.command)
+        extra = []
+        if resume and not _flag(args, "--resume") and not _flag(args, "--resume-from"):
+            extra += ["--resume", "true"]
+        if attempt and _flag(args, "--overwrite"):      # it deleted the run once already
+            extra += ["--overwrite", "false"]
+        if ranks and ranks != self.ranks[0] and not _flag(args, "--global-batch"):
+            extra += ["--global-batch", str(self._global_batch())]
+        return command + extra
+
+    def _global_batch(self) -> int:
+        o, p = self.cfg.optim, self.cfg.parallel
+        if o.global_batch:
+            return o.global_batch
+        dp = p.dp or self.ranks[0] // (p.tp * p.pp * p.cp) or 1
+        return o.batch_size * o.micro_steps * dp
+
+    def _run(self, command: list) -> tuple:
+        """Run ``command`` to its end, passing its stderr through; ``(status, first rank
+        that reported a failure or None)``."""
+        first = [None]
+        self._job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+
+        def relay():
+            for line in self._job.stderr:
+                self.err.write(line)
+                self.err.flush()
+                if first[0] is None:
+                    if line.startswith(_RANK_PREFIX):
+                        first[0] = line[len(_RANK_PREFIX):].split("]", 1)[0]
+                    elif _OPEN_MPI_RANK.search(line):
+                        first[0] = _OPEN_MPI_RANK.search(line).group(1)
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        status = self._job.wait()
+        reader.join(timeout=10)
+        self._job = None
+        return status, first[0]
+
+    def _forward(self, signum, frame) -> None:
+        self._stopping = signal.Signals(signum).name
+        if self._job is not None:      # as SIGUSR1, which launchers pass on to the ranks
+            self._job.send_signal(signal.SIGUSR1)    # (Open MPI's ends the job on SIGTERM)
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the job until it ends for good; the exit status of its last attempt."""
+        from mpishard.checkpoint import latest_checkpoint
+
+        root = Path(self.cfg.run.checkpoint_dir)
+        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            attempt, wait = 0, self.backoff
+            resume = self.cfg.run.resume or bool(self.cfg.run.resume_from)
+            while True:
+                status, rank = self._run(self._attempt_command(attempt, resume))
+                if status in FINAL or self._stopping:
+                    return status
+                cause = _cause(status, rank)
+                if attempt >= self.max_restarts:
+                    self._say(f"the job failed ({cause}); gave up after {attempt} restart(s) "
+                              f"(--max-restarts {self.max_restarts})")
+                    return status
+                attempt += 1
+                newest = latest_checkpoint(root)
+                resume = newest is not None
+                self._record({"event": "restart", "attempt": attempt, "exit_code": status,
+                              "cause": cause, "resume": newest.name if resume else None,
+                              "time": round(time.time(), 3)})
+                self._say(f"the job failed ({cause}); restart {attempt} of "
+                          f"{self.max_restarts} in {wait:g} s, "
+                          + (f"resuming from {newest.name}" if resume else "from step 0"))
+                time.sleep(wait)
+                wait = min(60.0, wait * 2)
+                if self._stopping:
+                    return status
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _say(self, line: str) -> None:
+        self.out.write(f"mpishard supervise: {line}\n")
+        self.out.flush()
+
+    def _record(self, record: dict) -> None:
+        path = self.cfg.run.metrics
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _cause(status: int, rank) -> str:
+    if status < 0:
+        text = f"the launcher was ended by {signal.Signals(-status).name}"
+    elif status > 128 and status - 128 in signal.Signals._value2member_map_:
+        text = f"exit status {status} ({signal.Signals(status - 128).name})"
+    else:
+        text = f"exit status {status}"
+    return text + (f"; rank {rank} failed first" if rank else "")
+
+
+def supervise(command: list, cfg, max_restarts: int = 3, backoff: float = 5.0,
+              ranks=()) -> int:
+    """Run ``command`` (whose ``mpishard train`` arguments give ``cfg``) under a
+    :class:`Supervisor`; its exit status."""
+    return Supervisor(list(command), cfg, max_restarts, backoff, list(ranks)).run()

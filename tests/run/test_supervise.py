@@ -1,0 +1,176 @@
+"""mpishard supervise: restarts after kills equal the uninterrupted run; what it leaves alone."""
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_scripts.common import MPIEXEC, ROOT, clean_env, kill_a_rank, rank_pids
+from test_cli import FAST, mpishard
+
+
+def _records(path):
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:          # a line the kill cut short (the next attempt drops it)
+            pass
+    return out
+
+
+class _Supervised:
+    """``mpishard supervise OPTIONS -- JOB`` in the background, its output in files (a
+    pipe nobody reads while it runs would fill and stop the job)."""
+
+    def __init__(self, *options, job, folder):
+        self.out, self.err = (Path(folder) / "supervise.out", Path(folder) / "supervise.err")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "mpishard", "supervise",
+                                          *options, "--", *job], stdout=out, stderr=err,
+                                         env=clean_env(), cwd=ROOT, start_new_session=True)
+
+    def send_signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def communicate(self, timeout):
+        self.proc.wait(timeout=timeout)
+        self.returncode = self.proc.returncode
+        return self.out.read_text(), self.err.read_text()
+
+
+def _supervise(*options, job, folder):
+    return _Supervised(*options, job=job, folder=folder)
+
+
+def _train(n, *args):
+    return [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard",
+            "train", *map(str, args)]
+
+
+def _wait(what, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.002)
+    raise AssertionError(f"timed out waiting for {what.__doc__}")
+
+
+def test_a_supervised_run_survives_five_kills_and_equals_the_uninterrupted_run(tmp_path):
+    """Five SIGKILLs of a random rank of a 4-rank float64 run, at random steps and in the
+    middle of saves: the supervisor restarts it each time from the newest checkpoint,
+    the run ends by itself, every logged loss equals the uninterrupted run's bit for bit,
+    and the metrics file records the 5 restarts with their causes."""
+    args = [*FAST, "--dtype", "float64", "--steps", "120", "--checkpoint-interval", "3",
+            "--keep-last", "2", "--eval-interval", "0"]
+    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=4)
+    assert whole.returncode == 0, whole.stderr
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    sup = _supervise("--max-restarts", "8", "--backoff", "0", folder=tmp_path,
+                     job=_train(4, *args, "--checkpoint-dir", ckpt, "--metrics", metrics))
+    rng, in_save = random.Random(7), 0
+
+    def steps():
+        return [r["step"] for r in _records(metrics) if "loss" in r] if metrics.exists() else []
+
+    def restarts():
+        return [r for r in _records(metrics) if r.get("event") == "restart"] \
+            if metrics.exists() else []
+
+    for kill in range(5):
+        beyond = max(steps(), default=0) + rng.randint(2, 6)
+
+        def ready():
+            """the run past its next kill point"""
+            done = max(steps(), default=0)
+            if done < beyond or len(rank_pids(metrics)) < 4:
+                return None
+            if kill % 2 and done < beyond + 4:                  # a save in flight, if seen
+                return "save" if any(p.name.endswith(".tmp") for p in ckpt.iterdir()) \
+                    else None
+            return "step"
+        when = _wait(ready)
+        assert kill_a_rank(rank_pids(metrics), rng), "no rank to kill"
+        in_save += when == "save"
+        _wait(lambda: len(restarts()) > kill)
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    events = restarts()
+    assert len(events) == 5 and out.count("mpishard supervise: the job failed") == 5, out
+    assert all(e["exit_code"] != 0 and e["cause"] for e in events), events
+    logged = [r for r in _records(metrics) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 121))         # each step once
+    first = {r["step"]: r["loss"] for r in _records(tmp_path / "whole.jsonl") if "loss" in r}
+    assert all(r["loss"] == first[r["step"]] for r in logged)        # bit-identical
+    print(f"kills during a save: {in_save} of 5; causes: {[e['cause'] for e in events]}")
+
+
+def test_a_configuration_error_is_final_and_a_bad_command_is_one_line(tmp_path):
+    sup = _supervise("--backoff", "0", folder=tmp_path,
+                     job=_train(2, *FAST, "--checkpoint-dir", tmp_path / "ck", "--n-head", "3"))
+    out, err = sup.communicate(timeout=120)
+    assert sup.returncode == 2 and "the job failed" not in out, out + err
+    assert err.count("mpishard: error:") == 1, err
+    for job, found in ((["echo", "hi"], "does not run 'mpishard train'"),
+                       (_train(2, *FAST), "needs --checkpoint-dir"),
+                       (_train("{ranks}", *FAST, "--checkpoint-dir", tmp_path), "pass --ranks")):
+        sup = _supervise(job=job, folder=tmp_path)
+        out, err = sup.communicate(timeout=60)
+        assert sup.returncode == 2 and err.startswith("mpishard: error:") and found in err, err
+        assert len(err.splitlines()) == 1, err
+
+
+def test_the_supervisor_gives_up_after_max_restarts_and_passes_sigterm_on(tmp_path):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    job = _train(2, *FAST, "--steps", "3000", "--checkpoint-dir", ckpt,
+                 "--checkpoint-interval", "5", "--metrics", metrics)
+    sup = _supervise("--max-restarts", "1", "--backoff", "0", job=job, folder=tmp_path)
+    for attempt in range(2):
+        _wait(lambda: (ckpt / "latest").exists() and len(rank_pids(metrics)) == 2
+              and metrics.read_text().count('"restart"') == attempt)
+        kill_a_rank(rank_pids(metrics), random.Random(0))
+    out, err = sup.communicate(timeout=120)
+    assert sup.returncode not in (0, 2, 130) and "restart 1 of 1" in out, out + err
+    assert "gave up after 1 restart(s) (--max-restarts 1)" in out, out
+    started = time.time()
+    sup = _supervise("--backoff", "0", job=[*job, "--resume", "true"], folder=tmp_path)
+    _wait(lambda: len(rank_pids(metrics)) == 2 and metrics.stat().st_mtime > started)
+    time.sleep(0.3)
+    sup.send_signal(signal.SIGTERM)                 # Slurm's at the time limit: save, stop
+    out, err = sup.communicate(timeout=120)
+    assert sup.returncode == 0 and "SIGUSR1; checkpoint saved, stopping" in out, out + err
+    assert "the job failed" not in out
+
+
+@pytest.mark.parametrize("layout, on_two", [
+    ([], "2 per dp rank x 2 micro-steps x 2 dp ranks"),            # ZeRO-3, dp 4 -> 2
+    (["--tp", "2"], "2 per dp rank x 2 micro-steps x 1 dp ranks")])   # dp2 x tp2 -> tp2
+def test_a_run_that_loses_ranks_continues_on_fewer_with_the_same_global_batch(tmp_path, layout,
+                                                                          on_two):
+    """--ranks 4,2: killed on 4 ranks, the run continues on 2 with more micro-steps (the
+    first attempt's global batch; tp stays, dp shrinks), and its losses equal the
+    uninterrupted 4-rank run's to 1e-10 in float64."""
+    args = [*FAST, "--dtype", "float64", "--steps", "40", "--checkpoint-interval", "4",
+            "--eval-interval", "0", *layout]
+    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=4)
+    assert whole.returncode == 0, whole.stderr
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    sup = _supervise("--ranks", "4,2", "--backoff", "0", folder=tmp_path,
+                     job=_train("{ranks}", *args, "--checkpoint-dir", ckpt, "--metrics",
+                                metrics))
+    _wait(lambda: (ckpt / "step-8").is_dir() and len(rank_pids(metrics)) == 4)
+    kill_a_rank(rank_pids(metrics), random.Random(3))
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"batch: {on_two}" in out and "restart 1 of 3" in out, out
+    first = {r["step"]: r["loss"] for r in _records(tmp_path / "whole.jsonl") if "loss" in r}
+    logged = [r for r in _records(metrics) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 41))
+    worst = max(abs(r["loss"] - first[r["step"]]) / abs(first[r["step"]]) for r in logged)
+    assert worst <= 1e-10, worst
