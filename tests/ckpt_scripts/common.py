@@ -135,6 +135,11 @@ def rank_pids(marker) -> list:
     return sorted(pids)
 
 
+#: put first on a job's PYTHONPATH with MPISHARD_TEST_FAIL_AT_START=RANK:N:COUNTER to make
+#: that rank fail at start-up the first N times (see its sitecustomize.py)
+FAIL_AT_START = SCRIPTS / "fail_at_start"
+
+
 def kill_a_rank(pids: list, rng, sig=9) -> int | None:
     """Send ``sig`` (SIGKILL) to one of ``pids``, chosen by ``rng``; the pid, or None."""
     for pid in rng.sample(pids, len(pids)):

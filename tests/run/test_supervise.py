@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_scripts.common import MPIEXEC, ROOT, clean_env, kill_a_rank, rank_pids
+from ckpt_scripts.common import FAIL_AT_START, MPIEXEC, ROOT, clean_env, kill_a_rank, rank_pids
 from test_cli import FAST, mpishard
 
 
@@ -27,12 +27,13 @@ class _Supervised:
     """``mpishard supervise OPTIONS -- JOB`` in the background, its output in files (a
     pipe nobody reads while it runs would fill and stop the job)."""
 
-    def __init__(self, *options, job, folder):
+    def __init__(self, *options, job, folder, env=None):
         self.out, self.err = (Path(folder) / "supervise.out", Path(folder) / "supervise.err")
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "mpishard", "supervise",
                                           *options, "--", *job], stdout=out, stderr=err,
-                                         env=clean_env(), cwd=ROOT, start_new_session=True)
+                                         env=env or clean_env(), cwd=ROOT,
+                                         start_new_session=True)
 
     def send_signal(self, sig):
         self.proc.send_signal(sig)
@@ -43,8 +44,8 @@ class _Supervised:
         return self.out.read_text(), self.err.read_text()
 
 
-def _supervise(*options, job, folder):
-    return _Supervised(*options, job=job, folder=folder)
+def _supervise(*options, job, folder, env=None):
+    return _Supervised(*options, job=job, folder=folder, env=env)
 
 
 def _train(n, *args):
@@ -174,3 +175,25 @@ def test_a_run_that_loses_ranks_continues_on_fewer_with_the_same_global_batch(tm
     assert [r["step"] for r in logged] == list(range(1, 41))
     worst = max(abs(r["loss"] - first[r["step"]]) / abs(first[r["step"]]) for r in logged)
     assert worst <= 1e-10, worst
+
+
+def test_a_rank_that_fails_at_start_up_is_restarted_from_step_0(tmp_path):
+    """Rank 1 fails at start-up twice, before any checkpoint: the supervisor starts the run
+    again from step 0 each time (keeping its restart records), and the third attempt's
+    losses equal an unsupervised run's."""
+    args = [*FAST, "--steps", "6", "--eval-interval", "0"]
+    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=2)
+    assert whole.returncode == 0, whole.stderr
+    metrics = tmp_path / "m.jsonl"
+    env = clean_env(MPISHARD_TEST_FAIL_AT_START=f"1:2:{tmp_path / 'failed'}")
+    env["PYTHONPATH"] = f"{FAIL_AT_START}:{env['PYTHONPATH']}"
+    sup = _supervise("--backoff", "0", folder=tmp_path, env=env,
+                     job=_train(2, *args, "--checkpoint-dir", tmp_path / "ck", "--metrics",
+                                metrics))
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    assert err.count("fails at start-up") == 2 and out.count("from step 0") == 2, out + err
+    records = _records(metrics)
+    assert [r["attempt"] for r in records if r.get("event") == "restart"] == [1, 2]
+    first = {r["step"]: r["loss"] for r in _records(tmp_path / "whole.jsonl") if "loss" in r}
+    assert {r["step"]: r["loss"] for r in records if "loss" in r} == first
