@@ -8,11 +8,13 @@
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mpishard.checkpoint.errors import CheckpointError
-from mpishard.checkpoint.format import FORMAT_NAME, read_manifest
-from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.format import FORMAT_NAME, MANIFEST, read_manifest
+from mpishard.checkpoint.locate import resolve_checkpoint, resume_candidates
 from mpishard.checkpoint.reader import verify_file
 
 __all__ = ["inspect_checkpoint", "Inspection"]
@@ -20,10 +22,12 @@ __all__ = ["inspect_checkpoint", "Inspection"]
 
 @dataclass
 class Inspection:
-    """The report (``text``) and every integrity problem found (``errors``)."""
+    """The report (``text``), every integrity problem found (``errors``) and the step
+    directory described (``step_dir``)."""
 
     text: str
     errors: list = field(default_factory=list)
+    step_dir: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -52,7 +56,10 @@ def inspect_checkpoint(path, *, verify: bool = True) -> Inspection:
     """Describe a checkpoint (step, layout, tensors and sizes) and verify it.
 
     Args:
-        path: a step directory, or a checkpoint root (its latest step).
+        path: a step directory, or a checkpoint root: then the newest checkpoint
+            that verifies, the one ``--resume`` takes (see [Note: damaged
+            checkpoints]), with a line for each newer one that does not, each
+            save that never committed (``step-N.tmp``) and each set aside.
         verify: hash every file and check its header against the manifest.
 
     Raises:
@@ -60,7 +67,36 @@ def inspect_checkpoint(path, *, verify: bool = True) -> Inspection:
             its checks (nothing can be described then). Problems in the rank
             files are collected in ``Inspection.errors`` instead.
     """
-    step_dir = resolve_checkpoint(path)
+    path = Path(path)
+    if (path / MANIFEST).is_file() or not path.is_dir():
+        return _inspect(resolve_checkpoint(path), verify)
+    candidates = resume_candidates(path) or [resolve_checkpoint(path)]  # raises: none
+    skipped, report = [], None
+    for step_dir in candidates:
+        try:
+            report = _inspect(step_dir, verify)
+        except CheckpointError as err:
+            skipped.append((step_dir, f"skipped     {step_dir.name}: {err}"))
+            continue
+        if report.ok:
+            break
+        skipped.append((step_dir, f"skipped     {step_dir.name}: {report.errors[0]}"))
+    if report is None:
+        raise CheckpointError(path, "no-valid-checkpoint", "no checkpoint here verifies: "
+                              + "; ".join(line.split(None, 1)[1] for _, line in skipped))
+    notes = [line for step_dir, line in skipped if step_dir != report.step_dir]
+    for entry in sorted(path.iterdir()):
+        if re.fullmatch(r"step-\d+\.tmp", entry.name):
+            notes.append(f"unfinished  {entry.name}: a save that never committed (the next "
+                         f"save removes it)")
+        elif re.fullmatch(r"step-\d+(\.old)?\.damaged(-\d+)?", entry.name):
+            notes.append(f"set aside   {entry.name}: damaged, kept for a person to look at")
+    if report.ok and skipped:
+        notes.append(f"newest valid {report.step_dir.name}: --resume continues from it")
+    return Inspection("\n".join([report.text, *notes]), report.errors, report.step_dir)
+
+
+def _inspect(step_dir: Path, verify: bool) -> Inspection:
     m = read_manifest(step_dir)
     stage = m.strategy.get("stage")
     lines = [f"checkpoint  {step_dir} (step {m.step})",
@@ -107,4 +143,4 @@ def inspect_checkpoint(path, *, verify: bool = True) -> Inspection:
                          f"{len(m.tensors)} tensors each covered exactly once")
     else:
         lines.append("integrity   manifest ok; files not verified (--no-verify)")
-    return Inspection("\n".join(lines), errors)
+    return Inspection("\n".join(lines), errors, Path(step_dir))

@@ -16,6 +16,7 @@ the tests.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,12 +29,15 @@ from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import DTYPES, ITEMSIZE, numel
 
 __all__ = ["ShardFile", "HeaderEntry", "SafetensorsWriter", "sha256_file", "fsync_path",
-           "MAX_HEADER_BYTES"]
+           "MAX_HEADER_BYTES", "PAGE"]
 
 #: safetensors' own limit on the JSON header.
 MAX_HEADER_BYTES = 100 << 20
 _CODES = {code: name for name, code in DTYPES.items()}
 _CHUNK = 1 << 20
+_SLICE = 16 << 20
+#: the alignment of direct I/O: a page, a multiple of every disk's logical block
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -226,9 +230,19 @@ class SafetensorsWriter:
         path: the output file.
         specs: ``(key, dtype name, shape)`` in the order the data will follow.
         metadata: string-to-string ``__metadata__``.
+        hash_sha256: hash the bytes as they are written (``sha256`` after
+            :meth:`close`), so the file need not be read back.
+        align: the data start at a multiple of this many bytes (the header is
+            padded with spaces, as the format allows): 8, as safetensors writes,
+            or :data:`PAGE` for :meth:`write_all` with ``direct``.
+
+    The data go out in a few large ``write`` calls and are hashed in the same
+    slices: both release the interpreter's lock, so a writer on a thread
+    leaves the training thread running.
     """
 
-    def __init__(self, path, specs: list, metadata: dict | None = None):
+    def __init__(self, path, specs: list, metadata: dict | None = None, *,
+                 hash_sha256: bool = False, align: int = 8):
         self.path = Path(path)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
         header, offset = {}, 0
@@ -242,10 +256,23 @@ class SafetensorsWriter:
             self._order.append((key, np.dtype(dtype).newbyteorder("<"), tuple(shape)))
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes
+        text += b" " * (-(8 + len(text)) % align)   # the data start aligned
+        self._digest = hashlib.sha256() if hash_sha256 else None
+        self.sha256: str | None = None
         self._f = open(self._tmp, "wb")
-        self._f.write(len(text).to_bytes(8, "little") + text)
+        self._out(len(text).to_bytes(8, "little") + text)
         self._next = 0
+
+    def _out(self, data) -> None:
+        """Write (and hash) ``data`` in slices of ``_SLICE`` bytes: each is hashed right
+        after it is written, while it is still in the CPU's cache, not read again from
+        memory (measured: a 650 MiB shard written and hashed in about half the time)."""
+        data = memoryview(data).cast("B")
+        for start in range(0, max(len(data), 1), _SLICE):
+            part = data[start:start + _SLICE]
+            self._f.write(part)
+            if self._digest is not None:
+                self._digest.update(part)
 
     def write(self, key: str, array) -> None:
         """Append the next tensor's data (``key`` must be the next one of ``specs``)."""
@@ -256,8 +283,57 @@ class SafetensorsWriter:
         if data.size != numel(shape):
             raise ValueError(f"SafetensorsWriter: {key!r} has {data.size} elements, its "
                              f"shape {shape} needs {numel(shape)}")
-        self._f.write(memoryview(data.reshape(-1)).cast("B"))
+        self._out(memoryview(data.reshape(-1)).cast("B"))
         self._next += 1
+
+    def write_all(self, data: np.ndarray, *, direct: bool = False) -> None:
+        """Write every tensor at once: ``data`` holds their bytes in the order of
+        ``specs``. With ``direct`` (and ``align=PAGE``, ``data`` page-aligned in
+        memory), its whole pages go to the file with ``O_DIRECT``: from ``data``
+        to the disk, no copy into the page cache, which on a 2-core machine took
+        a fifth of the training thread's speed while a 650 MiB shard was written;
+        where the file system refuses direct I/O, plain writes."""
+        want = sum(numel(shape) * dtype.itemsize for _, dtype, shape in self._order)
+        if self._next or data.nbytes != want:
+            raise ValueError(f"SafetensorsWriter.write_all: {data.nbytes} bytes after "
+                             f"{self._next} tensors; all {len(self._order)} need {want}")
+        data = np.ascontiguousarray(data)
+        view = memoryview(data.reshape(-1)).cast("B")
+        done = 0
+        if direct and data.ctypes.data % PAGE == 0:
+            done = self._write_direct(view[:len(view) - len(view) % PAGE])
+        self._out(view[done:])
+        self._next = len(self._order)
+
+    def _write_direct(self, view: memoryview) -> int:
+        """Write ``view`` (whole pages, page-aligned) at the file's position with
+        O_DIRECT, hashing it; the bytes written (0: direct I/O is not to be had)."""
+        flag = getattr(os, "O_DIRECT", 0)
+        self._f.flush()
+        start = self._f.tell()
+        if not flag or not len(view) or start % PAGE:
+            return 0
+        try:
+            fd = os.open(self._tmp, os.O_WRONLY | flag)
+        except OSError:
+            return 0                            # a file system without it (tmpfs)
+        try:
+            for offset in range(0, len(view), _SLICE):
+                part = view[offset:offset + _SLICE]
+                try:
+                    n = os.pwrite(fd, part, start + offset)
+                except OSError as err:
+                    if offset == 0 and err.errno == errno.EINVAL:
+                        return 0                # alignment this file system refuses
+                    raise
+                if n != len(part):
+                    raise OSError(f"{self._tmp}: wrote {n} of {len(part)} bytes")
+                if self._digest is not None:
+                    self._digest.update(part)
+        finally:
+            os.close(fd)
+        self._f.seek(start + len(view))
+        return len(view)
 
     def close(self) -> Path:
         """Finish: check every tensor was written, fsync, rename into place."""
@@ -270,9 +346,13 @@ class SafetensorsWriter:
         self._f.close()
         os.replace(self._tmp, self.path)
         fsync_path(self.path.parent)
+        if self._digest is not None:
+            self.sha256 = self._digest.hexdigest()
         return self.path
 
     def abort(self) -> None:
-        """Close and delete the partial output."""
+        """Close and delete the partial output (after :meth:`close`: nothing to do)."""
+        if self._f.closed:
+            return
         self._f.close()
         self._tmp.unlink(missing_ok=True)

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +41,10 @@ from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import (DTYPES, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, parse_manifest,
                      seal_manifest, shard_file_name, step_dir_name)
 from mpishard.checkpoint.locate import complete_steps
-from mpishard.checkpoint.shards import fsync_path, sha256_file
+from mpishard.checkpoint.shards import PAGE, SafetensorsWriter, fsync_path
 
-__all__ = ["save_checkpoint", "delete_checkpoints"]
+__all__ = ["save_checkpoint", "delete_checkpoints", "Snapshot", "write_snapshot",
+           "check_arguments"]
 
 _LEFTOVER = re.compile(r"step-\d+\.tmp|step-\d+(\.old)?\.deleting|latest\.tmp")
 _REPLACED = re.compile(r"(step-\d+)\.old")
@@ -53,7 +55,8 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
     """Save parameters, optimizer state and ``extra_state`` as ``directory/step-{step}``.
 
     Collective over ``world``: call it on every rank with the same arguments.
-    See [Note: atomic commit].
+    See [Note: atomic commit]; :class:`~mpishard.checkpoint.BackgroundSaver`
+    does the same with the writing on a thread.
 
     Args:
         directory: the checkpoint root (created if missing).
@@ -77,29 +80,148 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
         ValueError: ``step`` or ``keep_last`` out of range (raised alike on
             every rank before any communication).
     """
+    check_arguments(step, keep_last)
+    world = world if world is not None else strategy.mesh.world
+    snapshot, failed = None, None
+    try:
+        snapshot = Snapshot.take(strategy, optimizer, world, int(step), extra_state, copy=False)
+    except Exception as exc:  # noqa: BLE001 -- agreed in write_snapshot's first step
+        failed = exc
+    return write_snapshot(directory, int(step), snapshot, world, keep_last=keep_last,
+                          failed=failed)
+
+
+def check_arguments(step, keep_last) -> None:
+    """ValueError for a ``step`` or ``keep_last`` out of range (the same on every rank)."""
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise ValueError(f"save_checkpoint: step must be an int >= 0, got {step!r}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save_checkpoint: keep_last must be None or an int >= 1, got "
                          f"{keep_last!r}")
-    world = world if world is not None else strategy.mesh.world
+
+
+@dataclass
+class Snapshot:
+    """What one rank saves at one step, taken from the strategy: its owned pieces'
+    arrays (host copies when ``copy``) and everything the manifest needs, so that
+    writing it needs neither the strategy nor the optimizer (which train on)."""
+
+    step: int
+    arrays: list            # (piece name, kind, global shape, runs, 1-D NumPy array)
+    names: dict             # this rank's parameter names and tied aliases
+    strategy_state: dict
+    optimizer: dict | None
+    mesh: dict
+    extra_state: dict | None
+    data: np.ndarray | None = None   # with staging: every array's bytes, in their order
+
+    @classmethod
+    def take(cls, strategy, optimizer, world, step: int, extra_state, *, copy: bool,
+             staging: dict | None = None):
+        """The snapshot of this rank (local: no communication). ``copy``: the arrays
+        are this rank's own host copies (a device-to-host copy on a GPU), which
+        training may overwrite the originals of at once. With ``staging`` (a dict
+        the caller keeps from save to save) they are views of one host buffer kept
+        there and reused by the next snapshot of the same layout (fresh host memory
+        costs a page fault per page, about 50x the copy), laid out as the shard
+        file's data, so that it is written with one call.
+
+        The pieces go in order of falling item size (stable), so that each starts
+        aligned for its dtype in the file and in the buffer."""
+        owned = [p for p in strategy.pieces(optimizer) if p.owner and p.size]
+        owned.sort(key=lambda p: -np.dtype(str(p.array.dtype)).itemsize)
+        data = None
+        if copy and staging is not None:
+            views, data = _stage(staging, owned)
+        else:
+            views = [_host_array(p.array, copy) for p in owned]
+        sizes = strategy.mesh.shape
+        return cls(
+            step=step, arrays=[(p.name, p.kind, p.global_shape, p.runs, view)
+                               for p, view in zip(owned, views)],
+            names=_model_names(strategy.module),
+            strategy_state=strategy.state_dict(),
+            optimizer=None if optimizer is None else {
+                "type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
+                "lr": float(optimizer.lr),
+                "state_names": list(getattr(optimizer, "state_names", ()))},
+            mesh={axis: int(sizes[axis]) for axis in ("pp", "dp", "tp", "cp", "dp_replicate",
+                                                       "dp_shard", "ep") if axis in sizes},
+            extra_state=extra_state, data=data)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a[-1].nbytes for a in self.arrays)
+
+
+def _stage(staging: dict, pieces: list) -> tuple:
+    """Copy ``pieces`` into consecutive views of ``staging["buffer"]`` (made, or made
+    again, when the layout changes); ``(views, the buffer's used bytes)``."""
+    layout = tuple((np.dtype(str(p.array.dtype)).str, int(p.array.size)) for p in pieces)
+    total = sum(np.dtype(d).itemsize * n for d, n in layout)
+    if staging.get("layout") != layout:
+        staging.clear()
+        raw = np.empty(total + PAGE, np.uint8)          # page-aligned: see write_all
+        start = -raw.ctypes.data % PAGE
+        staging.update(layout=layout, buffer=raw[start:start + total])
+    buffer, views, offset = staging["buffer"], [], 0
+    for p, (dtype, size) in zip(pieces, layout):
+        nbytes = np.dtype(dtype).itemsize * size
+        view = buffer[offset:offset + nbytes].view(dtype)
+        _copy_to(view, p.array)
+        views.append(view)
+        offset += nbytes
+    return views, buffer[:total]
+
+
+def _copy_to(out: np.ndarray, array) -> None:
+    """``out[...] = array`` (1-D), from host or device memory."""
+    if isinstance(array, np.ndarray):
+        np.copyto(out, array.reshape(-1))
+    elif type(array).__module__.startswith("cupy"):
+        array.reshape(-1).get(out=out)            # one device-to-host copy
+    else:
+        np.copyto(out, to_numpy(array).reshape(-1))
+
+
+def _host_array(array, copy: bool) -> np.ndarray:
+    """A 1-D host array of ``array``'s elements; with ``copy``, one that shares no memory
+    with it."""
+    host = to_numpy(array)
+    if copy and (host is array or np.may_share_memory(host, array)):
+        return np.array(host, order="C").reshape(-1)
+    return np.ascontiguousarray(host).reshape(-1)
+
+
+def write_snapshot(directory, step: int, snapshot: Snapshot | None, world, *,
+                   keep_last: int | None = None, failed: BaseException | None = None) -> Path:
+    """Write ``snapshot`` as ``directory/step-{step}`` and commit it (collective over
+    ``world``: every rank with its own snapshot of that step). ``failed``: why this rank
+    has no snapshot, agreed with the first step's outcome. See [Note: atomic commit]."""
     root = Path(directory)
-    final = root / step_dir_name(int(step))
+    final = root / step_dir_name(step)
     tmp = root / (final.name + ".tmp")
 
     err = None
     try:
-        _check_local(extra_state)
+        if failed is not None:
+            raise failed
+        _check_local(snapshot.extra_state)
         if world.rank == 0:
             _prepare(root, tmp)
     except Exception as exc:  # noqa: BLE001 -- every failure is agreed, see the Note
         err = exc
-    agree(world, err, f"preparing {tmp}")
+    try:
+        agree(world, err, f"preparing {tmp}")
+    except CheckpointError:
+        if world.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)   # made here while another rank failed
+        raise
 
     record = None
     try:
-        record = _write_shard(tmp, world.rank, strategy.pieces(optimizer), int(step))
-        record.update(_model_names(strategy.module))
+        record = _write_shard(tmp, world.rank, snapshot.arrays, snapshot.step, snapshot.data)
+        record.update(snapshot.names)
     except Exception as exc:  # noqa: BLE001
         err = exc
     try:
@@ -111,7 +233,7 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
 
     if world.rank == 0:
         try:
-            body = _manifest_body(int(step), records, strategy, optimizer, world, extra_state)
+            body = _manifest_body(snapshot, records, world)
             _commit(root, tmp, final, body, keep_last)
         except Exception as exc:  # noqa: BLE001
             err = exc
@@ -131,11 +253,6 @@ def _check_local(extra_state) -> None:
             raise TypeError(f"extra_state is not JSON-able ({err}); pass dicts, lists, str, "
                             f"numbers and bools (generator_state() turns an RNG into "
                             f"those)") from None
-    try:
-        import safetensors.numpy  # noqa: F401, PLC0415
-    except ImportError:
-        raise CheckpointError("", "dependency", "saving needs the safetensors package: pip "
-                              "install 'mpishard[checkpoint]'") from None
 
 
 def _prepare(root: Path, tmp: Path) -> None:
@@ -150,46 +267,44 @@ def _prepare(root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_shard(tmp: Path, rank: int, pieces: list, step: int) -> dict:
-    """Write this rank's owned pieces; return its file record and piece table."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
-    tensors, table, counts = {}, [], {}
-    for piece in pieces:
-        if not piece.owner or piece.size == 0:
-            continue
-        i = counts.get((piece.name, piece.kind), 0)
-        counts[(piece.name, piece.kind)] = i + 1
-        key = f"{piece.name}::{piece.kind}::{i}"
-        array = np.ascontiguousarray(to_numpy(piece.array)).reshape(-1)
+def _write_shard(tmp: Path, rank: int, arrays: list, step: int, data=None) -> dict:
+    """Write this rank's pieces (hashing them as they go out), with one write of ``data``
+    when it holds all their bytes in order; return its file record and piece table."""
+    specs, table, counts = [], [], {}
+    for name, kind, global_shape, runs, array in arrays:
+        i = counts.get((name, kind), 0)
+        counts[(name, kind)] = i + 1
+        key = f"{name}::{kind}::{i}"
         dtype = str(array.dtype)
         if dtype not in DTYPES:
-            raise CheckpointError("", "dtype", f"{piece.name} ({piece.kind}) is {dtype}; a "
+            raise CheckpointError("", "dtype", f"{name} ({kind}) is {dtype}; a "
                                   f"checkpoint holds {sorted(DTYPES)}")
-        if array.size != piece.size:
-            raise CheckpointError("", "runs", f"{piece.name} ({piece.kind}): the piece holds "
-                                  f"{array.size} elements, its runs {piece.size}")
-        tensors[key] = array
-        table.append({"name": piece.name, "kind": piece.kind,
-                      "shape": [int(n) for n in piece.global_shape], "dtype": dtype,
-                      "key": key, "runs": [[int(a), int(b)] for a, b in piece.runs]})
-    if not tensors:
+        size = sum(b - a for a, b in runs)
+        if array.size != size:
+            raise CheckpointError("", "runs", f"{name} ({kind}): the piece holds "
+                                  f"{array.size} elements, its runs {size}")
+        specs.append((key, dtype, (int(array.size),)))
+        table.append({"name": name, "kind": kind,
+                      "shape": [int(n) for n in global_shape], "dtype": dtype,
+                      "key": key, "runs": [[int(a), int(b)] for a, b in runs]})
+    if not specs:
         return {"file": None, "pieces": []}
     name = shard_file_name(rank)
-    path = tmp / name
-    save_file(tensors, path, metadata={"format": FORMAT_NAME, "step": str(step),
-                                       "rank": str(rank)})
-    os.chmod(path, 0o666 & ~_umask())    # safetensors writes 0600; a project group reads too
-    fsync_path(path)
-    return {"file": name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
+    writer = SafetensorsWriter(tmp / name, specs, metadata={
+        "format": FORMAT_NAME, "step": str(step), "rank": str(rank)}, hash_sha256=True,
+        align=PAGE)
+    try:
+        if data is not None:
+            writer.write_all(data, direct=True)
+        else:
+            for (key, _, _), (*_, array) in zip(specs, arrays):
+                writer.write(key, array)
+        path = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"file": name, "bytes": path.stat().st_size, "sha256": writer.sha256,
             "pieces": table}
-
-
-def _umask() -> int:
-    """The process's umask (POSIX has no getter: set one and put it back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _model_names(module) -> dict:
@@ -202,7 +317,7 @@ def _model_names(module) -> dict:
     return {"names": [name for name, _ in module.named_parameters()], "aliases": aliases}
 
 
-def _manifest_body(step: int, records: list, strategy, optimizer, world, extra_state) -> dict:
+def _manifest_body(snapshot: Snapshot, records: list, world) -> dict:
     """Rank 0: the manifest body from every rank's piece table (see [Note: manifest])."""
     files, tensors = {}, {}
     for rank, record in enumerate(records):
@@ -218,7 +333,7 @@ def _manifest_body(step: int, records: list, strategy, optimizer, world, extra_s
                 raise CheckpointError(record["file"], "layout", f"{p['name']} ({p['kind']}): "
                                       f"ranks disagree on its shape or dtype")
             entry["pieces"].append({"file": record["file"], "key": p["key"], "runs": p["runs"]})
-    state_names = list(getattr(optimizer, "state_names", ())) if optimizer is not None else []
+    state_names = snapshot.optimizer["state_names"] if snapshot.optimizer is not None else []
     everyone = dict.fromkeys(name for record in records for name in record["names"])
     names = {name: i for i, name in enumerate(everyone)}
     kinds = {kind: i for i, kind in enumerate(["param", *state_names])}
@@ -226,20 +341,16 @@ def _manifest_body(step: int, records: list, strategy, optimizer, world, extra_s
                                             kinds.get(nk[1], len(kinds)), nk[1]))
     aliases = {alias: target for record in records for alias, target in record["aliases"].items()
                if (target, "param") in tensors and (alias, "param") not in tensors}
-    sizes = strategy.mesh.shape
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
-        "mpishard_version": __version__, "step": step, "world_size": world.size,
-        "mesh": {axis: int(sizes[axis]) for axis in ("pp", "dp", "tp", "cp", "dp_replicate",
-                                                     "dp_shard", "ep") if axis in sizes},
-        "strategy": strategy.state_dict(),
-        "optimizer": None if optimizer is None else {
-            "type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
-            "lr": float(optimizer.lr), "state_names": state_names},
+        "mpishard_version": __version__, "step": snapshot.step, "world_size": world.size,
+        "mesh": snapshot.mesh,
+        "strategy": snapshot.strategy_state,
+        "optimizer": snapshot.optimizer,
         "files": files,
         "tensors": [tensors[nk] for nk in order],
         "aliases": aliases,
-        "extra": extra_state if extra_state is not None else {},
+        "extra": snapshot.extra_state if snapshot.extra_state is not None else {},
     }
 
 

@@ -198,6 +198,27 @@ class Communicator:
             self._calls.end(entry, None, 0)
         return self._child(new, name or f"{self.name}.dup")
 
+    def dup_for_thread(self, name: str) -> "Communicator":
+        """Duplicate (collective) for use by another thread of each rank: the same
+        group, a separate message space, MPI transport of host buffers, and no share
+        in this communicator's watchdog or debug fingerprints (their one armed call
+        and their call order belong to this thread). Needs MPI_THREAD_MULTIPLE
+        (:meth:`thread_level`) where the two threads communicate at once."""
+        entry = self._calls.begin("dup", None, None)
+        try:
+            new = self.mpi.Dup()
+        finally:
+            self._calls.end(entry, None, 0)
+        return Communicator(new, name, comm_backend="mpi", _owned=True)
+
+    @staticmethod
+    def thread_level() -> str:
+        """The thread support MPI was started with: ``"single"``, ``"funneled"``,
+        ``"serialized"`` or ``"multiple"``."""
+        return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                MPI.THREAD_SERIALIZED: "serialized",
+                MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]
+
     def free(self) -> None:
         """Free a communicator made by ``split``/``dup`` (collective; idempotent)."""
         self._backend.close()

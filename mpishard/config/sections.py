@@ -130,6 +130,9 @@ class RunConfig:
     checkpoint_dir: str = opt("", "where step-N/ checkpoints go (empty: none)")
     checkpoint_interval: int = opt(0, "steps between checkpoints (0: only at the end)", low=0)
     keep_last: int = opt(2, "checkpoints to keep", low=1)
+    checkpoint_async: bool = opt(False, "write checkpoints on a thread while training goes "
+                                 "on (each rank holds a host copy of its shards while a "
+                                 "save is in flight)")
     resume: bool = opt(False, "resume from the newest checkpoint in checkpoint_dir that "
                        "verifies (a damaged newer one is renamed step-N.damaged)")
     resume_from: str = opt("", "resume from this checkpoint instead: step-N in "
@@ -318,6 +321,9 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
         raise ConfigError("resume_from and overwrite = true contradict each other: resume "
                           "continues a run, overwrite deletes it")
     run.resume = run.resume or bool(run.resume_from)
+    if run.checkpoint_async and not run.checkpoint_dir:
+        raise ConfigError("checkpoint_async = true needs checkpoint_dir: where the "
+                          "checkpoints go (--checkpoint-dir DIR)")
     if run.resume and not run.checkpoint_dir:
         raise ConfigError("resume = true needs checkpoint_dir: the directory to resume from "
                           "(--checkpoint-dir DIR)")

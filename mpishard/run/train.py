@@ -20,9 +20,9 @@ import numpy as np
 
 from mpishard.core.agree import agree, rebuild_same_type
 from mpishard.core.backend import Backend
-from mpishard.checkpoint import (INTERRUPT_TOO, CheckpointError, StopSignals, load_checkpoint,
-                                 load_module_rng_states, load_newest_valid, module_rng_states,
-                                 save_checkpoint)
+from mpishard.checkpoint import (INTERRUPT_TOO, BackgroundSaver, CheckpointError, StopSignals,
+                                 load_checkpoint, load_module_rng_states, load_newest_valid,
+                                 module_rng_states, save_checkpoint)
 from mpishard.checkpoint.format import step_dir_name
 from mpishard.comm import Communicator, Mesh, node_local_rank
 from mpishard.config.sections import ConfigError, TrainConfig
@@ -103,6 +103,15 @@ class Trainer:
         if cfg.run.checkpoint_dir and cfg.run.resume:
             self.resume()
         self.first_step = self.steps_done  # its activations are measured
+        self.saver = None
+        if cfg.run.checkpoint_async:
+            try:
+                self.saver = BackgroundSaver(self.world)     # collective
+            except RuntimeError as err:                      # the same on every rank
+                raise ConfigError(str(err)) from None
+            staged = self.saver.reserve(self.strategy, self.opt)
+            self.log.info(f"background checkpoints: {staged / 2**20:.1f} MiB of host memory "
+                          f"on rank 0 hold the copy of its shards that a save writes")
 
     @property
     def steps_done(self) -> int:
@@ -135,14 +144,32 @@ class Trainer:
         load_module_rng_states(self.strategy.module, extra["rng"])
         self.log.info(f"resumed from step {self.steps_done} ({step_dir})")
 
-    def save(self):
-        """Checkpoint parameters, optimizer state, data position and RNG (collective)."""
+    def save(self, *, last: bool = False):
+        """Checkpoint parameters, optimizer state, data position and RNG (collective);
+        with ``checkpoint_async``, written on a thread (see [Note: background saves]),
+        waited for when it is the ``last`` save of the run."""
+        run = self.cfg.run
         extra = {"step": self.steps_done, "data": self.sampler.state_dict(),
                  "rng": module_rng_states(self.strategy.module, self.world),
                  "config": asdict(self.cfg)}
-        return save_checkpoint(self.cfg.run.checkpoint_dir, self.steps_done, self.strategy,
-                               self.opt, world=self.world, extra_state=extra,
-                               keep_last=self.cfg.run.keep_last)
+        if self.saver is None:
+            return save_checkpoint(run.checkpoint_dir, self.steps_done, self.strategy,
+                                   self.opt, world=self.world, extra_state=extra,
+                                   keep_last=run.keep_last)
+        self.report_save(self.saver.wait())       # at most one in flight
+        path = self.saver.save(run.checkpoint_dir, self.steps_done, self.strategy, self.opt,
+                               extra_state=extra, keep_last=run.keep_last)
+        if last:
+            self.report_save(self.saver.wait())
+        return path
+
+    def report_save(self, outcome) -> None:
+        """One line for a background save that has finished (once)."""
+        if outcome is not None and outcome.error is None and not outcome.reported:
+            outcome.reported = True
+            self.log.info(f"checkpoint {outcome.path.name} written in the background: "
+                          f"{outcome.copy_s:.2f} s copying, then {outcome.write_s:.2f} s "
+                          f"writing while training went on")
 
     # -- one step, and the loop ---------------------------------------------------
     def evaluate(self) -> float:
@@ -206,11 +233,15 @@ class Trainer:
                                                step_dir_name(self.steps_done))
                 metrics.write(record)
                 if saving:
-                    self.save()
+                    self.save(last=stopped or self.steps_done == cfg.optim.steps)
+                elif self.saver is not None:
+                    self.report_save(self.saver.finished())
                 bar.report(record, self.log)
                 if stopped or not math.isfinite(record["loss"]):
                     self.log.info(f"step {self.steps_done}: {stop_reason(stop, stopped, run)}")
                     break
+        if self.saver is not None:
+            self.report_save(self.saver.close())     # a run never exits mid-write
         last_val = first_val if stopped else self.evaluate()
         if not stopped:
             metrics.write({"step": self.steps_done, "val_loss": last_val})

@@ -84,16 +84,18 @@ def clean_env(**extra) -> dict:
 
 def run_mpishard(*args, n=None, timeout=120, cwd=None, env=None) -> subprocess.CompletedProcess:
     """``python -m mpishard ARGS``, or with ``n`` the same under ``mpiexec -n N python -m
-    mpi4py``, from the source tree, 1 BLAS thread, outside the job this process may run in."""
+    mpi4py``, from the source tree, 1 BLAS thread, outside the job this process may run in;
+    ``env`` adds or replaces variables."""
     cmd = [sys.executable, "-m", "mpishard", *map(str, args)]
     if n is not None:
         cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard",
                *map(str, args)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               **(env or {}))
+    child = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                 OPENBLAS_NUM_THREADS="1")
+    child.update(env or {})
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
-        env.pop(var, None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+        child.pop(var, None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child,
                           cwd=cwd or ROOT)
 
 
@@ -135,9 +137,16 @@ def rank_pids(marker) -> list:
     return sorted(pids)
 
 
-#: put first on a job's PYTHONPATH with MPISHARD_TEST_FAIL_AT_START=RANK:N:COUNTER to make
-#: that rank fail at start-up the first N times (see its sitecustomize.py)
-FAIL_AT_START = SCRIPTS / "fail_at_start"
+#: put first on a job's PYTHONPATH to inject failures into its ranks (MPISHARD_TEST_FAIL_AT_START,
+#: MPISHARD_TEST_KILL_IN_SAVE: see its sitecustomize.py)
+INJECT = SCRIPTS / "inject"
+
+
+def injected_env(**variables) -> dict:
+    """:func:`clean_env` with ``variables`` (MPISHARD_TEST_...) and INJECT first on the path."""
+    env = clean_env(**variables)
+    env["PYTHONPATH"] = f"{INJECT}:{env['PYTHONPATH']}"
+    return env
 
 
 def kill_a_rank(pids: list, rng, sig=9) -> int | None:

@@ -19,7 +19,8 @@ silent trip through host memory), and they equal NumPy's, the reference.
   test_autodiff_gradcheck.CASES);
 * GPT forward and backward, and AdamW/SGD steps, against NumPy;
 * float16 mixed precision training against float32;
-* a ZeRO-3 checkpoint saved from the module and loaded on it and on NumPy;
+* a ZeRO-3 checkpoint saved from the module (synchronously and in the background) and
+  loaded on it and on NumPy;
 * DDP and ZeRO-3 with models on the module against the single-process NumPy
   reference (parity.reference), at every world size the run has.
 """
@@ -255,8 +256,12 @@ def test_float16_training_tracks_float32(array_backend, comm_self):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_checkpoint_round_trip_on_the_module(array_backend):
-    """ZeRO-3 saved with the model on the module; loaded there and on NumPy, bit-identical."""
+@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "background"])
+def test_checkpoint_round_trip_on_the_module(array_backend, background):
+    """ZeRO-3 saved with the model on the module; loaded there and on NumPy, bit-identical.
+    In the background (BackgroundSaver) the run trains another step, with its collectives,
+    while the writer thread writes and agrees: the checkpoint holds the values of step 2."""
+    from mpishard.checkpoint import BackgroundSaver
     from mpishard.core.backend import Backend
 
     with sub_world(MPI.COMM_WORLD.size) as comm, shared_tmp(comm) as root:
@@ -272,7 +277,17 @@ def test_checkpoint_round_trip_on_the_module(array_backend):
             loss.backward()
             strategy.step(opt)
         saved = full_tensors(strategy, opt, comm)
-        save_checkpoint(root, 2, strategy, opt)
+        if background:
+            saver = BackgroundSaver(comm)
+            saver.save(root, 2, strategy, opt)
+            _, loss = strategy(*_on(array_backend, *batch(2, 0, comm.rank)))
+            loss.backward()
+            strategy.step(opt)                       # overwrites what is being written
+            assert saver.close().path.name == "step-2"
+            after = full_tensors(strategy, opt, comm)
+            assert any(not np.array_equal(after[key], saved[key]) for key in saved)
+        else:
+            save_checkpoint(root, 2, strategy, opt)
         for backend in (array_backend, Backend.resolve("numpy")):
             fresh, fresh_opt = build(backend, 1)
             load_checkpoint(root, fresh, fresh_opt)
