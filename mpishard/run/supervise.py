@@ -17,7 +17,7 @@ waits for it. How the job ended decides what follows:
   ``backoff`` seconds (doubling each time, at most 60), up to
   ``max_restarts`` times. The restarted command continues the run
   (``--resume true``) when ``checkpoint_dir`` holds a complete checkpoint, and
-  otherwise starts it again.
+  otherwise starts it again (its metrics file then keeps only its events).
 
 Each restart is one line on stdout and one record in the run's metrics file,
 ``{"event": "restart", "attempt": ..., "exit_code": ..., "cause": ..., "resume":
@@ -112,13 +112,26 @@ class Supervisor:
         command = [t.replace("{ranks}", str(ranks)) for t in self.command]
         args = train_args(self.command)
         extra = []
-        if resume and not _flag(args, "--resume") and not _flag(args, "--resume-from"):
-            extra += ["--resume", "true"]
+        if resume and not _flag(args, "--resume-from") \
+                and not (attempt == 0 and _flag(args, "--resume")):
+            extra += ["--resume", "true"]      # after the command's own --resume: it wins
         if attempt and _flag(args, "--overwrite"):      # it deleted the run once already
             extra += ["--overwrite", "false"]
         if ranks and ranks != self.ranks[0] and not _flag(args, "--global-batch"):
             extra += ["--global-batch", str(self._global_batch())]
+        if ranks and not self._fits(ranks) and not _flag(args, "--layout"):
+            p = self.cfg.parallel
+            self._say(f"the layout {'dp=' + str(p.dp) + ' x ' if p.dp else ''}tp={p.tp} x "
+                      f"pp={p.pp} x cp={p.cp} does not fit {ranks} ranks: re-planned with "
+                      f"--layout auto, the global batch kept")
+            extra += ["--layout", "auto"]
         return command + extra
+
+    def _fits(self, ranks: int) -> bool:
+        """Whether the command's axes fit ``ranks`` ranks (data parallelism takes the rest)."""
+        p = self.cfg.parallel
+        fixed = p.tp * p.pp * p.cp
+        return p.dp * fixed == ranks if p.dp else ranks % fixed == 0
 
     def _global_batch(self) -> int:
         o, p = self.cfg.optim, self.cfg.parallel
@@ -159,6 +172,7 @@ class Supervisor:
     def run(self) -> int:
         """Run the job until it ends for good; the exit status of its last attempt."""
         from mpishard.checkpoint import latest_checkpoint
+        from mpishard.run.report import rewind_metrics
 
         root = Path(self.cfg.run.checkpoint_dir)
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
@@ -177,6 +191,8 @@ class Supervisor:
                 attempt += 1
                 newest = latest_checkpoint(root)
                 resume = newest is not None
+                if not resume and self.cfg.run.metrics and Path(self.cfg.run.metrics).exists():
+                    rewind_metrics(Path(self.cfg.run.metrics), 0)   # it starts afresh
                 self._record({"event": "restart", "attempt": attempt, "exit_code": status,
                               "cause": cause, "resume": newest.name if resume else None,
                               "time": round(time.time(), 3)})

@@ -13,6 +13,7 @@ ways a user can: ``bash slurm/X.sbatch`` (it calls sbatch on itself) and plain
 the requeue path, the #SBATCH defaults at full size and the allocation check
 are driven with stand-in ranks that "checkpoint" on USR1 and exit 0.
 """
+import json
 import os
 import re
 import shlex
@@ -120,8 +121,15 @@ echo "scontrol $*" >> "$SHIM_LOG"
 """
 
 # A stand-in for the venv's python, launched as every rank: records its arguments,
-# and on USR1 "writes a checkpoint" (a step-N directory) and exits with FAKE_EXIT.
+# and on USR1 "writes a checkpoint" (a step-N directory) and exits with FAKE_EXIT. As
+# the supervisor (python -m mpishard supervise ... -- JOB) it runs JOB in its place.
 FAKE_PYTHON = r"""#!/bin/bash
+if [ "$1 $2 $3" = "-m mpishard supervise" ]; then  # as the supervisor: run its job once
+    echo "supervise $*" >> "$SHIM_LOG"
+    while [ "$1" != -- ]; do shift; done
+    shift
+    exec "$@"
+fi
 echo "python $*" >> "$SHIM_LOG"
 checkpoint_dir=
 while [ $# -gt 0 ]; do
@@ -355,6 +363,28 @@ def test_template_trains_end_to_end(template, shims, tmp_path):
     _trained_on_two_ranks(result, run_dir)
 
 
+def test_a_rank_that_dies_is_restarted_within_the_job(shims, tmp_path):
+    """Rank 1 is SIGKILLed writing step 2's checkpoint (once): srun ends the step, the
+    template's supervisor starts it again from step 1, and the job ends with status 0,
+    each step in the metrics once and the restart recorded with its cause."""
+    from ckpt_scripts.common import INJECT
+
+    result, lines = submit("cpu.sbatch", shims, tmp_path, NTASKS_PER_NODE="2",
+                           CHECKPOINT_INTERVAL="1", RESTART_BACKOFF="0",
+                           PYTHONPATH=f"{INJECT}:{ROOT}",
+                           MPISHARD_TEST_KILL_IN_SAVE=f"1:2:write:{tmp_path / 'killed'}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "test: rank 1 killed writing step-2.tmp" in result.stderr
+    assert "mpishard supervise: the job failed" in result.stdout, result.stdout
+    assert "resuming from step-1" in result.stdout, result.stdout
+    assert len(calls(lines, "srun")) == 2
+    run_dir = tmp_path / "runs" / f"{JOB_NAMES['cpu.sbatch']}-{JOB_ID}"
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    (restart,) = [r for r in records if r.get("event") == "restart"]
+    assert restart["resume"] == "step-1" and restart["exit_code"] != 0
+
+
 # Plain 'sbatch FLAGS slurm/X.sbatch' for 2 ranks: the flags win over the #SBATCH lines.
 PLAIN_TWO_RANKS = {
     "cpu.sbatch": (["--ntasks-per-node=2"], {}),
@@ -539,13 +569,14 @@ def test_template_runs_in_the_container_through_apptainer_python(shims, tmp_path
                            CPUS_PER_TASK=None)
     assert result.returncode == 0, result.stdout + result.stderr
     runs = calls(lines, "apptainer")
-    assert len(runs) == 4                             # slurm pmi, slurm describe, 2 ranks
+    assert len(runs) == 5           # slurm pmi, slurm describe, the supervisor, 2 ranks
+    assert sum("supervise" in args for args in runs) == 1
     for args in runs:
         assert args[:4] == ["exec", "--nv", "--bind", f"{site_mpi},{tmp_path}"]
         assert f"MPI4PY_LIBMPI={site_mpi}/lib/{libmpi.name}" in args
         assert f"LD_LIBRARY_PATH={site_mpi}/lib:{tmp_path}" in args
         assert args[args.index(str(image)) + 1] == "python"
-    assert sum("train" in args for args in runs) == 2
+    assert sum("train" in args and "supervise" not in args for args in runs) == 2
     expected, _ = _library_pmi()          # pmi2 for the MPICH wheel, pmix for Open MPI's
     assert f"mpishard job {JOB_ID}: srun --mpi={expected} (SRUN_MPI=auto" in result.stdout
     _trained_on_two_ranks(result, tmp_path / "runs" / f"mpishard-cpu-{JOB_ID}")
