@@ -1,6 +1,6 @@
 """``mpishard checkpoint inspect|consolidate|export``: one process, no MPI needed.
 
-    mpishard checkpoint inspect ckpt/                        # latest step; or ckpt/step-40
+    mpishard checkpoint inspect ckpt/                        # newest valid; or ckpt/step-40
     mpishard checkpoint consolidate ckpt/ model.safetensors  # loads into a PyTorch nanoGPT
     mpishard checkpoint export ckpt/ out/ --format hf        # a Hugging Face model folder
 
@@ -39,8 +39,8 @@ def add_checkpoint_commands(subparsers) -> None:
     commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
     inspect = commands.add_parser("inspect", help="print step, layout, tensors and sizes; "
                                   "verify integrity (exit 1 if damaged)")
-    inspect.add_argument("dir", help="a checkpoint root (its latest step) or a step-N "
-                         "directory")
+    inspect.add_argument("dir", help="a checkpoint root (its newest checkpoint that "
+                         "verifies, the one --resume takes) or a step-N directory")
     inspect.add_argument("--no-verify", action="store_true",
                          help="skip hashing the files (the manifest is still checked)")
     inspect.set_defaults(func=_cmd_inspect)

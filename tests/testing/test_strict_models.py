@@ -109,3 +109,21 @@ def test_dropout_masks_come_from_the_device_generator(be):
     model = GPT(GPT_CFG, seed=0, backend=be)
     gens = [m.rng for _, m in model.named_modules() if "rng" in m.__dict__]
     assert gens and all(isinstance(g, strict.random.Generator) for g in gens)
+
+
+def test_a_dropout_that_never_draws_holds_no_device_generator(be):
+    """p = 0 (GPT-2's default): no device generator (each is 12 MiB on an H200); the
+    model trains, and its checkpoint's generator states are empty."""
+    from dataclasses import replace
+
+    from mpishard.checkpoint import load_module_rng_states, module_rng_states
+
+    model = GPT(replace(GPT_CFG, dropout=0.0), seed=0, backend=be)
+    dropouts = [m for _, m in model.named_modules() if "rng" in m.__dict__]
+    assert dropouts and all(m.rng is None for m in dropouts)
+    x = be.asarray(np.arange(16).reshape(2, 8) % 37)
+    _, loss = model(x, x)
+    loss.backward()
+    assert np.isfinite(loss.item())
+    assert module_rng_states(model) == {}
+    load_module_rng_states(model, {})
