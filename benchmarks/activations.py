@@ -1,17 +1,21 @@
-"""Activation checkpointing on GPT config S: activation bytes saved, step time paid.
+"""Activation checkpointing on GPT config S: activation bytes saved, step time paid,
+for whole blocks and for attention's core alone (selective recomputation).
 
     OMP_NUM_THREADS=1 python benchmarks/activations.py
     python benchmarks/activations.py --steps 10 --dropout 0.1
 
 GPT config S (vocab 256, block 128, 4 layers, 4 heads, width 256, float32),
-batch 16 x 128 tokens, as in ``benchmarks/step.py``, built twice from the same
-seed: once plain, once with ``set_activation_checkpointing(True)``. For each,
+batch 16 x 128 tokens, as in ``benchmarks/step.py``, built three times from the
+same seed: plain, with ``set_activation_checkpointing(True)`` (each block
+recomputed) and with ``set_activation_checkpointing("selective")`` (attention's
+``T x T`` core recomputed). For each,
 the memory ledger measures the bytes one training forward leaves alive for
 backward (:meth:`mpishard.core.backend.MemoryLedger.measure_activations`: NumPy
 allocations traced by tracemalloc, minus what the ledger counts elsewhere).
-Then full steps (forward, backward, AdamW) are timed, alternating plain and
-checkpointed step by step so both see the same machine load, untraced. The
-recompute costs about one extra forward of every block per step. Prints a
+Then full steps (forward, backward, AdamW) are timed, the modes taking turns
+step by step so all see the same machine load, untraced. The block recompute
+costs about one extra forward of every block per step, the selective one the
+attention core's forward. Prints a
 table on stderr and one JSON line on stdout.
 """
 from __future__ import annotations
@@ -33,12 +37,13 @@ from mpishard.optim import AdamW  # noqa: E402
 CONFIG_S = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 BATCH = 16
 MIB = 2**20
-MODES = ("plain", "checkpointed")
+MODES = ("plain", "checkpointed", "selective")
+_SETTING = {"plain": "none", "checkpointed": "full", "selective": "selective"}
 
 
-def _setup(checkpointing: bool, dropout: float):
+def _setup(mode: str, dropout: float):
     model = GPT(GPTConfig(**CONFIG_S, dropout=dropout), seed=0)
-    model.set_activation_checkpointing(checkpointing)
+    model.set_activation_checkpointing(_SETTING[mode])
     opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     r = np.random.default_rng(0)
     x = r.integers(0, CONFIG_S["vocab_size"], (BATCH, CONFIG_S["block_size"]))
@@ -69,11 +74,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--dropout", type=float, default=0.0, help="GPT dropout (config S: 0)")
     args = parser.parse_args(argv)
 
-    runs = {mode: _setup(mode == "checkpointed", args.dropout) for mode in MODES}
+    runs = {mode: _setup(mode, args.dropout) for mode in MODES}
     nbytes = {mode: runs[mode][0]() for mode in MODES}
     times = {mode: [] for mode in MODES}
     for i in range(args.warmup + args.steps):
-        for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+        for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
             seconds = runs[mode][1]()
             if i >= args.warmup:
                 times[mode].append(seconds)
@@ -83,12 +88,16 @@ def main(argv=None) -> dict:
               "activation_bytes": nbytes,
               "activation_ratio": round(nbytes["plain"] / nbytes["checkpointed"], 2),
               "median_step_s": {m: round(s, 4) for m, s in median.items()},
-              "step_time_ratio": round(median["checkpointed"] / median["plain"], 3)}
+              "step_time_ratio": round(median["checkpointed"] / median["plain"], 3),
+              "selective_activation_ratio": round(nbytes["plain"] / nbytes["selective"], 2),
+              "selective_step_time_ratio": round(median["selective"] / median["plain"], 3)}
     for mode in MODES:
         print(f"{mode:13s} activations {nbytes[mode] / MIB:8.2f} MiB   "
               f"step {median[mode]:.3f} s (median of {args.steps})", file=sys.stderr)
     print(f"checkpointing keeps {result['activation_ratio']}x fewer activation bytes for "
-          f"{result['step_time_ratio']}x the step time", file=sys.stderr)
+          f"{result['step_time_ratio']}x the step time; selective recomputation "
+          f"{result['selective_activation_ratio']}x fewer for "
+          f"{result['selective_step_time_ratio']}x", file=sys.stderr)
     print(json.dumps(result))
     return result
 

@@ -213,7 +213,7 @@ def published(args, say) -> dict:
         present = run["id"].endswith("present_work") or "sec6.3" in run["id"]
         layout = Layout(dp, tp, pp, "ddp", "float16", batch_size=mbs, seq_len=m["seq_length"],
                         micro_batches=micro, activation_checkpointing=not present,
-                        sequence_parallel=present and tp > 1)
+                        sequence_parallel=present and tp > 1, selective=present)
         cfg = GPTConfig(vocab_size=m["vocab_size"], block_size=m["seq_length"],
                         n_layer=m["num_layers"], n_head=m["attention_heads"],
                         n_embd=m["hidden_size"], bias=True)

@@ -111,7 +111,7 @@ def apply_auto_layout(cfg, world_size: int) -> str:
     p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
     p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
     o.batch_size, o.micro_steps, o.global_batch = lay.batch_size, lay.micro_batches, 0
-    cfg.model.activation_checkpointing = lay.activation_checkpointing
+    cfg.model.activation_checkpointing = "full" if lay.activation_checkpointing else "none"
     return (f"layout auto ({machine.name}, {n} layouts): dp={lay.dp} (dp_replicate="
             f"{lay.dp_replicate}) x cp={lay.cp} x tp={lay.tp} x pp={lay.pp}, {lay.strategy}, "
             f"{lay.batch_size} x {lay.micro_batches} micro-batches per dp rank"

@@ -38,8 +38,11 @@ class ModelKeys:
     dtype: str = opt("float32", "master weights and optimizer state: float32 or float64",
                      choices=("float32", "float64"), estimate=True,
                      aliases={"fp32": "float32", "fp64": "float64"})
-    activation_checkpointing: bool = opt(False, "recompute each block's activations in "
-                                         "backward instead of keeping them", estimate=True)
+    activation_checkpointing: str = opt("none", "recompute activations in backward instead "
+                                        "of keeping them: none, full (each block) or "
+                                        "selective (attention's T x T core only)",
+                                        choices=("none", "full", "selective"), estimate=True,
+                                        aliases={"true": "full", "false": "none"})
 
     def __post_init__(self):
         spec = MODELS.get(self.name)     # an unknown name is refused when checked

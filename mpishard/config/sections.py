@@ -223,6 +223,8 @@ def _closest(name: str, names) -> str:
 def _coerce(key: Key, value, where: str):
     """``value`` as the key's type (an alias as the value it stands for), or a ConfigError
     naming the key."""
+    if isinstance(value, bool) and key.type == "str" and str(value).lower() in key.meta["aliases"]:
+        value = str(value).lower()          # a TOML true for a key that also takes words
     if isinstance(value, str):
         value = key.meta["aliases"].get(value, value)
     if key.type == "float" and isinstance(value, int) and not isinstance(value, bool):

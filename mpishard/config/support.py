@@ -63,7 +63,7 @@ def check_supported(cfg) -> list:
     _check_sequence(cfg)
     sizes = AxisSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                       sequence_parallel=asked["sp"],
-                      activation_checkpointing=m.activation_checkpointing)
+                      activation_checkpointing=m.activation_checkpointing == "full")
     try:
         config = spec.config_of(m, vocab_size=m.vocab_size or VOCAB_SIZE)
         return list(spec.check_split(config, sizes)) if spec.check_split else []

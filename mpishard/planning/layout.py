@@ -78,7 +78,9 @@ class Layout:
     ``dp_replicate`` copies of the ZeRO shards). ``cp_mode`` is ``"ring"`` or
     ``"all-to-all"``; ``sequence_parallel`` splits the rows between tensor-parallel
     layers over tp; ``ep`` splits each mixture of experts' experts over that many
-    ranks of ``dp_shard x cp``.
+    ranks of ``dp_shard x cp``. ``activation_checkpointing`` recomputes whole blocks,
+    ``selective`` only attention's core (the activation plan then keeps no ``T x T``
+    weights; the step-time model does not yet add the core's second forward).
 
     Raises:
         ValueError: sizes that do not fit together, naming the fix.
@@ -100,8 +102,12 @@ class Layout:
     cp_mode: str = "ring"
     sequence_parallel: bool = False
     ep: int = 1
+    selective: bool = False
 
     def __post_init__(self):
+        if self.selective and self.activation_checkpointing:
+            raise ValueError("Layout: selective=True recomputes attention's core and "
+                             "activation_checkpointing=True whole blocks; pass one of them")
         for name in ("dp", "tp", "pp", "cp", "dp_replicate", "batch_size", "seq_len",
                      "micro_batches", "ep"):
             n = getattr(self, name)
@@ -203,7 +209,8 @@ class LayoutEstimate:
             rows.append(f"  {'activations':<12}{mib(stage.activation_bytes)}  (peak: "
                         f"{stage.micro_batches_alive} micro-batch(es) of {lay.batch_size} x "
                         f"{seq} kept for backward"
-                        + (", checkpointed" if lay.activation_checkpointing else "") + ")")
+                        + (", checkpointed" if lay.activation_checkpointing else "")
+                        + (", attention recomputed" if lay.selective else "") + ")")
         else:
             rows.append(f"  {'activations':<12}{'(not estimated for this model)':>14}")
         rows.append(f"  {'total':<12}{mib(stage.total_peak_bytes)}  (model state "
@@ -305,9 +312,11 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
         mesh = mesh_shape(layout, s)
         stage = stage_of(s) if stage_of is not None else \
             build_stage(model, mesh, stage_estimate, layout.cp_mode, layout.sequence_parallel)
+        mode = "full" if layout.activation_checkpointing else \
+            "selective" if layout.selective else "none"
         if hasattr(stage, "set_activation_checkpointing") and \
-                (layout.activation_checkpointing or stage_of is not None):
-            stage.set_activation_checkpointing(layout.activation_checkpointing)
+                (mode != "none" or stage_of is not None):
+            stage.set_activation_checkpointing(mode)
         cached = memo_for(memo, stage)
         memory = cached(("memory", layout.strategy, mesh.dp_cp.size, layout.optimizer,
                          layout.precision, layout.micro_batches, layout.dp_replicate, layout.ep),
@@ -318,7 +327,7 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
         activation = getattr(stage, "activation_bytes", None)
         alive = _alive(layout, s)
         per_micro = cached(("activations", layout.batch_size, layout.local_seq_len, act.name,
-                            layout.activation_checkpointing),
+                            mode),
                            lambda: activation(layout.batch_size, layout.local_seq_len, act)) \
             if activation else 0
         groups = dict(memory.bus_bytes_by_group or {"dp_cp": memory.bus_bytes_per_step})
@@ -326,7 +335,7 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
             n = mesh.dp_cp.size      # an all-reduce's bus bytes: 2 (n - 1) / n of 8
             groups["dp_cp"] = groups.get("dp_cp", 0) + int(round(2 * (n - 1) / n * 8))
         traffic = dict(cached(("traffic", layout.batch_size, layout.seq_len, layout.micro_batches,
-                               layout.activation_checkpointing, act.name, wire, grad),
+                               mode, act.name, wire, grad),
                               lambda: stage_traffic(stage, layout, plan, act, wire, grad)))
         tie = traffic.pop("tied")
         bus = _bus(mesh, {**groups, **traffic})

@@ -33,7 +33,8 @@ def describe_plan(trainer) -> str:
              f"batch: {o.batch_size} per dp rank x {o.micro_steps} micro-steps x "
              f"{mesh.dp.size} dp ranks, {o.steps} steps, {cfg.model.dtype}"
              + (f", computing in {p.precision}" if p.precision != "float32" else "")
-             + (", activation checkpointing" if cfg.model.activation_checkpointing else "")
+             + ({"full": ", activation checkpointing",
+                 "selective": ", selective recomputation"}.get(cfg.model.activation_checkpointing, ""))
              + (f", context parallel {p.cp_mode}" if mesh.cp.size > 1 else "")
              + (", sequence parallel" if p.sequence_parallel and mesh.tp.size > 1 else ""),
              trainer.plan.format()]

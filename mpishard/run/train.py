@@ -39,6 +39,8 @@ from mpishard.run.report import MetricsFile, describe_plan, expert_load, progres
 
 __all__ = ["Trainer", "run", "make_optimizer"]
 
+_CHECKPOINTED = {"none": "", "full": ", checkpointed", "selective": ", attention recomputed"}
+
 
 def make_optimizer(name: str, params, cfg, ledger):
     """The optimizer ``name`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with the
@@ -88,8 +90,8 @@ class Trainer:
                                  precision=cfg.parallel.precision,
                                  cp_mode=cfg.parallel.cp_mode,
                                  sequence_parallel=cfg.parallel.sequence_parallel)
-        if cfg.model.activation_checkpointing:
-            self.run.module.set_activation_checkpointing(True)
+        if cfg.model.activation_checkpointing != "none":
+            self.run.module.set_activation_checkpointing(cfg.model.activation_checkpointing)
         self.strategy = self.run.strategy
         if cfg.run.init_from and not cfg.run.resume:  # a resume has trained weights already
             from mpishard.hf import load_pretrained  # noqa: PLC0415 (only runs that start from weights)
@@ -193,7 +195,7 @@ class Trainer:
             most = self.world.all_reduce_obj(pipeline.activation_bytes, op="max")
             self.log.info(f"activations kept for backward: {most / 2**20:.2f} MiB on the "
                           f"busiest rank (measured on step {self.steps_done + 1}"
-                          f"{', checkpointed' if cfg.model.activation_checkpointing else ''})")
+                          f"{_CHECKPOINTED[cfg.model.activation_checkpointing]})")
         result = self.run.step(self.opt, max_norm=cfg.optim.grad_clip or None)
         self.mesh.dp_cp.all_reduce(loss, op="avg")
         seconds = time.perf_counter() - t0
@@ -289,9 +291,10 @@ def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
     return Layout(dp, p.tp, p.pp, p.strategy, p.precision, o.optimizer,
                   batch_size=o.batch_size, seq_len=recipe.tokens_per_sample,
                   micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
-                  activation_checkpointing=cfg.model.activation_checkpointing,
+                  activation_checkpointing=cfg.model.activation_checkpointing == "full",
                   cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
-                  sequence_parallel=p.sequence_parallel, ep=p.ep)
+                  sequence_parallel=p.sequence_parallel, ep=p.ep,
+                  selective=cfg.model.activation_checkpointing == "selective")
 
 
 def stop_reason(stop, stopped: bool, run) -> str:

@@ -1,4 +1,5 @@
-"""Activation checkpointing (``recompute``, ``GPT.set_activation_checkpointing``).
+"""Activation checkpointing (``recompute``, ``GPT.set_activation_checkpointing``): whole
+blocks ("full") and attention's core ("selective").
 
     python -m pytest -q tests/autodiff/test_activation_checkpointing.py
     OMP_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py -m pytest -q --with-mpi \
@@ -7,8 +8,9 @@
 Checkpointing must not change a single bit: losses, gradients and trained
 parameters are compared with ``np.array_equal`` against the same run without
 it, with dropout on (the recompute must replay the masks), in float64 and
-float32, alone and under ZeRO-3, tensor and pipeline parallelism. The memory
-ledger's measurement must show at least 2x fewer activation bytes.
+float32, alone and under ZeRO-3, tensor, pipeline and context parallelism,
+sequence parallelism and bfloat16. The memory ledger's measurement must show at
+least 2x fewer activation bytes (full), none of the T x T weights (selective).
 """
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from mpishard.autodiff import Tensor, gradcheck, nn_ops, no_grad, ops, recompute
 from mpishard.core.backend import MemoryLedger, to_numpy
 from mpishard.comm import Mesh
 from mpishard.testing.fake_cupy import make_test_comm
-from mpishard.models import GPT, GPTConfig
+from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.nn import Parameter
 from mpishard.optim import AdamW
 from mpishard.parallel import ParallelModel, ZeRO
@@ -136,18 +138,48 @@ def _train_gpt(checkpointing: bool, dtype: str, steps: int = 3, micro: int = 2):
     return record + [[p.data for p in model.parameters()]]
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_gpt_bit_identical_with_and_without(dtype):
-    plain, again = _train_gpt(False, dtype), _train_gpt(True, dtype)
+def test_gpt_bit_identical_with_and_without(dtype, mode):
+    plain, again = _train_gpt(False, dtype), _train_gpt(mode, dtype)
     for a, b in zip(plain, again):
         assert all(np.array_equal(u, v) for u, v in zip(a, b))
 
 
-def test_pipeline_stages_bit_identical():
+LLAMA = LlamaConfig(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=16)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_llama_bit_identical_with_and_without(mode):
+    """Llama's fused attention op (projections, rotations, grouped-query attention) is
+    recomputed whole under selective: the same bits."""
+    runs = []
+    for checkpointing in ("none", mode):
+        model = Llama(LLAMA, seed=0, dtype="float64").set_activation_checkpointing(checkpointing)
+        assert model.model.layers["0"].self_attn.takes_fused_path()
+        opt = AdamW(model.parameters(), lr=1e-2)
+        record = []
+        for step in range(2):
+            _, loss = model(*batch(step, 0, 0, LLAMA))
+            loss.backward()
+            record += [loss.data] + [p.grad.copy() for p in model.parameters()]
+            opt.step()
+            model.zero_grad()
+        runs.append(record)
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="'some' is not one of none, full, selective"):
+        GPT(TINY, seed=0).set_activation_checkpointing("some")
+
+
+@pytest.mark.parametrize("mode", [True, "selective"])
+def test_pipeline_stages_bit_identical(mode):
     """Two stages of one GPT in one process, activations handed over by hand."""
     x, y = batch(0, 0, 0, TINY)
     grads = []
-    for checkpointing in (False, True):
+    for checkpointing in (False, mode):
         first = GPT(TINY, seed=0, blocks=[0, 1], last_stage=False)
         last = GPT(TINY, seed=0, blocks=[2], first_stage=False)
         for stage in (first, last):
@@ -230,6 +262,35 @@ def test_checkpointing_at_least_halves_activation_bytes():
     assert without >= 2 * with_, f"{without:,} bytes without, {with_:,} with"
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_selective_keeps_no_attention_weights_and_the_plan_counts_it(family):
+    """Selective recomputation keeps none of the T x T weights (nor, for GPT with dropout,
+    their masks): at least n_layer * B * h * T^2 * 4 bytes fewer, measured; and the
+    activation plan follows the measurement to 1%, as it does without."""
+    from mpishard.models.gpt.activations import gpt_activation_bytes
+    from mpishard.models.llama.activations import llama_activation_bytes
+
+    B, T = 8, 32
+    if family == "gpt":
+        cfg, build, plan = SMALL, GPT, gpt_activation_bytes
+    else:
+        cfg = LlamaConfig(vocab_size=256, block_size=T, n_layer=3, n_head=4, n_kv_head=2,
+                          n_embd=64)
+        build, plan = Llama, llama_activation_bytes
+    measured = {}
+    for mode in ("none", "selective"):
+        model = build(cfg, seed=0).set_activation_checkpointing(mode)
+        x, y = [np.tile(a, (1, 4)) for a in batch(0, 0, 0, cfg, size=B)]
+        with model.backend.ledger.measure_activations() as m:
+            _, loss = model(x, y)
+        planned = plan(model, B, T, "float32")
+        loss.backward()
+        assert abs(m.nbytes - planned) <= 0.01 * planned, (mode, m.nbytes, planned)
+        measured[mode] = m.nbytes
+    weights = cfg.n_layer * B * cfg.n_head * T * T * 4
+    assert measured["none"] - measured["selective"] >= weights, (measured, weights)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_measurement_leaves_out_zero3_gathered_parameters(checkpointing):
     (plain, _), (zero3, gathered) = _activation_bytes(checkpointing), \
@@ -266,7 +327,7 @@ def test_every_array_module_bit_identical_and_halved(array_backend):
 
 # -- under MPI ------------------------------------------------------------------------
 
-def _zero3_params(comm, checkpointing: bool, steps: int = 3, accum: int = 2):
+def _zero3_params(comm, checkpointing, steps: int = 3, accum: int = 2):
     model = GPT(TINY, seed=0, dtype="float32", materialize_now=False)
     strategy = ZeRO(model.set_activation_checkpointing(checkpointing), Mesh(comm, dp=comm.size),
                     stage=3)
@@ -282,27 +343,34 @@ def _zero3_params(comm, checkpointing: bool, steps: int = 3, accum: int = 2):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("size", [2, 4])
-def test_zero3_bit_identical_with_and_without(size):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_zero3_bit_identical_with_and_without(size, mode):
     if size > MPI.COMM_WORLD.size:
         pytest.skip(f"needs {size} ranks")
     with sub_world(size) as comm:
         if comm is None:
             return
-        plain, again = _zero3_params(comm, False), _zero3_params(comm, True)
+        plain, again = _zero3_params(comm, False), _zero3_params(comm, mode)
         for name in plain:
             assert np.array_equal(plain[name], again[name]), name
 
 
-def _parallel_gpt_run(comm, dp, tp, pp, checkpointing: bool, steps: int = 3):
-    mesh = Mesh(comm, dp=dp, tp=tp, pp=pp)
-    run = ParallelModel(GPT(TINY, dtype="float32", materialize_now=False), mesh,
-                        strategy="zero3", micro_batches=2)
+def _parallel_run(comm, checkpointing, family: str = "gpt", steps: int = 3, sp: bool = False,
+                  precision: str = "float32", **sizes):
+    mesh = Mesh(comm, **sizes)
+    if family == "llama":
+        cfg, model = LLAMA, Llama(LLAMA, dtype="float32", materialize_now=False)
+    else:
+        cfg = TINY if mesh.cp.size == 1 else GPTConfig(**{**TINY.__dict__, "dropout": 0.0})
+        model = GPT(cfg, dtype="float32", materialize_now=False)
+    run = ParallelModel(model, mesh, strategy="zero3", micro_batches=2, sequence_parallel=sp,
+                        precision=precision)
     run.module.set_activation_checkpointing(checkpointing)
     opt = make_optimizer(run.parameters(), run.ledger)
     losses = []
     for step in range(steps):
-        x, y = batch(step, 0, mesh.dp.rank, TINY, size=4)
+        x, y = batch(step, 0, mesh.dp.rank, cfg, size=4)
         losses.append(run.train_step(x, y))
         run.step(opt, max_norm=0.5)
     return losses, run.gather_full_params()
@@ -310,11 +378,30 @@ def _parallel_gpt_run(comm, dp, tp, pp, checkpointing: bool, steps: int = 3):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 1), (1, 2, 2)])
-def test_tensor_and_pipeline_parallel_bit_identical(dp, tp, pp):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("dp,tp,pp,cp,sp,precision", [
+    (2, 2, 1, 1, False, "float32"), (1, 2, 2, 1, False, "float32"),
+    (2, 1, 1, 2, False, "float32"),                   # context parallel (ring)
+    (2, 2, 1, 1, True, "bfloat16")])                  # sequence parallel, mixed precision
+def test_tensor_and_pipeline_parallel_bit_identical(dp, tp, pp, cp, sp, precision, mode):
     with sub_world(4) as comm:
-        plain_losses, plain = _parallel_gpt_run(comm, dp, tp, pp, False)
-        losses, again = _parallel_gpt_run(comm, dp, tp, pp, True)
+        sizes = dict(dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, precision=precision)
+        plain_losses, plain = _parallel_run(comm, False, **sizes)
+        losses, again = _parallel_run(comm, mode, **sizes)
+        assert plain_losses == losses
+        for name in plain:
+            assert np.array_equal(plain[name], again[name]), name
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_selective_under_zero3_and_tensor_parallel_bit_identical(tp):
+    """tp 1: the fused op recomputed whole under ZeRO-3 (its weights gathered for the
+    recompute); tp 2: the per-projection path's core."""
+    with sub_world(4) as comm:
+        plain_losses, plain = _parallel_run(comm, "none", "llama", dp=4 // tp, tp=tp)
+        losses, again = _parallel_run(comm, "selective", "llama", dp=4 // tp, tp=tp)
         assert plain_losses == losses
         for name in plain:
             assert np.array_equal(plain[name], again[name]), name

@@ -115,9 +115,10 @@ def test_bench_commands_run():
 
 
 def test_train_measures_activations_and_checkpointing_shrinks_them():
-    """The first step's activations are measured and logged; checkpointing keeps fewer."""
+    """The first step's activations are measured and logged; checkpointing keeps fewer,
+    selective recomputation fewer than none and more than whole blocks."""
     mib = {}
-    for on in ("false", "true"):
+    for on in ("false", "true", "selective"):
         out = mpishard("train", *FAST, "--n-layer", "3", "--n-embd", "64", "--block-size", "64",
                        "--steps", "2", "--micro-steps", "2",
                        "--precision", "bfloat16", "--activation-checkpointing", on)
@@ -126,6 +127,7 @@ def test_train_measures_activations_and_checkpointing_shrinks_them():
                     if "activations kept for backward" in l)
         mib[on] = float(line.split("backward: ")[1].split(" MiB")[0])
     assert mib["true"] > 0 and mib["false"] >= 2 * mib["true"], mib
+    assert mib["true"] < mib["selective"] < mib["false"], mib
 
 
 def test_train_refuses_a_bad_kernel_switch_before_building_anything(tmp_path):

@@ -125,12 +125,15 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
                                        for lin in (attn.c_proj, mlp.c_proj))
             gelu = N * width(mlp.c_fc) * (c + f)
         fused = fused_attention(model.backend.xp, attn.head_size, cfg.dropout > 0)
-        attention = attention_bytes(B, heads, T, attn.head_size, c, f, cp, m.cp_mode, fused)
+        selective = attn.recompute_core and not fused     # the core kept as its output only
+        attention = N * heads * attn.head_size * c if selective else \
+            attention_bytes(B, heads, T, attn.head_size, c, f, cp, m.cp_mode, fused)
         adds = 2 * Ns * C * c
         # the residual branches' draws: attention's and the MLP's (a mixture of experts'
         # output has none; its shared expert, a GPT MLP, has its own), and the weights'
         branches = 2 if not hasattr(mlp, "experts") or "shared_expert" in mlp._modules else 1
-        dropouts = (branches * Ns * C * 4 + B * heads * T * T * 4) if cfg.dropout > 0 else 0
+        weights = 0 if selective else B * heads * T * T * 4
+        dropouts = (branches * Ns * C * 4 + weights) if cfg.dropout > 0 else 0
         total += norms + linears + reduced + attention + gelu + adds + dropouts
     if model.last_stage:
         total += Ns * C * (c + f) + Ns * f                  # ln_f

@@ -26,6 +26,7 @@ from mpishard.core.backend import Backend, xp_of
 from mpishard.nn import (CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict,
                   unbiased)
 from mpishard.nn.init import materialize
+from mpishard.models.checkpointing import attend_core, checkpointing_mode
 from mpishard.models.generate import generate
 from mpishard.models.gpt.activations import gpt_activation_bytes
 from mpishard.models.moe import (GELUExperts, MoE, check_moe_checkpointing, check_moe_fields,
@@ -89,6 +90,7 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(config.dropout)
         self.head_size = C // config.n_head
         self.sequence = None   # set under context parallelism (the plan's ``attention``)
+        self.recompute_core = False   # selective recomputation (models/checkpointing.py)
 
     def forward(self, x, batch_size: int, residual=None):
         """The attention output; with ``residual``, ``residual +`` it (one fused
@@ -100,8 +102,9 @@ class CausalSelfAttention(Module):
         else:
             qkv, extra, attend = self.c_attn(x), {}, self.sequence.attention
         n_head = qkv.shape[-1] // (3 * self.head_size)             # this rank's heads under tp
-        y = attend(qkv, n_head, batch_size, self.attn_dropout.p, self.attn_dropout.rng,
-                   self.training, **extra)                         # (B*T, nh * hs)
+        y = attend_core(attend, qkv, n_head, batch_size, self.attn_dropout.p,
+                        self.attn_dropout.rng, self.training, bias=extra.get("bias"),
+                        selective=self.recompute_core)             # (B*T, nh * hs)
         return self.resid_dropout.add_to(residual, *unbiased(self.c_proj, y))
 
 
@@ -219,18 +222,23 @@ class GPT(Module):
         if materialize_now:
             materialize(self, seed, self.backend)
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> "GPT":
-        """Recompute each block's activations in backward instead of keeping them.
+    def set_activation_checkpointing(self, enabled: bool | str = True) -> "GPT":
+        """Recompute activations in backward instead of keeping them.
 
-        Saves most activation memory (a block then keeps only its ``(B*T, C)``
-        input) for about one extra forward per step; gradients are
-        bit-identical either way. Works with tensor parallelism, pipeline
-        stages and ZeRO (see [Note: recompute] in mpishard/autodiff/recompute.py).
-        Returns the model.
+        ``True`` or ``"full"``: each block (it then keeps only its ``(B*T, C)``
+        input), for about one extra forward per step. ``"selective"``: only
+        attention's core, the ``T x T`` scores, softmax, dropout and product
+        with v (see [Note: selective recomputation] in
+        mpishard/models/checkpointing.py). ``False`` / ``"none"``: neither.
+        Gradients are bit-identical either way. Works with tensor parallelism,
+        pipeline stages and ZeRO (see [Note: recompute] in
+        mpishard/autodiff/recompute.py). Returns the model.
         """
-        check_moe_checkpointing(self.config, enabled)
+        mode = checkpointing_mode(enabled)
+        check_moe_checkpointing(self.config, mode == "full")
         for block in self.transformer.h.values():
-            block.activation_checkpointing = bool(enabled)
+            block.activation_checkpointing = mode == "full"
+            block.attn.recompute_core = mode == "selective"
         return self
 
     def parallel_plan(self) -> ShardingPlan:

@@ -90,13 +90,18 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         total += 2 * norm
         if sp > 1:   # the whole key/value projections' gathered inputs
             total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
-        if cp == sp == 1 and attn.takes_fused_path():   # rotated q, k, v; rotations, conjugates
-            total += N * hs * (h + 2 * h_kv) * f + 2 * T * hs * (h + h_kv) * f
-        else:
-            total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
-            total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
         fused = not attn.takes_fused_path() and fused_attention(model.backend.xp, hs, False)
-        total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
+        if attn.recompute_core and not fused:   # selective: the recomputed op's output
+            total += N * h * hs * c             # (and outside the one op, q, k, v, tables)
+            if not (cp == sp == 1 and attn.takes_fused_path()):
+                total += N * hs * (h + 2 * h_kv) * c + 2 * T * hs * (h + h_kv) * c
+        else:
+            if cp == sp == 1 and attn.takes_fused_path():   # rotated q, k, v; rotations,
+                total += N * hs * (h + 2 * h_kv) * f + 2 * T * hs * (h + h_kv) * f  # conjugates
+            else:
+                total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
+                total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
+            total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
         total += N * C * c + Ns * C * c * row_parallel(attn.o_proj)     # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds

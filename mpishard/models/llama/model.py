@@ -31,6 +31,7 @@ from mpishard.nn import Constant, CrossEntropyLoss, Embedding, Linear, Module, M
 from mpishard.nn.init import materialize
 from mpishard.nn.sharding import (ColumnParallel, ShardingPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
+from mpishard.models.checkpointing import attend_core, checkpointing_mode
 from mpishard.models.generate import generate
 from mpishard.models.llama.activations import llama_activation_bytes
 from mpishard.models.moe import (MoE, check_moe_checkpointing, check_moe_fields, check_moe_layout,
@@ -164,6 +165,7 @@ class LlamaAttention(Module):
         self.o_proj = Linear(config.n_head * hs, C, False, std, dtype)
         self.head_size, self.group = hs, config.n_head // config.n_kv_head
         self.sequence = None   # set under context parallelism (the plan's ``attention``)
+        self.recompute_core = False   # selective recomputation (models/checkpointing.py)
 
     def _first_head(self, proj) -> int:
         """The global index of this rank's first head of ``proj`` (0 unless tp split it)."""
@@ -176,6 +178,8 @@ class LlamaAttention(Module):
 
     def forward(self, x, batch_size: int, cos, sin):
         if self.takes_fused_path():
+            if self.recompute_core and is_grad_enabled():   # the one op, recomputed whole
+                return self.o_proj(recompute(self._fused, x, batch_size, cos, sin))
             return self.o_proj(self._fused(x, batch_size, cos, sin))
         hs, B = self.head_size, batch_size
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)        # (N, h hs), (N, h_kv hs)
@@ -189,7 +193,7 @@ class LlamaAttention(Module):
                           reshape(v, (B, T, hkv, hs)), cos, sin, heads)   # (N, 3 hq hs)
         attend = softmax_ops.causal_self_attention if self.sequence is None else \
             self.sequence.attention
-        y = attend(packed, hq, B)
+        y = attend_core(attend, packed, hq, B, selective=self.recompute_core)
         return self.o_proj(y)                                           # (N, C)
 
     def _fused(self, x, batch_size: int, cos, sin):
@@ -321,11 +325,15 @@ class Llama(Module):
         """Extend ``idx`` ``(B, T)`` by sampling ``max_new_tokens`` tokens (whole models only)."""
         return generate(self, idx, max_new_tokens, temperature, top_k, rng)
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> "Llama":
-        """Recompute each block in backward instead of keeping its activations."""
-        check_moe_checkpointing(self.config, enabled)
+    def set_activation_checkpointing(self, enabled: bool | str = True) -> "Llama":
+        """Recompute in backward instead of keeping activations: each block (``True`` /
+        ``"full"``), attention's core (``"selective"``), or nothing (``False`` /
+        ``"none"``); see GPT's."""
+        mode = checkpointing_mode(enabled)
+        check_moe_checkpointing(self.config, mode == "full")
         for block in self.model.layers.values():
-            block.activation_checkpointing = bool(enabled)
+            block.activation_checkpointing = mode == "full"
+            block.self_attn.recompute_core = mode == "selective"
         return self
 
     # -- forward ------------------------------------------------------------------------
