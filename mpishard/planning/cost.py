@@ -88,7 +88,7 @@ def _moe_rows(module, rows: int) -> int:
 def stage_flops(stage, layout) -> dict:
     """Forward FLOPs of one micro-batch on this rank: ``{"blocks": ..., "rest": ...,
     "products": count, "attention": ...}`` (blocks: what activation checkpointing
-    recomputes; attention: its share of both)."""
+    recomputes; attention: its share of both, what selective recomputation does)."""
     plan = plan_of(stage)
     rows = layout.batch_size * layout.local_seq_len
     blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
@@ -198,7 +198,8 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         fl = cached(("flops", layout.batch_size, layout.seq_len, layout.cp),
                     lambda: stage_flops(stage, layout))
         forward = fl["blocks"] + fl["rest"]
-        hardware = 3 * forward + (fl["blocks"] if layout.activation_checkpointing else 0.0)
+        hardware = 3 * forward + (fl["blocks"] if layout.activation_checkpointing else
+                                  fl["attention"] if layout.selective else 0.0)
         activation = getattr(stage, "activation_bytes", None)
         kept = cached(("whole activations", layout.batch_size, layout.local_seq_len, act.name),
                       lambda: _whole_activations(stage, layout, act)) if activation else 0

@@ -80,7 +80,7 @@ class Layout:
     layers over tp; ``ep`` splits each mixture of experts' experts over that many
     ranks of ``dp_shard x cp``. ``activation_checkpointing`` recomputes whole blocks,
     ``selective`` only attention's core (the activation plan then keeps no ``T x T``
-    weights; the step-time model does not yet add the core's second forward).
+    weights; the step-time model adds the core's products once more).
 
     Raises:
         ValueError: sizes that do not fit together, naming the fix.

@@ -108,6 +108,25 @@ def test_a_predicted_step_adds_up_its_parts():
     assert pipe.breakdown["bubble"] > 0
 
 
+def test_recomputation_adds_its_forward_products_to_the_predicted_compute():
+    """Full recomputation adds the blocks' forward products, selective only attention's
+    (the scores and the weighted values); the model FLOPs stay the same."""
+    machine, make = machine_from_dict(TOY), lambda: GPT(CFG, materialize_now=False)
+    base = dict(strategy="ddp", batch_size=2, seq_len=16)
+    costs = {name: predict_step(make, Layout(**base, **extra), machine)
+             for name, extra in (("none", {}), ("full", {"activation_checkpointing": True}),
+                                 ("selective", {"selective": True}))}
+    fl = stage_flops(make(), Layout(**base))
+    rate = 0.5 * 1e9                                           # TOY: efficiency x peak
+    extra = {name: costs[name].breakdown["matmul"] - costs["none"].breakdown["matmul"]
+             for name in ("full", "selective")}
+    assert extra["selective"] == pytest.approx(fl["attention"] / rate, rel=0.05)
+    assert extra["full"] > extra["selective"] > 0
+    assert costs["none"].model_flops == costs["selective"].model_flops == costs["full"].model_flops
+    with pytest.raises(ValueError, match="pass one of them"):
+        Layout(**base, selective=True, activation_checkpointing=True)
+
+
 def test_the_optimizer_term_is_the_state_the_update_touches():
     """ZeRO-1/2 keep whole parameters (and gradients) but update only their shard: the
     optimizer reads and writes that shard's values, gradients and two AdamW states, as
