@@ -85,14 +85,9 @@ class BackgroundSaver:
     def reserve(self, strategy, optimizer=None) -> int:
         """Allocate (and touch) the host copies of this rank's pieces now, before
         training, rather than at the first save; their bytes. Local."""
-        snapshot = Snapshot.take(strategy, optimizer, self.world, 0, None, copy=True,
+        snapshot = Snapshot.take(strategy, optimizer, self.world, 0, None,
                                  staging=self._staging)
         return snapshot.nbytes
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether a save has been started and not yet waited for."""
-        return self._thread is not None
 
     def save(self, directory, step: int, strategy, optimizer=None, *,
              extra_state: dict | None = None, keep_last: int | None = None) -> Path:
@@ -104,7 +99,7 @@ class BackgroundSaver:
         err = None
         try:
             snapshot = Snapshot.take(strategy, optimizer, self.world, int(step), extra_state,
-                                     copy=True, staging=self._staging)
+                                     staging=self._staging)
         except Exception as exc:  # noqa: BLE001 -- agreed below
             err = exc
         agree(self.world, err, f"copying step {step} for a checkpoint")
@@ -150,10 +145,3 @@ class BackgroundSaver:
             return self.wait()
         finally:
             self._comm.free()
-
-    def __enter__(self) -> "BackgroundSaver":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.close()

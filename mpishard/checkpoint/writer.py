@@ -84,7 +84,7 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
     world = world if world is not None else strategy.mesh.world
     snapshot, failed = None, None
     try:
-        snapshot = Snapshot.take(strategy, optimizer, world, int(step), extra_state, copy=False)
+        snapshot = Snapshot.take(strategy, optimizer, world, int(step), extra_state)
     except Exception as exc:  # noqa: BLE001 -- agreed in write_snapshot's first step
         failed = exc
     return write_snapshot(directory, int(step), snapshot, world, keep_last=keep_last,
@@ -116,25 +116,26 @@ class Snapshot:
     data: np.ndarray | None = None   # with staging: every array's bytes, in their order
 
     @classmethod
-    def take(cls, strategy, optimizer, world, step: int, extra_state, *, copy: bool,
+    def take(cls, strategy, optimizer, world, step: int, extra_state, *,
              staging: dict | None = None):
-        """The snapshot of this rank (local: no communication). ``copy``: the arrays
-        are this rank's own host copies (a device-to-host copy on a GPU), which
-        training may overwrite the originals of at once. With ``staging`` (a dict
-        the caller keeps from save to save) they are views of one host buffer kept
-        there and reused by the next snapshot of the same layout (fresh host memory
-        costs a page fault per page, about 50x the copy), laid out as the shard
-        file's data, so that it is written with one call.
+        """The snapshot of this rank (local: no communication). Without ``staging``
+        the arrays are host views of the pieces (a copy only from a device), to be
+        written before training goes on. With ``staging`` (a dict the caller keeps
+        from save to save) they are this rank's own copies, which training may
+        overwrite the originals of at once: views of one host buffer kept there and
+        reused by the next snapshot of the same layout (fresh host memory costs a
+        page fault per page, about 50x the copy), laid out as the shard file's data,
+        so that it is written with one call.
 
         The pieces go in order of falling item size (stable), so that each starts
         aligned for its dtype in the file and in the buffer."""
         owned = [p for p in strategy.pieces(optimizer) if p.owner and p.size]
         owned.sort(key=lambda p: -np.dtype(str(p.array.dtype)).itemsize)
         data = None
-        if copy and staging is not None:
+        if staging is not None:
             views, data = _stage(staging, owned)
         else:
-            views = [_host_array(p.array, copy) for p in owned]
+            views = [np.ascontiguousarray(to_numpy(p.array)).reshape(-1) for p in owned]
         sizes = strategy.mesh.shape
         return cls(
             step=step, arrays=[(p.name, p.kind, p.global_shape, p.runs, view)
@@ -182,15 +183,6 @@ def _copy_to(out: np.ndarray, array) -> None:
         array.reshape(-1).get(out=out)            # one device-to-host copy
     else:
         np.copyto(out, to_numpy(array).reshape(-1))
-
-
-def _host_array(array, copy: bool) -> np.ndarray:
-    """A 1-D host array of ``array``'s elements; with ``copy``, one that shares no memory
-    with it."""
-    host = to_numpy(array)
-    if copy and (host is array or np.may_share_memory(host, array)):
-        return np.array(host, order="C").reshape(-1)
-    return np.ascontiguousarray(host).reshape(-1)
 
 
 def write_snapshot(directory, step: int, snapshot: Snapshot | None, world, *,

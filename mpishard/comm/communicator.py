@@ -191,12 +191,15 @@ class Communicator:
 
     def dup(self, name: str | None = None) -> "Communicator":
         """Duplicate (collective): same group, separate message space."""
+        return self._child(self._dup_mpi(), name or f"{self.name}.dup")
+
+    def _dup_mpi(self):
+        """``MPI_Comm_dup`` of this communicator, recorded as a call (collective)."""
         entry = self._calls.begin("dup", None, None)
         try:
-            new = self.mpi.Dup()
+            return self.mpi.Dup()
         finally:
             self._calls.end(entry, None, 0)
-        return self._child(new, name or f"{self.name}.dup")
 
     def dup_for_thread(self, name: str) -> "Communicator":
         """Duplicate (collective) for use by another thread of each rank: the same
@@ -204,12 +207,7 @@ class Communicator:
         in this communicator's watchdog or debug fingerprints (their one armed call
         and their call order belong to this thread). Needs MPI_THREAD_MULTIPLE
         (:meth:`thread_level`) where the two threads communicate at once."""
-        entry = self._calls.begin("dup", None, None)
-        try:
-            new = self.mpi.Dup()
-        finally:
-            self._calls.end(entry, None, 0)
-        return Communicator(new, name, comm_backend="mpi", _owned=True)
+        return Communicator(self._dup_mpi(), name, comm_backend="mpi", _owned=True)
 
     @staticmethod
     def thread_level() -> str:
