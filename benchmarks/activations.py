@@ -3,9 +3,11 @@ for whole blocks and for attention's core alone (selective recomputation).
 
     OMP_NUM_THREADS=1 python benchmarks/activations.py
     python benchmarks/activations.py --steps 10 --dropout 0.1
+    python benchmarks/activations.py --block-size 1024 --batch-size 2   # long sequences
 
 GPT config S (vocab 256, block 128, 4 layers, 4 heads, width 256, float32),
-batch 16 x 128 tokens, as in ``benchmarks/step.py``, built three times from the
+batch 16 x 128 tokens, as in ``benchmarks/step.py`` (``--block-size`` and
+``--batch-size`` change the sequence length and batch), built three times from the
 same seed: plain, with ``set_activation_checkpointing(True)`` (each block
 recomputed) and with ``set_activation_checkpointing("selective")`` (attention's
 ``T x T`` core recomputed). For each,
@@ -41,13 +43,13 @@ MODES = ("plain", "checkpointed", "selective")
 _SETTING = {"plain": "none", "checkpointed": "full", "selective": "selective"}
 
 
-def _setup(mode: str, dropout: float):
-    model = GPT(GPTConfig(**CONFIG_S, dropout=dropout), seed=0)
+def _setup(mode: str, dropout: float, config: dict, batch: int):
+    model = GPT(GPTConfig(**config, dropout=dropout), seed=0)
     model.set_activation_checkpointing(_SETTING[mode])
     opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     r = np.random.default_rng(0)
-    x = r.integers(0, CONFIG_S["vocab_size"], (BATCH, CONFIG_S["block_size"]))
-    y = r.integers(0, CONFIG_S["vocab_size"], (BATCH, CONFIG_S["block_size"]))
+    x = r.integers(0, config["vocab_size"], (batch, config["block_size"]))
+    y = r.integers(0, config["vocab_size"], (batch, config["block_size"]))
 
     def measure() -> int:
         with model.backend.ledger.measure_activations() as m:
@@ -72,9 +74,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode")
     parser.add_argument("--dropout", type=float, default=0.0, help="GPT dropout (config S: 0)")
+    parser.add_argument("--block-size", type=int, default=CONFIG_S["block_size"],
+                        help="sequence length T (config S: 128)")
+    parser.add_argument("--batch-size", type=int, default=BATCH, help="sequences per step")
     args = parser.parse_args(argv)
 
-    runs = {mode: _setup(mode, args.dropout) for mode in MODES}
+    config = {**CONFIG_S, "block_size": args.block_size}
+    runs = {mode: _setup(mode, args.dropout, config, args.batch_size) for mode in MODES}
     nbytes = {mode: runs[mode][0]() for mode in MODES}
     times = {mode: [] for mode in MODES}
     for i in range(args.warmup + args.steps):
@@ -83,21 +89,24 @@ def main(argv=None) -> dict:
             if i >= args.warmup:
                 times[mode].append(seconds)
     median = {mode: statistics.median(times[mode]) for mode in MODES}
-    result = {"benchmark": "activations", "config": "S", **CONFIG_S, "batch": BATCH,
+    result = {"benchmark": "activations", "config": "S", **config, "batch": args.batch_size,
               "dtype": "float32", "dropout": args.dropout,
               "activation_bytes": nbytes,
               "activation_ratio": round(nbytes["plain"] / nbytes["checkpointed"], 2),
               "median_step_s": {m: round(s, 4) for m, s in median.items()},
               "step_time_ratio": round(median["checkpointed"] / median["plain"], 3),
               "selective_activation_ratio": round(nbytes["plain"] / nbytes["selective"], 2),
+              "selective_kept_fraction": round(nbytes["selective"] / nbytes["plain"], 3),
               "selective_step_time_ratio": round(median["selective"] / median["plain"], 3)}
     for mode in MODES:
         print(f"{mode:13s} activations {nbytes[mode] / MIB:8.2f} MiB   "
               f"step {median[mode]:.3f} s (median of {args.steps})", file=sys.stderr)
     print(f"checkpointing keeps {result['activation_ratio']}x fewer activation bytes for "
           f"{result['step_time_ratio']}x the step time; selective recomputation "
-          f"{result['selective_activation_ratio']}x fewer for "
-          f"{result['selective_step_time_ratio']}x", file=sys.stderr)
+          f"{result['selective_activation_ratio']}x fewer (keeps "
+          f"{result['selective_kept_fraction']} of them) for "
+          f"{result['selective_step_time_ratio']}x; T = {config['block_size']}, batch "
+          f"{args.batch_size}", file=sys.stderr)
     print(json.dumps(result))
     return result
 
