@@ -4,6 +4,7 @@
     mpiexec -n 2 python -m mpi4py benchmarks/gpu.py --part zero3 --json runs/gpu_zero3_2.json
     mpiexec -n 4 python -m mpi4py benchmarks/gpu.py --part zero3 --json runs/gpu_zero3_4.json
     python benchmarks/gpu.py --part dtypes --json runs/gpu_dtypes.json
+    python benchmarks/gpu.py --part loss --json runs/gpu_loss.json      # fused cross-entropy
     python benchmarks/gpu.py --backend numpy --tiny --json /tmp/gpu.json   # CPU smoke test
 
 ``single`` (one rank): the model wrapped at size 1 (``--strategy``, default
@@ -30,8 +31,16 @@ batched product (TFLOP/s, and the error against float32 on the same rounded
 inputs), scatter-add (the embedding's backward). A failure is recorded, not
 raised: this part reports what the installed CuPy supports.
 
+``loss`` (one rank): cross-entropy forward and backward on GPT-2 small's logits
+(batch x 1024 rows of 50304 classes), float32 and float16: the kernel set's (on
+CuPy one fused launch each way, mpishard/kernels/cuda/loss.py) against the
+reference set's whole-array math (float32 copies of the logits, a launch per
+operation), milliseconds each way (median, the device synchronised around each),
+and that the two agree. Not in the GPU check's plan; run it by hand.
+
 Prints readable lines and, with ``--json``, writes everything to one file
-(rank 0). scripts/gpu_check.py runs ``single`` and ``zero3`` at 2 ranks.
+(rank 0). scripts/gpu_check.py runs ``single`` and ``zero3`` at 2 ranks (and
+``single --tiny`` in its warm_kernels part, to compile the kernels first).
 
 ``single`` and ``zero3`` also check what they measure, and exit 1 naming each
 failure (``failures`` in the JSON): every loss finite and the last below the
@@ -410,13 +419,73 @@ def run_dtypes(args) -> dict:
     return report
 
 
+def run_loss(args) -> dict:
+    """Cross-entropy each way: the kernel set's against the reference's (see the module
+    docstring)."""
+    from mpishard.kernels import kernels_for, reference
+
+    backend = fresh_backend(args.backend, 0)
+    xp = backend.xp
+    rows, classes = (64, 100) if args.tiny else (args.batch_size * 1024, GPT2_SMALL.vocab_size)
+    r = np.random.default_rng(args.seed)
+    targets = r.integers(0, classes, rows)
+    targets[::10] = -100                                 # some rows ignored
+    targets = backend.asarray(targets)
+    kernels = kernels_for(xp)
+    report = {"part": "loss", "backend": args.backend, "rows": rows, "classes": classes,
+              "kernel_set": kernels.NAME, "warmup": args.warmup, "steps": args.steps,
+              "runs": [], "failures": []}
+    for dtype in ("float32", "float16"):
+        logits = backend.asarray((3 * r.standard_normal((rows, classes), dtype=np.float32))
+                                 .astype(dtype))
+        g = xp.ones((), dtype=np.float32)
+        run, results = {"dtype": dtype, "logits_bytes": int(logits.nbytes)}, {}
+        for label, kernel_set in (("kernels", kernels), ("reference", reference)):
+            times = {"forward": [], "backward": []}
+            for i in range(args.warmup + args.steps):
+                synchronize(backend)
+                t0 = time.perf_counter()
+                loss, maxima, sums, count = kernel_set.cross_entropy_forward(logits, targets,
+                                                                             -100)
+                synchronize(backend)
+                t1 = time.perf_counter()
+                grad = kernel_set.cross_entropy_backward(logits, targets, -100, maxima, sums,
+                                                         count, g)
+                synchronize(backend)
+                if i >= args.warmup:
+                    times["forward"].append(t1 - t0)
+                    times["backward"].append(time.perf_counter() - t1)
+            run[f"{label}_ms"] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            results[label] = (float(loss), grad)
+            del maxima, sums, count, grad
+        (loss, grad), (want_loss, want_grad) = results["kernels"], results["reference"]
+        run["loss_rel_diff"] = abs(loss - want_loss) / abs(want_loss)
+        run["grad_max_abs_diff"] = float(abs(grad.astype(np.float32)
+                                             - want_grad.astype(np.float32)).max())
+        run["speedup"] = (sum(run["reference_ms"].values())
+                          / max(sum(run["kernels_ms"].values()), 1e-9))
+        tol = 1e-5 if dtype == "float32" else 1e-3
+        if not (run["loss_rel_diff"] <= tol and run["grad_max_abs_diff"] <= tol / rows * 10):
+            report["failures"].append(f"loss {dtype}: the kernel set and the reference differ "
+                                      f"(loss {run['loss_rel_diff']:.2e} relative, gradient "
+                                      f"{run['grad_max_abs_diff']:.2e})")
+        report["runs"].append(run)
+        print(f"loss {dtype} {rows} x {classes}: {kernels.NAME} "
+              f"{run['kernels_ms']['forward']:.2f} + {run['kernels_ms']['backward']:.2f} ms, "
+              f"reference {run['reference_ms']['forward']:.2f} + "
+              f"{run['reference_ms']['backward']:.2f} ms ({run['speedup']:.1f}x)", flush=True)
+        del logits, results, grad, want_grad
+    return report
+
+
 def _mib(n) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("single", "zero3", "dtypes"), default="single")
+    parser.add_argument("--part", choices=("single", "zero3", "dtypes", "loss"),
+                        default="single")
     parser.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer width-32 GPT (tests; the numbers mean nothing)")
@@ -460,7 +529,7 @@ def main(argv=None) -> int:
         _write(args.json, report)
         return 0
     parts = {"single": lambda: run_single(args, cfg), "zero3": lambda: run_zero3(args, cfg),
-             "dtypes": lambda: run_dtypes(args)}
+             "dtypes": lambda: run_dtypes(args), "loss": lambda: run_loss(args)}
     report = parts[args.part]()
     report["tiny"] = args.tiny
     failures = report.get("failures", [])

@@ -4,12 +4,20 @@
     python scripts/gpu_parts.py --part collectives   # one rank, every path, stream races
     python scripts/gpu_parts.py --part gpt           # a GPT step on CuPy against NumPy
     python scripts/gpu_parts.py --part float16       # float16 against float32 (cosines)
+    python scripts/gpu_parts.py --part warm --ops cross_entropy,softmax   # compile, in parallel
     mpiexec -n 2 python -m mpi4py scripts/gpu_parts.py --part mpi    # collectives over ranks
     (--backend numpy --tiny: the same code on the CPU, to rehearse the check)
 
 Each writes its findings to ``--result`` and raises AssertionError on a wrong
 value (under ``python -m mpi4py`` that aborts the whole job with a non-zero
 status). ``--part pytest`` runs pytest with one JUnit file per rank.
+
+``--part warm`` compiles the kernels of the check's later parts before they run:
+it starts the processes of :func:`warm_jobs` side by side (the later parts' own
+code on tiny models, which meet the same kernels: CuPy compiles one per dtype and
+dimension count, whatever the sizes) and CuPy keeps what they compile in
+``CUPY_CACHE_DIR``, where the later parts load it. Killed at its limit, it
+leaves what it compiled so far.
 
 Collectives compare with :func:`assert_reduced`: each rank's input is small
 integers (:func:`rank_values`), exact in float16 and so are their sums, and a
@@ -399,6 +407,7 @@ def part_env() -> dict:
     facts = {"python": sys.executable, "python_version": platform.python_version(),
              "numpy": np.__version__, "host": platform.node(),
              "CUPY_TF32": os.environ.get("CUPY_TF32"),
+             "CUPY_CACHE_DIR": os.environ.get("CUPY_CACHE_DIR"),
              "MPI4PY_LIBMPI": os.environ.get("MPI4PY_LIBMPI")}
     try:
         import ml_dtypes
@@ -443,6 +452,129 @@ def part_env() -> dict:
     return facts
 
 
+# == compiling the later parts' kernels ahead =====================================
+
+def warm_jobs(backend: str, ops: list) -> dict:
+    """name -> the argv (after the interpreter) of each process :func:`part_warm` runs."""
+    me, bench = str(Path(__file__).resolve()), str(ROOT / "benchmarks" / "gpu.py")
+    return {"gpt": [me, "--part", "gpt", "--backend", backend, "--tiny"],
+            "float16": [me, "--part", "float16", "--backend", backend, "--tiny"],
+            "train": [str(ROOT / "scripts" / "gpu_train_check.py"), "--backend", backend,
+                      "--warm"],
+            "bench_single": [bench, "--backend", backend, "--tiny"],
+            "test_ops": [me, "--part", "warm-ops", "--backend", backend, "--ops",
+                         ",".join(ops)],
+            "attention": [me, "--part", "warm-attention", "--backend", backend]}
+
+
+def _cache_files(folder: Path) -> int:
+    return sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+
+
+def part_warm(backend: str, ops: list) -> dict:
+    """:func:`warm_jobs`, as many at once as there are CPU cores (NVRTC compiles on
+    them); each job's seconds and the kernels the cache gained."""
+    import subprocess
+
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    before, started = _cache_files(cache), time.perf_counter()
+    waiting, running, jobs = list(warm_jobs(backend, ops).items()), {}, {}
+    parallel = max(1, min(len(waiting), os.cpu_count() or 1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            name, argv = waiting.pop(0)
+            running[name] = (subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
+                                              stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True),
+                             time.perf_counter())
+        for name, (proc, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            out = proc.stdout.read()
+            jobs[name] = {"returncode": proc.returncode,
+                          "seconds": round(time.perf_counter() - t0, 1),
+                          "log_tail": out.splitlines()[-8:] if proc.returncode else []}
+            del running[name]
+            say(f"warm {name}: exit {proc.returncode} in {jobs[name]['seconds']} s")
+        time.sleep(0.05)
+    after = _cache_files(cache)
+    found = {"kernel_cache": str(cache), "files_before": before, "files_after": after,
+             "kernels_compiled": after - before, "parallel": parallel, "jobs": jobs,
+             "seconds": round(time.perf_counter() - started, 1)}
+    print(json.dumps(found, indent=1), flush=True)
+    failed = {name: job["log_tail"] for name, job in jobs.items() if job["returncode"]}
+    assert not failed, f"warm jobs failed (their kernels compile in their own parts): {failed}"
+    return found
+
+
+def _tests_on_path() -> None:
+    for folder in (ROOT / "tests", *sorted((ROOT / "tests").iterdir())):
+        if folder.is_dir() and str(folder) not in sys.path:
+            sys.path.append(str(folder))
+
+
+def part_warm_ops(backend: str, ops: list) -> dict:
+    """The gradcheck cases of ``ops`` forward and backward once on ``backend`` in float64
+    (the test suite's own cases), a float64 GPT step, and DDP and ZeRO-3 at size 1 in
+    float64 and float32: what tests_1rank meets."""
+    from mpishard.core.backend import Backend
+
+    _tests_on_path()
+    from test_array_modules import OP_CASES, _case, _run_op
+
+    be = Backend.resolve(backend)
+    ran = [f"{name}-{index}" for name, index in OP_CASES
+           if any(op in name for op in ops) and "expert" not in name]
+    for label in ran:
+        name, index = label.rsplit("-", 1)
+        fn, inputs = _case(name, int(index), be.xp)
+        _run_op(fn, inputs, be.xp)
+    for dtype in ("float64", "float32"):
+        for strategy in ("ddp", "zero3"):
+            _tiny_steps(be, dtype, "float32", strategy)
+    say(f"warm: {len(ran)} op cases, GPT steps in float64 and float32, DDP and ZeRO-3")
+    return {"op_cases": ran}
+
+
+def _tiny_steps(be, dtype: str, precision: str, strategy: str, head_size: int = 16,
+                steps: int = 2) -> None:
+    """A few AdamW steps (clipped) of a tiny GPT on ``be`` under ``strategy`` at size 1."""
+    from mpi4py import MPI
+
+    from mpishard.comm import Communicator, Mesh
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.optim import AdamW
+    from mpishard.parallel import wrap_model
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=2 * head_size)
+    comm = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
+    model = GPT(cfg, seed=0, backend=be, dtype=dtype, materialize_now=strategy != "zero3")
+    wrapped = wrap_model(model, Mesh(comm, dp=1), strategy, precision=precision)
+    opt = AdamW(wrapped.parameters(), lr=1e-3, ledger=wrapped.ledger)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.block_size + 1))
+    x, y = be.asarray(tokens[:, :-1]), be.asarray(tokens[:, 1:])
+    for _ in range(steps):
+        _, loss = wrapped(x, y)
+        wrapped.scale_loss(loss).backward()
+        wrapped.step(opt, max_norm=1.0)
+    loss.item()
+    comm.free()
+
+
+def part_warm_attention(backend: str) -> dict:
+    """Fused attention (``MPISHARD_ATTENTION=fused``) at the benchmark's head size of 64,
+    float32 and float16 mixed precision: its kernels compile per head size."""
+    from mpishard.core.backend import Backend
+
+    os.environ["MPISHARD_ATTENTION"] = "fused"
+    be = Backend.resolve(backend)
+    for precision in ("float32", "float16"):
+        _tiny_steps(be, "float32", precision, "ddp", head_size=64)
+    say("warm: fused attention at head size 64, float32 and float16")
+    return {"head_size": 64}
+
+
 def part_pytest(junit_prefix: str, pytest_args: list) -> int:
     """pytest with a JUnit file per rank (``PREFIX.rankN.xml``)."""
     import pytest
@@ -455,9 +587,13 @@ def part_pytest(junit_prefix: str, pytest_args: list) -> int:
 def run_check(args) -> int:
     if args.part == "pytest":
         return part_pytest(args.junit, args.pytest_args)
+    ops = args.ops.split(",") if args.ops else []
     checks = {"env": part_env, "collectives": lambda: part_collectives(args.backend),
               "gpt": lambda: part_gpt(args.backend, args.tiny),
-              "float16": lambda: part_float16(args.backend, args.tiny), "mpi": part_mpi}
+              "float16": lambda: part_float16(args.backend, args.tiny), "mpi": part_mpi,
+              "warm": lambda: part_warm(args.backend, ops),
+              "warm-ops": lambda: part_warm_ops(args.backend, ops),
+              "warm-attention": lambda: part_warm_attention(args.backend)}
     started = time.perf_counter()
     result = checks[args.part]()
     from mpi4py import MPI
@@ -471,9 +607,12 @@ def run_check(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", required=True,
-                        choices=("env", "collectives", "gpt", "float16", "mpi", "pytest"))
+                        choices=("env", "collectives", "gpt", "float16", "mpi", "pytest",
+                                 "warm", "warm-ops", "warm-attention"))
     parser.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
     parser.add_argument("--tiny", action="store_true", help="gpt, float16: a tiny GPT")
+    parser.add_argument("--ops", default="",
+                        help="warm, warm-ops: the autodiff ops whose test cases to run")
     parser.add_argument("--result", type=Path, help="write the check's findings here")
     parser.add_argument("--junit", help="(--part pytest) JUnit file prefix")
     parser.add_argument("pytest_args", nargs="*", help="(--part pytest) after --")

@@ -1,8 +1,10 @@
 """CUDA C kernels run on the host, for tests on machines without a GPU.
 
-    from cuda_host import HostModule, host_compiler
+    from cuda_host import HostModule, host_compiler, host_elementwise
     kernel = HostModule(code).get_function("my_kernel")   # as cupy.RawModule's
     kernel((blocks,), (threads,), (array, np.int32(n), np.float32(x)))
+    add = host_elementwise("add", "float32 x, float32 y", "float32 z", "z = x + y;")
+    z = add(x, y)                                          # as a cupy.ElementwiseKernel
 
 A CuPy ``RawKernel`` written for a GPU has indices, block reductions, warp
 shuffles and barriers that no CPU test exercises: on the CuPy-strict module the
@@ -18,9 +20,13 @@ source as C++20 against a small shim (:data:`SHIM`) and runs it:
 * ``__syncthreads()`` is a barrier of the block's fibers, ``__shfl_*_sync`` an
   exchange through a per-warp slot between two barriers of the warp's 32 lanes
   (lanes numbered as on a GPU: x fastest, 32 to a warp); ``atomicAdd`` is a plain
-  add (no fiber is switched out inside one);
+  add (no fiber is switched out inside one) and ``__threadfence`` nothing (blocks run
+  one at a time); the blocks run in grid order, or shuffled (:data:`BLOCK_ORDER`);
 * ``__half`` is the compiler's IEEE binary16 ``_Float16`` (``numpy.float16``'s
   format), converted with round-to-nearest-even like ``__float2half_rn``;
+  ``__nv_bfloat16`` is a 16-bit word, the top half of a float32 (``ml_dtypes.bfloat16``'s
+  format): read as a float by putting the word back on top, written with
+  round-to-nearest-even like ``__float2bfloat16_rn`` (:data:`BF16_HEADER`);
 * arguments are checked as CuPy would pass them, and more strictly: a NumPy
   scalar's dtype must be the parameter's (a Python ``int`` is an int64, a
   ``float`` a float64, as in CuPy), because a mismatch on a GPU reads garbage
@@ -52,9 +58,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
+from cuda_wmma import WMMA_HEADER
 
-__all__ = ["HostModule", "HostKernel", "host_compiler", "SHIM"]
+__all__ = ["HostModule", "HostKernel", "host_compiler", "host_elementwise", "SHIM",
+           "BF16_HEADER"]
 
 SHIM = r"""
 #include <algorithm>
@@ -64,6 +73,7 @@ SHIM = r"""
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <ucontext.h>
 #include <vector>
 
@@ -88,6 +98,10 @@ inline ucontext_t scheduler;
 inline unsigned current = 0;
 inline unsigned long progress = 0;      /* arrivals, openings and ends: what a round must see */
 inline std::function<void()>* body = nullptr;
+/* the order the fibers walk the grid's blocks in: grid order (x fastest), or with a
+   seed other than 0 a shuffle of it (a GPU runs blocks in no order it promises) */
+inline unsigned block_order_seed = 0;
+inline std::vector<dim3> block_order;
 constexpr size_t STACK_BYTES = 1 << 18;
 
 inline void yield() {
@@ -143,7 +157,11 @@ template <class V> V __shfl_sync(unsigned, V v, int src, int w = 32) {
 }
 /* one host thread runs every fiber, and a fiber is never switched out inside a call */
 template <class V> V atomicAdd(V* p, V v) { V old = *p; *p = old + v; return old; }
+/* one host thread, blocks one after another: every write is seen at once */
+inline void __threadfence() {}
 
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
@@ -154,13 +172,11 @@ using std::min;
 
 namespace emu {
 inline void run_fiber() {
-  for (unsigned z = 0; z < grid_dim.z; ++z)
-    for (unsigned y = 0; y < grid_dim.y; ++y)
-      for (unsigned x = 0; x < grid_dim.x; ++x) {
-        block_idx.x = x; block_idx.y = y; block_idx.z = z;
-        (*body)();
-        arrive_and_wait(block_barrier);     /* the block's shared memory is free again */
-      }
+  for (const dim3& b : block_order) {
+    block_idx = b;
+    (*body)();
+    arrive_and_wait(block_barrier);         /* the block's shared memory is free again */
+  }
   fibers[current].done = true;             /* and back to the scheduler (uc_link) */
   ++progress;
 }
@@ -170,6 +186,12 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> kernel) {
   const unsigned n = block.x * block.y * block.z;
   if (n == 0 || n > 1024) return 1;
   body = &kernel;
+  block_order.clear();
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) block_order.push_back(dim3{x, y, z});
+  if (block_order_seed)
+    std::shuffle(block_order.begin(), block_order.end(), std::mt19937(block_order_seed));
   block_barrier = Barrier{n};
   warp_barriers.clear();
   warp_lanes.clear();
@@ -212,6 +234,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> kernel) {
   return partial_shuffle ? 3 : 0;
 }
 }
+extern "C" void emu_set_block_order(unsigned seed) { emu::block_order_seed = seed; }
 """
 
 FP16_HEADER = r"""
@@ -220,6 +243,44 @@ typedef _Float16 __half;
 inline float __half2float(__half h) { return (float)h; }
 inline __half __float2half(float f) { return (__half)f; }
 inline __half __float2half_rn(float f) { return (__half)f; }
+"""
+
+BF16_HEADER = r"""
+#pragma once
+#include <cstdint>
+#include <cstring>
+/* bfloat16: the top 16 bits of a float32. Rounded to nearest even as CUDA's
+   __float2bfloat16_rn; NaN stays a quiet NaN of the same sign. */
+inline unsigned short emu_float2bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+struct __nv_bfloat16 {
+  unsigned short __x;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) : __x(emu_float2bf16_bits(f)) {}
+  /* a double would round twice through float here, once on a GPU: the kernels
+     convert from float only, and this keeps it so */
+  __nv_bfloat16(double) = delete;
+  operator float() const {
+    const uint32_t u = (uint32_t)__x << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+inline float __bfloat162float(__nv_bfloat16 h) { return (float)h; }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short w) {
+  __nv_bfloat16 h;
+  h.__x = w;
+  return h;
+}
 """
 
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?'
@@ -235,9 +296,14 @@ _SCALARS = {
 }
 #: a pointer's element C type -> the dtype its array must have
 _ELEMENTS = {"float": np.float32, "double": np.float64, "__half": np.float16,
+             "__nv_bfloat16": ml_dtypes.bfloat16, "unsigned short": np.uint16,
              "int": np.int32, "long long": np.int64, "unsigned char": np.uint8,
              "bool": np.bool_, "unsigned int": np.uint32, "unsigned long long": np.uint64}
 _lock = threading.Lock()
+#: the order a launch runs its blocks in: 0 grid order (x fastest, then y, then z), any
+#: other value a shuffle seeded by it, to show that a kernel's results do not depend on
+#: which block runs (or, with atomics, arrives) first
+BLOCK_ORDER = 0
 
 
 def host_compiler() -> str | None:
@@ -280,7 +346,7 @@ class HostKernel:
     ``cupy.RawKernel``: ``kernel(grid, block, args)``."""
 
     def __init__(self, lib, name: str, params: list):
-        self.name, self.params = name, params
+        self.name, self.params, self._lib = name, params, lib
         #: parameters last passed as NULL (an array of another dtype stood in for them)
         self.null_pointers: list = []
         self._fn = getattr(lib, f"emu_launch_{name}")
@@ -319,6 +385,7 @@ class HostKernel:
                                     f"would pass its {got.itemsize} bytes)")
                 values.append(arg.item() if isinstance(arg, np.generic) else arg)
         with _lock:
+            self._lib.emu_set_block_order(ctypes.c_uint32(BLOCK_ORDER))
             rc = self._fn(*[int(v) for v in grid], *[int(v) for v in block], *values)
         if rc == 3:
             raise RuntimeError(f"{self.name}: a warp shuffle in a warp of fewer than 32 "
@@ -354,11 +421,14 @@ class HostModule:
                 f"  return emu::launch(dim3{{emu_gx, emu_gy, emu_gz}}, "
                 f"dim3{{emu_bx, emu_by, emu_bz}}, [=]() {{ {name}({names}); }});\n}}\n")
         source = SHIM + "\n" + code + "\n" + "".join(wrappers)
-        key = hashlib.sha256((source + FP16_HEADER + " ".join(options)).encode()).hexdigest()[:24]
+        key = hashlib.sha256((source + FP16_HEADER + BF16_HEADER + WMMA_HEADER + " ".join(options))
+                             .encode()).hexdigest()[:24]
         lib_path = _cache_dir() / f"{key}.so"
         if not lib_path.exists():
             work = Path(tempfile.mkdtemp(dir=_cache_dir()))
             (work / "cuda_fp16.h").write_text(FP16_HEADER)
+            (work / "cuda_bf16.h").write_text(BF16_HEADER)
+            (work / "mma.h").write_text(WMMA_HEADER)            # tests/cuda_wmma.py
             (work / "kernels.cpp").write_text(source)
             tmp_lib = work / "kernels.so"
             cmd = [compiler, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",
@@ -391,12 +461,63 @@ def host_raw_function(xp, key: str, source):
 
 def use_host_kernels(monkeypatch) -> None:
     """Make the GPU kernel set's RawKernels (row kernels, norms, fused attention,
-    multi-tensor) run on the host for the rest of a test: skips it where there is no
-    compiler."""
+    multi-tensor, cross-entropy) run on the host for the rest of a test: skips it where
+    there is no compiler."""
     import pytest
 
-    from mpishard.kernels.cuda import attention, multi, norms, ops
+    from mpishard.kernels.cuda import attention, loss, multi, norms, ops
     if host_compiler() is None:
         pytest.skip("no g++ to compile CUDA C for the host")
-    for launcher in (ops, norms, attention, multi):      # each launcher's raw_function
+    for launcher in (ops, norms, attention, multi, loss):   # each launcher's raw_function
         monkeypatch.setattr(launcher, "raw_function", host_raw_function)
+
+
+#: an ElementwiseKernel parameter's CuPy type -> its C type (``T`` is not emulated)
+_ELEMENTWISE_TYPES = {"float32": "float", "float64": "double", "uint16": "unsigned short",
+                      "float16": "__half", "int32": "int", "int64": "long long"}
+
+
+def host_elementwise(name: str, inputs: str, outputs: str, body: str, preamble: str = ""):
+    """A ``cupy.ElementwiseKernel(inputs, outputs, body, name, preamble=preamble)`` of
+    explicitly typed parameters (no ``T``), run on the host: a RawKernel with one thread
+    per element, each input read as CuPy reads it (``float64`` scalars, as CuPy passes
+    Python floats, by value; arrays element by element), each output a reference into
+    its array. Called with the inputs (arrays, broadcast together as CuPy does, or
+    scalars) it returns the output arrays, as CuPy does."""
+    def params(spec):
+        out = []
+        for item in spec.split(","):
+            kind, pname = item.split()
+            out.append((_ELEMENTWISE_TYPES[kind], pname, np.dtype(kind)))
+        return out
+    ins, outs = params(inputs), params(outputs)
+    args = [f"{c} {n}_" if c == "double" else f"const {c}* {n}_" for c, n, _ in ins]
+    args += [f"{c}* {n}_" for c, n, _ in outs] + ["long long emu_n"]
+    loads = [f"const {c} {n} = {n}_[i];" for c, n, _ in ins if c != "double"]
+    loads += [f"const {c} {n} = {n}_;" for c, n, _ in ins if c == "double"]
+    loads += [f"{c}& {n} = {n}_[i];" for c, n, _ in outs]
+    code = (preamble + f'\nextern "C" __global__ void {name}({", ".join(args)}) {{\n'
+            f"  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+            f"  if (i >= emu_n) return;\n  {' '.join(loads)}\n  {body}\n}}\n")
+    if code not in _host_modules:
+        _host_modules[code] = HostModule(code)
+    kernel = _host_modules[code].get_function(name)
+
+    def run(*values):
+        if len(values) != len(ins):
+            raise TypeError(f"{name}: {len(values)} arguments for {len(ins)} inputs")
+        shape = np.broadcast_shapes(*(v.shape for v in values if isinstance(v, np.ndarray)))
+        n = int(np.prod(shape, dtype=np.int64))
+        passed = []
+        for (c, pname, dtype), v in zip(ins, values):
+            if c == "double":
+                passed.append(np.float64(v))
+            else:
+                if v.dtype != dtype:
+                    raise TypeError(f"{name}: {pname} must be {dtype}, got {v.dtype}")
+                passed.append(np.ascontiguousarray(np.broadcast_to(v, shape)))  # as CuPy
+        results = [np.empty(shape, dtype=dtype) for _, _, dtype in outs]
+        if n:
+            kernel((-(-n // 256),), (256,), (*passed, *results, np.int64(n)))
+        return tuple(results) if len(results) > 1 else results[0]
+    return run

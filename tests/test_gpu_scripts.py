@@ -1,9 +1,12 @@
 """The GPU check's runner, parts and benchmark, on a machine without a GPU.
 
 What can be checked here is checked here: scripts/gpu_check.py --dry-run prints
-the plan within 455 s and runs nothing; scripts/gpu_check.sh fails fast and
+the plan within 420 s, each part's expected seconds and margin, and runs nothing;
+tests_1rank's counts are what its selection collects; the warm part runs its jobs
+side by side into one kernel cache; scripts/gpu_check.sh fails fast and
 says why without CuPy; the rehearsal (NumPy) launches parts, records them and
-writes one JSON; a part is ended at its hard limit even if it ignores SIGINT;
+writes one JSON, every part with the same CUPY_CACHE_DIR; a part is ended at its
+hard limit even if it ignores SIGINT;
 the collective check's comparison accepts what a float16 reduction can give;
 benchmarks/gpu.py checks its losses and memory, and skips clearly without
 CuPy. The GPU paths themselves run on a GPU machine (docs/gpu.md).
@@ -14,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import numpy as np
 import pytest
@@ -37,14 +41,16 @@ def _load(path, name):
 gpu_check = _load("scripts/gpu_check.py", "gpu_check")
 gpu_parts = _load("scripts/gpu_parts.py", "gpu_parts")
 gpu_bench = _load("benchmarks/gpu.py", "gpu_bench")
-PLAN_ORDER = ["env", "collectives_1rank", "gpt_vs_numpy", "float16_vs_float32", "tests_1rank",
-              "staging_2ranks", "train_check", "bench_single", "attention", "bench_zero3_2ranks"]
+PLAN_ORDER = ["env", "collectives_1rank", "warm_kernels", "gpt_vs_numpy", "float16_vs_float32",
+              "tests_1rank", "staging_2ranks", "train_check", "bench_single", "attention",
+              "bench_zero3_2ranks"]
 
 
 def _check(tmp_path, *args, timeout=100):
     env = clean_env(PYTHON=sys.executable, GPU_CHECK_JSON=str(tmp_path / "gpu_check.json"),
                     INSTALL_WHEELS="no")
     env.pop("OUT", None)
+    env.pop("CUPY_CACHE_DIR", None)                     # the runner's default: beside the report
     proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     return proc, json.loads((tmp_path / "gpu_check.json").read_text())
@@ -69,27 +75,107 @@ def test_gpu_check_without_cupy_fails_fast_and_says_why(tmp_path):
     assert report["environment"]["cupy"] is None and report["environment"]["mpi4py"]
 
 
-def test_dry_run_prints_the_plan_in_order_within_455_s(tmp_path):
+def test_dry_run_prints_the_plan_in_order_within_420_s(tmp_path):
     env = clean_env(OUT=str(tmp_path / "out"))
+    env.pop("CUPY_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    table, notes = proc.stdout.split("\n\n", 1)
+    rows = [line.split() for line in table.splitlines()[1:]]
     names = [row[0] for row in rows]
     assert names == PLAN_ORDER + ["runner", "total"]
-    limits = {row[0]: int(row[1 if row[0] in ("runner", "total") else 2].rstrip("s"))
-              for row in rows}
-    total = limits.pop("total")
-    assert total == sum(limits.values()) <= 455
-    assert not (tmp_path / "out").exists()  # nothing written, nothing run
-    shell = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run"],
-                           env=clean_env(PYTHON=sys.executable), capture_output=True,
-                           text=True, timeout=30)
-    assert shell.returncode == 0 and shell.stdout == proc.stdout
+    seconds = {row[0]: [int(x.rstrip("s")) for x in row[1:5] if x.endswith("s")] for row in rows}
+    runner, (expect, total, margin) = seconds.pop("runner"), seconds.pop("total")
     parts = gpu_check.plan_parts("cupy")
     assert [p.name for p in parts] == PLAN_ORDER
-    assert gpu_check.plan_total(parts) == total
-    assert all(p.limit_s > gpu_check.KILL_GRACE_S + 5 for p in parts)
+    for p in parts:                                      # expected, limit, margin as printed
+        assert seconds[p.name] == [p.expect_s, p.limit_s, p.margin_s], p.name
+        assert p.margin_s == p.limit_s - gpu_check.KILL_GRACE_S - p.expect_s >= 5, p.name
+        assert p.expect_s > 0 and f"  {p.name}: {p.sizing}" in notes
+    assert total == gpu_check.plan_total(parts) == sum(p.limit_s for p in parts) + runner[0]
+    assert total <= 420 and expect == sum(p.expect_s for p in parts)
+    assert margin == sum(p.margin_s for p in parts)
+    assert f"every part: CUPY_CACHE_DIR={tmp_path / 'out' / 'cupy_kernel_cache'}" in notes
+    assert not (tmp_path / "out").exists()  # nothing written, nothing run
+    shell = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run"],
+                           env={**env, "PYTHON": sys.executable}, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=30)
+    assert shell.returncode == 0 and shell.stdout == proc.stdout
+
+
+def test_the_docs_plan_table_is_the_plan():
+    """docs/gpu.md's table of the parts says what the dry run says: each part's expected
+    seconds, limit and margin, and the totals."""
+    text = (ROOT / "docs/gpu.md").read_text()
+    parts = gpu_check.plan_parts("cupy")
+    for p in parts:
+        assert f"| `{p.name}` | {p.expect_s} s | {p.limit_s} s | {p.margin_s} s |" in text, p.name
+    total = (f"| total | {sum(p.expect_s for p in parts)} s | {gpu_check.plan_total(parts)} s "
+             f"| {sum(p.margin_s for p in parts)} s |")
+    assert total in text and f"### The plan: {gpu_check.plan_total(parts)} s" in text
+
+
+_COUNT_SELECTION = textwrap.dedent("""
+    import sys, pytest
+    class Count:
+        collected = one_rank = 0
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                params = getattr(getattr(item, "callspec", None), "params", {})
+                self.collected += 1
+                self.one_rank += params.get("size", 1) == 1 and params.get("dp_size", 1) == 1
+    count = Count()
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--with-mpi",
+                        *sys.argv[1:]], plugins=[count])
+    print("COUNTS", code, count.collected, count.one_rank)
+    """)
+
+
+def test_tests_1rank_is_sized_from_what_its_selection_collects():
+    """The counts the plan sizes tests_1rank by are what its files and -k collect on CuPy
+    (the tests that run at one rank: no sub-world of 2 to 4), and the finite-difference
+    evaluations of the op cases it selects; each op it names exists."""
+    proc = subprocess.run([sys.executable, "-c", _COUNT_SELECTION,
+                           *gpu_check.test_selection("cupy"), *gpu_check.TEST_FILES],
+                          cwd=ROOT, env=clean_env(MPISHARD_TEST_BACKENDS="cupy"),
+                          capture_output=True, text=True, timeout=100)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("COUNTS")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    code, collected, one_rank = map(int, line[0].split()[1:])
+    assert code == 0
+    assert {"collected": collected, "tests": one_rank} == {
+        k: gpu_check.TESTS_1RANK[k] for k in ("collected", "tests")}
+    from test_autodiff_gradcheck import CASES
+
+    assert set(gpu_check.DEVICE_OPS) <= set(CASES)
+    evaluations = 0
+    for name, cases in CASES.items():
+        if any(op in name for op in gpu_check.DEVICE_OPS) and "expert" not in name:
+            for index, case in enumerate(cases):
+                _, inputs = case(np.random.default_rng(zlib.crc32(name.encode()) + index))
+                evaluations += 2 * sum(np.asarray(a).size for a in inputs)
+    assert evaluations == gpu_check.TESTS_1RANK["fd_evaluations"]
+    tests_1rank = next(p for p in gpu_check.plan_parts("cupy") if p.name == "tests_1rank")
+    assert tests_1rank.expect_s == gpu_check.tests_1rank_expect_s()
+
+
+def test_warm_part_runs_its_jobs_side_by_side_into_one_cache(tmp_path, monkeypatch):
+    """Every job runs (as many at once as cores), sees the cache folder, and what it adds
+    there is counted; a job that fails fails the part, naming it with its output."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(cache))
+    write = ("import os, pathlib; d = pathlib.Path(os.environ['CUPY_CACHE_DIR']); "
+             "d.mkdir(exist_ok=True); (d / '{0}').write_text('')")
+    jobs = {f"job{i}": ["-c", write.format(i)] for i in range(3)}
+    monkeypatch.setattr(gpu_parts, "warm_jobs", lambda backend, ops: jobs)
+    found = gpu_parts.part_warm("numpy", [])
+    assert found["files_before"] == 0 and found["kernels_compiled"] == 3
+    assert set(found["jobs"]) == set(jobs) and all(
+        j["returncode"] == 0 for j in found["jobs"].values())
+    jobs["bad"] = ["-c", "print('no kernel here'); raise SystemExit(4)"]
+    with pytest.raises(AssertionError, match=r"warm jobs failed.*'bad': \['no kernel here'\]"):
+        gpu_parts.part_warm("numpy", [])
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
@@ -100,7 +186,11 @@ def test_rehearsal_launches_parts_and_writes_one_report(tmp_path):
     assert "REHEARSAL: the GPU check itself is still owed" in proc.stdout
     assert report["status"] == "passed" and report["mode"].startswith("rehearsal")
     assert [p["name"] for p in report["plan"]] == PLAN_ORDER
+    assert all(p["expect_s"] > 0 and p["margin_s"] >= 5 for p in report["plan"])
     parts = {p["name"]: p for p in report["parts"]}
+    cache = tmp_path / "cupy_kernel_cache"                 # beside the report, every part's
+    assert report["kernel_cache"]["dir"] == str(cache) and cache.is_dir()
+    assert parts["env"]["result"]["CUPY_CACHE_DIR"] == str(cache)
     assert list(parts) == ["env", "collectives_1rank", "staging_2ranks", "bench_single",
                            "bench_zero3_2ranks"]
     assert parts["staging_2ranks"]["status"] == "skipped" and "needs CuPy" in parts[
@@ -196,12 +286,17 @@ def test_flops_per_token_is_nanogpts():
     assert fpt == 6 * n + 12 * 12 * 12 * 64 * 1024
 
 
-def test_benchmark_tiny_on_numpy_writes_every_field(tmp_path):
-    out = tmp_path / "single.json"
+def _tiny_benchmark(tmp_path, *args) -> dict:
+    """``benchmarks/gpu.py --backend numpy --tiny ARGS``: its JSON report."""
+    out = tmp_path / "bench.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu.py"), "--backend", "numpy",
-                    "--tiny", "--peak-tflops", "1", "--json", str(out)],
+                    "--tiny", *args, "--json", str(out)],
                    check=True, env=clean_env(), timeout=60, capture_output=True)
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_benchmark_tiny_on_numpy_writes_every_field(tmp_path):
+    report = _tiny_benchmark(tmp_path, "--peak-tflops", "1")
     assert report["part"] == "single" and report["tiny"] and report["device"]["name"] == "cpu"
     assert report["device"]["peak_source"] == "--peak-tflops"
     assert [r["precision"] for r in report["runs"]] == ["float32", "float16"]
@@ -266,6 +361,16 @@ def test_benchmark_zero3_memory_matches_the_planner_on_two_ranks(tmp_path):
                 json.dumps(rank), 300)
             assert rank["measured_over_plan"] == rank["model_state_over_plan"]  # the ledger's
     assert report["status"] == "passed" and report["failures"] == []
+
+
+def test_loss_part_on_numpy_times_both_sets_and_compares_them(tmp_path):
+    report = _tiny_benchmark(tmp_path, "--part", "loss")
+    assert report["status"] == "passed" and report["kernel_set"] == "cpu"
+    assert [run["dtype"] for run in report["runs"]] == ["float32", "float16"]
+    for run in report["runs"]:
+        assert all(run[f"{s}_ms"][way] > 0 for s in ("kernels", "reference")
+                   for way in ("forward", "backward"))
+        assert run["loss_rel_diff"] < 1e-5 and run["speedup"] > 0
 
 
 def test_dtype_probe_on_numpy_records_every_probe(tmp_path):

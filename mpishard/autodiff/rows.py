@@ -38,10 +38,15 @@ def cast(a, dtype):
 
 def scatter_add(out, index, values) -> None:
     """``out[index] += values`` with repeated indices adding up: ``np.add.at`` on
-    NumPy, ``cupyx.scatter_add`` on CuPy (the strict module has its own)."""
+    NumPy, ``cupyx.scatter_add`` on CuPy (the strict module has its own), which has no
+    bfloat16: there bfloat16 adds up in float32, rounded once."""
     xp = xp_of(out)
     if xp is np:
         np.add.at(out, index, values)
+    elif out.dtype.name == "bfloat16":
+        wide = out.astype(np.float32)
+        scatter_add(wide, index, values.astype(np.float32))
+        out[...] = wide
     elif hasattr(xp, "scatter_add"):
         xp.scatter_add(out, index, values)
     else:
@@ -90,7 +95,7 @@ def draw_uniform(rng, shape, xp, out=None):
 
 
 def native_float16(kernels, dtype) -> bool:
-    """Whether ``kernels`` take float16 rows of ``dtype`` themselves (a GPU's GELU, layer
-    norm and RMS norm; see [Note: float16 rows] in mpishard/kernels/cuda/norms.py)
-    instead of the op casting them up and down."""
-    return dtype == np.float16 and kernels.NATIVE_FLOAT16
+    """Whether ``kernels`` take 16-bit (float16 or bfloat16) rows of ``dtype`` themselves
+    (a GPU's GELU, layer norm and RMS norm; see [Note: float16 rows] in
+    mpishard/kernels/cuda/norms.py) instead of the op casting them up and down."""
+    return is_low_precision(dtype) and kernels.NATIVE_FLOAT16

@@ -81,17 +81,6 @@ def log_softmax(x, axis: int = -1) -> Tensor:
                        "log_softmax")
 
 
-#: elements of float32 logits cross-entropy works on at once (see :func:`cross_entropy`):
-#: on NumPy a block that stays in the CPU's L2 cache, on a GPU 64 MiB (few launches)
-CE_BLOCK_ELEMS = {"numpy": 1 << 16, "device": 1 << 24}
-
-
-def _ce_rows(xp, n_class: int) -> int:
-    """Rows of (N, V) logits per block of :func:`cross_entropy`."""
-    elems = CE_BLOCK_ELEMS["numpy" if xp is np else "device"]
-    return max(1, elems // max(n_class, 1))
-
-
 @register_op
 def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
     """Mean negative log-likelihood of integer ``targets`` under ``softmax(logits)``.
@@ -101,59 +90,30 @@ def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor:
         targets: ``(...)`` integer class indices; entries equal to
             ``ignore_index`` are left out of the mean.
 
-    Runs over blocks of rows (:data:`CE_BLOCK_ELEMS` float32 elements each):
-    forward keeps each row's maximum and sum of exponentials, never a float32
-    copy of the whole ``(N, V)`` logits; backward recomputes each block's
-    softmax from the logits (the same operations, so the same values) and
-    writes its gradient straight into the logits' dtype.
+    The kernel set's ``cross_entropy_forward`` / ``_backward``
+    (:class:`mpishard.kernels.protocol.KernelSet`): forward keeps each row's maximum
+    and sum of exponentials, never a float32 copy of the whole ``(N, V)`` logits, and
+    backward recomputes the softmax from the logits, writing the gradient straight into
+    their dtype. On NumPy over blocks of rows that stay in cache; on a GPU one launch
+    each way, a thread block per row (mpishard/kernels/cuda/loss_src.py). A target
+    outside ``[0, V)`` raises on NumPy and makes the loss nan on a device (nothing is
+    read back to check it).
     """
     logits = as_tensor(logits)
     t = targets.data if isinstance(targets, Tensor) else targets
-    xp = xp_of(logits.data)
     n_class = logits.shape[-1]
     if tuple(t.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"cross_entropy: targets of shape {tuple(t.shape)} do not match "
                          f"logits of shape {tuple(logits.shape)} (expected "
                          f"{tuple(logits.shape[:-1])})")
-    x2 = logits.data.reshape(-1, n_class)               # (N, V); see [Note: 16-bit inputs]
-    N, step = x2.shape[0], _ce_rows(xp, n_class)
-    t1 = t.reshape(-1)
-    valid = t1 != ignore_index
-    safe_t = xp.where(valid, t1, 0)
-    fd = np.dtype(np.float32) if is_low_precision(x2.dtype) else x2.dtype  # of the math
-    row_m, row_s = xp.empty(N, dtype=fd), xp.empty(N, dtype=fd)
-    per_row = xp.empty(N, dtype=fd)
+    x2, t1 = logits.data.reshape(-1, n_class), t.reshape(-1)        # (N, V), (N,)
+    kernels = kernels_for(xp_of(x2))
+    loss, maxima, sums, count = kernels.cross_entropy_forward(x2, t1, ignore_index)
 
-    def shifted(r0, r1):                                # up(logits) - row max, block
-        return up(x2[r0:r1]) - row_m[r0:r1, None]
-
-    for r0 in range(0, N, step):
-        r1 = min(r0 + step, N)
-        row_m[r0:r1] = row_max(up(x2[r0:r1]))
-        e = shifted(r0, r1)
-        picked = e[xp.arange(r1 - r0), safe_t[r0:r1]]
-        xp.exp(e, out=e)
-        row_s[r0:r1] = row_sum(e)
-        per_row[r0:r1] = xp.log(row_s[r0:r1]) - picked
-    n_valid, all_valid = valid_count(valid, fd)
-    total = per_row.sum() if all_valid else (per_row * valid).sum()
-    loss = total / n_valid if xp is not np or n_valid else total * float("nan")
-
-    def backward(g):
-        grad = xp.empty(x2.shape, dtype=logits.dtype)
-        scale = g / at_least_one(n_valid)
-        for r0 in range(0, N, step):
-            r1 = min(r0 + step, N)
-            p = shifted(r0, r1)
-            xp.exp(p, out=p)
-            p *= (1.0 / row_s[r0:r1])[:, None]          # softmax, again
-            p[xp.arange(r1 - r0), safe_t[r0:r1]] -= 1.0
-            if not all_valid:
-                p *= valid[r0:r1, None]
-            p *= scale
-            grad[r0:r1] = p
+    def backward(g):                                    # the rows' maxima and sums kept
+        grad = kernels.cross_entropy_backward(x2, t1, ignore_index, maxima, sums, count, g)
         return (grad.reshape(logits.shape),)
-    return make_result(xp.asarray(loss, dtype=fd), (logits,), backward, "cross_entropy")
+    return make_result(loss, (logits,), backward, "cross_entropy")
 
 
 def valid_count(valid, dtype) -> tuple:

@@ -19,11 +19,11 @@ Many MPI builds have no float16 datatype (mpi4py's ``'e'`` typecode maps to
 ``MPIX_C_FLOAT16`` only where the library defines it; Open MPI does not), and
 none has bfloat16. So on the MPI path gathers, broadcasts, all-to-all and
 point-to-point move both as uint16 (the same bytes, :func:`wire_view`), and
-float16 reductions run in float32 (:func:`widened`: a float32 copy goes to MPI
-and the result is rounded back once, so sums are the correctly rounded float16
-of the float32 sum). Whether MPI has a datatype is asked only on the MPI path
-(:func:`check_wire_dtype`), so NCCL, which has float16, never depends on it.
-bfloat16 reductions are refused (reduce in float32).
+reductions of either run in float32 (:func:`widened`: a float32 copy goes to
+MPI and the result is rounded back once, so sums are the correctly rounded
+16-bit value of the float32 sum). Whether MPI has a datatype is asked only on
+the MPI path (:func:`check_wire_dtype`), so NCCL, which has float16 and
+bfloat16, never depends on it.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ __all__ = [
     "all_to_all_recv",
     "data_pointer",
     "is_float16",
+    "is_bfloat16",
+    "reduces_in_float32",
     "wire_view",
     "widened",
 ]
@@ -134,12 +136,7 @@ def check_reduction(a, op: str, where: str):
     integer average would silently truncate).
     """
     mpi_op = mpi_reduce_op(op, where)
-    if is_bfloat16(a):
-        raise ValueError(
-            f"{where}: MPI has no bfloat16 arithmetic, so op {op!r} cannot reduce a "
-            f"bfloat16 array; reduce in float32 (mixed precision does by default: "
-            f"Precision(reduce_dtype='float32'))")
-    kind = a.dtype.kind
+    kind = "f" if is_bfloat16(a) else a.dtype.kind     # ml_dtypes' kind is "V"
     if kind not in "fiuc" or (kind == "c" and op == "max"):
         raise ValueError(
             f"{where}: op {op!r} is not defined for dtype {a.dtype}; reduce a "
@@ -152,15 +149,19 @@ def check_reduction(a, op: str, where: str):
 
 
 def is_bfloat16(a) -> bool:
-    """Whether ``a`` holds bfloat16 (``ml_dtypes``): MPI has no such datatype, so
-    gathers, broadcasts and point-to-point move it as 16-bit integers
-    (:func:`wire_view`) and reductions refuse it."""
+    """Whether ``a`` holds bfloat16 (``ml_dtypes``; see [Note: 16-bit floats on MPI])."""
     return a.dtype.name == "bfloat16"
 
 
 def is_float16(a) -> bool:
     """Whether ``a`` holds float16 (see [Note: 16-bit floats on MPI])."""
     return a.dtype.name == "float16"
+
+
+def reduces_in_float32(a) -> bool:
+    """Whether an MPI reduction of ``a`` runs on float32 stand-ins (:func:`widened`):
+    float16 and bfloat16 (see [Note: 16-bit floats on MPI])."""
+    return a.dtype.name in ("float16", "bfloat16")
 
 
 def wire_view(a):
@@ -170,7 +171,7 @@ def wire_view(a):
 
 
 def widened(buffers, divide=None):
-    """float32 stand-ins for the float16 buffers of an MPI reduction.
+    """float32 stand-ins for the 16-bit (float16 or bfloat16) buffers of an MPI reduction.
 
     Args:
         buffers: ``(array, mpi_reads, mpi_writes)`` per buffer (see ``Call``).
@@ -179,7 +180,7 @@ def widened(buffers, divide=None):
     Returns:
         ``(wide_buffers, wide_divide, narrow)``: the buffers with each array
         replaced by a float32 one (a copy where MPI reads it), the stand-in of
-        ``divide``, and a step that rounds the results back into the float16
+        ``divide``, and a step that rounds the results back into the 16-bit
         arrays MPI would have written (run it after the division).
     """
     wide, back, wide_divide = [], [], None
@@ -194,7 +195,7 @@ def widened(buffers, divide=None):
 
     def narrow():
         for array, stand_in in back:
-            array[...] = stand_in  # one rounding, float32 -> float16
+            array[...] = stand_in  # one rounding, float32 -> 16 bits
     return tuple(wide), wide_divide, narrow
 
 

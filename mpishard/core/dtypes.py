@@ -1,8 +1,23 @@
 """Floating dtypes by name, including the two 16-bit ones mixed precision uses.
 
 NumPy has ``float16`` but no ``bfloat16``; the ``ml_dtypes`` package (the one
-JAX uses) adds it as a NumPy dtype. CuPy computes in ``float16`` natively; its
-``bfloat16`` is experimental and refused here (see :func:`resolve_dtype`). Nothing here depends on MPI.
+JAX uses) adds it as a NumPy dtype. Nothing here depends on MPI.
+
+[Note: bfloat16 on devices]
+A bfloat16 array is an array of dtype ``ml_dtypes.bfloat16`` on every array
+module: NumPy, the CuPy-strict test module, and CuPy 14 or later, which takes
+that dtype ("minimal support for bfloat16 via ml_dtypes"); an older CuPy is
+refused by :func:`resolve_dtype` with the fix. So the dtype travels with the
+data (``a.dtype.name == "bfloat16"``) and no code keeps it on the side. In
+memory an element is a 16-bit word, the top half of a float32. mpishard's
+kernels read and write those words and compute in float32: RawKernels take
+``__nv_bfloat16`` pointers (``cuda_bf16.h``), ElementwiseKernels take the words
+(:func:`bfloat16_words`) and convert them, so they depend on no CuPy type name.
+What CuPy 14 lacks for bfloat16 runs elsewhere: batched matrix products go to
+cuBLAS with ``CUDA_R_16BF`` inputs and float32 compute
+(mpishard/kernels/cuda/gemm.py), ``cupyx.scatter_add`` (no bfloat16) is fed
+float32, MPI (no bfloat16 datatype) moves the words and reduces in float32,
+NCCL reduces ``ncclBfloat16`` itself.
 
     >>> resolve_dtype("bfloat16").itemsize
     2
@@ -14,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["LOW_PRECISION", "FLOAT_DTYPES", "resolve_dtype", "is_low_precision",
-           "matmul_dtype"]
+           "matmul_dtype", "bfloat16_words"]
 
 #: 16-bit floating dtypes: stored and communicated in 16 bits, accumulated in float32.
 LOW_PRECISION = ("float16", "bfloat16")
@@ -25,9 +40,12 @@ FLOAT_DTYPES = ("float64", "float32") + LOW_PRECISION
 def resolve_dtype(name, xp=np) -> np.dtype:
     """The NumPy dtype object for ``name`` (``"float32"``, ``"bfloat16"``, a dtype, ...).
 
+    ``xp`` is the array module the dtype is for: bfloat16 is ``ml_dtypes.bfloat16``
+    on every module that takes it (see [Note: bfloat16 on devices]).
+
     Raises:
         ValueError: an unknown name, or ``bfloat16`` without ``ml_dtypes``
-            installed (the message names the fix), or ``bfloat16`` on CuPy.
+            installed, or on a CuPy older than 14 (each message names the fix).
     """
     if isinstance(name, np.dtype):
         name = name.name
@@ -37,17 +55,38 @@ def resolve_dtype(name, xp=np) -> np.dtype:
         raise ValueError(f"unknown floating dtype {name!r}; use one of {', '.join(FLOAT_DTYPES)}")
     if name != "bfloat16":
         return np.dtype(name)
-    if xp is not np:
-        raise ValueError("bfloat16 on CuPy: CuPy's bfloat16 support is experimental and "
-                         "lacks what mpishard needs (batched bfloat16 matrix products, "
-                         "cupyx.scatter_add; see docs/gpu.md); use precision 'float16' "
-                         "(with loss scaling) on CuPy, or bfloat16 on NumPy")
+    bfloat16 = _bfloat16()
+    if xp is not np and not _takes_bfloat16(xp, bfloat16):
+        module = getattr(xp, "__name__", type(xp).__name__)
+        raise ValueError(f"bfloat16 on {module} {getattr(xp, '__version__', '')}: this "
+                         f"array module has no bfloat16 arrays; install CuPy 14 or later "
+                         f"(pip install 'cupy-cuda12x>=14' ml_dtypes), or use precision "
+                         f"'float16'")
+    return bfloat16
+
+
+def _bfloat16() -> np.dtype:
     try:
         import ml_dtypes  # noqa: PLC0415 (optional dependency)
     except ImportError:
         raise ValueError("bfloat16 needs the ml_dtypes package (NumPy has no bfloat16): "
                          "pip install ml_dtypes, or use precision 'float16'") from None
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def _takes_bfloat16(xp, bfloat16) -> bool:
+    """Whether array module ``xp`` makes arrays of ``bfloat16`` (CuPy from 14 on; the
+    strict module always)."""
+    try:
+        return xp.empty(1, dtype=bfloat16).dtype == bfloat16
+    except (AttributeError, TypeError, ValueError, KeyError, NotImplementedError):
+        return False                    # CuPy 13: an unknown dtype
+
+
+def bfloat16_words(a):
+    """The 16-bit words of bfloat16 array ``a`` (a view, as ``uint16``), as kernels that
+    convert them themselves take them (see [Note: bfloat16 on devices])."""
+    return a.view(np.uint16)
 
 
 def is_low_precision(dtype) -> bool:
@@ -62,7 +101,7 @@ def matmul_dtype(array) -> np.dtype:
 
     16-bit inputs are multiplied in float32 on NumPy (it has no 16-bit BLAS:
     a float16 matmul ran 10x slower than casting to float32 and back) and
-    natively on CuPy, whose cuBLAS float16 products accumulate in float32.
+    natively on CuPy, whose cuBLAS float16 and bfloat16 products accumulate in float32.
     Anything else runs in its own dtype.
     """
     dtype = array.dtype

@@ -11,8 +11,9 @@ entries, and tests.
 Conventions every set keeps:
 
 * inputs are 2-D row arrays ``(rows, width)`` in the compute dtype (float32 or
-  float64; the ops cast 16-bit inputs up first, except for the ``gelu16_*`` kernels
-  and where a set's :attr:`~KernelSet.NATIVE_FLOAT16` says it takes float16 rows);
+  float64; the ops cast 16-bit inputs up first, except for the ``gelu16_*`` kernels,
+  cross-entropy's (which take the logits in their own dtype) and where a set's
+  :attr:`~KernelSet.NATIVE_FLOAT16` says it takes float16 rows);
 * every kernel returns fresh arrays except :meth:`~KernelSet.softmax_rows`,
   :meth:`~KernelSet.causal_softmax`, :meth:`~KernelSet.softmax_backward`,
   :meth:`~KernelSet.adam_update` and :meth:`~KernelSet.multi_adam_update`, which work
@@ -168,6 +169,26 @@ class KernelSet(Protocol):
     def multi_sq_sum(self, arrays, out):
         """``out[i]`` (float64) = the sum of squares of ``arrays[i]``, for every i (a GPU
         does all arrays in two launches); returns ``out``."""
+
+    def cross_entropy_forward(self, logits, targets, ignore_index: int):
+        """The mean cross-entropy of ``(N, V)`` rows ``logits`` (any float dtype; 16-bit
+        rows are not cast up first) against ``(N,)`` integer ``targets``, rows whose
+        target is ``ignore_index`` left out: ``(loss, row_max, row_sum, count)``, the loss
+        a 0-d array of the math dtype (float32 for 16-bit logits, else theirs), each row's
+        maximum and sum of ``exp(logit - maximum)`` (``(N,)``, that dtype: backward
+        recomputes the softmax from them) and the number of rows counted (a Python int
+        from the CPU set, else a 0-d array: on a device never read back; none counted:
+        a nan loss).
+        A GPU does it, the mean included, in one launch, a thread block per row, reading
+        each 16-bit or float32 logit into a float32 register
+        (mpishard/kernels/cuda/loss_src.py)."""
+
+    def cross_entropy_backward(self, logits, targets, ignore_index: int, row_max, row_sum,
+                               count, g):
+        """The logits' gradient of :meth:`cross_entropy_forward` (whose ``row_max``,
+        ``row_sum`` and ``count`` it takes) for the loss's gradient ``g``, in the logits'
+        dtype: ``(softmax - onehot(target)) * g / max(count, 1)`` on counted rows, 0 on
+        ignored ones (a GPU: one launch)."""
 
 
 #: the kernels of :class:`KernelSet`, in the order written there

@@ -292,3 +292,27 @@ def flash_attention_backward(hm, y, gy, lse, scale: float):
     dh[1] = xp.matmul(ds.swapaxes(-1, -2), q) * sc
     dh[2] = xp.matmul(p.swapaxes(-1, -2), g)
     return dh
+
+
+def cross_entropy_forward(logits, targets, ignore_index: int):
+    xp = xp_of(logits)
+    x = up32(logits)
+    valid = targets != ignore_index
+    safe_t = xp.where(valid, targets, 0)
+    row_max = x.max(axis=1)
+    shifted = x - row_max[:, None]
+    row_sum = xp.exp(shifted).sum(axis=1)
+    per_row = xp.log(row_sum) - shifted[xp.arange(x.shape[0]), safe_t]
+    count = xp.asarray(valid.sum(dtype=x.dtype))
+    with np.errstate(invalid="ignore"):                     # no row counted: 0 / 0 = nan
+        loss = (per_row * valid).sum() / count
+    return xp.asarray(loss, dtype=x.dtype), row_max, row_sum, count
+
+
+def cross_entropy_backward(logits, targets, ignore_index: int, row_max, row_sum, count, g):
+    xp = xp_of(logits)
+    valid = targets != ignore_index
+    p = xp.exp(up32(logits) - row_max[:, None]) / row_sum[:, None]          # softmax
+    p[xp.arange(p.shape[0]), xp.where(valid, targets, 0)] -= 1.0
+    p *= (valid * (g / xp.maximum(count, 1)))[:, None]
+    return p.astype(logits.dtype)

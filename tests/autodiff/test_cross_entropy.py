@@ -1,4 +1,4 @@
-"""Cross-entropy over blocks of rows (mpishard/autodiff/softmax_ops.py).
+"""Cross-entropy over blocks of rows (mpishard/kernels/cpu/ops.py, the op's NumPy kernels).
 
 Forward keeps each row's maximum and sum of exponentials, never float32
 exponentiated logits of the whole vocabulary; backward recomputes each block's
@@ -8,9 +8,10 @@ the kept bytes are the logits' and a few per row.
 import numpy as np
 import pytest
 
-from mpishard.autodiff import Tensor, softmax_ops
+from mpishard.autodiff import Tensor
 from mpishard.autodiff.softmax_ops import cross_entropy
 from mpishard.core.backend import MemoryLedger
+from mpishard.kernels.cpu import ops as cpu_kernels
 
 
 def _loss_and_grad(x, t):
@@ -41,10 +42,10 @@ def test_the_block_size_changes_no_bit(monkeypatch, N, V, dtype):
     x = (3 * r.standard_normal((N, V))).astype(dtype)
     t = r.integers(0, V, N)
     t[::4] = -100                                        # ignored targets
-    monkeypatch.setitem(softmax_ops.CE_BLOCK_ELEMS, "numpy", 1 << 30)   # one block
+    monkeypatch.setattr(cpu_kernels, "CE_BLOCK_ELEMS", 1 << 30)          # one block
     whole = _loss_and_grad(x, t)
     for elems in (1, V + 1, 3 * V):                      # a row, a row, three rows
-        monkeypatch.setitem(softmax_ops.CE_BLOCK_ELEMS, "numpy", elems)
+        monkeypatch.setattr(cpu_kernels, "CE_BLOCK_ELEMS", elems)
         loss, grad = _loss_and_grad(x, t)
         assert loss.tobytes() == whole[0].tobytes()
         assert grad.dtype == x.dtype and grad.tobytes() == whole[1].tobytes()

@@ -5,7 +5,8 @@ no T x T weights.
   the kernels must compute) against attention as the models have always run it;
 * the CUDA kernels themselves, compiled for the host (tests/cuda_host.py), against
   that reference: float64, float32, float16 rows; sequence lengths on and off the
-  tiles (32 rows in single precision, 16 in double), head sizes 1 to 24;
+  tiles (32 rows in single precision, 16 in double), head sizes 1 to 24 (float16 at
+  16 runs the tensor-core kernels, tests/kernels/test_tensor_core_attention.py);
 * a GPT trained on the CuPy-strict module with the fused kernels against the
   batched path, in float64, the launches they save per block, and the activation
   bytes they keep against the plan.

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from cuda_host import use_host_kernels
 from mpishard.kernels import reference
+from mpishard.kernels.cuda import launch
 from mpishard.kernels.cuda import multi as gpu_multi
 
 
@@ -123,3 +124,60 @@ def test_multi_tensor_kernels_on_each_array_module(array_backend, dtype):
     np.testing.assert_allclose(got.get() if hasattr(got, "get") else got,
                                reference.multi_sq_sum([t[1] for t in host],
                                                       np.empty(len(host))), rtol=1e-12)
+
+
+@pytest.fixture
+def table_work(host_multi, monkeypatch):
+    """Records each table build and each host-to-device copy into a kept table (the
+    real ones run)."""
+    work = {"builds": 0, "copies": []}
+    build = gpu_multi._Tables.__init__
+
+    def counted_build(self, *args, **kwargs):
+        work["builds"] += 1
+        build(self, *args, **kwargs)
+
+    def recorded_copy(device, host):
+        work["copies"].append(host.copy())
+        launch.copy_to_device(device, host)
+    monkeypatch.setattr(gpu_multi._Tables, "__init__", counted_build)
+    monkeypatch.setattr(gpu_multi, "copy_to_device", recorded_copy)
+    return work
+
+
+@pytest.mark.parametrize("moving", [False, True], ids=["kept gradients", "new gradients"])
+def test_later_steps_keep_the_tables(table_work, moving):
+    """Three Adam steps and gradient norms over the same targets, as an optimizer and a
+    clipping make them: the tables are built once. With the gradients kept in buffers,
+    steps 2 and 3 copy nothing to the device; with each step's gradients new arrays,
+    one copy a step of the gradients' addresses alone (no rebuild), and every step is
+    still the reference's."""
+    got, want = _targets(np.float32, 5), _targets(np.float32, 5)
+    r = np.random.default_rng(6)
+    for step in range(3):
+        if step:
+            fresh = [r.standard_normal(t[0].size).astype(np.float32) for t in got]
+            for i, g in enumerate(fresh):
+                want[i] = (*want[i][:1], g.copy(), *want[i][2:])
+                if moving:
+                    got[i] = (*got[i][:1], g, *got[i][2:])
+                else:
+                    got[i][1][...] = g                 # the same buffer, new values
+        copies = len(table_work["copies"])
+        gpu_multi.multi_adam_update(got, 0.9, 0.95, 1e-2, 1.3, 1e-8, 0.5, 0.99)
+        reference.multi_adam_update(want, 0.9, 0.95, 1e-2, 1.3, 1e-8, 0.5, 0.99)
+        for g, w in zip(got, want):
+            for a, b in zip(g[:4], w[:4]):
+                np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
+        grads = [t[1] for t in got]
+        sums = gpu_multi.multi_sq_sum(grads, np.full(len(grads), np.nan))
+        np.testing.assert_allclose(sums, reference.multi_sq_sum(grads, np.empty(len(grads))),
+                                   rtol=1e-12)
+        assert table_work["builds"] == 2                      # Adam's and the norm's
+        new = table_work["copies"][copies:]
+        if step == 0 or not moving:
+            assert new == []
+        else:     # Adam's gradient column (of targets with elements), the norm's table
+            assert [list(c) for c in new] == [
+                [g.ctypes.data for _, g, *_ in got if g.size], [g.ctypes.data for g in grads]]
+    assert len(gpu_multi._tables) == 2

@@ -18,7 +18,7 @@ silent trip through host memory), and they equal NumPy's, the reference.
   values and gradients equal to NumPy's (the case table is
   test_autodiff_gradcheck.CASES);
 * GPT forward and backward, and AdamW/SGD steps, against NumPy;
-* float16 mixed precision training against float32;
+* float16 and bfloat16 mixed precision training against float32;
 * a ZeRO-3 checkpoint saved from the module (synchronously and in the background) and
   loaded on it and on NumPy;
 * DDP and ZeRO-3 with models on the module against the single-process NumPy
@@ -222,33 +222,40 @@ def test_optimizer_steps_match_numpy(array_backend, make_opt):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_float16_training_tracks_float32(array_backend, comm_self):
-    """DDP at size 1 with precision="float16" follows float32; an overflow skips.
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+def test_16bit_training_tracks_float32(array_backend, comm_self, low):
+    """DDP at size 1 with precision="float16" or "bfloat16" follows float32; under
+    float16 an overflow skips.
 
-    The float32 masters stay float32 on the module; a step whose gradients hold
-    an inf leaves them unchanged and halves the dynamic loss scale.
+    The float32 masters stay float32 on the module and the model computes in ``low``
+    there (bfloat16: CuPy 14's ``ml_dtypes.bfloat16``); a float16 step whose gradients
+    hold an inf leaves them unchanged and halves the dynamic loss scale.
     """
     losses = {}
-    for precision in ("float32", "float16"):
+    for precision in ("float32", low):
         model = DataParallel(GPT(UNEVEN, seed=0, backend=array_backend),
                              Mesh(comm_self, dp=1), precision=precision)
         opt = make_optimizer(model.parameters(), model.ledger)
         losses[precision] = []
         for step in range(6):
-            _, loss = model(*_on(array_backend, *batch(step, 0, 0)))
+            logits, loss = model(*_on(array_backend, *batch(step, 0, 0)))
             model.scale_loss(loss).backward()
             model.step(opt, max_norm=1.0)
             losses[precision].append(loss.item())
         assert all(xp_of(p.data) is array_backend.xp and p.data.dtype == np.float32
                    for p in model.parameters())
-    assert model.skipped_steps == 0 and model.scaler.scale == 2.0 ** 16
-    before = [to_numpy(p.data).copy() for p in model.parameters()]
-    _, loss = model(*_on(array_backend, *batch(6, 0, 0)))
-    (model.scale_loss(loss) * float("inf")).backward()
-    assert model.step(opt, max_norm=1.0).skipped and model.scaler.scale == 2.0 ** 15
-    assert all(np.array_equal(to_numpy(p.data), b) for p, b in zip(model.parameters(), before))
-    f32, f16 = np.array(losses["float32"]), np.array(losses["float16"])
-    # 16-bit rounding of weights and activations, float32 reduction and update
+    assert xp_of(logits.data) is array_backend.xp and logits.data.dtype.name == low
+    if low == "float16":
+        assert model.skipped_steps == 0 and model.scaler.scale == 2.0 ** 16
+        before = [to_numpy(p.data).copy() for p in model.parameters()]
+        _, loss = model(*_on(array_backend, *batch(6, 0, 0)))
+        (model.scale_loss(loss) * float("inf")).backward()
+        assert model.step(opt, max_norm=1.0).skipped and model.scaler.scale == 2.0 ** 15
+        assert all(np.array_equal(to_numpy(p.data), b)
+                   for p, b in zip(model.parameters(), before))
+    f32, f16 = np.array(losses["float32"]), np.array(losses[low])
+    # 16-bit rounding of weights and activations (bfloat16 keeps 8 bits: up to 2**-8
+    # relative), float32 reduction and update
     assert np.max(np.abs(f16 - f32) / f32) <= 5e-3, (f16, f32)
 
 

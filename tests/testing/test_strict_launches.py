@@ -222,6 +222,19 @@ def test_zero1_computes_gradients_into_its_buffers_like_ddp(precision):
     assert "matmul-copy" not in zero1_ops and "matmul-copy" not in ddp_ops
 
 
+def test_bfloat16_takes_the_launches_of_float16():
+    """bfloat16 rows go to the same 16-bit kernels as float16 (GELU, layer norm, the
+    products on cuBLAS), not through casts around the float32 ones: the same launches
+    per block."""
+    f16, f16_ops = _block_launches("ddp", "float16")
+    bf16, bf16_ops = _block_launches("ddp", "bfloat16")
+    assert bf16 == f16, (f16_ops, bf16_ops)
+    for kernel in ("mpishard_gelu16_forward", "mpishard_gelu16_backward",
+                   "mpishard_layer_norm_forward", "cublas_gemm_strided_batched"):
+        assert bf16_ops.get(kernel) == f16_ops.get(kernel) > 0, kernel
+    assert "matmul-copy" not in bf16_ops
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_a_gpt_block_takes_at_most_40_launches(strategy):
     """The fusion budget (benchmarks/syncs.py reports the same figure at a larger size):

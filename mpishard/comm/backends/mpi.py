@@ -3,7 +3,7 @@
 Host arrays go to MPI as they are, with no copies. Device arrays go as they
 are when MPI is CUDA-aware and through pinned host buffers otherwise
 (:class:`~mpishard.comm.gpu.DevicePath`, [Note: device buffers]). float16 and
-bfloat16 travel as uint16, and float16 reduces in float32 ([Note: 16-bit
+bfloat16 travel as uint16, and both reduce in float32 ([Note: 16-bit
 floats on MPI] in :mod:`~mpishard.comm.checks`). Every communicator has this
 backend; another backend hands it what it does not run itself.
 """
@@ -120,11 +120,11 @@ class MpiBackend(CollectiveBackend):
             buffers: ``(array, mpi_reads, mpi_writes)`` per array MPI touches.
             args: maps the buffers as MPI sees them (and their copy-back steps,
                 ``None`` where not staged) to ``primitive``'s arguments.
-            reduction: the call reduces (float16 then reduces in float32).
+            reduction: the call reduces (float16 and bfloat16 then reduce in float32).
             divide: the array an ``avg`` divides by the size after completion.
         """
         narrow = None
-        if reduction and checks.is_float16(buffers[0][0]):
+        if reduction and checks.reduces_in_float32(buffers[0][0]):
             buffers, divide, narrow = checks.widened(buffers, divide)
         views, backs = [], []
         for array, reads, writes in buffers:

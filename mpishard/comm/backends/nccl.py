@@ -223,6 +223,10 @@ def gather_devices(mpi_comm) -> list:
     return mpi_comm.allgather((socket.gethostname(), device_identity()))
 
 
+#: ``ncclBfloat16`` in nccl.h's ``ncclDataType_t``
+NCCL_BFLOAT16 = 9
+
+
 def nccl_dtype(dtype):
     """The NCCL datatype for a NumPy dtype, or ``None`` if NCCL has none."""
     from cupy.cuda import nccl  # noqa: PLC0415
@@ -233,6 +237,8 @@ def nccl_dtype(dtype):
         "int64": nccl.NCCL_INT64, "uint64": nccl.NCCL_UINT64,
         "float16": nccl.NCCL_FLOAT16, "float32": nccl.NCCL_FLOAT32,
         "float64": nccl.NCCL_FLOAT64,
+        # ncclBfloat16 (nccl.h, NCCL 2.10 on), which CuPy's binding may not name
+        "bfloat16": getattr(nccl, "NCCL_BFLOAT16", NCCL_BFLOAT16),
     }
     return table.get(str(dtype))
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from mpishard.kernels import reference
 from mpishard.kernels.protocol import KERNEL_NAMES
-from mpishard.kernels.reference import GELU_C, GELU_K, apply_dropout, scale_and_mask
+from mpishard.kernels.reference import GELU_C, GELU_K, apply_dropout, scale_and_mask, up32
 from mpishard.kernels.rows import col_sum, row_dot, row_max, row_sum
 from mpishard.kernels.cpu.threads import for_rows
 
@@ -282,3 +282,54 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
 
 
 multi_adam_update = reference.multi_adam(adam_update)   # target by target
+
+
+#: float32 elements of logits cross-entropy works on at once: a block of rows that stays
+#: in the CPU's L2 cache (the blocks change no bit of the loss or the gradient)
+CE_BLOCK_ELEMS = 1 << 16
+
+
+def _ce_blocks(n_rows: int, n_class: int):
+    """Cross-entropy's row blocks: ``(r0, r1)`` pairs of :data:`CE_BLOCK_ELEMS` elements."""
+    step = max(1, CE_BLOCK_ELEMS // max(n_class, 1))
+    return ((r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step))
+
+
+def cross_entropy_forward(logits, targets, ignore_index: int):
+    """Block by block: each row's maximum and sum of exponentials are kept, never float32
+    exponentiated logits of the whole vocabulary."""
+    N = logits.shape[0]
+    valid = targets != ignore_index
+    safe_t = np.where(valid, targets, 0)
+    fd = np.dtype(np.float32) if logits.dtype.itemsize < 4 else logits.dtype  # of the math
+    row_m, row_s, per_row = (np.empty(N, dtype=fd) for _ in range(3))
+    for r0, r1 in _ce_blocks(N, logits.shape[1]):
+        row_m[r0:r1] = row_max(up32(logits[r0:r1]))
+        e = up32(logits[r0:r1]) - row_m[r0:r1, None]
+        picked = e[np.arange(r1 - r0), safe_t[r0:r1]]
+        np.exp(e, out=e)
+        row_s[r0:r1] = row_sum(e)
+        per_row[r0:r1] = np.log(row_s[r0:r1]) - picked
+    count = int(valid.sum())
+    total = per_row.sum() if count == valid.size else (per_row * valid).sum()
+    loss = total / count if count else total * float("nan")
+    return np.asarray(loss, dtype=fd), row_m, row_s, count
+
+
+def cross_entropy_backward(logits, targets, ignore_index: int, row_max, row_sum, count, g):
+    """The softmax recomputed block by block from the logits (the forward's operations, so
+    its values), written straight into the logits' dtype."""
+    valid = targets != ignore_index
+    safe_t = np.where(valid, targets, 0)
+    grad = np.empty(logits.shape, dtype=logits.dtype)
+    scale = g / max(count, 1)
+    for r0, r1 in _ce_blocks(*logits.shape):
+        p = up32(logits[r0:r1]) - row_max[r0:r1, None]
+        np.exp(p, out=p)
+        p *= (1.0 / row_sum[r0:r1])[:, None]
+        p[np.arange(r1 - r0), safe_t[r0:r1]] -= 1.0
+        if count != valid.size:
+            p *= valid[r0:r1, None]
+        p *= scale
+        grad[r0:r1] = p
+    return grad

@@ -9,6 +9,7 @@ source.
 * :mod:`.norms`: layer norm and RMS norm, from :mod:`.norms_src` (whose row kernels
   share :mod:`.ops_src`'s block reduction);
 * :mod:`.attention`: fused causal attention, from :mod:`.attention_src`;
+* :mod:`.loss`: fused cross-entropy, one launch each way, from :mod:`.loss_src`;
 * :mod:`.multi`: the optimizer's kernels (multi-tensor Adam and sums of squares, and
   their one-target forms), from :mod:`.multi_src`.
 

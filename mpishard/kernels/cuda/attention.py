@@ -3,11 +3,16 @@
 
 ``flash_attention_forward(hm, scale)`` and ``flash_attention_backward(hm, y, gy, lse,
 scale)`` take head-major q, k and v (``(3, B, heads, T, hs)``, C-contiguous, float16,
-float32 or float64, a head size of at most :data:`MAX_HEAD_SIZE`) and keep no
+bfloat16, float32 or float64, a head size of at most :data:`MAX_HEAD_SIZE`) and keep no
 ``T x T`` array: forward returns the output and one float per query row. Other
 inputs run the reference (:func:`.reference.flash_attention_forward`), which makes
 the scores whole; on the CuPy-strict module the reference runs as the one launch per
 kernel it is on a GPU (backward: two, the query rows' and the key rows').
+
+float16 and bfloat16 rows at a head size that is a multiple of 16 run the tensor-core
+kernels (:data:`.attention_tc_src.TC_FLASH_KERNELS`, blocks of 64 rows over four warps);
+other rows the kernels of a thread per row. Both take the same arguments and keep the
+same: the output and the rows' float log-sum-exp.
 """
 from __future__ import annotations
 
@@ -15,16 +20,20 @@ import numpy as np
 
 from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
-from mpishard.kernels.cuda.attention_src import flash_source, flash_tile
+from mpishard.kernels.cuda.attention_src import flash_source, flash_suffix, flash_tile
+from mpishard.kernels.cuda.attention_tc_src import TC_ROWS, TC_WARPS, tensor_cores
+from mpishard.kernels.cuda.ops_src import ROWS16
 from mpishard.kernels.cuda.launch import is_strict_module, raw_function
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
            "MAX_HEAD_SIZE"]
 
-#: the largest head size the kernels take (a thread's rows are arrays of the head size,
-#: and the tiles of k and v of 32 rows must fit 48 KiB of shared memory)
+#: the largest head size the kernels take (the thread-a-row kernels keep rows in arrays
+#: of the head size; every kernel's tiles must fit 48 KiB of static shared memory)
 MAX_HEAD_SIZE = 128
-_STORAGE = {"float16": "__half", "float32": "float", "float64": "double"}
+#: the C type rows of each dtype are stored as
+_STORAGE = {"float32": "float", "float64": "double",
+            **{name: c for name, (c, _, _) in ROWS16.items()}}
 
 
 def _compute(dtype) -> tuple:
@@ -45,14 +54,17 @@ def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
     S = _STORAGE[np.dtype(dtype).name]
     T = _compute(dtype)[0]
-    return raw_function(xp, f"{name}_{'half' if S == '__half' else S}_{hs}",
-                        lambda: flash_source(T, S, hs))
+    return raw_function(xp, f"{name}_{flash_suffix(S, hs)}", lambda: flash_source(T, S, hs))
 
 
 def _launch(hm):
-    """``(grid, block, BH, T, compute dtype)`` of the kernels for ``hm``."""
+    """``(grid, block, BH, T, compute dtype)`` of the kernels for ``hm``: the tensor-core
+    kernels' blocks of :data:`TC_ROWS` rows over :data:`TC_WARPS` warps for the rows they
+    take, else a thread a row."""
     _, B, heads, T, hs = hm.shape
     ctype, fd = _compute(hm.dtype)
+    if tensor_cores(_STORAGE[hm.dtype.name], hs):
+        return (B * heads, -(-T // TC_ROWS)), (TC_WARPS * 32,), B * heads, T, fd
     return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
 
 

@@ -10,30 +10,33 @@ log-sum-exp ``lse_i`` of the row's scaled scores, which is all backward keeps.
 Backward (FlashAttention-2, Dao 2023, arXiv:2307.08691, Algorithm 2) recomputes
 ``p_ij = exp(s_ij - lse_i)`` from q, k and lse:
 
-* ``mpishard_flash_dq``: a thread per query row: ``D_i = dO_i . O_i`` (written for
-  the next kernel), then ``dq_i = scale sum_j p_ij (dO_i . v_j - D_i) k_j``;
-* ``mpishard_flash_dkv``: a thread per key row: ``dv_j = sum_i p_ij dO_i`` and
+* ``mpishard_flash_dq``, over query rows: ``D_i = dO_i . O_i`` (written for the
+  next kernel), then ``dq_i = scale sum_j p_ij (dO_i . v_j - D_i) k_j``;
+* ``mpishard_flash_dkv``, over key rows: ``dv_j = sum_i p_ij dO_i`` and
   ``dk_j = scale sum_i p_ij (dO_i . v_j - D_i) q_i`` over the queries ``i >= j``.
 
-Each gradient is summed by one thread in a fixed order (no atomics), so results
-are deterministic. The arrays are head-major, as attention's batched products
-use them: ``qkv`` is ``(3, B, heads, T, hs)`` (q, k, v), the output and its
-gradient ``(B, heads, T, hs)``, the gradients ``(3, B, heads, T, hs)``. Rows are
-stored as ``S`` (float, double or ``__half``) and computed in ``T`` (float for
-``__half`` and float, double for double); the head size is a compile-time
-constant ``HS``, one module per head size. A thread keeps its rows in arrays of
-``HS`` (forward 2 of them, dq 3, dk and dv 4): at a head size of 64, 256 floats
-for dk and dv, more than a thread's 255 registers, so some spill to local memory.
-Fine for correctness; how much it costs is for a GPU to say (splitting a row's
-head dimension over several threads is the remedy). A block is ``TILE`` threads, one row each (grid: the ``B heads`` planes along
-x, the row tiles along y), and the other operand's tile
-(``TILE`` rows of k and v, or of q and dO) is staged in shared memory: 32 rows
-in single precision, 16 in double (the 48 KiB of static shared memory).
+Each gradient is summed in a fixed order (no atomics): deterministic. The arrays
+are head-major: ``qkv`` ``(3, B, heads, T, hs)`` (q, k, v), the output and its
+gradient ``(B, heads, T, hs)``, the gradients ``(3, B, heads, T, hs)``; the head size
+a compile-time ``HS`` (a module per head size and row type). Two sets of kernels, by
+the same names and arguments:
+
+* :data:`.attention_tc_src.TC_FLASH_KERNELS`, for ``__half`` and ``__nv_bfloat16``
+  rows at a head size that is a multiple of 16: the products on tensor cores
+  (see that module);
+* :data:`FLASH_KERNELS` for the rest: a thread per row, in ``T`` (float, double for
+  double), its rows in arrays of ``HS`` (dkv: 4, so at a head size of 64 some spill),
+  ``TILE`` threads a block (grid: the ``B heads`` planes along x, the row tiles
+  along y), the other side's ``TILE`` rows (32, 16 in double) in shared memory.
+
 There is no dropout: its draws would be a T x T array, the thing this avoids.
 """
 from __future__ import annotations
 
-__all__ = ["FLASH_KERNELS", "flash_source", "flash_tile"]
+from mpishard.kernels.cuda.attention_tc_src import flash_suffix, tc_flash_source, tensor_cores
+from mpishard.kernels.cuda.ops_src import ROWS16, rows16_source
+
+__all__ = ["FLASH_KERNELS", "flash_source", "flash_tile", "flash_suffix"]
 
 FLASH_KERNELS = r"""
 typedef {T} T;
@@ -213,11 +216,14 @@ def flash_tile(T: str) -> int:
 
 def flash_source(T: str, S: str, hs: int) -> str:
     """:data:`FLASH_KERNELS` for compute type ``T`` (``"float"`` or ``"double"``), row
-    storage ``S`` (``T``, or ``"__half"`` with float) and head size ``hs``; each kernel
-    named ``<name>_<S>_<hs>``."""
-    if S == "__half" and T != "float":
-        raise ValueError("float16 rows are computed in float")
+    storage ``S`` (``T``, or ``"__half"`` or ``"__nv_bfloat16"`` with float) and head
+    size ``hs``; each kernel named ``<name>_<S>_<hs>`` (:func:`flash_suffix`). Rows the
+    tensor-core kernels take (:func:`tensor_cores`) get those, by the same names."""
+    sixteen = {c: name for name, (c, _, _) in ROWS16.items()}
+    if S in sixteen and T != "float":
+        raise ValueError(f"{sixteen[S]} rows are computed in float")
+    if tensor_cores(S, hs):
+        return tc_flash_source(S, hs)
     code = (FLASH_KERNELS.replace("{T}", T).replace("{S}", S).replace("{HS}", str(hs))
-            .replace("{TILE}", str(flash_tile(T)))
-            .replace("{N}", f"{'half' if S == '__half' else S}_{hs}"))
-    return ("#include <cuda_fp16.h>\n" + code) if S == "__half" else code
+            .replace("{TILE}", str(flash_tile(T))).replace("{N}", flash_suffix(S, hs)))
+    return rows16_source(S, code)

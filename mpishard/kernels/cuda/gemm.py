@@ -11,9 +11,11 @@ and runs the product in float32 without tensor cores, then copies the result bac
 to float16 (read from ``cupy/_core/_routines_linalg.pyx``; the strict module counts
 these copies, see mpishard/testing/strict/copies.py). Here, on CuPy, one
 ``cublasGemmStridedBatchedEx`` call does the product: the transposes are cuBLAS's
-``op`` flags, 16-bit inputs run on tensor cores with float32 accumulation, and the
-result may be float32 (attention's scores, for a float32 softmax) or the inputs'
-dtype.
+``op`` flags, 16-bit inputs (float16 as ``CUDA_R_16F``, bfloat16 as ``CUDA_R_16BF``)
+run on tensor cores with float32 accumulation, and the result may be float32
+(attention's scores, for a float32 softmax) or the inputs' dtype. CuPy 14's own
+batched bfloat16 products fail (cupy#10317), so a bfloat16 product the cuBLAS call does
+not take runs in float32 instead.
 
 What cuBLAS is handed (it is column-major): a C-contiguous row-major ``X`` of
 shape ``(r, c)`` with row stride ``ld`` is, read column-major, ``X.T`` with leading
@@ -43,12 +45,14 @@ __all__ = ["batched_matmul", "matmul", "cublas_arguments"]
 
 # cuBLAS / CUDA enums (cublas_api.h, library_types.h; also in CuPy's cupy_backends)
 OP_N, OP_T = 0, 1
-CUDA_TYPES = {"float16": 2, "float32": 0, "float64": 1}          # CUDA_R_16F, _32F, _64F
+CUDA_TYPES = {"float16": 2, "bfloat16": 14, "float32": 0,     # CUDA_R_16F, _16BF, _32F,
+              "float64": 1}                                    # _64F
 COMPUTE_32F, COMPUTE_32F_FAST_TF32, COMPUTE_64F = 68, 77, 70
 GEMM_DEFAULT = -1
-#: (input dtype, output dtype) pairs the cuBLAS path takes
-SUPPORTED = {("float16", "float16"), ("float16", "float32"), ("float32", "float32"),
-             ("float64", "float64")}
+#: (input dtype, output dtype) pairs the cuBLAS path takes (16-bit inputs accumulate in
+#: float32, ``COMPUTE_32F``)
+SUPPORTED = {("float16", "float16"), ("float16", "float32"), ("bfloat16", "bfloat16"),
+             ("bfloat16", "float32"), ("float32", "float32"), ("float64", "float64")}
 
 
 def _op(x, trans: bool):
@@ -77,12 +81,15 @@ def batched_matmul(a, b, trans_a: bool = False, trans_b: bool = False, out=None,
             out[...] = cpu_matmul(_op(a, trans_a), _op(b, trans_b))
         return out
     args = cublas_arguments(a, b, trans_a, trans_b, out)
-    if args is None:                             # CuPy's matmul (on strict: its copies too)
+    if args is None and a.dtype.name == "bfloat16":    # CuPy 14 has no batched bfloat16
+        out[...] = xp.matmul(_op(a, trans_a).astype(np.float32),    # products (cupy#10317)
+                             _op(b, trans_b).astype(np.float32))
+    elif args is None:                           # CuPy's matmul (on strict: its copies too)
         out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
-    elif is_strict_module(xp):                   # the one cuBLAS call it is on a GPU
-        with xp.syncs.fused("cublas_gemm_strided_batched"):
-            if out.dtype.itemsize > a.dtype.itemsize:   # accumulated and kept in float32
-                a, b = a.astype(out.dtype), b.astype(out.dtype)
+    elif is_strict_module(xp):                   # the one cuBLAS call it is on a GPU:
+        with xp.syncs.fused("cublas_gemm_strided_batched"):     # 16-bit accumulated in
+            if a.dtype.itemsize == 2 or out.dtype.itemsize > a.dtype.itemsize:  # float32,
+                a, b = a.astype(np.float32), b.astype(np.float32)   # rounded once into out
             out[...] = xp.matmul(_op(a, trans_a), _op(b, trans_b))
     elif out.size:
         _call_cublas(args, a, b, out)

@@ -8,13 +8,23 @@ import numpy as np
 
 __all__ = ["ROW_THREADS", "PARAM_ROW_THREADS", "is_strict_module", "elementwise_kernel",
            "reduction_kernel", "raw_function", "raw_kernels_take", "presence_flag",
-           "dropout_arguments", "column_blocks"]
+           "dropout_arguments", "copy_to_device", "COLUMN_BLOCKS_WANTED", "MIN_GROUP_ROWS",
+           "column_groups", "column_launch"]
 
 #: threads per block of the kernels that take a thread block per row
 ROW_THREADS = 256
 #: row threads per block of the column-sum kernels (32 columns each; at most 32)
 PARAM_ROW_THREADS = 32
+#: thread blocks a column-sum launch aims at: 4 per multiprocessor of a 132-SM H100 or
+#: H200. A constant, not the device's count, so that the row groups, and with them the
+#: order of every sum, depend on the shape alone (see [Note: column sums])
+COLUMN_BLOCKS_WANTED = 4 * 132
+#: the fewest rows a column-sum block takes: 2 per row thread (its partial sums, written
+#: and read again, are then at most half of what it reads)
+MIN_GROUP_ROWS = 2 * PARAM_ROW_THREADS
 _compiled: dict = {}
+#: (device, stream) -> the column-sum kernels' tickets (see :func:`column_launch`)
+_column_counters: dict = {}
 
 
 def is_strict_module(xp) -> bool:
@@ -23,13 +33,15 @@ def is_strict_module(xp) -> bool:
     return getattr(xp, "NAME", None) == "strict"
 
 
-def elementwise_kernel(xp, name: str, sources: dict):
+def elementwise_kernel(xp, name: str, sources: dict, preamble: str = ""):
     """The ``cupy.ElementwiseKernel`` ``name`` of ``sources`` (name -> inputs, outputs,
-    body), built once and kept (CuPy compiles it per dtype on first use)."""
+    body), with ``preamble`` (device functions the body calls) before it, built once and
+    kept (CuPy compiles it per dtype on first use)."""
     kernel = _compiled.get(name)
     if kernel is None:
         inputs, outputs, body = sources[name]
-        kernel = _compiled[name] = xp.ElementwiseKernel(inputs, outputs, body, name)
+        kernel = _compiled[name] = xp.ElementwiseKernel(inputs, outputs, body, name,
+                                                        preamble=preamble)
     return kernel
 
 
@@ -75,6 +87,52 @@ def dropout_arguments(drop_u, drop_p: float, stand_in, dtype) -> tuple:
             np.float32(drop_p), dtype.type(1.0 / (1.0 - drop_p)))
 
 
-def column_blocks(n: int) -> tuple:
-    """Grid and block of the column-sum RawKernels: 32 columns per block."""
-    return (-(-n // 32),), (32, PARAM_ROW_THREADS)
+def copy_to_device(device, host) -> None:
+    """Copy host array ``host`` into ``device`` (same shape and dtype): one host-to-device
+    copy on the current stream (``ndarray.set``); a plain copy where ``device`` is a
+    NumPy array."""
+    if hasattr(device, "set"):
+        device.set(host)
+    else:
+        device[...] = host
+
+
+def column_groups(rows: int, n: int) -> int:
+    """Rows per row group of a column-sum launch over ``rows x n``: enough groups that
+    the launch has about :data:`COLUMN_BLOCKS_WANTED` blocks of 32 columns, at least
+    :data:`MIN_GROUP_ROWS` rows each, a multiple of :data:`PARAM_ROW_THREADS`."""
+    column_blocks = max(1, -(-n // 32))
+    wanted = max(1, -(-COLUMN_BLOCKS_WANTED // column_blocks))
+    group = max(MIN_GROUP_ROWS, -(-rows // wanted))
+    return -(-group // PARAM_ROW_THREADS) * PARAM_ROW_THREADS
+
+
+def _counters(xp, column_blocks: int):
+    """The tickets of the column-sum kernels' last-block-done pattern on ``xp``'s current
+    device and stream: one ``uint32`` per block of columns, zero between launches (the
+    last block of each column resets its own), allocated zeroed once and kept (grown by
+    powers of two). Launches on one stream run one after another, so they share them."""
+    cuda = getattr(xp, "cuda", None)
+    key = (id(xp), None if cuda is None else
+           (cuda.Device().id, cuda.get_current_stream().ptr))
+    counters = _column_counters.get(key)
+    if counters is None or counters.size < column_blocks:
+        size = 1 << max(10, (column_blocks - 1).bit_length())
+        counters = _column_counters[key] = xp.zeros(size, dtype=np.uint32)
+    return counters
+
+
+def column_launch(xp, rows: int, n: int, sums: int, dtype) -> tuple:
+    """``(grid, block, tail)`` of a column-sum RawKernel over ``rows x n`` with ``sums``
+    column sums (0 to 2) in compute dtype ``dtype``; ``tail`` its last three arguments:
+    the rows per group, the partial sums' workspace and the tickets (see [Note: column
+    sums] in :mod:`.ops_src`). Blocks of 32 columns x :data:`PARAM_ROW_THREADS` row
+    threads, a grid of column blocks x row groups."""
+    column_blocks = max(1, -(-n // 32))
+    group = column_groups(rows, n)
+    groups = max(1, -(-rows // group))
+    counters = _counters(xp, column_blocks)
+    partial = (xp.empty(sums * groups * n, dtype=dtype) if sums and groups > 1
+               else counters)                   # unread (one group, or no sums)
+    return ((column_blocks, groups), (32, PARAM_ROW_THREADS),
+            (np.int64(group), partial, counters))

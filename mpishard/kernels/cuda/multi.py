@@ -8,10 +8,9 @@ tuples of flat, C-contiguous arrays of one dtype (float32 or float64);
 ``multi_sq_sum(arrays, out)`` C-contiguous float32 or float64 arrays. Other inputs
 run the GPU's one-target kernels, one launch per target (the sums of squares: those
 the multi-tensor kernels take still together). The tables of addresses and chunks are
-built on the host and copied to the device once for a set of targets (their
-addresses, sizes and decay ranges; the optimizer's targets and state live as long
-as it does) and kept in a small cache. On the CuPy-strict module the reference
-runs as the launches the GPU makes: one for Adam, two for the sums of squares.
+built on the host and copied to the device once for a set of targets and kept (see
+[Note: multi-tensor tables]). On the CuPy-strict module the reference runs as the
+launches the GPU makes: one for Adam, two for the sums of squares.
 """
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ import numpy as np
 from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
 from mpishard.kernels.cuda.multi_src import CHUNK, REDUCTIONS, SOURCES, multi_source
-from mpishard.kernels.cuda.launch import (elementwise_kernel, is_strict_module, raw_function,
-                                          reduction_kernel)
+from mpishard.kernels.cuda.launch import (copy_to_device, elementwise_kernel, is_strict_module,
+                                          raw_function, reduction_kernel)
 
 __all__ = ["adam_update", "sq_sum", "multi_adam_update", "multi_sq_sum", "chunk_table"]
 
@@ -64,20 +63,59 @@ def chunk_table(sizes, decay_ranges=None) -> tuple:
             np.asarray(first, dtype=np.int64))
 
 
-def _tables_for(xp, key, arrays_per_target: list, decay_ranges=None) -> tuple:
-    """The device tables for targets ``arrays_per_target`` (cached under ``key``)."""
+# [Note: multi-tensor tables]
+# A launch reads its targets' addresses from a device table, and its chunks (target,
+# start, stop, decays) from another. The chunks depend only on the targets' sizes and
+# decay ranges, and of the addresses only the gradients' move: parameters, ZeRO shards,
+# masters and the optimizer's state keep theirs for the optimizer's life, but a
+# gradient may be a new array each step (p.grad reallocated by backward, cast to the
+# target's dtype, scaled apart). So the tables are keyed by what stays: for Adam the
+# dtype, each target's parameter, m and v addresses and size, and the decay ranges; for
+# the sums of squares the dtype and the sizes. Built and copied to the device once per
+# key (the chunk table walks every target in Python), they are kept, with a host copy
+# of the addresses the device table holds. A later call compares its addresses with
+# that copy: the same (a gradient kept in a persistent buffer, as data parallelism's
+# buckets and ZeRO's flat gradients are), nothing is copied; else one host-to-device
+# copy of the span that changed, the gradients' column (the table is laid out by
+# column: every target's parameter, then every gradient, every m, every v). The copy
+# is queued on the stream after the launches that read the old addresses, so they are
+# never overwritten under a running kernel.
+class _Tables:
+    """One set of targets' device tables (see [Note: multi-tensor tables]): ``ptrs``
+    the addresses by column, ``chunks`` and ``first`` as :func:`chunk_table` gives them,
+    ``host_ptrs`` what ``ptrs`` holds."""
+
+    def __init__(self, xp, addresses, sizes, decay_ranges=None):
+        chunks, first = chunk_table(sizes, decay_ranges)
+        self.host_ptrs = addresses.copy()
+        self.ptrs = xp.array(addresses)
+        self.chunks, self.first = xp.array(chunks), xp.array(first)
+        self.n_chunks = len(chunks)
+
+    def point_at(self, addresses) -> None:
+        """Make the device table hold ``addresses``: nothing when it does, else one copy
+        of the span from the first to the last address that changed."""
+        changed = np.flatnonzero(addresses != self.host_ptrs)
+        if changed.size:
+            a, b = int(changed[0]), int(changed[-1]) + 1
+            copy_to_device(self.ptrs[a:b], addresses[a:b])
+            self.host_ptrs[a:b] = addresses[a:b]
+
+
+def _tables_for(xp, key, columns: list, sizes: list, decay_ranges=None) -> _Tables:
+    """The tables for ``key`` (built on first use, then kept; the least recently used of
+    more than :data:`_MAX_TABLES` dropped), pointing at the arrays of ``columns`` (lists
+    of arrays, one per target, in the table's column order)."""
+    addresses = np.asarray([_address(a) for column in columns for a in column],
+                           dtype=np.uint64)
     found = _tables.get(key)
     if found is None:
-        ptrs = np.asarray([_address(a) for arrays in arrays_per_target for a in arrays],
-                          dtype=np.uint64)
-        chunks, first = chunk_table([arrays[0].size for arrays in arrays_per_target],
-                                    decay_ranges)
-        found = (xp.asarray(ptrs), xp.asarray(chunks), xp.asarray(first), len(chunks))
-        _tables[key] = found
+        found = _tables[key] = _Tables(xp, addresses, sizes, decay_ranges)
         while len(_tables) > _MAX_TABLES:
             _tables.popitem(last=False)
     else:
         _tables.move_to_end(key)
+        found.point_at(addresses)
     return found
 
 
@@ -103,14 +141,17 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
                                         grad_scale, decay)
         return
     ranges = [tuple(t[4]) if decay != 1.0 else () for t in targets]
-    key = ("adam", dtype.name, tuple((*(_address(a) for a in t[:4]), t[0].size) for t in targets),
+    key = ("adam", dtype.name,          # what stays (see [Note: multi-tensor tables])
+           tuple((_address(t[0]), _address(t[2]), _address(t[3]), t[0].size) for t in targets),
            tuple(ranges))
-    ptrs, chunks, _, n_chunks = _tables_for(xp, key, [t[:4] for t in targets], ranges)
+    tables = _tables_for(xp, key, [[t[k] for t in targets] for k in range(4)],
+                         [t[0].size for t in targets], ranges)
     c = dtype.type
     _multi_kernel(xp, "mpishard_multi_adam", dtype)(
-        (n_chunks,), (THREADS,),
-        (ptrs, chunks, c(beta1), c(1.0 - beta1), c(beta2), c(1.0 - beta2), c(step_size),
-         c(inv_bias2), c(eps), np.int32(grad_scale != 1.0), c(grad_scale), c(decay)))
+        (tables.n_chunks,), (THREADS,),
+        (tables.ptrs, np.int32(len(targets)), tables.chunks, c(beta1), c(1.0 - beta1), c(beta2),
+         c(1.0 - beta2), c(step_size), c(inv_bias2), c(eps), np.int32(grad_scale != 1.0),
+         c(grad_scale), c(decay)))
 
 
 def multi_sq_sum(arrays, out):
@@ -136,14 +177,15 @@ def multi_sq_sum(arrays, out):
         with xp.syncs.fused("mpishard_multi_sq_total"):       # each array's (counted)
             pass
         return out
-    key = ("sq", dtype.name, tuple((_address(a), a.size) for a in flat))
-    ptrs, chunks, first, n_chunks = _tables_for(xp, key, [(a,) for a in flat])
-    partial = xp.empty(max(n_chunks, 1), dtype=np.float64)
-    if n_chunks:
-        _multi_kernel(xp, "mpishard_multi_sq_sum", dtype)((n_chunks,), (THREADS,),
-                                                          (ptrs, chunks, partial))
+    sizes = [a.size for a in flat]
+    tables = _tables_for(xp, ("sq", dtype.name, tuple(sizes)), [flat], sizes)
+    partial = xp.empty(max(tables.n_chunks, 1), dtype=np.float64)
+    if tables.n_chunks:
+        _multi_kernel(xp, "mpishard_multi_sq_sum", dtype)(
+            (tables.n_chunks,), (THREADS,), (tables.ptrs, tables.chunks, partial))
     _multi_kernel(xp, "mpishard_multi_sq_total", dtype)(
-        (-(-len(flat) // THREADS),), (THREADS,), (partial, first, np.int32(len(flat)), out))
+        (-(-len(flat) // THREADS),), (THREADS,),
+        (partial, tables.first, np.int32(len(flat)), out))
     return out
 
 

@@ -5,12 +5,14 @@ mixed-precision master) and the gradient norm reads every gradient. One kernel
 per target and per operation is hundreds of launches a step for a 124M GPT; here
 each is one launch (the norm: two), as apex's and PyTorch's ``multi_tensor_apply``
 do. A launch gets a table of the targets' addresses (``ptrs``, 64-bit device
-addresses, ``stride`` per target) and a table of *chunks*, four 64-bit integers
-each: ``(target, start, stop, flag)``, elements ``start .. stop - 1`` of that target
-(at most :data:`CHUNK` of them, never across a weight-decay boundary), ``flag`` 1
-where the chunk gets weight decay. A thread block takes one chunk. The tables
-are built on the host once for a set of targets and kept (:mod:`.multi` launches
-these kernels).
+addresses by column: Adam's every target's parameter, then every gradient, every
+``m``, every ``v``; the sums of squares' one per array) and a table of *chunks*, four
+64-bit integers each: ``(target, start, stop, flag)``, elements ``start .. stop - 1``
+of that target (at most :data:`CHUNK` of them, never across a weight-decay boundary),
+``flag`` 1 where the chunk gets weight decay. A thread block takes one chunk. The
+tables are built on the host once for a set of targets and kept, a gradient that moved
+updating its address alone (:mod:`.multi` launches these kernels; see [Note:
+multi-tensor tables] there).
 
 * ``mpishard_multi_adam_{T}``: per element, ``g = grad * grad_scale`` (the loss
   scale's and the clipping's factor, where ``scaled``), ``p *= decay`` where the
@@ -35,15 +37,15 @@ MULTI_KERNELS = r"""
 typedef {T} T;
 
 extern "C" __global__ void mpishard_multi_adam_{T}(
-    const unsigned long long* ptrs, const long long* chunks, const T b1, const T one_b1,
-    const T b2, const T one_b2, const T step, const T ib2, const T eps, const int scaled,
-    const T grad_scale, const T decay) {
+    const unsigned long long* ptrs, const int n_targets, const long long* chunks,
+    const T b1, const T one_b1, const T b2, const T one_b2, const T step, const T ib2,
+    const T eps, const int scaled, const T grad_scale, const T decay) {
   const long long* c = chunks + 4 * (long long)blockIdx.x;
-  const unsigned long long* t = ptrs + 4 * c[0];        /* param, grad, m, v */
+  const unsigned long long* t = ptrs + c[0];   /* by column: params, grads, m, v */
   T* p = (T*)t[0];
-  const T* g = (const T*)t[1];
-  T* m = (T*)t[2];
-  T* v = (T*)t[3];
+  const T* g = (const T*)t[n_targets];
+  T* m = (T*)t[2 * (long long)n_targets];
+  T* v = (T*)t[3 * (long long)n_targets];
   const bool decays = c[3] != 0;
   for (long long e = c[1] + threadIdx.x; e < c[2]; e += blockDim.x) {
     const T ge = scaled ? (T)(g[e] * grad_scale) : g[e];

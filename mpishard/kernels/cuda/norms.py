@@ -6,23 +6,27 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.core.backend import xp_of
+from mpishard.core.dtypes import is_low_precision
 from mpishard.kernels import reference
 from mpishard.kernels.reference import up32
-from mpishard.kernels.cuda.launch import (ROW_THREADS, column_blocks, elementwise_kernel,
+from mpishard.kernels.cuda.launch import (ROW_THREADS, column_launch, elementwise_kernel,
                                           is_strict_module, presence_flag, raw_function,
                                           raw_kernels_take, reduction_kernel)
 from mpishard.kernels.cuda.norms_src import REDUCTIONS, SOURCES, norm_kernel_source
+from mpishard.kernels.cuda.ops_src import ROWS16
 
 __all__ = ["layer_norm_forward", "layer_norm_backward", "rms_norm_forward",
            "rms_norm_backward", "norm_param_grads"]
 
 
-def _norm_kernel(xp, name: str, dtype, rows16: bool = False):
+def _norm_kernel(xp, name: str, dtype, rows16=None):
     """The RawKernel ``name`` of :data:`.norms_src.NORM_KERNELS` for ``dtype`` (float32 or
-    float64; with ``rows16``, float32 with the rows in float16)."""
+    float64; with ``rows16`` a 16-bit dtype, float32 with the rows in that dtype)."""
     T = "float" if dtype == "float32" else "double"
-    return raw_function(xp, f"{name}_{T}_h" if rows16 else f"{name}_{T}",
-                        lambda: norm_kernel_source(T, "__half" if rows16 else None))
+    if rows16 is None:
+        return raw_function(xp, f"{name}_{T}", lambda: norm_kernel_source(T))
+    S, _, suffix = ROWS16[np.dtype(rows16).name]
+    return raw_function(xp, f"{name}_{T}_{suffix}", lambda: norm_kernel_source(T, S))
 
 
 def _fallback(xp, name: str):
@@ -33,10 +37,13 @@ def _fallback(xp, name: str):
 
 
 def _rows16(rows, *float32s) -> bool:
-    """Whether the norms' RawKernels take ``rows`` (arrays or None) as float16 rows and
-    ``float32s`` as their float32 statistics: all C-contiguous (see [Note: float16 rows])."""
-    return (all(a is None or (a.dtype == np.float16 and a.flags.c_contiguous) for a in rows)
-            and rows[0] is not None
+    """Whether the norms' RawKernels take ``rows`` (arrays or None) as 16-bit rows of one
+    dtype and ``float32s`` as their float32 statistics: all C-contiguous (see [Note:
+    float16 rows])."""
+    first = rows[0]
+    return (first is not None and first.dtype.name in ROWS16
+            and all(a is None or (a.dtype == first.dtype and a.flags.c_contiguous)
+                    for a in rows)
             and all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous)
                     for a in float32s))
 
@@ -47,7 +54,8 @@ def _rows16(rows, *float32s) -> bool:
 # float32. The norms' RawKernels read and write the float16 rows themselves (the
 # module built with S = __half, computing in float): the values of casting the rows
 # up, running the float32 kernel and casting its results down, without the 7 cast
-# launches per layer norm around it (RMS norm: the same kernels, not centred). The ops
+# launches per layer norm around it (RMS norm: the same kernels, not centred).
+# bfloat16 rows are the same with S = __nv_bfloat16 (a module of their own). The ops
 # use this where NATIVE_FLOAT16 says so;
 # on the strict module the same math runs as the reference on the cast rows, one
 # launch per kernel.
@@ -79,7 +87,7 @@ def _norm_forward16(x, weight, bias, eps: float, centred: bool):
     xhat = xp.empty(x.shape, dtype=np.float32)
     rstd = xp.empty(x.shape[0], dtype=np.float32)
     if x.shape[0]:
-        _norm_kernel(xp, "mpishard_norm_forward", "float32", rows16=True)(
+        _norm_kernel(xp, "mpishard_norm_forward", "float32", rows16=x.dtype)(
             (x.shape[0],), (ROW_THREADS,),
             (x, x if weight is None else weight, x if bias is None else bias, y, xhat, rstd,
              np.int32(x.shape[1]), np.float32(eps), np.int32(centred), presence_flag(weight),
@@ -88,7 +96,7 @@ def _norm_forward16(x, weight, bias, eps: float, centred: bool):
 
 
 def _forward16(x, weight, bias, eps: float, centred: bool):
-    """Either norm's forward of float16 rows (see [Note: float16 rows]): the __half
+    """Either norm's forward of 16-bit rows (see [Note: float16 rows]): the 16-bit
     kernel (on the strict module the reference on the cast rows, one launch), or for
     rows it does not take the float32 path on rows cast up, cast down after."""
     xp = xp_of(x)
@@ -100,7 +108,7 @@ def _forward16(x, weight, bias, eps: float, centred: bool):
             y, h, r = layer_norm(up32(x), up32(weight), up32(bias), eps)
         else:
             y, h, r = rms_norm(up32(x), up32(weight), eps)
-        return y.astype(np.float16), h, r
+        return y.astype(x.dtype), h, r
     if _rows16((x, weight, bias)):                              # the strict module
         with xp.syncs.fused("mpishard_layer_norm_forward" if centred
                             else "mpishard_rms_norm_forward"):
@@ -110,7 +118,7 @@ def _forward16(x, weight, bias, eps: float, centred: bool):
 
 def layer_norm_forward(x, weight, bias, eps: float):
     xp = xp_of(x)
-    if x.dtype == np.float16:                                   # see [Note: float16 rows]
+    if is_low_precision(x.dtype):                               # see [Note: float16 rows]
         return _forward16(x, weight, bias, eps, centred=True)
     if is_strict_module(xp):
         with xp.syncs.fused("mpishard_layer_norm_forward"):
@@ -130,20 +138,21 @@ def _norm_backward(g, xhat, rstd, weight, centred: bool, into=None):
     also when added ``into`` the gradient so far (the fallback: 3 launches, or 2, and
     one more to add)."""
     xp = xp_of(g)
-    if g.dtype == np.float16 and into is not None:             # see [Note: float16 rows]
+    sixteen = is_low_precision(g.dtype)
+    if sixteen and into is not None:                            # see [Note: float16 rows]
         into += _norm_backward(g, xhat, rstd, weight, centred)
         return into
-    if g.dtype == np.float16 and not _rows16((g, weight), xhat, rstd):  # cast up, down
-        return _norm_backward(up32(g), xhat, rstd, up32(weight), centred).astype(np.float16)
-    if g.dtype == np.float16:
+    if sixteen and not _rows16((g, weight), xhat, rstd):        # cast up, down
+        return _norm_backward(up32(g), xhat, rstd, up32(weight), centred).astype(g.dtype)
+    if sixteen:
         if is_strict_module(xp):
             name = "layer_norm_backward" if centred else "rms_norm_backward"
             with xp.syncs.fused(f"mpishard_{name}"):
                 return getattr(reference, name)(up32(g), xhat, rstd, up32(weight)) \
-                    .astype(np.float16)
+                    .astype(g.dtype)
         gx = xp.empty_like(g)
         if g.shape[0]:
-            _norm_kernel(xp, "mpishard_norm_backward", "float32", rows16=True)(
+            _norm_kernel(xp, "mpishard_norm_backward", "float32", rows16=g.dtype)(
                 (g.shape[0],), (ROW_THREADS,),
                 (g, xhat, rstd, g if weight is None else weight, gx, np.int32(g.shape[1]),
                  np.int32(centred), presence_flag(weight), np.int32(0)))
@@ -179,7 +188,7 @@ def layer_norm_backward(g, xhat, rstd, weight, into=None):
 
 def rms_norm_forward(x, weight, eps: float):
     xp = xp_of(x)
-    if x.dtype == np.float16:                                   # see [Note: float16 rows]
+    if is_low_precision(x.dtype):                               # see [Note: float16 rows]
         return _forward16(x, weight, None, eps, centred=False)
     if is_strict_module(xp):
         with xp.syncs.fused("mpishard_rms_norm_forward"):
@@ -202,9 +211,9 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
     xp = xp_of(g)
     if not (need_weight or need_bias):
         return None, None
-    rows16 = g.dtype == np.float16 and _rows16(
+    rows16 = is_low_precision(g.dtype) and _rows16(
         (g,), xhat, out_weight if need_weight else None, out_bias if need_bias else None)
-    if g.dtype == np.float16 and not rows16:                    # cast up
+    if is_low_precision(g.dtype) and not rows16:                # cast up
         return norm_param_grads(up32(g), xhat, need_weight, need_bias, out_weight, out_bias)
     if rows16 and is_strict_module(xp):                               # see [Note: float16 rows]
         with xp.syncs.fused("mpishard_norm_param_grads"):
@@ -226,8 +235,10 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
         return xp.empty(n, dtype=xhat.dtype) if out is None else out
     gw, gb = into(need_weight, out_weight), into(need_bias, out_bias)
     if n:
-        _norm_kernel(xp, "mpishard_norm_param_grads", xhat.dtype.name, rows16)(
-            *column_blocks(n),
+        grid, block, tail = column_launch(xp, rows, n, need_weight + need_bias, xhat.dtype)
+        _norm_kernel(xp, "mpishard_norm_param_grads", xhat.dtype.name,
+                     g.dtype if rows16 else None)(
+            grid, block,
             (g, xhat, g if gw is None else gw, g if gb is None else gb, np.int64(rows),
-             np.int32(n), presence_flag(gw), presence_flag(gb)))
+             np.int32(n), presence_flag(gw), presence_flag(gb), *tail))
     return gw, gb

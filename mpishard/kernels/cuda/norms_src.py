@@ -1,9 +1,10 @@
 """The CUDA source of the GPU's layer norm and RMS norm (:mod:`.norms` launches it).
 
 * :data:`NORM_KERNELS`: the ``cupy.RawKernel`` s, one module of CUDA C with ``{T}``
-  for float or double and ``{S}`` for the rows in memory, the same or ``__half``
-  (:func:`norm_kernel_source` fills them in): either norm forward and backward, a
-  thread block per row, and the weight's and bias's gradients, a block per 32 columns;
+  for float or double and ``{S}`` for the rows in memory, the same, ``__half`` or
+  ``__nv_bfloat16`` (:func:`norm_kernel_source` fills them in): either norm forward
+  and backward, a thread block per row, and the weight's and bias's gradients, a
+  block per 32 columns and group of rows;
 * :data:`SOURCES` and :data:`REDUCTIONS`: the ``cupy.ElementwiseKernel`` s and
   ``cupy.ReductionKernel`` s of the fallback, for rows the RawKernels do not take
   (a row reduction per statistic and one elementwise kernel).
@@ -12,7 +13,7 @@
 """
 from __future__ import annotations
 
-from mpishard.kernels.cuda.ops_src import BLOCK_REDUCE
+from mpishard.kernels.cuda.ops_src import BLOCK_REDUCE, COLUMN_SUMS, ROWS16, rows16_source
 
 __all__ = ["NORM_KERNELS", "norm_kernel_source", "SOURCES", "REDUCTIONS"]
 
@@ -20,8 +21,8 @@ __all__ = ["NORM_KERNELS", "norm_kernel_source", "SOURCES", "REDUCTIONS"]
 #: flag 0 and any valid pointer
 NORM_KERNELS = r"""
 typedef {T} T;
-typedef {S} S;   /* the rows in memory: T, or __half (computed in float) */
-""" + BLOCK_REDUCE + r"""
+typedef {S} S;   /* the rows in memory: T, or __half or __nv_bfloat16 (computed in float) */
+""" + BLOCK_REDUCE + COLUMN_SUMS + r"""
 /* Layer norm (centred) or RMS norm of a row: the mean (layer norm), the mean square of
    x - mean, rstd = 1 / sqrt(that + eps), xhat = (x - mean) rstd, y = xhat w + b (w and
    b where has_w, has_b). */
@@ -84,45 +85,39 @@ extern "C" __global__ void mpishard_norm_backward_{N}(const S* g, const T* xhat,
 
 /* The norms' weight and bias gradients: column sums of g xhat (gw, where need_w) and of
    g (gb, where need_b) over rows x n. A block of 32 columns x blockDim.y (at most 32)
-   row threads, each summing every blockDim.y-th row of its column, then the partial
-   sums added in a fixed order: deterministic, no atomics. */
+   row threads per group of rows, each thread summing every blockDim.y-th row of the
+   group in its column, the sums then added in a fixed order: deterministic, no
+   floating-point atomics (see [Note: column sums] in ops_src.py). */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
 mpishard_norm_param_grads_{N}(
     const S* g, const T* xhat, T* gw, T* gb, const long long rows, const int n,
-    const int need_w, const int need_b) {
-  __shared__ T part_w[32][32], part_b[32][32];
+    const int need_w, const int need_b, const long long group_rows, T* partial,
+    unsigned int* counters) {
   const int col = blockIdx.x * 32 + threadIdx.x;
   T sw = 0, sb = 0;
   if (col < n) {
-    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
+    const long long end = mpishard_group_end(rows, group_rows);
+    for (long long i = blockIdx.y * group_rows + threadIdx.y; i < end; i += blockDim.y) {
       const T v = (T)g[i * n + col];
       if (need_w) sw += v * xhat[i * n + col];
       sb += v;
     }
   }
-  part_w[threadIdx.y][threadIdx.x] = sw;
-  part_b[threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < n) {
-    for (int k = 1; k < blockDim.y; ++k) {
-      sw += part_w[k][threadIdx.x];
-      sb += part_b[k][threadIdx.x];
-    }
-    if (need_w) gw[col] = sw;
-    if (need_b) gb[col] = sb;
-  }
+  mpishard_column_totals<2>(sw, sb, need_w, need_b, col, n, gw, gb, partial, counters);
 }
 """
 
 
 def norm_kernel_source(T: str, S: str | None = None) -> str:
     """:data:`NORM_KERNELS` for compute type ``T`` (``"float"`` or ``"double"``) and row
-    storage ``S`` (default ``T``; ``"__half"`` for float16 rows with ``T`` float), each
-    kernel named ``<name>_<T>`` (``<name>_float_h`` with ``__half``)."""
+    storage ``S`` (default ``T``; ``"__half"`` or ``"__nv_bfloat16"`` for 16-bit rows with
+    ``T`` float), each kernel named ``<name>_<T>`` (``<name>_float_h`` with ``__half``,
+    ``<name>_float_bf`` with ``__nv_bfloat16``)."""
     S = S or T
+    suffix = next((x for c, _, x in ROWS16.values() if c == S), None)
     code = NORM_KERNELS.replace("{T}", T).replace("{S}", S).replace(
-        "{N}", T if S == T else f"{T}_h")
-    return ("#include <cuda_fp16.h>\n" + code) if S == "__half" else code
+        "{N}", T if suffix is None else f"{T}_{suffix}")
+    return rows16_source(S, code)
 
 
 #: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel of the fallback

@@ -3,11 +3,12 @@ launches them; the norms' are :mod:`.norms_src`'s).
 
 * :data:`SOURCES`: the bodies of the ``cupy.ElementwiseKernel`` s, per name
   (inputs, outputs, body; ``T`` the array dtype), :data:`FLOAT16_SOURCES` those that
-  also take float16;
+  also take float16, :data:`BFLOAT16_SOURCES` their twins on bfloat16 words (with
+  :data:`BF16_WORDS`' conversions);
 * :data:`ROW_KERNELS`: the ``cupy.RawKernel`` s, one module of CUDA C with ``{T}``
   for float or double (:func:`row_kernel_source` fills it in);
 * :data:`BLOCK_REDUCE`: the block-wide sum or maximum that these and the norms' row
-  kernels share.
+  kernels share, :data:`COLUMN_SUMS` the column sums' end they share.
 
 ``scripts/compile_kernels.py`` compiles all of it with NVRTC, without a GPU.
 """
@@ -15,7 +16,21 @@ from __future__ import annotations
 
 from mpishard.kernels.reference import GELU_C, GELU_K
 
-__all__ = ["SOURCES", "FLOAT16_SOURCES", "BLOCK_REDUCE", "ROW_KERNELS", "row_kernel_source"]
+__all__ = ["SOURCES", "FLOAT16_SOURCES", "BFLOAT16_SOURCES", "BF16_WORDS", "BLOCK_REDUCE",
+           "COLUMN_SUMS", "ROW_KERNELS", "row_kernel_source", "ROWS16", "rows16_source"]
+
+#: the 16-bit row dtypes the RawKernels read and write themselves (computing in float):
+#: dtype name -> (the C type of an element, the header declaring it, a kernel-name
+#: suffix). A bfloat16 element is the top 16 bits of a float32, converted with
+#: round-to-nearest-even (see [Note: bfloat16 on devices] in mpishard/core/dtypes.py).
+ROWS16 = {"float16": ("__half", "cuda_fp16.h", "h"),
+          "bfloat16": ("__nv_bfloat16", "cuda_bf16.h", "bf")}
+
+
+def rows16_source(S: str, code: str) -> str:
+    """``code`` with the header of row type ``S`` included when it is a 16-bit one."""
+    header = next((h for c, h, _ in ROWS16.values() if c == S), None)
+    return code if header is None else f"#include <{header}>\n" + code
 
 #: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
 SOURCES = {
@@ -82,6 +97,67 @@ FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add", "mpishard_bias_dr
                    "mpishard_bias_dropout_add", "mpishard_bias_add", "mpishard_add_bias",
                    "mpishard_gelu16_forward", "mpishard_bias_gelu16_forward",
                    "mpishard_gelu16_backward", "mpishard_bias_gelu16_backward")
+#: the bfloat16 words' conversions for :data:`BFLOAT16_SOURCES` (an ElementwiseKernel's
+#: preamble; no header, so no CuPy type name): ``bf16_load`` a word as a float (the
+#: word on top of a float32), ``bf16_store`` a float as the word of its bfloat16 by
+#: round-to-nearest-even (``__float2bfloat16_rn``'s rounding; a NaN stays a quiet NaN),
+#: ``bf16_round`` both (a value rounded to bfloat16, as NumPy rounds each operation)
+BF16_WORDS = r"""
+__device__ __forceinline__ float bf16_load(const unsigned short w) {
+  return __uint_as_float((unsigned int)w << 16);
+}
+__device__ __forceinline__ unsigned short bf16_store(const float f) {
+  const unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_round(const float f) { return bf16_load(bf16_store(f)); }
+"""
+#: name -> (inputs, outputs, CUDA body) of the ElementwiseKernels of :data:`FLOAT16_SOURCES`
+#: for bfloat16 data, named ``<name>_bf16``: the bfloat16 arrays passed as their 16-bit
+#: words (``uint16``, see [Note: bfloat16 on devices] in mpishard/core/dtypes.py) and
+#: converted with :data:`BF16_WORDS`; each operation the float16 kernel does in ``T``
+#: rounded to bfloat16 the same way (``bf16_round``), GELU in float32 throughout
+BFLOAT16_SOURCES = {
+    "mpishard_dropout_bf16": (
+        "uint16 y, float32 u, float64 p, float64 scale", "uint16 z",
+        "z = u >= (float)p ? bf16_store(bf16_load(y) * bf16_round((float)scale)) : 0;"),
+    "mpishard_dropout_add_bf16": (
+        "uint16 x, uint16 y, float32 u, float64 p, float64 scale", "uint16 z",
+        "z = bf16_store(bf16_load(x) + (u >= (float)p ?"
+        " bf16_round(bf16_load(y) * bf16_round((float)scale)) : 0.0f));"),
+    "mpishard_bias_dropout_bf16": (
+        "uint16 y, uint16 b, float32 u, float64 p, float64 scale", "uint16 z",
+        "z = u >= (float)p ? bf16_store(bf16_round(bf16_load(y) + bf16_load(b))"
+        " * bf16_round((float)scale)) : 0;"),
+    "mpishard_bias_dropout_add_bf16": (
+        "uint16 x, uint16 y, uint16 b, float32 u, float64 p, float64 scale", "uint16 z",
+        "z = bf16_store(bf16_load(x) + (u >= (float)p ? bf16_round(bf16_round(bf16_load(y)"
+        " + bf16_load(b)) * bf16_round((float)scale)) : 0.0f));"),
+    "mpishard_bias_add_bf16": (
+        "uint16 x, uint16 y, uint16 b", "uint16 z",
+        "z = bf16_store(bf16_load(x) + bf16_round(bf16_load(y) + bf16_load(b)));"),
+    "mpishard_add_bias_bf16": (
+        "uint16 y, uint16 b", "uint16 z", "z = bf16_store(bf16_load(y) + bf16_load(b));"),
+    "mpishard_gelu16_forward_bf16": (
+        "uint16 a", "uint16 y, float32 t",
+        f"const float x = bf16_load(a); t = tanh((float){GELU_C!r} * (x + (float){GELU_K!r}"
+        " * x * x * x)); y = bf16_store((float)0.5 * x * ((float)1 + t));"),
+    "mpishard_bias_gelu16_forward_bf16": (
+        "uint16 a, uint16 b", "uint16 y, float32 t",
+        f"const float x = bf16_load(a) + bf16_load(b); t = tanh((float){GELU_C!r} * (x +"
+        f" (float){GELU_K!r} * x * x * x)); y = bf16_store((float)0.5 * x * ((float)1 + t));"),
+    "mpishard_gelu16_backward_bf16": (
+        "uint16 a, float32 t, uint16 g", "uint16 gx",
+        f"const float x = bf16_load(a); gx = bf16_store(bf16_load(g) * ((float)0.5 *"
+        f" ((float)1 + t) + (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} *"
+        f" ((float)1 + (float)3 * (float){GELU_K!r} * x * x)));"),
+    "mpishard_bias_gelu16_backward_bf16": (
+        "uint16 a, uint16 b, float32 t, uint16 g", "uint16 gx, float32 gf",
+        f"const float x = bf16_load(a) + bf16_load(b); gf = bf16_load(g) * ((float)0.5 *"
+        f" ((float)1 + t) + (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} *"
+        f" ((float)1 + (float)3 * (float){GELU_K!r} * x * x)); gx = bf16_store(gf);"),
+}
 #: a sum (``is_max`` false) or maximum of ``v`` over a thread block: warp shuffles, then
 #: the warps' results through ``shared`` (32 of ``T``); every thread gets the result
 BLOCK_REDUCE = r"""
@@ -108,14 +184,96 @@ __device__ T mpishard_block_reduce(T v, const bool is_max, T* shared) {
   return v;
 }
 """
+# [Note: column sums]
+# A column sum (a bias's or a norm's parameter gradient: the sum over rows of a
+# rows x n array) takes a grid of blocks of 32 columns (x) by groups of group_rows rows
+# (y), so that a launch fills the device whatever n (24 column blocks at n = 768, while
+# an H200 has 132 multiprocessors; launch.column_launch sizes the groups for about
+# 4 x 132 blocks). Block (x, y)'s 32 x 32 threads each sum every 32nd row of the group
+# in its column, and the row threads' sums are added in their order. With one group
+# the block writes the totals. Otherwise it writes its partial sums to a workspace,
+# partial[(k groups + y) n + col] for sum k, then __threadfence() (its writes seen
+# device-wide before its ticket) and takes a ticket: atomicAdd on counters[x], an
+# integer. The block that draws the last ticket adds the groups' partial sums, row
+# thread t taking groups t, t + 32, ... in order and the row threads' results then
+# added in their order, writes the totals and sets counters[x] back to 0 for the next
+# launch (the counters are allocated zeroed once and kept). Every floating-point sum
+# runs in an order fixed by the shape, whichever block arrives last: launches are
+# bit-identical (no floating-point atomics), and the launch count is one, as before.
+# Launches on one stream share the counters (they run one after another).
+COLUMN_SUMS = r"""
+/* the end of block (x, y)'s rows: group y of group_rows rows, cut at rows */
+__device__ __forceinline__ long long mpishard_group_end(const long long rows,
+                                                        const long long group_rows) {
+  const long long end = ((long long)blockIdx.y + 1) * group_rows;
+  return end < rows ? end : rows;
+}
+
+/* Thread (x, y) holds the sums s0 and, with SUMS 2, s1 of its rows of column col; the
+   column's totals of s0 (where need0) and s1 (where need1) go to out0[col] and
+   out1[col], added in a fixed order (see [Note: column sums] in ops_src.py). */
+template <int SUMS>
+__device__ void mpishard_column_totals(T s0, T s1, const int need0, const int need1,
+                                       const int col, const int n, T* out0, T* out1,
+                                       T* partial, unsigned int* counters) {
+  __shared__ T part[SUMS][32][32];
+  __shared__ int last;
+  const int x = threadIdx.x, y = threadIdx.y, groups = gridDim.y;
+  const long long first1 = (long long)need0 * groups;   /* s1's slots: after s0's */
+  part[0][y][x] = s0;
+  if (SUMS == 2) part[SUMS - 1][y][x] = s1;
+  __syncthreads();
+  if (y == 0) {
+    for (int k = 1; k < blockDim.y; ++k) {
+      s0 += part[0][k][x];
+      if (SUMS == 2) s1 += part[SUMS - 1][k][x];
+    }
+    if (col < n && groups == 1) {
+      if (need0) out0[col] = s0;
+      if (SUMS == 2 && need1) out1[col] = s1;
+    } else if (col < n) {
+      if (need0) partial[(long long)blockIdx.y * n + col] = s0;
+      if (SUMS == 2 && need1) partial[(first1 + blockIdx.y) * n + col] = s1;
+    }
+  }
+  if (groups == 1) return;
+  __threadfence();                  /* the partial sums seen device-wide, then a ticket */
+  __syncthreads();
+  if (x == 0 && y == 0) last = atomicAdd(counters + blockIdx.x, 1u) == (unsigned)groups - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();                  /* every other group's partial sums are seen now */
+  const volatile T* p = partial;    /* read from memory (written by other blocks) */
+  T t0 = 0, t1 = 0;
+  if (col < n) {
+    for (int g = y; g < groups; g += blockDim.y) {
+      if (need0) t0 += p[(long long)g * n + col];
+      if (SUMS == 2 && need1) t1 += p[(first1 + g) * n + col];
+    }
+  }
+  part[0][y][x] = t0;
+  if (SUMS == 2) part[SUMS - 1][y][x] = t1;
+  __syncthreads();
+  if (y == 0 && col < n) {
+    for (int k = 1; k < blockDim.y; ++k) {
+      t0 += part[0][k][x];
+      if (SUMS == 2) t1 += part[SUMS - 1][k][x];
+    }
+    if (need0) out0[col] = t0;
+    if (SUMS == 2 && need1) out1[col] = t1;
+  }
+  if (x == 0 && y == 0) counters[blockIdx.x] = 0;   /* zero again for the next launch */
+}
+"""
 #: the RawKernels, ``{T}`` float or double. Softmax takes a thread block per row (the
 #: row's max and sum as :data:`BLOCK_REDUCE` s, then its passes), the others a block per
-#: 32 columns. An absent optional array is passed as a flag 0 and any valid pointer.
+#: 32 columns and group of rows (:data:`COLUMN_SUMS`). An absent optional array is
+#: passed as a flag 0 and any valid pointer.
 ROW_KERNELS = f"""
 #define MPISHARD_GELU_C {GELU_C!r}
 #define MPISHARD_GELU_K {GELU_K!r}""" + r"""
 typedef {T} T;
-""" + BLOCK_REDUCE + r"""
+""" + BLOCK_REDUCE + COLUMN_SUMS + r"""
 /* Softmax of a row of scaled, causally masked scores, in place; with has_drop also
    the dropped weights: kept where du >= dp, times dscale. */
 extern "C" __global__ void mpishard_causal_softmax_{T}(T* a, const int n, const T scale,
@@ -177,31 +335,19 @@ extern "C" __global__ void mpishard_softmax_backward_{T}(T* d, const T* p, const
   for (int j = threadIdx.x; j < n; j += blockDim.x) dr[j] = (dr[j] - s) * pr[j] * scale;
 }
 
-/* The column-sum kernels' end: thread (x, y) holds the partial sum s of its rows of
-   column col; the block adds them in a fixed order (deterministic, no atomics) and row
-   thread 0 writes the column's total to out[col]. */
-__device__ void mpishard_column_total(T s, const int col, const int n, T* out) {
-  __shared__ T part[32][32];
-  part[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < n) {
-    for (int k = 1; k < blockDim.y; ++k) s += part[k][threadIdx.x];
-    out[col] = s;
-  }
-}
-
 /* GELU's backward with its input's bias b (a linear layer's, added in the forward's
    kernel): gx = g gelu'(a + b) per element, and gb, the column sums of gx (b's
-   gradient). Blocks of 32 columns x blockDim.y row threads, as norm_param_grads. */
+   gradient). A block per 32 columns and group of rows (see [Note: column sums]). */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
 mpishard_bias_gelu_backward_{T}(
     const T* a, const T* b, const T* t, const T* g, T* gx, T* gb, const long long rows,
-    const int n) {
+    const int n, const long long group_rows, T* partial, unsigned int* counters) {
   const int col = blockIdx.x * 32 + threadIdx.x;
   T s = 0;
   if (col < n) {
     const T bc = b[col];
-    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
+    const long long end = mpishard_group_end(rows, group_rows);
+    for (long long i = blockIdx.y * group_rows + threadIdx.y; i < end; i += blockDim.y) {
       const long long k = i * n + col;
       const T x = a[k] + bc, th = t[k];
       const T v = g[k] * ((T)0.5 * ((T)1 + th) + (T)0.5 * x * ((T)1 - th * th)
@@ -210,7 +356,7 @@ mpishard_bias_gelu_backward_{T}(
       s += v;
     }
   }
-  mpishard_column_total(s, col, n, gb);
+  mpishard_column_totals<1>(s, 0, 1, 0, col, n, gb, gb, partial, counters);
 }
 
 /* The gradient through a dropout with a bias before it: gy = g / (1 - p) where
@@ -219,11 +365,13 @@ mpishard_bias_gelu_backward_{T}(
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
 mpishard_bias_dropout_backward_{T}(
     const T* g, const int has_drop, const float* du, const float dp, const T dscale,
-    T* gy, T* gb, const long long rows, const int n) {
+    T* gy, T* gb, const long long rows, const int n, const long long group_rows,
+    T* partial, unsigned int* counters) {
   const int col = blockIdx.x * 32 + threadIdx.x;
   T s = 0;
   if (col < n) {
-    for (long long i = threadIdx.y; i < rows; i += blockDim.y) {
+    const long long end = mpishard_group_end(rows, group_rows);
+    for (long long i = blockIdx.y * group_rows + threadIdx.y; i < end; i += blockDim.y) {
       const long long k = i * n + col;
       T v = g[k];
       if (has_drop) {
@@ -233,31 +381,37 @@ mpishard_bias_dropout_backward_{T}(
       s += v;
     }
   }
-  mpishard_column_total(s, col, n, gb);
+  mpishard_column_totals<1>(s, 0, 1, 0, col, n, gb, gb, partial, counters);
 }
 
 /* Attention's q, k and v gradients from the head-major (3, B, nh, Tn, hs) buffer h
    back to packed rows (B Tn, n = 3 nh hs), column (w nh + head) hs + j, with has_sum
-   their column sums (the fused q/k/v projection's bias gradient) into sums. Blocks as above: a warp's
-   32 columns are 32 neighbouring elements of a head on both sides. */
+   their column sums (the fused q/k/v projection's bias gradient) into sums. Blocks as
+   above: a warp's 32 columns are 32 neighbouring elements of a head on both sides. */
 extern "C" __global__ void __launch_bounds__(1024)  /* 32 x 32 threads */
 mpishard_unpack_heads_{T}(
     const T* h, T* rows, const int has_sum, T* sums, const long long B, const int Tn,
-    const int nh, const int hs) {
+    const int nh, const int hs, const long long group_rows, T* partial,
+    unsigned int* counters) {
   const int n = 3 * nh * hs;
   const int col = blockIdx.x * 32 + threadIdx.x;
   T s = 0;
   if (col < n) {
     const int j = col % hs, wh = col / hs;
     const long long base = ((long long)(wh / nh) * B * nh + wh % nh) * Tn * hs + j;
-    for (long long i = threadIdx.y; i < B * Tn; i += blockDim.y) {
-      const long long b = i / Tn, t = i % Tn;
+    const long long end = mpishard_group_end(B * Tn, group_rows);
+    long long i = blockIdx.y * group_rows + threadIdx.y;
+    long long b = Tn ? i / Tn : 0;        /* row i is (b, t): stepped on, not divided */
+    int t = Tn ? (int)(i % Tn) : 0;
+    for (; i < end; i += blockDim.y) {
       const T v = h[base + (b * nh * Tn + t) * hs];
       rows[i * n + col] = v;
       s += v;
+      for (t += blockDim.y; t >= Tn; t -= Tn) ++b;
     }
   }
-  if (has_sum) mpishard_column_total(s, col, n, sums);
+  if (has_sum) mpishard_column_totals<1>(s, 0, 1, 0, col, n, sums, sums, partial,
+                                          counters);
 }
 """
 

@@ -29,6 +29,9 @@ What differs from NumPy, as on CuPy (:mod:`.array`):
   views (``reshape``, ``transpose``, ``.T``, basic slicing), attribute reads and
   host reads (syncs) are not launches; ``with syncs.fused(name):`` counts its
   whole block as one launch (a fused kernel; see :mod:`.syncs`);
+* bfloat16 arrays (``ml_dtypes.bfloat16``) are taken as CuPy 14 takes them; their
+  products accumulate in float32 as float16's do, and a bfloat16 product of more
+  than two dimensions or ``scatter_add`` into bfloat16 raises, as in CuPy 14;
 * :mod:`.random` draws another stream than NumPy for the same seed, and keeps
   its state in a device array (``bit_generator._state``);
 * only names CuPy has exist (:data:`.namespace.CUPY_NAMES`), plus

@@ -14,7 +14,8 @@ An :class:`ndarray` wraps one ``numpy.ndarray`` (``_a``) and behaves the way a
 * every read of a value on the host (``bool``, ``int``, ``float``, ``item``,
   ``tolist``, ``get``, printing, pickling, and outputs whose shape depends on
   the data) is a host sync, counted in :data:`~mpishard.testing.strict.syncs.syncs`;
-* float16 matrix products accumulate in float32, as cuBLAS does;
+* float16 and bfloat16 matrix products accumulate in float32, as cuBLAS does
+  (bfloat16 ones of more than two dimensions raise, as in CuPy 14);
 * ``__cuda_array_interface__`` is exposed (pointing at the host memory), so
   code that tells device arrays from host ones takes the device path;
 * every operator, method and index that computes or writes memory counts one
@@ -39,6 +40,8 @@ __all__ = ["ndarray", "wrap", "unwrap", "SCALAR_TYPES"]
 launch = syncs.launch
 
 SCALAR_TYPES = (int, float, complex, bool, np.generic)
+#: the 16-bit floats whose products cuBLAS accumulates in float32
+SIXTEEN_BIT = ("float16", "bfloat16")
 
 
 def _unsupported(x):
@@ -104,18 +107,25 @@ def _rebuild(host: np.ndarray) -> "ndarray":
 
 
 def matmul(a, b, out=None, name: str = "matmul"):
-    """``a @ b``; float16 operands multiply in float32 and round once (as cuBLAS).
-    One launch (named ``name``), and the copies CuPy's ``matmul`` makes around its
-    cuBLAS call (:func:`hidden_copies`), each counted as a ``"matmul-copy"``."""
+    """``a @ b``; 16-bit operands (float16, bfloat16) multiply in float32 and round
+    once (as cuBLAS). One launch (named ``name``), and the copies CuPy's ``matmul``
+    makes around its cuBLAS call (:func:`hidden_copies`), each counted as a
+    ``"matmul-copy"``. bfloat16 products of more than two dimensions raise, as they
+    fail in CuPy 14 (cupy#10317)."""
     launch(name)
     copies = hidden_copies(a, b, out)
     if copies:
         launch("matmul-copy", copies)
+    sixteen = a.dtype == b.dtype and a.dtype.name in SIXTEEN_BIT
+    if sixteen and a.dtype.name == "bfloat16" and max(a.ndim, b.ndim) > 2:
+        raise NotImplementedError(f"matmul: CuPy 14 fails on bfloat16 products of more than "
+                                  f"two dimensions (shapes {a.shape} @ {b.shape}, cupy#10317); "
+                                  f"use mpishard.kernels.cuda.gemm.batched_matmul")
     with quiet():
-        if a.dtype == np.float16 and b.dtype == np.float16:
+        if sixteen:
             result = np.matmul(a.astype(np.float32), b.astype(np.float32))
             if out is None:
-                return result.astype(np.float16)
+                return result.astype(a.dtype)
             out[...] = result
             return out
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)

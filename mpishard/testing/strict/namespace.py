@@ -27,8 +27,8 @@ import functools
 
 import numpy as np
 
-from mpishard.testing.strict.array import (PROTOCOLS, SCALAR_TYPES, launch, matmul as _matmul, ndarray, quiet,
-                    unwrap, wrap)
+from mpishard.testing.strict.array import (PROTOCOLS, SCALAR_TYPES, SIXTEEN_BIT, launch,
+                                           matmul as _matmul, ndarray, quiet, unwrap, wrap)
 from mpishard.testing.strict.syncs import syncs
 
 __all__ = ["CUPY_NAMES", "lookup", "ufunc", "ufunc_call", "function_for", "asarray", "array",
@@ -231,9 +231,13 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
 
 
 def scatter_add(a, slices, value) -> None:
-    """``a[slices] += value`` with repeated indices adding up (``cupyx.scatter_add``)."""
+    """``a[slices] += value`` with repeated indices adding up (``cupyx.scatter_add``,
+    which has no bfloat16 in CuPy 14: cupy#9630)."""
     if type(a) is not ndarray:
         raise TypeError(f"scatter_add: a must be a strict ndarray, got {type(a)}")
+    if a.dtype.name == "bfloat16":
+        raise TypeError("scatter_add: cupyx.scatter_add has no bfloat16 (cupy#9630); "
+                        "scatter into a float32 array")
     launch("scatter_add")
     np.add.at(a._a, unwrap(slices, host_ok=True), _elementwise(value))
 
@@ -265,11 +269,11 @@ def matmul(a, b, out=None, **kwargs):
 
 
 def dot(a, b, out=None):
-    """``numpy.dot``; float16 accumulates in float32, as in :func:`matmul`."""
+    """``numpy.dot``; float16 and bfloat16 accumulate in float32, as in :func:`matmul`."""
     a, b = _elementwise(a), _elementwise(b)
     launch("dot")
-    if a.dtype == np.float16 and b.dtype == np.float16:
-        result = np.dot(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    if a.dtype == b.dtype and a.dtype.name in SIXTEEN_BIT:
+        result = np.dot(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
         if out is not None:
             _out(out)[...] = result
     else:

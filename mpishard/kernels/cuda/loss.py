@@ -1,0 +1,102 @@
+"""Fused cross-entropy on a GPU: the RawKernels of :mod:`.loss_src`, launched (part of
+the GPU kernel set, :mod:`.ops`).
+
+``cross_entropy_forward(logits, targets, ignore_index)`` is one launch: a thread block
+per row for its maximum, sum of exponentials and loss, and the grid's last block for
+the mean; ``cross_entropy_backward`` one more, writing the gradient in the logits'
+dtype. The logits are read where they lie (C-contiguous float16, bfloat16, float32 or
+float64, the 16-bit ones converted per element into float32 registers), so no float32 copy of the
+``(N, V)`` logits is made either way. Other inputs (another dtype, strided logits, no
+rows) run the reference; on the CuPy-strict module the reference runs as the one launch
+per kernel it is on a GPU.
+
+The forward's last block is found with a ticket counter: one ``uint32`` per device,
+made (zeroed) at the first launch and handed back at 0 by every launch. Two launches
+running at once on different streams of one device would share it; mpishard computes
+on one stream.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpishard.core.backend import xp_of
+from mpishard.kernels import reference
+from mpishard.kernels.cuda.launch import ROW_THREADS, is_strict_module, raw_function
+from mpishard.kernels.cuda.loss_src import loss_kernel_name, loss_kernel_source
+
+__all__ = ["cross_entropy_forward", "cross_entropy_backward", "cross_entropy_takes"]
+
+#: the logits' dtype -> the C type the kernels read them as
+_STORAGE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+            "float64": "double"}
+_tickets: dict = {}     # device id -> the forward's ticket counter (see the module docstring)
+
+
+def _math_dtype(dtype) -> np.dtype:
+    """The dtype the kernels compute logits of ``dtype`` in: float64 for float64, else
+    float32."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def cross_entropy_takes(logits, targets) -> bool:
+    """Whether the kernels take these logits and targets (see the module docstring)."""
+    return (logits.ndim == 2 and logits.dtype.name in _STORAGE and logits.flags.c_contiguous
+            and 0 < logits.shape[0] < 2 ** 31 and 0 < logits.shape[1] < 2 ** 31
+            and targets.shape == logits.shape[:1])
+
+
+def _kernel(xp, name: str, dtype):
+    S = _STORAGE[np.dtype(dtype).name]
+    T = "double" if S == "double" else "float"
+    return raw_function(xp, loss_kernel_name(name, S), lambda: loss_kernel_source(T, S))
+
+
+def _int64_rows(xp, targets):
+    """The targets as the kernels read them: C-contiguous int64 (a copy only if not)."""
+    return xp.ascontiguousarray(targets, dtype=np.int64)
+
+
+def _ticket(xp):
+    # host arrays have no device (the tests run these kernels' CUDA C on the host)
+    device = xp.cuda.runtime.getDevice() if hasattr(xp, "cuda") else None
+    if device not in _tickets:
+        _tickets[device] = xp.zeros(1, dtype=np.uint32)
+    return _tickets[device]
+
+
+def cross_entropy_forward(logits, targets, ignore_index: int):
+    xp = xp_of(logits)
+    if is_strict_module(xp):
+        with xp.syncs.fused("mpishard_cross_entropy_forward"):
+            return reference.cross_entropy_forward(logits, targets, ignore_index)
+    if not cross_entropy_takes(logits, targets):
+        return reference.cross_entropy_forward(logits, targets, ignore_index)
+    (N, V), fd = logits.shape, _math_dtype(logits.dtype)
+    stats = xp.empty((3, N), dtype=fd)          # maxima, sums of exponentials, rows' losses
+    totals = xp.empty(2, dtype=fd)              # the mean loss, the rows counted
+    _kernel(xp, "mpishard_cross_entropy_forward", logits.dtype)(
+        (N,), (ROW_THREADS,), (logits, _int64_rows(xp, targets), np.int64(N), np.int32(V),
+                               np.int64(ignore_index), stats, totals, _ticket(xp)))
+    return totals[0:1].reshape(()), stats[0], stats[1], totals[1:2].reshape(())  # 0-d views
+
+
+def cross_entropy_backward(logits, targets, ignore_index: int, row_max, row_sum, count, g):
+    xp = xp_of(logits)
+    if is_strict_module(xp):
+        with xp.syncs.fused("mpishard_cross_entropy_backward"):
+            return reference.cross_entropy_backward(logits, targets, ignore_index, row_max,
+                                                    row_sum, count, g)
+    fd = _math_dtype(logits.dtype)
+    kept = (row_max, row_sum, count)
+    if not (cross_entropy_takes(logits, targets)
+            and all(getattr(a, "dtype", None) == fd and a.flags.c_contiguous for a in kept)
+            and count.size == 1):
+        return reference.cross_entropy_backward(logits, targets, ignore_index, row_max,
+                                                row_sum, count, g)
+    N, V = logits.shape
+    grad = xp.empty(logits.shape, dtype=logits.dtype)
+    g = g if getattr(g, "dtype", None) == fd and g.size == 1 else xp.asarray(g, dtype=fd)
+    _kernel(xp, "mpishard_cross_entropy_backward", logits.dtype)(
+        (N,), (ROW_THREADS,), (logits, _int64_rows(xp, targets), np.int32(V),
+                               np.int64(ignore_index), row_max, row_sum, count, g, grad))
+    return grad
