@@ -206,7 +206,10 @@ class ActivationMeasurement:
 # drops a gathered buffer never leaves a stale count behind. Views are not
 # tracked: register the base allocation. Peak bytes are kept per category and in
 # total; a budget turns an allocation that would exceed it into OutOfMemoryBudget
-# before the memory is taken.
+# before the memory is taken. Arrays registered with ``host=True`` (what
+# ``--offload optimizer`` keeps in host memory: float32 masters, their optimizer
+# state, the gradients' host copies) are counted apart, by category too
+# (``host_bytes_by_category``), and never against the budget, which is the device's.
 class MemoryLedger:
     """Per-rank accounting of long-lived array bytes by category.
 
@@ -218,13 +221,15 @@ class MemoryLedger:
     def __init__(self, budget: int | None = None):
         self.budget = budget
         self.cupy_pool = None
-        self._live: dict[int, tuple[str, int, str]] = {}
+        self._live: dict[int, tuple[str, int, str, bool]] = {}
         self._finalizers: dict[int, Any] = {}
         self._bytes = {c: 0 for c in LEDGER_CATEGORIES}
         self._peak = {c: 0 for c in LEDGER_CATEGORIES}
         self._total = 0
         self._peak_total = 0
         self._measured_activations = 0
+        self._host = {c: 0 for c in LEDGER_CATEGORIES}
+        self._host_peak = {c: 0 for c in LEDGER_CATEGORIES}
 
     # -- allocation -------------------------------------------------------
     def check(self, category: str, nbytes: int, name: str = "") -> None:
@@ -237,8 +242,9 @@ class MemoryLedger:
                 f"{self._summary()}); use a sharding strategy that keeps less "
                 f"per rank (e.g. --strategy zero3), more ranks, or a larger budget")
 
-    def track(self, category: str, array, name: str = ""):
-        """Register an existing array under ``category``; returns the array."""
+    def track(self, category: str, array, name: str = "", host: bool = False):
+        """Register an existing array under ``category`` (``host``: in host memory, see
+        [Note: memory ledger]); returns the array."""
         if category not in self._bytes:
             raise ValueError(
                 f"unknown ledger category {category!r}; use one of {LEDGER_CATEGORIES}")
@@ -246,26 +252,43 @@ class MemoryLedger:
         if key in self._live:
             return array
         nbytes = int(array.nbytes)
-        self.check(category, nbytes, name)
-        self._live[key] = (category, nbytes, name)
-        self._add(category, nbytes)
+        if not host:
+            self.check(category, nbytes, name)
+        self._live[key] = (category, nbytes, name, host)
+        if host:
+            self._host[category] += nbytes
+            self._host_peak[category] = max(self._host_peak[category], self._host[category])
+        else:
+            self._add(category, nbytes)
         try:
             self._finalizers[key] = weakref.finalize(array, self._forget, key)
         except TypeError:  # an array type without weakref support
             pass
         return array
 
-    def empty(self, category: str, shape, dtype, name: str = "", xp=np):
+    def empty(self, category: str, shape, dtype, name: str = "", xp=np, host: bool = False):
         """Allocate an uninitialised array and register it."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        self.check(category, nbytes, name)
-        return self.track(category, xp.empty(shape, dtype=dtype), name)
+        if not host:
+            self.check(category, nbytes, name)
+        return self.track(category, xp.empty(shape, dtype=dtype), name, host)
 
-    def zeros(self, category: str, shape, dtype, name: str = "", xp=np):
+    def zeros(self, category: str, shape, dtype, name: str = "", xp=np, host: bool = False):
         """Allocate a zero-filled array and register it."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        self.check(category, nbytes, name)
-        return self.track(category, xp.zeros(shape, dtype=dtype), name)
+        if not host:
+            self.check(category, nbytes, name)
+        return self.track(category, xp.zeros(shape, dtype=dtype), name, host)
+
+    def on_host(self, array) -> bool:
+        """Whether ``array`` (or the allocation it is a view of) is registered as host
+        memory."""
+        while array is not None:
+            entry = self._live.get(id(array))
+            if entry is not None:
+                return entry[3]
+            array = getattr(array, "base", None)
+        return False
 
     def release(self, array) -> None:
         """Stop counting ``array`` (no-op if it was not registered)."""
@@ -279,7 +302,10 @@ class MemoryLedger:
         entry = self._live.pop(key, None)
         self._finalizers.pop(key, None)
         if entry is not None:
-            category, nbytes, _ = entry
+            category, nbytes, _, host = entry
+            if host:
+                self._host[category] -= nbytes
+                return
             self._bytes[category] -= nbytes
             self._total -= nbytes
 
@@ -298,9 +324,17 @@ class MemoryLedger:
         """Peak live bytes per category since creation or :meth:`reset_peak`."""
         return dict(self._peak)
 
+    def host_bytes_by_category(self) -> dict[str, int]:
+        """Live bytes per category registered as host memory (``host=True``)."""
+        return dict(self._host)
+
+    def host_peak_by_category(self) -> dict[str, int]:
+        """Peak live host bytes per category since creation or :meth:`reset_peak`."""
+        return dict(self._host_peak)
+
     @property
     def total(self) -> int:
-        """Live bytes over all categories."""
+        """Live bytes over all categories (host memory apart)."""
         return self._total
 
     @property
@@ -312,6 +346,7 @@ class MemoryLedger:
         """Restart peak tracking from the current live bytes."""
         self._peak = dict(self._bytes)
         self._peak_total = self._total
+        self._host_peak = dict(self._host)
 
     # -- activations --------------------------------------------------------
     @contextlib.contextmanager
@@ -373,8 +408,11 @@ class MemoryLedger:
             if started:
                 tracemalloc.stop()
         # An entry is the same tuple object for as long as its array is tracked.
-        ledger_new = sum(e[1] for k, e in self._live.items() if ledger_before.get(k) is not e)
-        ledger_gone = sum(e[1] for k, e in ledger_before.items() if self._live.get(k) is not e)
+        # (host arrays are not in the device pool's figure)
+        ledger_new = sum(e[1] for k, e in self._live.items()
+                         if ledger_before.get(k) is not e and not (on_device and e[3]))
+        ledger_gone = sum(e[1] for k, e in ledger_before.items()
+                          if self._live.get(k) is not e and not (on_device and e[3]))
         sees_old_frees = not started  # fresh tracing does not see frees of older memory
         measurement.nbytes = max(0, grown - ledger_new + (ledger_gone if sees_old_frees else 0))
         self.record_activations(measurement.nbytes)

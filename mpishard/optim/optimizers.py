@@ -21,6 +21,7 @@ import numpy as np
 
 from mpishard.core.backend import MemoryLedger, to_numpy, xp_of
 from mpishard.kernels import kernels_for
+from mpishard.kernels.cpu.threads import for_rows
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
@@ -51,9 +52,10 @@ class Optimizer:
         slot = self.state[i]
         if name not in slot:
             xp = xp_of(like)
-            if self.ledger is not None:
+            if self.ledger is not None:   # counted where its target is (host: offload)
                 slot[name] = self.ledger.zeros("optim", (like.size,), like.dtype,
-                                               f"{name}[{i}]", xp=xp)
+                                               f"{name}[{i}]", xp=xp,
+                                               host=self.ledger.on_host(self.params[i].data))
             else:
                 slot[name] = xp.zeros(like.size, dtype=like.dtype)
         return slot[name]
@@ -74,11 +76,7 @@ class Optimizer:
         rather than to the gradients in place: on a GPU inside the update's kernel)."""
         self.step_count += 1
         for i, param, grad in self._flat_targets():
-            if grad_scale != 1.0:
-                grad = grad * grad_scale
-            if grad.dtype != param.dtype:
-                grad = grad.astype(param.dtype)
-            self._update(i, param, grad, tuple(self.params[i].decay_ranges))
+            self._update(i, param, grad, tuple(self.params[i].decay_ranges), grad_scale)
 
     def _flat_targets(self):
         """``(index, param, grad)`` of the targets to update, flat (views)."""
@@ -91,7 +89,9 @@ class Optimizer:
                                  f"happen in place")
             yield i, p.data.reshape(-1), p.grad.reshape(-1)
 
-    def _update(self, i: int, param, grad, decay_ranges: tuple) -> None:
+    def _update(self, i: int, param, grad, decay_ranges: tuple, grad_scale: float) -> None:
+        """Update flat ``param`` from flat ``grad`` times ``grad_scale`` (cast to
+        ``param``'s dtype after the product)."""
         raise NotImplementedError
 
     # -- state (de)serialisation ------------------------------------------
@@ -119,6 +119,21 @@ class Optimizer:
                     value, dtype=p.data.dtype).reshape(-1)
 
 
+#: host arrays are updated in blocks of rows this wide, spread over ``MPISHARD_THREADS``
+#: threads (see [Note: cache blocking] in mpishard/kernels/cpu/threads.py)
+_ROW = 1 << 12
+
+
+def _in_blocks(update, size: int, host: bool) -> None:
+    """``update(lo, hi)`` over ``[0, size)``: cache-sized blocks over threads for host
+    arrays, one call for device arrays (elementwise updates: the same bits either way)."""
+    if not host:
+        update(0, size)
+        return
+    for_rows(lambda rows: update(rows.start * _ROW, min(rows.stop * _ROW, size)),
+             -(-size // _ROW), _ROW)
+
+
 def _add_l2(grad, param, decay_ranges: tuple, weight_decay: float):
     """``grad + weight_decay * param`` on the decayed ranges (a fresh array)."""
     grad = grad.copy()
@@ -140,19 +155,31 @@ class SGD(Optimizer):
         self.nesterov, self.dampening = bool(nesterov), float(dampening)
         self.state_names = ("momentum_buffer",) if momentum else ()
 
-    def _update(self, i, param, grad, decay_ranges):
-        if self.weight_decay and decay_ranges:
-            grad = _add_l2(grad, param, decay_ranges, self.weight_decay)
-        if self.momentum:
-            fresh = "momentum_buffer" not in self.state[i]
-            buf = self._state(i, "momentum_buffer", param)
-            if fresh:
-                buf[...] = grad
-            else:
-                buf *= self.momentum
-                buf += (1.0 - self.dampening) * grad
-            grad = grad + self.momentum * buf if self.nesterov else buf
-        param -= self.lr * grad
+    def _update(self, i, param, grad, decay_ranges, grad_scale):
+        fresh = self.momentum and "momentum_buffer" not in self.state[i]
+        buf = self._state(i, "momentum_buffer", param) if self.momentum else None
+        decayed = decay_ranges if self.weight_decay else ()
+
+        def update(lo: int, hi: int) -> None:     # elements [lo, hi): in cache on a host
+            g = grad[lo:hi]
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            if g.dtype != param.dtype:
+                g = g.astype(param.dtype)
+            ranges = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in decayed if a < hi and b > lo]
+            if ranges:
+                g = _add_l2(g, param[lo:hi], tuple(ranges), self.weight_decay)
+            if buf is not None:
+                b = buf[lo:hi]
+                if fresh:
+                    b[...] = g
+                else:
+                    b *= self.momentum
+                    b += (1.0 - self.dampening) * g
+                g = g + self.momentum * b if self.nesterov else b
+            view = param[lo:hi]
+            view -= self.lr * g
+        _in_blocks(update, param.size, xp_of(param) is np)
 
 
 class Adam(Optimizer):

@@ -38,6 +38,9 @@ def describe_plan(trainer) -> str:
              + (f", context parallel {p.cp_mode}" if mesh.cp.size > 1 else "")
              + (", sequence parallel" if p.sequence_parallel and mesh.tp.size > 1 else ""),
              trainer.plan.format()]
+    if p.offload != "none":       # the planner does not count offload yet
+        lines.append("offload: float32 masters and optimizer state in host memory, updated "
+                     "there (the plan above counts them on the device)")
     budget = cfg.run.memory_budget
     if budget:
         verdict = "fits" if trainer.plan.total_peak_bytes <= budget else "DOES NOT FIT"

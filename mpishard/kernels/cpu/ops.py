@@ -18,6 +18,7 @@ from mpishard.kernels import reference
 from mpishard.kernels.protocol import KERNEL_NAMES
 from mpishard.kernels.reference import GELU_C, GELU_K, apply_dropout, scale_and_mask, up32
 from mpishard.kernels.rows import col_sum, row_dot, row_max, row_sum
+from mpishard.kernels.cpu import adam
 from mpishard.kernels.cpu.threads import for_rows
 
 __all__ = ["NAME", "NATIVE_FLOAT16", *KERNEL_NAMES]
@@ -248,40 +249,9 @@ def softmax_backward(d, p, scale: float, drop_u=None, drop_p: float = 0.0,
         d *= scale
 
 
-def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
-                inv_bias2: float, eps: float) -> None:
-    def step(p, g, mb, vb) -> None:
-        tmp = g * (1.0 - beta1)
-        mb *= beta1
-        mb += tmp
-        np.multiply(g, g, out=tmp)
-        tmp *= 1.0 - beta2
-        vb *= beta2
-        vb += tmp
-        np.sqrt(vb, out=tmp)
-        tmp *= inv_bias2
-        tmp += eps
-        np.divide(mb, tmp, out=tmp)
-        tmp *= step_size
-        p -= tmp
-    arrays = (param, grad, m, v)
-    if not all(a.flags.c_contiguous for a in arrays):
-        step(*arrays)                   # views with strides: one pass over each
-        return
-    p1, g1, m1, v1 = (a.reshape(-1) for a in arrays)
-    width = 1 << 12                     # flat arrays as rows of 4096 for the blocks
-    full = p1.size // width * width
-
-    def span(lo: int, hi: int) -> None:
-        step(p1[lo:hi], g1[lo:hi], m1[lo:hi], v1[lo:hi])
-    if full:
-        for_rows(lambda rows: span(rows.start * width, rows.stop * width), full // width,
-                 width)
-    if full < p1.size:
-        span(full, p1.size)
-
-
-multi_adam_update = reference.multi_adam(adam_update)   # target by target
+# Adam: one compiled pass with numba, else NumPy passes over blocks (see cpu/adam.py)
+adam_update = adam.adam_update
+multi_adam_update = adam.multi_adam_update
 
 
 #: float32 elements of logits cross-entropy works on at once: a block of rows that stays

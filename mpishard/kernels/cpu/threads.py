@@ -24,7 +24,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["thread_count", "for_rows", "BLOCK_ELEMS", "MIN_PARALLEL_ELEMS"]
+__all__ = ["thread_count", "for_rows", "for_shares", "BLOCK_ELEMS", "MIN_PARALLEL_ELEMS"]
 
 # [Note: cache blocking]
 # Elementwise NumPy passes over arrays larger than the CPU caches are bound by
@@ -97,11 +97,35 @@ def for_rows(fn, n_rows: int, n_cols: int, threads: int | None = None,
         return
     blocks = -(-n_rows // step)
     bounds = [min(n_rows, (blocks * k // n) * step) for k in range(n + 1)]
-    pool = _executor(n - 1)
-    futures = [pool.submit(_walk, fn, bounds[k], bounds[k + 1], step) for k in range(1, n)]
+    _in_parallel([(lambda lo=lo, hi=hi: _walk(fn, lo, hi, step))
+                  for lo, hi in zip(bounds, bounds[1:])])
+
+
+def for_shares(fn, n_items: int, threads: int | None = None, align: int = 16) -> None:
+    """Call ``fn(start, stop)`` once per thread, on contiguous shares of ``range(n_items)``
+    (share bounds at multiples of ``align``), for kernels that walk their share in one
+    call (a compiled loop that streams through memory needs no cache blocks); below
+    :data:`MIN_PARALLEL_ELEMS` items one call on the calling thread."""
+    n = thread_count() if threads is None else threads
+    if n_items < MIN_PARALLEL_ELEMS:
+        n = 1
+    n = max(1, min(n, n_items // max(align, 1)))
+    if n == 1:
+        if n_items:
+            fn(0, n_items)
+        return
+    bounds = [n_items * k // n // align * align for k in range(n)] + [n_items]
+    _in_parallel([(lambda lo=lo, hi=hi: fn(lo, hi)) for lo, hi in zip(bounds, bounds[1:])])
+
+
+def _in_parallel(calls: list) -> None:
+    """Run ``calls[0]`` on this thread and the rest on the pool; return when all are done,
+    re-raising the first error."""
+    pool = _executor(len(calls) - 1)
+    futures = [pool.submit(call) for call in calls[1:]]
     error = None
     try:
-        _walk(fn, bounds[0], bounds[1], step)
+        calls[0]()
     except BaseException as err:                  # wait for the others before raising
         error = err
     for f in futures:

@@ -19,12 +19,20 @@ every parameter (:meth:`parameters` returns it as one :class:`FlatShard`
 target, held in :class:`MasterCopies`), as ZeRO updates flat shards: the
 parameters' 16-bit copies are views of one flat buffer, the buckets slices of
 one flat gradient buffer, both in the master's order.
+
+With ``offload="optimizer"`` (see [Note: optimizer offload] in
+mpishard/parallel/offload.py) the model's parameters are laid out the same way
+(views of one flat device buffer, in float32 too), and the flat master, its
+optimizer state and a gradient buffer of its size live in host memory: each
+bucket's averaged gradients are copied there as soon as its all-reduce is done,
+the host updates the master, and the device buffer is refreshed from it.
 """
 from __future__ import annotations
 
 from mpishard.core.backend import xp_of
 from mpishard.optim.clip import grad_sq_sum
 from mpishard.parallel.flat import FlatIndex, stage_grad
+from mpishard.parallel.offload import HostMasters, check_offload, copy_into, host_zeros
 from mpishard.parallel.pieces import TargetSlices, replicated_pieces
 from mpishard.parallel.precision import MasterCopies
 from mpishard.parallel.replicas import check_replicas_equal, is_expert_param
@@ -96,10 +104,16 @@ class DataParallel(Strategy):
             ``"broadcast"`` (copy rank 0's parameters to every rank).
         precision: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or a
             :class:`~mpishard.parallel.Precision`.
+        offload: ``"optimizer"`` keeps the float32 master and the optimizer state in
+            host memory (docs/offload.md); ``None`` or ``"none"`` (default) does not.
     """
 
+    #: takes ``offload="optimizer"`` (see [Note: optimizer offload] in offload.py)
+    offloads_optimizer = True
+
     def __init__(self, module, mesh, bucket_bytes: int = 4 << 20, sync_params: str = "check",
-                 ledger=None, precision=None, seed: int | None = None):
+                 ledger=None, precision=None, seed: int | None = None, offload=None):
+        self.offload = check_offload(offload, type(self))
         super().__init__(module, mesh, ledger, precision, seed)
         if sync_params not in ("check", "broadcast"):
             raise ValueError(f"sync_params must be 'check' or 'broadcast', got {sync_params!r}")
@@ -109,8 +123,9 @@ class DataParallel(Strategy):
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple] = {}
         self._next_launch = 0
-        self.masters = MasterCopies()
+        self.masters = HostMasters(self.ledger, self.xp) if self.offload else MasterCopies()
         self._master_of: dict = {}
+        self._spans: list = []          # each bucket's (start, stop) in the flat master
         self._range_of: dict = {}
         # Experts split over ep are replicated over edp only, and their averaged
         # gradients scaled by 1 / ep (see [Note: expert dispatch] in parallel/expert/layers.py).
@@ -132,7 +147,7 @@ class DataParallel(Strategy):
             cut = _bucket_groups(part, bucket_bytes, self.compute_dtype.itemsize)
             groups += cut
             reduce_over += [(comm, 1.0 / mesh.ep.size if expert else 1.0)] * len(cut)
-        if self.mixed:
+        if self.mixed or self.offload:
             flats = self._make_masters(groups, xp)
         else:
             flats = [None] * len(groups)
@@ -149,8 +164,10 @@ class DataParallel(Strategy):
 
     def _make_masters(self, groups, xp) -> list:
         """Move every parameter's values into one flat float32 master, the optimizer's
-        single target, and compute with views of one flat 16-bit copy; gradients go to
-        one flat buffer in the same order, whose slices are the buckets (returned).
+        single target, and compute with views of one flat 16-bit copy (or, offloaded in
+        float32, of the flat buffer that was the master before it moved to the host);
+        gradients go to one flat buffer in the same order, whose slices are the buckets
+        (returned).
 
         One target, not one per parameter: the optimizer's elementwise update then
         runs as a few large operations (ZeRO's units do the same).
@@ -158,15 +175,21 @@ class DataParallel(Strategy):
         ordered = [p for group in groups for p in group]
         layout = FlatIndex.of([p.shape for p in ordered], self.master_dtype)
         n, ledger = layout.numel, self.ledger
-        master = ledger.zeros("params", (n,), self.master_dtype, "ddp masters", xp=xp)
         compute = ledger.zeros("params", (n,), self.compute_dtype,
                                f"ddp {self.compute_dtype.name} copy", xp=xp)
+        if not self.mixed:
+            master = compute
+        elif self.offload:
+            master = host_zeros(ledger, "params", n, self.master_dtype, "ddp host masters", xp)
+        else:
+            master = ledger.zeros("params", (n,), self.master_dtype, "ddp masters", xp=xp)
         grads = ledger.zeros("grads", (n,), self.reduce_dtype, "ddp buckets", xp=xp)
         names = {id(p): name for name, p in self.module.named_parameters()}
         decay = []
         for p, offset, view in zip(ordered, layout.offsets, layout.views(compute)):
             lo, hi = offset, offset + p.size
-            master[lo:hi] = p.data.reshape(-1)
+            if master is not compute:
+                copy_into(master[lo:hi], p.data.reshape(-1))
             ledger.release(p.data)          # the materialised float32 array: now the master
             view[...] = p.data
             p.data = view
@@ -182,13 +205,15 @@ class DataParallel(Strategy):
         for group in groups:
             stop = start + sum(p.size for p in group)
             flats.append(grads[start:stop])
+            self._spans.append((start, stop))
             start = stop
         self._flat_grads = grads
         return flats
 
     def parameters(self) -> list:
-        """The optimizer's targets: the parameters, or their float32 masters when mixed."""
-        if not self.mixed:
+        """The optimizer's targets: the parameters, or their flat float32 master (mixed
+        precision, offload)."""
+        if not (self.mixed or self.offload):
             return self.module.parameters()
         return self.masters.targets()
 
@@ -232,20 +257,29 @@ class DataParallel(Strategy):
 
     def reduce_grads(self) -> None:
         """Launch buckets that backward did not complete, wait for all, reset."""
+        if self.offload:      # each bucket into the host master's gradient once averaged
+            target = self.masters.targets()[0]
+            self._reduce_buckets(lambda b: self.masters.grad_to_host(
+                target, self._buckets[b].flat, self._spans[b]))
+            return
         self._reduce_buckets()
         if self.mixed:  # the master's gradient: the flat buffer the buckets are slices of
             for target in self.masters.targets():
                 target.grad = self._flat_grads.astype(self.master_dtype, copy=False)
 
-    def _reduce_buckets(self) -> None:
+    def _reduce_buckets(self, finished=None) -> None:
+        """Launch what is left, then wait for every bucket in order (``finished(b)``
+        after bucket ``b``'s average is in place)."""
         for bucket in self._buckets[self._next_launch:]:
             for i in range(len(bucket.params)):
                 bucket.stage(i)
             bucket.ready = len(bucket.params)
         self._launch_in_order()
-        for bucket in self._buckets:
+        for b, bucket in enumerate(self._buckets):
             bucket.finish()
             bucket.ready = 0
+            if finished is not None:
+                finished(b)
         self._next_launch = 0
 
     def local_grad_sq(self) -> float:
@@ -255,13 +289,15 @@ class DataParallel(Strategy):
                            if self.replica_group(p).rank == 0 and self.counts_once(p.spec))
 
     def after_update(self) -> None:
-        """The 16-bit compute copies follow the updated masters (mixed precision)."""
+        """The compute copies follow the updated masters (mixed precision: 16-bit casts;
+        offload: copies from the host)."""
         self.masters.refresh()
 
     def pieces(self, optimizer=None) -> list:
-        """Every parameter whole, owned by dp rank 0; under mixed precision its values
-        and optimizer state are its slice of the flat master (see :meth:`_make_masters`)."""
-        if not self.mixed:
+        """Every parameter whole, owned by dp rank 0; under mixed precision or offload its
+        values and optimizer state are its slice of the flat master (see
+        :meth:`_make_masters`)."""
+        if not (self.mixed or self.offload):
             return replicated_pieces(self, optimizer)
         slices = TargetSlices(optimizer)
         pieces = []

@@ -19,7 +19,7 @@ __all__ = ["ZeRO"]
 
 def ZeRO(module, mesh, stage: int = 3, units=None, root_unit: bool = True,  # noqa: N802
          reshard_after_forward: bool = True, prefetch: bool = True, seed=None, ledger=None,
-         precision=None) -> ZeroStrategy:
+         precision=None, offload=None) -> ZeroStrategy:
     """Shard optimizer state (stage 1), + gradients (2), + parameters (3) over ``mesh.dp``.
 
     Args:
@@ -36,6 +36,9 @@ def ZeRO(module, mesh, stage: int = 3, units=None, root_unit: bool = True,  # no
         ledger: where buffers are counted (default: the module's backend's).
         precision: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or a
             :class:`~mpishard.parallel.Precision`.
+        offload: ``"optimizer"`` keeps the float32 master shards and their optimizer
+            state in host memory and updates them there (docs/offload.md); ``None``
+            or ``"none"`` (default) keeps everything on the device.
 
     Returns:
         The strategy registered as ``zero{stage}``.
@@ -47,7 +50,7 @@ def ZeRO(module, mesh, stage: int = 3, units=None, root_unit: bool = True,  # no
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
     options = dict(units=units, root_unit=root_unit, seed=seed, ledger=ledger,
-                   precision=precision)
+                   precision=precision, offload=offload)
     if stage == 3:
         options.update(reshard_after_forward=reshard_after_forward, prefetch=prefetch)
     elif not (reshard_after_forward and prefetch):

@@ -28,7 +28,11 @@ share). See ZeRO (Rajbhandari et al., 2020, arXiv:1910.02054).
 With mixed precision (see [Note: mixed precision] in precision.py) the shard is
 the float32 master and the model computes with a 16-bit copy
 (:class:`MasterCopies`); gradients are flattened into ``reduce_dtype``
-buffers before the reduce-scatter.
+buffers before the reduce-scatter. With ``offload="optimizer"`` the masters and
+their optimizer state live in host memory (:class:`~mpishard.parallel.offload.
+HostMasters`, see [Note: optimizer offload] in offload.py): each unit's reduced
+gradient shard is copied to the host, the host updates the master, and the
+compute shard on the device is refreshed from it.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from mpishard.nn.parameter import init_array
 from mpishard.nn.sharding import plan_of
 from mpishard.optim.clip import grad_sq_sum
 from mpishard.parallel.flat import stage_grad
+from mpishard.parallel.offload import HostMasters, check_offload, host_zeros
 from mpishard.parallel.pieces import unit_pieces
 from mpishard.parallel.precision import MasterCopies
 from mpishard.parallel.replicas import check_replicas_equal, is_expert_param
@@ -207,12 +212,15 @@ class ZeroStrategy(Strategy):
     materializes_shards = True
     #: the stages a subclass implements (its registered names give it one of them)
     stages: tuple = ()
+    #: takes ``offload="optimizer"`` (see [Note: optimizer offload] in offload.py)
+    offloads_optimizer = True
 
     def __init__(self, module, mesh, stage: int, units=None, root_unit: bool = True, seed=None,
-                 ledger=None, precision=None):
+                 ledger=None, precision=None, offload=None):
         if stage not in type(self).stages:
             raise ValueError(f"{type(self).__name__} implements ZeRO stages {type(self).stages}, "
                              f"not {stage!r}; build it as ZeRO(module, mesh, stage={stage!r})")
+        self.offload = check_offload(offload, type(self))
         super().__init__(module, mesh, ledger, precision, seed)
         # shards live on dp_shard x cp and are replicated over dp_replicate (hybrid
         # sharding, see [Note: mesh layout]); without those axes both are plain dp
@@ -236,7 +244,7 @@ class ZeroStrategy(Strategy):
         self.context = UnitContext(self.ledger, self.xp, self.reduce_dtype, self.compute_dtype,
                                    self.replicate, self.reduction_queue,
                                    syncing=lambda: self.sync_gradients)
-        self.masters = MasterCopies()
+        self.masters = HostMasters(self.ledger, self.xp) if self.offload else MasterCopies()
         self.units = [self._make_unit(layout) for layout in layouts]
         if deferred:  # what materialize() does besides parameters: dropout generators
             seed_dropout(module, self.seed, getattr(module, "backend", None))
@@ -249,6 +257,15 @@ class ZeroStrategy(Strategy):
     def _make_unit(self, layout: FlatUnit) -> ZeroUnit:
         """Build a unit's buffers and move its parameters' values into them (each stage's)."""
         raise NotImplementedError
+
+    def _new_master(self, layout: FlatUnit):
+        """A zeroed master for the unit's shard, in the model's dtype: in host memory when
+        the optimizer is offloaded (fill it with :func:`~mpishard.parallel.offload.copy_into`)."""
+        if self.offload:
+            return host_zeros(self.ledger, "params", layout.shard_size, layout.dtype,
+                              f"host master {layout.label}", self.xp)
+        return self.ledger.zeros("params", (layout.shard_size,), layout.dtype,
+                                 f"param shard {layout.label}", xp=self.xp)
 
     def _initial_values(self, layout: FlatUnit):
         """``(index, parameter, value)`` per parameter of the unit, one at a time: its
@@ -279,7 +296,7 @@ class ZeroStrategy(Strategy):
 
     def reduce_grads(self) -> None:
         """Reduce-scatter what backward did not (in unit order), wait for everything,
-        hand every shard its gradient.
+        hand every shard its gradient (offloaded: a copy in host memory, unit by unit).
 
         Idempotent until the next backward: a second call changes nothing.
         """
@@ -290,6 +307,8 @@ class ZeroStrategy(Strategy):
         self.reduction_queue.finish()
         for unit in self.units:
             unit.finish_step()
+            if self.offload:
+                self.masters.grad_to_host(unit.target, unit.grad_shard)
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -302,7 +321,9 @@ class ZeroStrategy(Strategy):
             return 0.0   # the replicas hold the same shards: counted on replica 0
         pieces = []
         for unit in self.units:
-            g, layout = unit.target.grad, unit.layout
+            # the device's shard, also when offloaded: the same sum, on the device
+            g = unit.grad_shard if unit.target.grad is not None else None
+            layout = unit.layout
             if g is None:
                 continue
             if all(self.counts_once(p.spec) for p in layout.params):

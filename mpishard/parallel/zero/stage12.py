@@ -14,6 +14,7 @@ of the buffer (or is cast into it), so the all-gather runs in place. Use
 """
 from __future__ import annotations
 
+from mpishard.parallel.offload import copy_into
 from mpishard.parallel.strategy import Sharded, register_strategy
 from mpishard.parallel.zero.base import ZeroStrategy, ZeroUnit
 
@@ -35,15 +36,14 @@ class ShardedStateZeRO(ZeroStrategy):
         unit = ZeroUnit(layout, dp, self.context, scale, keep_full_grads=self.stage == 1)
         unit.full = ledger.zeros("params", (layout.padded,), cd, f"params {layout.label}", xp=xp)
         block = unit.full[layout.shard_start:layout.shard_stop]  # this rank's, in compute dtype
-        master = block if not self.mixed else ledger.zeros(
-            "params", (layout.shard_size,), layout.dtype, f"param shard {layout.label}", xp=xp)
+        master = block if not self.mixed else self._new_master(layout)
         views = layout.views(unit.full)
         for i, p, value in self._initial_values(layout):
             views[i][...] = value
             p.data = views[i]
             if self.mixed:
                 offset, piece = layout.owned_piece(i, value)
-                master[offset:offset + piece.size] = piece
+                copy_into(master[offset:offset + piece.size], piece)
         unit.target = self.masters.add(master, block, layout.decay_ranges(), layout.label)
         unit.allocate_grads()
         return unit

@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 
 from mpishard.autodiff.tensor import Tensor
+from mpishard.parallel.offload import copy_into
 from mpishard.parallel.strategy import Sharded, register_strategy
 from mpishard.parallel.zero.base import ZeroStrategy, ZeroUnit
 
@@ -274,11 +275,12 @@ class FullyShardedZeRO(ZeroStrategy):
 
     def __init__(self, module, mesh, stage: int = 3, units=None, root_unit: bool = True,
                  reshard_after_forward: bool = True, prefetch: bool = True, seed=None,
-                 ledger=None, precision=None):
+                 ledger=None, precision=None, offload=None):
         # read by _make_unit while the base class builds the units
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.order = ForwardOrder()
-        super().__init__(module, mesh, stage, units, root_unit, seed, ledger, precision)
+        super().__init__(module, mesh, stage, units, root_unit, seed, ledger, precision,
+                         offload)
 
     def _make_unit(self, layout) -> ShardedUnit:
         ledger, xp, cd = self.ledger, self.xp, self.compute_dtype
@@ -289,17 +291,18 @@ class FullyShardedZeRO(ZeroStrategy):
         else:   # the root: gathered through every micro-batch's backward
             unit = ShardedUnit(layout, dp, self.context, self.module, scale,
                                reshard_after_forward=False, reshard_after_backward=False)
-        shard = ledger.zeros("params", (layout.shard_size,), layout.dtype,
-                             f"param shard {layout.label}", xp=xp)
+        # the master; in host memory when offloaded, unless it is also what is gathered
+        shard = self._new_master(layout) if self.mixed else ledger.zeros(
+            "params", (layout.shard_size,), layout.dtype, f"param shard {layout.label}", xp=xp)
         for i, p, value in self._initial_values(layout):
             p.data = xp.empty(0, dtype=cd)  # released; see [Note: parameter storage]
             offset, piece = layout.owned_piece(i, value)
-            shard[offset:offset + piece.size] = piece
+            copy_into(shard[offset:offset + piece.size], piece)
         unit.compute_shard = shard
         if self.mixed:
             unit.compute_shard = ledger.zeros("params", (layout.shard_size,), cd,
                                               f"{cd.name} param shard {layout.label}", xp=xp)
-            unit.compute_shard[...] = shard
+            copy_into(unit.compute_shard, shard)
         unit.target = self.masters.add(shard, unit.compute_shard, layout.decay_ranges(),
                                        layout.label)
         unit.allocate_grads()
