@@ -60,12 +60,19 @@ class ParallelConfig:
     sequence_parallel: bool = opt(False, "with tp: norms and residuals hold 1/tp of the "
                                   "rows (all-gather in, reduce-scatter out)", estimate=True)
     pp: int = opt(1, "pipeline-parallel size (stages of blocks)", low=1, estimate=True)
-    pipeline_schedule: str = opt("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"),
-                                 estimate=True)
+    pipeline_schedule: str = opt("1f1b", "pipeline schedule (interleaved: 1F1B over "
+                                 "virtual_stages model chunks per rank)",
+                                 choices=("1f1b", "gpipe", "interleaved"), estimate=True)
+    virtual_stages: int = opt(1, "model chunks per pipeline rank (the interleaved schedule's "
+                              "V: the blocks are cut into pp x V equal stages)", low=1,
+                              estimate=True)
     precision: str = opt("float32", "compute precision: float32, or float16/bfloat16 with "
                          "float32 masters (mixed precision); fp32, fp16 and bf16 too",
                          choices=("float32", "float16", "bfloat16"), estimate=True,
                          aliases={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
+    offload: str = opt("none", "optimizer: keep the float32 master weights and the optimizer "
+                       "state in host memory and update them there (DDP and ZeRO; "
+                       "docs/offload.md)", choices=("none", "optimizer"))
     layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
                       "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
                       "micro-steps and checkpointing; the global batch stays)",

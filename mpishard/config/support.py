@@ -17,7 +17,11 @@ beyond the model's positions); and what the family's spec refuses on the split
 (``ModelSpec.check_split``: dropout with context parallelism, expert
 parallelism of a dense model or of experts it does not divide, the mixture of
 experts' auxiliary losses over pipeline stages or with activation
-checkpointing). What depends on the world size (a mesh whose product is not
+checkpointing); model chunks the pipeline cannot interleave (``virtual_stages >
+1`` without the interleaved schedule, the interleaved schedule without ``pp`` and
+``virtual_stages`` of 2 or more, micro-steps that are not a multiple of ``pp``,
+blocks that do not split into ``pp x virtual_stages`` equal chunks, a strategy
+that gathers parameters per call). What depends on the world size (a mesh whose product is not
 the number of ranks, ep not inside ``dp_shard x cp``) is refused alike when the
 mesh is built, before the model.
 """
@@ -52,6 +56,7 @@ def check_supported(cfg) -> list:
             fix = f"--{key.replace('_', '-')} {'false' if isinstance(value, bool) else 1}"
             raise ConfigError(f"{key} = {str(value).lower()}: the {m.name} model does not "
                               f"split {what}; use {fix}")
+    _check_interleaving(cfg)
     if spec.build_config is None:
         return []
     if p.tp > m.n_head:
@@ -60,6 +65,14 @@ def check_supported(cfg) -> list:
     if p.pp > m.n_layer:
         raise ConfigError(f"pp = {p.pp} is larger than n_layer = {m.n_layer}: every stage "
                           f"needs at least one block; use pp <= {m.n_layer}")
+    chunks = p.pp * p.virtual_stages
+    if p.virtual_stages > 1 and m.n_layer % chunks:
+        fits = [v for v in range(2, m.n_layer // p.pp + 1) if m.n_layer % (p.pp * v) == 0]
+        fix = f"--virtual-stages {' or '.join(map(str, fits))}" if fits else \
+            "an n_layer that is a multiple of pp x virtual_stages"
+        raise ConfigError(f"n_layer = {m.n_layer} blocks do not split into pp x "
+                          f"virtual_stages = {p.pp} x {p.virtual_stages} = {chunks} equal "
+                          f"model chunks of at least one block; use {fix}")
     _check_sequence(cfg)
     sizes = AxisSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                       sequence_parallel=asked["sp"],
@@ -90,3 +103,32 @@ def _check_sequence(cfg) -> None:
                           f"(batch x sequence / cp) over tp = {tp}; use a --batch-size or "
                           f"--block-size that makes them divisible by {tp}, or "
                           f"--sequence-parallel false")
+
+
+def _check_interleaving(cfg) -> None:
+    """Model chunks the pipeline schedule, pp, the micro-steps or the strategy cannot run
+    (what :func:`~mpishard.parallel.compose.check_interleaving` refuses, in flags)."""
+    p, micro = cfg.parallel, cfg.optim.micro_steps
+    if p.pipeline_schedule != "interleaved":
+        if p.virtual_stages > 1:
+            raise ConfigError(f"virtual_stages = {p.virtual_stages}: model chunks need "
+                              f"--pipeline-schedule interleaved (it is "
+                              f"{p.pipeline_schedule}); add it or use --virtual-stages 1")
+        return
+    if p.pp < 2 or p.virtual_stages < 2:
+        raise ConfigError(f"pipeline_schedule = interleaved needs --pp and --virtual-stages "
+                          f"of 2 or more (got pp = {p.pp}, virtual_stages = "
+                          f"{p.virtual_stages}); set both, or use --pipeline-schedule 1f1b")
+    if micro % p.pp:
+        raise ConfigError(f"micro_steps = {micro}: the interleaved schedule sends "
+                          f"micro-batches round the pipeline in groups of pp = {p.pp}; use "
+                          f"--micro-steps {p.pp * max(1, round(micro / p.pp))} (a multiple "
+                          f"of {p.pp})")
+    from mpishard.parallel.strategy import STRATEGIES, Sharded  # noqa: PLC0415 (as options.py)
+    if STRATEGIES[p.strategy].keeps_sharded is Sharded.PARAMETERS:
+        whole = " or ".join(n for n, e in STRATEGIES.items()
+                            if e.keeps_sharded < Sharded.PARAMETERS)
+        raise ConfigError(f"strategy = {p.strategy} with --pipeline-schedule interleaved: it "
+                          f"gathers the parameters outside the blocks (embeddings, head) "
+                          f"around every call of a stage, which runs once per model chunk; "
+                          f"use --strategy {whole}")

@@ -18,6 +18,9 @@ stage (:func:`build_stage`: the model's ``pipeline_stage`` for the blocks
 (:func:`apply_context_plan`), then the strategy over ``mesh.dp_cp`` (ZeRO shards over
 ``dp_shard x cp`` and averages across ``dp_replicate``), driven
 micro-batch by micro-batch by a :class:`Pipeline` (also when ``pp == 1``).
+With ``virtual_stages=V`` (the interleaved schedule) a rank builds ``V`` such
+stages, its model chunks, and the strategy wraps the one module holding them
+(see [Note: one strategy over the chunks] in pipeline/chunks.py).
 Parameters are materialised from (seed, name) straight into their tp slices
 and, under ZeRO, into dp shards: no rank ever holds the whole model.
 """
@@ -27,13 +30,15 @@ import dataclasses
 
 from mpishard.autodiff.tensor import no_grad
 from mpishard.nn.sharding import plan_of
+from mpishard.parallel.pipeline.chunks import ModelChunks, chunk_blocks
 from mpishard.parallel.pipeline.schedule import Pipeline, partition_blocks
-from mpishard.parallel.strategy import strategy_entry
+from mpishard.parallel.strategy import STRATEGIES, Sharded, strategy_entry
 from mpishard.parallel.context.apply import apply_context_plan
 from mpishard.parallel.expert.layers import apply_expert_plan
+from mpishard.parallel.offload import check_offload
 from mpishard.parallel.tensor.layers import apply_tensor_plan
 
-__all__ = ["ParallelModel", "build_stage", "stage_blocks", "wrap_model"]
+__all__ = ["ParallelModel", "build_stage", "check_interleaving", "stage_blocks", "wrap_model"]
 
 
 def _params_in(model, paths, exclude=()) -> int:
@@ -52,72 +57,138 @@ def _params_in(model, paths, exclude=()) -> int:
     return total
 
 
-def stage_blocks(model, pp: int, stage_estimate=None) -> tuple:
-    """``(blocks of each of the pp stages, names of the parameters the first stage
-    owns)`` for ``model`` (whole); balanced by parameter count unless ``stage_estimate``
-    gives blocks per stage. A model whose structure is frozen (a layout search)
-    keeps its answers."""
+def stage_blocks(model, pp: int, stage_estimate=None, virtual_stages: int = 1) -> tuple:
+    """``(blocks of each of the pp x virtual_stages stages, names of the parameters the
+    first stage owns)`` for ``model`` (whole); balanced by parameter count unless
+    ``stage_estimate`` gives blocks per stage; equal runs with ``virtual_stages > 1``
+    (:func:`~mpishard.parallel.pipeline.chunks.chunk_blocks`: stage ``r + c pp`` is
+    chunk ``c`` of pipeline rank ``r``). A model whose structure is frozen (a layout
+    search) keeps its answers."""
     plan = plan_of(model)
     if plan.pipeline is None:
         raise ValueError(f"{type(model).__name__} has no pipeline plan (its "
                          f"parallel_plan() has pipeline=None); use pp=1")
     memo = model.structure_cache("stage_blocks")
-    key = (pp, tuple(stage_estimate) if stage_estimate is not None else None)
+    key = (pp, tuple(stage_estimate) if stage_estimate is not None else None, virtual_stages)
     if key not in memo:
         pipe = plan.pipeline
         blocks = list(model.get_submodule(pipe.blocks).values())
         first = [(n, p) for n, p in model.named_parameters()
                  if any(n.startswith(f + ".") for f in pipe.first)]
-        ranges = partition_blocks(len(blocks), pp, [b.num_parameters() for b in blocks],
-                                  first_extra=_params_in(model, pipe.first),
-                                  last_extra=_params_in(model, pipe.last,
-                                                        exclude={id(p) for _, p in first}),
-                                  plan=stage_estimate)
+        if virtual_stages > 1:
+            if stage_estimate is not None:
+                raise ValueError("a stage plan (blocks per stage) with virtual_stages > 1: "
+                                 "interleaved chunks are equal runs of blocks; leave it out")
+            ranges = chunk_blocks(len(blocks), pp, virtual_stages)
+        else:
+            ranges = partition_blocks(len(blocks), pp, [b.num_parameters() for b in blocks],
+                                      first_extra=_params_in(model, pipe.first),
+                                      last_extra=_params_in(model, pipe.last,
+                                                            exclude={id(p) for _, p in first}),
+                                      plan=stage_estimate)
         memo[key] = (ranges, {n for n, _ in first})
     return memo[key]
 
 
+def _split_stage(stage, mesh, cp_mode: str, sequence_parallel: bool):
+    """Apply the tensor, context and expert plans of ``stage`` over the mesh's axes."""
+    apply_tensor_plan(stage, mesh.tp, plan_of(stage), sequence_parallel=sequence_parallel)
+    cp = getattr(mesh, "cp", None)
+    if cp is not None:
+        apply_context_plan(stage, cp, cp_mode, plan_of(stage))
+    ep = getattr(mesh, "ep", None)
+    if ep is not None:
+        apply_expert_plan(stage, ep)
+    return stage
+
+
+def _mark_stage(stage, s: int, first_names: set) -> None:
+    """Record the owning stage ``s``; a tied copy of a first-stage parameter held by a
+    later stage is a replica (saved once, counted once in norms)."""
+    for name, p in stage.named_parameters():
+        replica = s > 0 and name in first_names   # held for a tie; owned by stage 0
+        p.spec = dataclasses.replace(p.spec, pp_stage=s, replica=p.spec.replica or replica)
+
+
 def build_stage(model, mesh, stage_estimate=None, cp_mode: str = "ring",
-                sequence_parallel: bool = False):
+                sequence_parallel: bool = False, virtual_stages: int = 1):
     """This rank's pipeline stage of ``model`` (whole and unmaterialised), with its
     tensor-parallel layers applied over ``mesh.tp``; unmaterialised.
 
     Stages are balanced by parameter count (``stage_estimate``, blocks per stage,
     overrides it). A tied parameter held by a stage other than its owner's
-    (the token table on the last stage) is marked ``spec.replica``.
+    (the token table on the last stage) is marked ``spec.replica``. With
+    ``virtual_stages=V > 1`` the rank's ``V`` chunks (stages ``r, r + pp, ...`` of
+    ``pp V`` equal ones) in one :class:`~mpishard.parallel.pipeline.chunks.ModelChunks`.
 
     Raises:
         ValueError: ``pp > 1`` for a model without a pipeline plan, more stages
-            than blocks, or a tensor-parallel split that does not fit.
+            than blocks, blocks that do not split into ``pp x V`` equal chunks, or a
+            tensor-parallel split that does not fit.
     """
-    plan = plan_of(model)
     pp, s = mesh.pp.size, mesh.pp.rank
+    if virtual_stages > 1:
+        if pp < 2:
+            raise ValueError(f"virtual_stages = {virtual_stages} with pp = {pp}: interleaved "
+                             f"model chunks need pp >= 2; use virtual_stages = 1")
+        ranges, first_names = stage_blocks(model, pp, stage_estimate, virtual_stages)
+        chunks = []
+        for c in range(virtual_stages):
+            g = s + c * pp          # this chunk's stage of the pp x V
+            chunk = model.pipeline_stage(ranges[g], first_stage=g == 0,
+                                         last_stage=g == len(ranges) - 1)
+            _mark_stage(_split_stage(chunk, mesh, cp_mode, sequence_parallel), g, first_names)
+            chunks.append(chunk)
+        return ModelChunks(chunks)
     first_names: set = set()   # parameters the first stage owns (a later stage's are replicas)
     if pp > 1:
         ranges, first_names = stage_blocks(model, pp, stage_estimate)
         model = model.pipeline_stage(ranges[s], first_stage=s == 0, last_stage=s == pp - 1)
-    apply_tensor_plan(model, mesh.tp, plan_of(model), sequence_parallel=sequence_parallel)
-    cp = getattr(mesh, "cp", None)
-    if cp is not None:
-        apply_context_plan(model, cp, cp_mode, plan_of(model))
-    ep = getattr(mesh, "ep", None)
-    if ep is not None:
-        apply_expert_plan(model, ep)
-    for name, p in model.named_parameters():
-        replica = s > 0 and name in first_names   # held for a tie; owned by stage 0
-        p.spec = dataclasses.replace(p.spec, pp_stage=s, replica=p.spec.replica or replica)
+    _split_stage(model, mesh, cp_mode, sequence_parallel)
+    _mark_stage(model, s, first_names)
     return model
 
 
-def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=None):
+def check_interleaving(schedule: str, virtual_stages: int, pp: int, micro_batches: int,
+                       strategy: str) -> None:
+    """ValueError naming the fix for model chunks the schedule, ``pp``, ``m`` or the
+    strategy cannot run (the same on every rank: it reads the arguments only)."""
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if schedule != "interleaved":
+        if virtual_stages > 1:
+            raise ValueError(f"virtual_stages = {virtual_stages} needs the interleaved "
+                             f"schedule, not {schedule!r}; pass schedule='interleaved' or "
+                             f"virtual_stages=1")
+        return
+    if virtual_stages < 2 or pp < 2:
+        raise ValueError(f"the interleaved schedule needs pp >= 2 and virtual_stages >= 2 "
+                         f"(model chunks per rank), got pp = {pp}, virtual_stages = "
+                         f"{virtual_stages}; pass both, or schedule='1f1b'")
+    if micro_batches % pp:
+        raise ValueError(f"the interleaved schedule sends micro-batches round the pipeline "
+                         f"in groups of pp = {pp}; micro_batches = {micro_batches} is not a "
+                         f"multiple of {pp}")
+    if strategy_entry(strategy).keeps_sharded is Sharded.PARAMETERS:
+        whole = ", ".join(n for n, e in STRATEGIES.items() if e.keeps_sharded < Sharded.PARAMETERS)
+        raise ValueError(f"strategy {strategy!r} with the interleaved schedule: it gathers the "
+                         f"parameters outside the blocks (embeddings, head) around every call "
+                         f"of the stage, which runs once per model chunk; use one of {whole}")
+
+
+def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=None,
+               offload=None):
     """Wrap ``model`` with the strategy registered as ``strategy`` (``ddp``, ``zero1``,
     ``zero2``, ``zero3``, or any name in :data:`STRATEGIES`).
 
     An unmaterialised model is materialised from ``seed`` (default
     ``model.seed``), or, under ZeRO, straight into shards. ``precision`` is
-    passed on (see :class:`~mpishard.parallel.Precision`).
+    passed on (see :class:`~mpishard.parallel.Precision`), and so is ``offload``
+    (``"optimizer"``: see mpishard/parallel/offload.py) to a strategy that takes it.
     """
-    return strategy_entry(strategy).build(model, mesh, seed=seed, precision=precision)
+    entry = strategy_entry(strategy)
+    extra = {"offload": "optimizer"} if check_offload(offload, entry.cls) else {}
+    return entry.build(model, mesh, seed=seed, precision=precision, **extra)
 
 
 class ParallelModel:
@@ -130,7 +201,11 @@ class ParallelModel:
         strategy: a name in :data:`STRATEGIES` (``"ddp"``, ``"zero1"``, ...) over ``mesh.dp``.
         micro_batches: micro-batches per step (the pipeline's ``m``; plain
             gradient accumulation when ``pp == 1``).
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"``.
+        virtual_stages: model chunks per pipeline rank (``V``; more than 1 only with
+            ``"interleaved"``, which needs it at 2 or more, ``pp >= 2``, blocks that
+            split into ``pp x V`` equal chunks, ``micro_batches`` a multiple of ``pp``
+            and a strategy that keeps parameters whole: ``ddp``, ``zero1``, ``zero2``).
         stage_estimate: blocks per pipeline stage (default: balanced by parameters).
         precision: mixed precision, e.g. ``"bfloat16"`` (see :class:`~mpishard.parallel.Precision`).
         seed: initialisation seed (default: the model's).
@@ -138,19 +213,23 @@ class ParallelModel:
             (when ``mesh.cp`` has more than one rank).
         sequence_parallel: Megatron's sequence parallelism with tp: norms and
             residuals hold 1/tp of the rows (see mpishard/parallel/tensor/layers.py).
+        offload: ``"optimizer"``: float32 masters and optimizer state in host memory,
+            updated there (DDP and ZeRO; docs/offload.md).
     """
 
     def __init__(self, model, mesh, strategy: str = "zero3", micro_batches: int = 1,
                  schedule: str = "1f1b", stage_estimate=None, precision=None,
                  seed: int | None = None, cp_mode: str = "ring",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, virtual_stages: int = 1, offload=None):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+        check_interleaving(schedule, virtual_stages, mesh.pp.size, micro_batches, strategy)
         plan = plan_of(model)
         self.mesh = mesh
-        stage = build_stage(model, mesh, stage_estimate, cp_mode, sequence_parallel)
+        stage = build_stage(model, mesh, stage_estimate, cp_mode, sequence_parallel,
+                            virtual_stages)
         self.sequence = getattr(stage, "sequence", None)   # a SequenceShard under cp
-        self.strategy = wrap_model(stage, mesh, strategy, seed, precision)
+        self.strategy = wrap_model(stage, mesh, strategy, seed, precision, offload)
         tie, tied = None, []
         if mesh.pp.size > 1 and plan.tied:  # first and last stage of each (dp, tp) pipeline
             ends = mesh.pp.rank in (0, mesh.pp.size - 1)

@@ -17,7 +17,9 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   read and their gradients written backward, at the memory's elementwise
   bandwidth), a third more for a checkpointed forward; ``op_overhead_s`` per op.
 * **bubble**: a pipeline runs ``m + p - 1`` micro-batch slots for ``m``
-  micro-batches (GPipe and 1F1B alike), so ``(p - 1)`` slots idle.
+  micro-batches (GPipe and 1F1B alike), so ``(p - 1)`` slots idle; interleaved
+  over ``V`` chunks per rank, ``V m + p - 1`` chunk slots of ``1 / V`` the time,
+  so ``(p - 1) / V`` micro-batch slots idle.
 * **shared cores**: ranks beyond a CPU's cores take turns (``share`` ranks per
   core). MPI libraries wait by spinning, so a waiting rank keeps its turns: the
   compute and the bubble both take ``share`` times as long (the measured
@@ -146,7 +148,7 @@ def _calls(layout, group: str, n_blocks: int, n_units: int, grad_bytes: float) -
         return (2.0 * (layout.cp - 1) if layout.cp_mode == "ring" else 8.0) * n_blocks * m
     if group == "ep":
         return 5.0 * n_blocks * m
-    return 2.0 * m
+    return 2.0 * m * layout.virtual_stages      # pp: a message each way per chunk boundary
 
 
 def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
@@ -193,7 +195,8 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         s = stage_estimate.stage
         mesh = mesh_shape(layout, s)
         stage = stages(s) if stages is not None else \
-            build_stage(make_model(), mesh, None, layout.cp_mode, layout.sequence_parallel)
+            build_stage(make_model(), mesh, None, layout.cp_mode, layout.sequence_parallel,
+                        layout.virtual_stages)
         cached = memo_for(memo, stage)
         fl = cached(("flops", layout.batch_size, layout.seq_len, layout.cp),
                     lambda: stage_flops(stage, layout))
@@ -218,10 +221,11 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
         n_units = n_blocks + 1
         busy = micro * m
+        bubble = micro * (p - 1) / layout.virtual_stages
         breakdown = {"matmul": matmul * m, "elementwise": elementwise * m,
-                     "bubble": micro * (p - 1), "optimizer": optimizer}
+                     "bubble": bubble, "optimizer": optimizer}
         if share > 1:        # ranks sharing cores, each spinning in MPI when it waits
-            breakdown["shared cores"] = (share - 1) * (busy + micro * (p - 1))
+            breakdown["shared cores"] = (share - 1) * (busy + bubble)
         comm_total = {}
         for group, nbytes in stage_estimate.bus_bytes.items():
             if not nbytes:

@@ -24,7 +24,11 @@ and step:
   with sequence parallelism also each block's gathered unit, which the graph's
   tp-summed uses of its replicated parameters keep alive until backward) times
   the micro-batches the schedule keeps alive at once on that stage: 1 without a
-  pipeline, ``m`` under GPipe, ``min(p - s, m)`` under 1F1B;
+  pipeline, ``m`` under GPipe, ``min(p - s, m)`` under 1F1B; under interleaved 1F1B
+  each of the rank's ``V`` chunks keeps its own bytes, and the peak is the most its
+  order (:func:`~mpishard.parallel.pipeline.order.schedule_order`, the one the
+  pipeline runs) keeps at once, ``2 (p - s - 1) + (V - 1) p + 1`` chunk forwards
+  in steady state;
 * bus bytes ([Note: bus bytes]) per communicator, under the name the mesh gives
   it (groups of the same ranks share one, see :meth:`Mesh.active_axes`): the
   strategy's per mesh group (DDP's all-reduce over ``dp_cp``, ZeRO's over
@@ -43,7 +47,8 @@ and step:
   and their gradients sent and received (:func:`ring_kv_bytes`; the forward's
   again under checkpointing) or Ulysses' all-to-alls of q, k, v and the output,
   each way; pp: the activations and gradients each stage sends and receives per
-  micro-batch, and the step's loss broadcast; the tied parameter's gradient
+  micro-batch (at every chunk's boundaries under interleaving: ``V`` times as many
+  messages), and the step's loss broadcast; the tied parameter's gradient
   summed between the first and the last stage.
 
 The busiest stage (the most bytes) is what ``mpishard estimate`` and the plan
@@ -59,8 +64,9 @@ import numpy as np
 
 from mpishard.core.mesh_axes import MeshShape
 from mpishard.nn.sharding import plan_of
-from mpishard.parallel.compose import build_stage, stage_blocks
+from mpishard.parallel.compose import build_stage, check_interleaving, stage_blocks
 from mpishard.parallel.context.apply import CP_MODES
+from mpishard.parallel.pipeline.order import peak_in_flight, schedule_order
 from mpishard.planning.memory import MemoryEstimate, layout_itemsizes, estimate_memory, stage_traffic
 from mpishard.parallel.plans import split_range
 
@@ -81,6 +87,8 @@ class Layout:
     ranks of ``dp_shard x cp``. ``activation_checkpointing`` recomputes whole blocks,
     ``selective`` only attention's core (the activation plan then keeps no ``T x T``
     weights; the step-time model adds the core's products once more).
+    ``schedule`` is ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` with
+    ``virtual_stages`` model chunks per pipeline rank.
 
     Raises:
         ValueError: sizes that do not fit together, naming the fix.
@@ -103,16 +111,19 @@ class Layout:
     sequence_parallel: bool = False
     ep: int = 1
     selective: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self):
         if self.selective and self.activation_checkpointing:
             raise ValueError("Layout: selective=True recomputes attention's core and "
                              "activation_checkpointing=True whole blocks; pass one of them")
         for name in ("dp", "tp", "pp", "cp", "dp_replicate", "batch_size", "seq_len",
-                     "micro_batches", "ep"):
+                     "micro_batches", "ep", "virtual_stages"):
             n = getattr(self, name)
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"Layout.{name}={n!r} must be a positive integer")
+        check_interleaving(self.schedule, int(self.virtual_stages), int(self.pp),
+                           int(self.micro_batches), self.strategy)
         if self.dp % self.dp_replicate:
             raise ValueError(f"Layout dp_replicate={self.dp_replicate} does not divide "
                              f"dp={self.dp}; pass a dp_replicate that divides {self.dp} "
@@ -187,7 +198,9 @@ class LayoutEstimate:
         cp = f" x cp={lay.cp} ({lay.cp_mode})" if lay.cp > 1 else ""
         sp = " (sequence parallel)" if lay.sequence_parallel and lay.tp > 1 else ""
         ep = f", experts over ep={lay.ep}" if lay.ep > 1 else ""
-        return f"{dp}{cp} x tp={lay.tp}{sp} x pp={lay.pp}{ep}"
+        vp = f" ({lay.virtual_stages} chunks each, interleaved)" if lay.virtual_stages > 1 \
+            else ""
+        return f"{dp}{cp} x tp={lay.tp}{sp} x pp={lay.pp}{vp}{ep}"
 
     def format(self) -> str:
         lay, stage = self.layout, self.busiest
@@ -206,9 +219,10 @@ class LayoutEstimate:
         rows += [f"  {labels.get(k, k):<12}{mib(v)}  (peak, transient)" for k, v in m.peak.items()]
         if self.activations_known:
             seq = f"{lay.seq_len}" if lay.cp == 1 else f"{lay.local_seq_len} (of {lay.seq_len})"
+            kept = f"{stage.micro_batches_alive} micro-batch(es)" if lay.virtual_stages == 1 \
+                else f"{stage.micro_batches_alive} chunk forwards of micro-batches"
             rows.append(f"  {'activations':<12}{mib(stage.activation_bytes)}  (peak: "
-                        f"{stage.micro_batches_alive} micro-batch(es) of {lay.batch_size} x "
-                        f"{seq} kept for backward"
+                        f"{kept} of {lay.batch_size} x {seq} kept for backward"
                         + (", checkpointed" if lay.activation_checkpointing else "")
                         + (", attention recomputed" if lay.selective else "") + ")")
         else:
@@ -221,11 +235,15 @@ class LayoutEstimate:
         return "\n".join(rows)
 
 
-def _alive(layout: Layout, stage: int) -> int:
-    m, p = layout.micro_batches, layout.pp
-    if p == 1:
-        return 1
-    return m if layout.schedule == "gpipe" else min(p - stage, m)
+def _in_flight(layout: Layout, stage: int, chunk_bytes: list) -> tuple:
+    """``(activation bytes, chunk forwards)`` pipeline stage ``stage`` keeps at once: the
+    peak of its schedule's order (one micro-batch without a pipeline), each chunk's
+    forward keeping ``chunk_bytes[c]`` until its backward starts."""
+    if layout.pp == 1:
+        return chunk_bytes[0], 1
+    order = schedule_order(layout.schedule, layout.pp, stage, layout.micro_batches,
+                           layout.virtual_stages)
+    return peak_in_flight(order, chunk_bytes), peak_in_flight(order, [1] * len(chunk_bytes))
 
 
 def _check_heads(model, layout: Layout) -> None:
@@ -253,7 +271,7 @@ def _bus(mesh: MeshShape, by_group: dict) -> dict:
 
 
 def _stages_to_plan(model, layout: Layout, stage_of, representative: bool) -> list:
-    if not representative or stage_of is None or layout.pp == 1:
+    if not representative or stage_of is None or layout.pp == 1 or layout.virtual_stages > 1:
         return list(range(layout.pp))
     ranges, _ = stage_blocks(model, layout.pp)
     out, kinds = [], set()
@@ -311,7 +329,8 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
     for s in _stages_to_plan(model, layout, stage_of, representative):
         mesh = mesh_shape(layout, s)
         stage = stage_of(s) if stage_of is not None else \
-            build_stage(model, mesh, stage_estimate, layout.cp_mode, layout.sequence_parallel)
+            build_stage(model, mesh, stage_estimate, layout.cp_mode, layout.sequence_parallel,
+                        layout.virtual_stages)
         mode = "full" if layout.activation_checkpointing else \
             "selective" if layout.selective else "none"
         if hasattr(stage, "set_activation_checkpointing") and \
@@ -324,12 +343,13 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
                                             layout.optimizer, precision=layout.precision,
                                             micro_batches=layout.micro_batches,
                                             dp_replicate=layout.dp_replicate, ep=layout.ep))
-        activation = getattr(stage, "activation_bytes", None)
-        alive = _alive(layout, s)
-        per_micro = cached(("activations", layout.batch_size, layout.local_seq_len, act.name,
+        chunks = getattr(stage, "chunks", [stage])       # V model chunks when interleaved
+        per_chunk = cached(("activations", layout.batch_size, layout.local_seq_len, act.name,
                             mode),
-                           lambda: activation(layout.batch_size, layout.local_seq_len, act)) \
-            if activation else 0
+                           lambda: [c.activation_bytes(layout.batch_size, layout.local_seq_len,
+                                                       act) for c in chunks]) \
+            if hasattr(stage, "activation_bytes") else [0] * len(chunks)
+        activation_bytes, alive = _in_flight(layout, s, per_chunk)
         groups = dict(memory.bus_bytes_by_group or {"dp_cp": memory.bus_bytes_per_step})
         if getattr(stage, "last_stage", True) and mesh.dp_cp.size > 1:   # count of targets
             n = mesh.dp_cp.size      # an all-reduce's bus bytes: 2 (n - 1) / n of 8
@@ -341,6 +361,6 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
         bus = _bus(mesh, {**groups, **traffic})
         if tie:
             bus["tied"] = tie
-        stages.append(StageEstimate(s, memory, per_micro * alive, alive, bus))
+        stages.append(StageEstimate(s, memory, activation_bytes, alive, bus))
     return LayoutEstimate(layout, n_params, stages,
                       activations_known=hasattr(model, "activation_bytes"))

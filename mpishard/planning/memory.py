@@ -291,7 +291,8 @@ def _pp_bytes(stage, layout, act) -> int:
         return 0
     shape = stage.activation_shape(layout.batch_size, layout.local_seq_len)
     one = int(np.prod(shape)) * act.itemsize // (layout.tp if layout.sequence_parallel else 1)
-    sides = int(not stage.first_stage) + int(not stage.last_stage)
+    sides = sum(int(not chunk.first_stage) + int(not chunk.last_stage)   # each model chunk's
+                for chunk in getattr(stage, "chunks", [stage]))          # (interleaved)
     return 2 * sides * one * layout.micro_batches + 8      # sends + receives, loss broadcast
 
 

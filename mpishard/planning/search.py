@@ -10,8 +10,9 @@ at most a node), ``pp`` (at most the blocks), ``cp`` (the sequence split into
 the largest that keeps ``tp x cp x dp_shard`` inside a node, ``dp_replicate``
 across); each strategy; micro-batches of 1, 2, 4 or 8 sequences that divide a dp
 rank's share of the global batch (at least ``pp`` micro-batches under a
-pipeline); activation checkpointing off and on; sequence parallelism whenever
-``tp > 1``. Each is planned exactly for memory first (the layout planner) and
+pipeline); with ``virtual_stages`` beyond 1, also each interleaved pipeline of
+that many chunks per rank that the blocks, micro-batches and strategy allow;
+activation checkpointing off and on; sequence parallelism whenever ``tp > 1``. Each is planned exactly for memory first (the layout planner) and
 dropped when its busiest rank exceeds the device memory (a checkpointed one
 when its plain twin fits: recomputing only costs time); the rest are costed
 (:func:`~mpishard.planning.cost.predict_step`) and sorted by step time.
@@ -47,7 +48,8 @@ class Ranked:
                 "sequence_parallel": lay.sequence_parallel, "peak_bytes": self.peak_bytes,
                 "step_s": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_s,
                 "mfu": self.cost.mfu, "exposed_comm_s": self.cost.exposed_comm,
-                "bubble": bubble_fraction(lay.pp, lay.micro_batches),
+                "virtual_stages": lay.virtual_stages,
+                "bubble": bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages),
                 "breakdown": self.cost.breakdown}
 
 
@@ -57,8 +59,9 @@ def _divisors(n: int) -> list:
 
 def candidate_layouts(ranks: int, ranks_per_node: int, seq_len: int, global_batch: int,
                       n_layer: int, n_head: int, precision=None, strategies=None,
-                      checkpointing=(False, True)) -> list:
-    """Every layout of the module docstring (unplanned)."""
+                      checkpointing=(False, True), virtual_stages=(1,)) -> list:
+    """Every layout of the module docstring (unplanned); ``virtual_stages``: the model
+    chunks per pipeline rank to try (beyond 1: the interleaved schedule)."""
     out = []
     for tp in [d for d in _divisors(ranks) if d <= min(ranks_per_node, n_head)
                and n_head % d == 0]:
@@ -80,13 +83,17 @@ def candidate_layouts(ranks: int, ranks_per_node: int, seq_len: int, global_batc
                             m = per_dp // mbs
                             if pp > 1 and m < pp:
                                 continue
-                            for ac in checkpointing:
+                            for ac, v in [(ac, v) for ac in checkpointing
+                                          for v in virtual_stages
+                                          if v == 1 or (pp > 1 and n_layer % (pp * v) == 0)]:
                                 try:
                                     out.append(Layout(
                                         dp, tp, pp, strategy, precision, batch_size=mbs,
                                         seq_len=seq_len, micro_batches=m,
                                         activation_checkpointing=ac, cp=cp,
-                                        dp_replicate=replicate, sequence_parallel=tp > 1))
+                                        dp_replicate=replicate, sequence_parallel=tp > 1,
+                                        schedule="interleaved" if v > 1 else "1f1b",
+                                        virtual_stages=v))
                                 except ValueError:
                                     continue
     return out
@@ -102,13 +109,14 @@ class StageCache:
     def of(self, layout):
         def stage(s):
             key = (layout.tp, layout.pp, layout.cp, layout.cp_mode, layout.sequence_parallel,
-                   layout.ep, s)
+                   layout.ep, layout.virtual_stages, s)
             if key not in self.stages:
                 mesh = mesh_shape(layout, s)
                 # a pipeline stage is built anew from the (only read) whole model
                 source = self.whole if layout.pp > 1 else self.make_model()
                 self.stages[key] = build_stage(source, mesh, None, layout.cp_mode,
-                                               layout.sequence_parallel).freeze_structure()
+                                               layout.sequence_parallel,
+                                               layout.virtual_stages).freeze_structure()
             return self.stages[key]
         return stage
 
@@ -160,5 +168,5 @@ def format_table(ranked: list) -> str:
                     f"{'yes' if lay.activation_checkpointing else 'no':>4} "
                     f"{r.peak_bytes / 2**30:>9.2f} {c.seconds:>9.4f} {c.tokens_per_s:>10.0f} "
                     f"{c.mfu:>6.1%} {c.exposed_comm:>8.4f} "
-                    f"{bubble_fraction(lay.pp, lay.micro_batches):>6.1%}")
+                    f"{bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages):>6.1%}")
     return "\n".join(rows)

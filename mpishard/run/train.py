@@ -87,7 +87,9 @@ class Trainer:
         self.run = ParallelModel(self.recipe.model(self.backend), self.mesh,
                                  cfg.parallel.strategy, micro_batches=cfg.optim.micro_steps,
                                  schedule=cfg.parallel.pipeline_schedule,
+                                 virtual_stages=cfg.parallel.virtual_stages,
                                  precision=cfg.parallel.precision,
+                                 offload=cfg.parallel.offload,
                                  cp_mode=cfg.parallel.cp_mode,
                                  sequence_parallel=cfg.parallel.sequence_parallel)
         if cfg.model.activation_checkpointing != "none":
@@ -258,9 +260,14 @@ class Trainer:
 
 
 def memory_and_comm(world, ledger, mesh) -> dict:
-    """Every rank's ledger peaks (on rank 0) and this rank's traffic per mesh axis."""
-    return {"memory": world.gather_obj(ledger.peak_by_category()),
-            "comm": {axis: comm.stats.snapshot() for axis, comm in mesh.active_axes().items()}}
+    """Every rank's ledger peaks (on rank 0; ``host_memory`` too where a rank keeps
+    offloaded state in host memory) and this rank's traffic per mesh axis."""
+    peaks = world.gather_obj((ledger.peak_by_category(), ledger.host_peak_by_category()))
+    record = {"memory": None if peaks is None else [device for device, _ in peaks],
+              "comm": {axis: comm.stats.snapshot() for axis, comm in mesh.active_axes().items()}}
+    if peaks is not None and any(any(host.values()) for _, host in peaks):
+        record["host_memory"] = [host for _, host in peaks]
+    return record
 
 
 def resolve_global_batch(cfg: TrainConfig, dp: int) -> None:
@@ -279,10 +286,12 @@ def resolve_global_batch(cfg: TrainConfig, dp: int) -> None:
 def own_line(record: dict, ledger, mesh) -> str:
     """This rank's figures of a step, for its own log file."""
     held = sum(ledger.bytes_by_category().values())
+    host = sum(ledger.host_bytes_by_category().values())
     waits = {axis: comm.stats.total_seconds for axis, comm in mesh.active_axes().items()}
     waited = ", ".join(f"{axis} {t:.3f} s" for axis, t in waits.items()) or "none"
+    offloaded = f" (+ {host / 2**20:.2f} MiB in host memory)" if host else ""
     return (f"step {record['step']}: {record['step_s']:.3f} s, {held / 2**20:.2f} MiB "
-            f"held, collectives {waited}")
+            f"held{offloaded}, collectives {waited}")
 
 
 def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
@@ -291,6 +300,7 @@ def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
     return Layout(dp, p.tp, p.pp, p.strategy, p.precision, o.optimizer,
                   batch_size=o.batch_size, seq_len=recipe.tokens_per_sample,
                   micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
+                  virtual_stages=p.virtual_stages,
                   activation_checkpointing=cfg.model.activation_checkpointing == "full",
                   cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
                   sequence_parallel=p.sequence_parallel, ep=p.ep,

@@ -7,8 +7,10 @@ units, communication buffers, activations) and the bus bytes each of its mesh
 communicators and the tied-parameter group moved with :func:`estimate_layout`'s
 figures for its pipeline stage. Even splits: every tp rank holds the same sizes.
 The layouts cover dp x tp x pp, then context parallelism (ring, all-to-all),
-hybrid sharding (dp_replicate x dp_shard), sequence parallelism, and dropout
-(its kept draws, with and without sequence parallelism).
+hybrid sharding (dp_replicate x dp_shard), sequence parallelism, dropout
+(its kept draws, with and without sequence parallelism), and interleaved
+pipelines (two model chunks per rank: each chunk's activations, alive from its
+forward to its backward in the schedule's order).
 """
 import dataclasses
 
@@ -56,6 +58,13 @@ AXES = [  # model, Layout fields beyond dp x tp x pp's (dp, tp, pp default to 1)
     # dropout's kept draws, fused with the residual add (and the bias outside sp)
     ("gpt-dropout", dict(dp=2, tp=2, strategy="ddp", micro_batches=2)),
     ("gpt-dropout", dict(dp=2, tp=2, sequence_parallel=True, strategy="zero3")),
+    # interleaved 1F1B, two chunks per rank (5 and 4 chunk forwards alive on the two stages)
+    ("gpt", dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, strategy="zero1",
+                 micro_batches=4)),
+    ("gpt", dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, strategy="ddp",
+                 micro_batches=2, sequence_parallel=True)),
+    ("llama", dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, strategy="zero2",
+                   micro_batches=2, precision="bfloat16")),
 ]
 
 
@@ -65,7 +74,8 @@ def _run(model, layout, world):
     run = ParallelModel(model, mesh, layout.strategy,
                         micro_batches=layout.micro_batches, schedule=layout.schedule,
                         precision=layout.precision, cp_mode=layout.cp_mode,
-                        sequence_parallel=layout.sequence_parallel)
+                        sequence_parallel=layout.sequence_parallel,
+                        virtual_stages=layout.virtual_stages)
     run.module.set_activation_checkpointing(layout.activation_checkpointing)
     opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
     opt.allocate_state()

@@ -1,6 +1,8 @@
-"""Pipeline parallelism: whole blocks per stage, micro-batches, GPipe and 1F1B.
+"""Pipeline parallelism: whole blocks per stage, micro-batches, GPipe, 1F1B and interleaved 1F1B.
 
     mpiexec -n 4 python -m mpi4py -m mpishard train --pp 2 --dp 2 --micro-steps 4
+    mpiexec -n 2 python -m mpi4py -m mpishard train --pp 2 --micro-steps 4 --strategy zero1 \
+        --pipeline-schedule interleaved --virtual-stages 2
 
 Stage ``s`` of ``mesh.pp`` holds a contiguous run of blocks (the first stage also
 what the model's :class:`~mpishard.nn.PipelinePlan` lists as first, e.g. the
@@ -8,17 +10,26 @@ embeddings; the last what it lists as last, e.g. the final norm and the output
 layer). A step splits the batch into ``m`` micro-batches; activations go
 forward and their gradients back with point-to-point messages whose shapes
 every stage knows from the batch (the stage's ``activation_shape``, see [Note:
-pipeline stage interface] in mpishard/nn/sharding.py), tagged ``2*i`` (activations
-of micro-batch ``i``) and ``2*i + 1`` (gradients), so no two messages can be
-confused.
+pipeline stage interface] in mpishard/nn/sharding.py), tagged ``2 (c m + i)``
+(activations of micro-batch ``i``) and ``2 (c m + i) + 1`` (their gradients),
+with ``c`` the chunk, on the sending rank, of the stage before the boundary
+(always 0 without interleaving): unique per (chunk boundary, micro-batch,
+direction) between two ranks, so no two messages can be confused, also when
+``pp = 2`` sends both ways between the same two ranks.
 
 - GPipe (Huang et al., 2019, arXiv:1811.06965): all forwards, then all backwards.
 - 1F1B (PipeDream-Flush; Narayanan et al., 2021, arXiv:2104.04473): stage ``s``
   runs ``p - s - 1`` warm-up forwards, then alternates one forward and one
   backward, then drains; the same bubble, at most ``p - s`` micro-batches of
   activations alive instead of ``m``.
+- Interleaved 1F1B (Narayanan et al., 2021, Section 2.2; Megatron-Core's
+  order): each rank holds ``V`` model chunks (:class:`~mpishard.parallel.pipeline.
+  chunks.ModelChunks`, stages ``s, s + p, ...`` of ``p V``) and micro-batches go
+  round the ranks ``V`` times; ``m`` a multiple of ``p``. See [Note: interleaved
+  order] in order.py for the order each rank runs.
 
-The bubble, the idle fraction of an ideal pipeline, is ``(p - 1) / (m + p - 1)``.
+The bubble, the idle fraction of an ideal pipeline, is ``(p - 1) / (V m + p - 1)``
+(``V = 1`` without interleaving): ``(p - 1) / (V m)`` of the busy time.
 Gradients are communicated once after the last micro-batch: the two copies of
 a tied parameter (the token table on the first and the last stage) are summed,
 then the strategy reduces over dp in ``step``. Activations and their gradients stay in the
@@ -34,13 +45,19 @@ import numpy as np
 
 from mpishard.autodiff.tensor import Tensor, no_grad
 from mpishard.core.backend import to_numpy, xp_of
+from mpishard.parallel.pipeline.order import SCHEDULES, message_tag, schedule_order
 
 __all__ = ["partition_blocks", "Pipeline", "bubble_fraction"]
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """The ideal pipeline's idle fraction, ``(p - 1) / (m + p - 1)``."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """The ideal pipeline's idle share of the step, ``(p - 1) / (V m + p - 1)``.
+
+    Every rank idles ``(p - 1)`` chunk slots of a step of ``V m`` busy ones (GPipe
+    and 1F1B: ``V = 1``; interleaved 1F1B: ``V`` chunks per rank). As a share of the
+    busy time that is ``(p - 1) / (V m)``, the figure Narayanan et al. give.
+    """
+    return (stages - 1) / (virtual_stages * micro_batches + stages - 1)
 
 
 def partition_blocks(n_layer: int, stages: int, block_params=1, first_extra: int = 0,
@@ -102,11 +119,11 @@ class _Step:
     y: list
     batch: int                    # micro-batch size b
     seq_len: int
-    saved: dict = field(default_factory=dict)     # i -> (input, output) kept for backward
+    saved: dict = field(default_factory=dict)     # (c, i) -> (input, output) kept for backward
     sends: list = field(default_factory=list)     # handles of sends in flight
     losses: list = field(default_factory=list)
     weights: list = field(default_factory=list)   # each micro-batch's loss weight
-    alive: dict = field(default_factory=dict)     # i -> measured activation bytes
+    alive: dict = field(default_factory=dict)     # (c, i) -> measured activation bytes
 
 
 class Pipeline:
@@ -115,10 +132,12 @@ class Pipeline:
     Args:
         strategy: the stage's model wrapped in a strategy (DataParallel/ZeRO);
             its module answers the stage interface ([Note: pipeline stage
-            interface] in mpishard/nn/sharding.py).
+            interface] in mpishard/nn/sharding.py); for ``"interleaved"`` it is
+            a :class:`~mpishard.parallel.pipeline.chunks.ModelChunks`.
         mesh: the :class:`~mpishard.comm.Mesh`.
-        micro_batches: ``m >= 1``; the per-rank batch must divide by it.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        micro_batches: ``m >= 1``; the per-rank batch must divide by it (and ``m``
+            by ``pp`` for ``"interleaved"``).
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"``.
         tie: Communicator joining this rank with the other end of the pipeline
             (first <-> last stage) for tied parameters, or ``None``.
         tied: the parameters of this stage that ``tie`` sums gradients of, in
@@ -127,18 +146,29 @@ class Pipeline:
 
     def __init__(self, strategy, mesh, micro_batches: int = 1, schedule: str = "1f1b",
                  tie=None, tied=()):
-        if schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"unknown pipeline schedule {schedule!r}; use '1f1b' or 'gpipe'")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of "
+                             f"{', '.join(SCHEDULES)}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         self.strategy, self.mesh, self.pp = strategy, mesh, mesh.pp
         self.model = strategy.module
+        #: model chunks on this rank (``V``; 1 unless the module holds several)
+        self.chunks = getattr(self.model, "virtual_stages", 1)
+        if (schedule == "interleaved") != (self.chunks > 1):
+            raise ValueError(f"the {schedule!r} schedule with {self.chunks} model chunk(s) "
+                             f"per rank: 'interleaved' needs a module holding 2 or more "
+                             f"chunks (ParallelModel(..., virtual_stages=V)), the others one")
+        if schedule == "interleaved" and micro_batches % mesh.pp.size:
+            raise ValueError(f"the interleaved schedule needs micro_batches a multiple of "
+                             f"pp = {mesh.pp.size}, got {micro_batches}")
         self.first = getattr(self.model, "first_stage", True)
         self.last = getattr(self.model, "last_stage", True)
         self.micro_batches, self.schedule = micro_batches, schedule
         self.tie, self.tied = tie, list(tied)
         self.stage, self.stages = self.pp.rank, self.pp.size
         self.idle_seconds = 0.0
+        self.busy_seconds = 0.0
         self.step_seconds = 0.0
         self._dtype = strategy.compute_dtype  # activations cross stages in it
         self._xp = strategy.xp
@@ -151,68 +181,82 @@ class Pipeline:
     # ledger's measure_activations() (tracemalloc on NumPy: slower, so one step
     # at a time) and its bytes count as alive until its backward starts. The
     # step's peak of that sum, what the schedule keeps at once (all m
-    # micro-batches under GPipe, at most p - s under 1F1B), becomes the ledger's
-    # "activations" peak and ``activation_bytes``.
-    def _forward(self, step: _Step, i: int) -> None:
+    # micro-batches under GPipe, at most p - s under 1F1B, the chunks' forwards
+    # between a forward and its backward in the interleaved order), becomes the
+    # ledger's "activations" peak and ``activation_bytes``.
+    def _forward(self, step: _Step, c: int, i: int) -> None:
         if not self.measure_activations:
-            return self._run_forward(step, i)
+            return self._run_forward(step, c, i)
         with self.strategy.ledger.measure_activations() as measured:
-            self._run_forward(step, i)
-        step.alive[i] = measured.nbytes
+            self._run_forward(step, c, i)
+        step.alive[c, i] = measured.nbytes
         self.activation_bytes = max(self.activation_bytes, sum(step.alive.values()))
 
-    # -- one micro-batch ------------------------------------------------------
-    def _run_forward(self, step: _Step, i: int) -> None:
+    # -- one micro-batch through one chunk ------------------------------------------
+    def _ends(self, c: int) -> tuple:
+        """Whether chunk ``c`` of this rank is the model's first stage, and its last."""
+        return self.first and c == 0, self.last and c == self.chunks - 1
+
+    def _tag(self, c: int, i: int, direction: int, before: bool) -> int:
+        """:func:`~mpishard.parallel.pipeline.order.message_tag` of this rank."""
+        return message_tag(self.stage, c, i, self.micro_batches, bool(direction), before)
+
+    def _run_forward(self, step: _Step, c: int, i: int) -> None:
         x, y = step.x[i], step.y[i]
-        if self.first:
+        first, last = self._ends(c)
+        chunk = {"chunk": c} if self.chunks > 1 else {}
+        if first:
             inp, extra = x, {}
         else:
             rows, width = self.model.activation_shape(step.batch, step.seq_len)
             split = getattr(self.model, "sequence_parallel_size", 1)  # split rows under sp
             buf = self._xp.empty((rows // split, width), dtype=self._dtype)
-            self._recv(buf, self.stage - 1, 2 * i)
+            self._recv(buf, (self.stage - 1) % self.stages, self._tag(c, i, 0, before=True))
             inp, extra = Tensor(buf, requires_grad=True), {"batch_size": step.batch}
-        if self.last:
-            _, loss = self.strategy(inp, y, **extra)
+        if last:
+            _, loss = self.strategy(inp, y, **extra, **chunk)
             step.losses.append(loss.data)     # read once per step, in _mean_loss
-            step.saved[i] = (inp, self.strategy.scale_loss(loss) * step.weights[i])
+            step.saved[c, i] = (inp, self.strategy.scale_loss(loss) * step.weights[i])
         else:
-            out = self.strategy(inp, **extra)
+            out = self.strategy(inp, **extra, **chunk)
             send = self._xp.ascontiguousarray(out.data)
-            step.sends.append(self.pp.isend(send, self.stage + 1, 2 * i))
-            step.saved[i] = (inp, out)
+            step.sends.append(self.pp.isend(send, (self.stage + 1) % self.stages,
+                                            self._tag(c, i, 0, before=False)))
+            step.saved[c, i] = (inp, out)
 
-    def _backward(self, step: _Step, i: int) -> None:
-        step.alive.pop(i, None)
-        inp, out = step.saved.pop(i)
-        if self.last:
+    def _backward(self, step: _Step, c: int, i: int) -> None:
+        step.alive.pop((c, i), None)
+        inp, out = step.saved.pop((c, i))
+        first, last = self._ends(c)
+        if last:
             out.backward()
         else:
             grad = self._xp.empty(out.shape, dtype=self._dtype)
-            self._recv(grad, self.stage + 1, 2 * i + 1)
+            self._recv(grad, (self.stage + 1) % self.stages, self._tag(c, i, 1, before=False))
             out.backward(grad)
-        if not self.first:
+        if not first:
             send = self._xp.zeros(inp.shape, self._dtype) if inp.grad is None else \
                 self._xp.ascontiguousarray(inp.grad, dtype=self._dtype)
-            step.sends.append(self.pp.isend(send, self.stage - 1, 2 * i + 1))
+            step.sends.append(self.pp.isend(send, (self.stage - 1) % self.stages,
+                                            self._tag(c, i, 1, before=True)))
 
-    def _schedule(self, step: _Step, m: int) -> None:
-        """GPipe or 1F1B over the stages, communicating no gradients over dp."""
+    def order(self) -> list:
+        """This rank's forwards and backwards of a step, ``(kind, chunk, micro_batch)``
+        in the order they run (:func:`~mpishard.parallel.pipeline.order.schedule_order`)."""
+        return schedule_order(self.schedule, self.stages, self.stage, self.micro_batches,
+                              self.chunks)
+
+    def _run(self, step: _Step, kind: str, c: int, i: int) -> None:
+        """One forward or backward, its time outside receives counted as busy."""
+        idle, t0 = self.idle_seconds, time.perf_counter()
+        (self._forward if kind == "F" else self._backward)(step, c, i)
+        self.busy_seconds += time.perf_counter() - t0 - (self.idle_seconds - idle)
+
+    def _schedule(self, step: _Step) -> None:
+        """The schedule's order over the stages, communicating no gradients over dp."""
         with self.strategy.no_sync():
-            if self.schedule == "gpipe":
-                for i in range(m):
-                    self._forward(step, i)
-                for i in range(m):
-                    self._backward(step, i)
-            else:
-                warmup = min(self.stages - self.stage - 1, m)
-                for i in range(warmup):
-                    self._forward(step, i)
-                for i in range(m - warmup):
-                    self._forward(step, warmup + i)
-                    self._backward(step, i)
-                for i in range(m - warmup, m):
-                    self._backward(step, i)
+            for kind, c, i in self.order():
+                self._run(step, kind, c, i)
 
     def _recv(self, buf, source: int, tag: int) -> None:
         t0 = time.perf_counter()
@@ -233,10 +277,10 @@ class Pipeline:
         if self.stages == 1:  # plain accumulation: the last backward communicates (overlap)
             for i, context in enumerate(self.strategy.accumulation(m)):
                 with context:
-                    self._forward(step, i)
-                    self._backward(step, i)
+                    self._run(step, "F", 0, i)
+                    self._run(step, "B", 0, i)
         else:  # tied copies are summed first, then step() reduces over dp
-            self._schedule(step, m)
+            self._schedule(step)
         for handle in step.sends:
             handle.wait()
         self._sum_tied_gradients()
@@ -251,10 +295,12 @@ class Pipeline:
         batch at once (no activations are kept); several run it micro-batch by
         micro-batch, as in training."""
         step = self._prepare(x, y, self.micro_batches if self.stages > 1 else 1)
+        forwards = [(c, i) for kind, c, i in self.order() if kind == "F"] \
+            if self.stages > 1 else [(0, 0)]
         with no_grad():
-            for i in range(len(step.x)):
-                self._run_forward(step, i)
-                step.saved.pop(i)
+            for c, i in forwards:    # the training order's forwards: no deadlock
+                self._run_forward(step, c, i)
+                step.saved.pop((c, i))
         for handle in step.sends:
             handle.wait()
         return self._mean_loss(step)
@@ -265,7 +311,7 @@ class Pipeline:
             raise ValueError(f"batch of {B} does not split into {m} micro-batches; pick a "
                              f"batch size that is a multiple of micro_batches")
         b = B // m
-        self.idle_seconds = 0.0
+        self.idle_seconds = self.busy_seconds = 0.0
         step = _Step([x[k * b:(k + 1) * b] for k in range(m)],
                      [y[k * b:(k + 1) * b] for k in range(m)], b,
                      int(np.shape(x)[1]) if np.ndim(x) > 1 else 1)
@@ -321,5 +367,13 @@ class Pipeline:
 
     @property
     def idle_fraction(self) -> float:
-        """Share of the last step this stage spent waiting for its neighbours."""
+        """Share of the last step this stage spent waiting for its neighbours' messages."""
         return self.idle_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def bubble(self) -> float:
+        """The last step's time outside forwards and backwards over the time in them,
+        ``(step - busy) / busy``: the bubble as Narayanan et al. count it, ``(p - 1) /
+        (V m)`` for an ideal pipeline (with the step's own communication on top)."""
+        busy = self.busy_seconds
+        return (self.step_seconds - busy) / busy if busy else 0.0
