@@ -357,10 +357,12 @@ def part_gpt(backend: str, tiny: bool) -> dict:
 
 
 def part_float16(backend: str, tiny: bool) -> dict:
-    """float16 mixed precision against float32 on ``backend``: logits and gradients."""
+    """float16 and bfloat16 mixed precision against float32 on ``backend``: logits and
+    gradients (bfloat16 where the array module has it: CuPy 14 or later)."""
     from mpi4py import MPI
 
     from mpishard.core.backend import Backend, to_numpy
+    from mpishard.core.dtypes import resolve_dtype
     from mpishard.comm import Communicator, Mesh
     from mpishard.models import GPT
     from mpishard.parallel import DataParallel
@@ -370,8 +372,13 @@ def part_float16(backend: str, tiny: bool) -> dict:
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, cfg.block_size + 1))
     x, y = be.asarray(tokens[:, :-1]), be.asarray(tokens[:, 1:])
     comm = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
-    got = {}
-    for precision in ("float32", "float16"):
+    got, precisions = {}, ["float32", "float16", "bfloat16"]
+    try:
+        resolve_dtype("bfloat16", be.xp)
+    except ValueError as refused:           # an array module without bfloat16 arrays
+        precisions.remove("bfloat16")
+        got["bfloat16_refused"] = str(refused)
+    for precision in precisions:
         strategy = DataParallel(GPT(cfg, seed=0, backend=be), Mesh(comm, dp=1),
                                 precision=precision)
         # a loss scale as training would find it: halved while the gradients overflow
@@ -394,9 +401,18 @@ def part_float16(backend: str, tiny: bool) -> dict:
              "logits_cosine": _cosine(f16["logits"], f32["logits"]),
              "grads_cosine": _cosine(f16["grads"], f32["grads"]),
              "grads_finite": bool(np.isfinite(f16["grads"]).all())}
+    if "bfloat16" in got:       # 8 bits of mantissa: the gradients agree less closely
+        bf = got["bfloat16"]
+        found.update(loss_bfloat16=bf["loss"],
+                     bfloat16_logits_cosine=_cosine(bf["logits"], f32["logits"]),
+                     bfloat16_grads_cosine=_cosine(bf["grads"], f32["grads"]))
+    else:
+        found["bfloat16_refused"] = got["bfloat16_refused"]
     print(json.dumps(found), flush=True)
     assert found["grads_finite"], "float16 gradients are not finite"
     assert found["logits_cosine"] > 0.999 and found["grads_cosine"] > 0.999, found
+    assert "bfloat16_refused" in found or (found["bfloat16_logits_cosine"] > 0.999
+                                           and found["bfloat16_grads_cosine"] > 0.99), found
     return found
 
 
