@@ -68,7 +68,7 @@ def test_the_compiled_loop_is_the_numpy_passes_bit_for_bit_at_any_thread_count(d
             np.testing.assert_array_equal(a, b)
 
 
-def test_targets_the_loop_does_not_take_go_to_the_numpy_passes():
+def test_targets_the_loop_does_not_take_go_to_the_numpy_passes(monkeypatch):
     """Strided views and 16-bit arrays are updated by the NumPy passes, beside compiled
     targets in the same call, each as it would be alone."""
     base = _arrays(2 * 1_000, np.float32)
@@ -77,6 +77,7 @@ def test_targets_the_loop_does_not_take_go_to_the_numpy_passes():
     plain = _arrays(1_000, np.float32, seed=4)
     want = _run(adam.numpy_multi_adam_update, [(*[a.copy() for a in strided], ()),
                                                (*half, ()), (*plain, ((0, 10),))])
+    monkeypatch.setattr(adam, "COMPILED_MIN_ELEMS", 0)
     got = _run(adam.multi_adam_update, [(*strided, ()), (*half, ()), (*plain, ((0, 10),))])
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
@@ -102,6 +103,7 @@ def test_adamw_over_flat_float32_buffers_is_torchs_adamw(threads, numba, monkeyp
     torch = pytest.importorskip("torch")
     if numba:
         pytest.importorskip("numba")
+        monkeypatch.setattr(adam, "COMPILED_MIN_ELEMS", 0)    # the loop at this small size
     else:
         monkeypatch.setattr(adam, "compiled_adam", lambda: None)
     monkeypatch.setenv("MPISHARD_THREADS", str(threads))
@@ -173,3 +175,20 @@ def test_sgd_over_threads_is_torchs_sgd_and_the_same_bits(nesterov, monkeypatch)
     want = np.concatenate([p.detach().numpy() for p in parts])
     assert not np.array_equal(results[0], start)
     np.testing.assert_allclose(results[0], want, rtol=0, atol=2e-6)
+
+
+def test_small_steps_never_import_the_compiled_loop(monkeypatch):
+    """Below COMPILED_MIN_ELEMS the NumPy passes run without asking for numba (whose
+    import and load cost about a second a process); at or above it, the compiled loop."""
+    asked = []
+    monkeypatch.setattr(adam, "compiled_adam", lambda: asked.append(1))   # None: no numba
+    targets = _targets(np.float32)
+    monkeypatch.setattr(adam, "COMPILED_MIN_ELEMS", sum(t[0].size for t in targets) + 1)
+    want = _run(adam.numpy_multi_adam_update, _targets(np.float32))
+    got = _run(adam.multi_adam_update, targets)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert not asked
+    monkeypatch.setattr(adam, "COMPILED_MIN_ELEMS", 0)
+    _run(adam.multi_adam_update, _targets(np.float32))
+    assert asked

@@ -9,8 +9,9 @@ over cache-sized blocks otherwise; bit for bit the same either way, whatever the
 KernelSet`) takes every target of an optimizer step: float32 and float64 targets whose
 four arrays are contiguous go to :mod:`.adam_jit`'s loop (see [Note: one-pass host Adam]
 there), the elements of all of them together cut into one contiguous share per thread
-(``MPISHARD_THREADS``, :func:`.threads.for_shares`); anything else (another dtype, a
-strided view), and everything when numba is not installed, to :func:`adam_update`'s
+(``MPISHARD_THREADS``, :func:`.threads.for_shares`), once they hold at least
+:data:`COMPILED_MIN_ELEMS` elements; anything else (another dtype, a strided view, a
+small model), and everything when numba is not installed, to :func:`adam_update`'s
 NumPy passes, target by target. The host optimizer that offloading uses
 (``--offload optimizer``, docs/offload.md) is this kernel.
 """
@@ -28,6 +29,11 @@ __all__ = ["adam_update", "multi_adam_update", "numpy_adam_update", "numpy_multi
            "compiled_multi_adam_update", "compiled_adam"]
 
 _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: the fewest elements a step's compilable targets must hold for the compiled loop: below
+#: it the NumPy passes run and numba is never imported (its import and the loop's load
+#: from the on-disk cache cost about 1.2 s a process, what the compiled loop saves over
+#: the passes in about 200 steps of 4M elements; small models would never earn it back)
+COMPILED_MIN_ELEMS = 1 << 22
 
 
 @functools.cache
@@ -136,7 +142,9 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
     """One AdamW step over ``(param, grad, m, v, decay_ranges)`` targets (see the module
     docstring and :meth:`.KernelSet.multi_adam_update`)."""
     args = (beta1, beta2, step_size, inv_bias2, eps, grad_scale, decay)
-    fast = [t for t in targets if _compilable(t)] if compiled_adam() is not None else []
+    fast = [t for t in targets if _compilable(t)]
+    if sum(t[0].size for t in fast) < COMPILED_MIN_ELEMS or compiled_adam() is None:
+        fast = []
     if fast:
         compiled_multi_adam_update(fast, *args)
     if len(fast) < len(targets):
