@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 
 from mpi4py import MPI
@@ -19,6 +20,10 @@ from mpi4py import MPI
 from mpishard.comm.debug import rank_prefix
 
 __all__ = ["install_abort_hook", "check_launcher", "LauncherMismatch"]
+
+
+#: how long a failing rank waits between writing its report and aborting the job
+FORWARD_SECONDS = 0.25
 
 
 class LauncherMismatch(RuntimeError):
@@ -59,6 +64,10 @@ def install_abort_hook(*communicators, threads: bool = True) -> None:
             else:
                 sys.stderr.write(_report(exc_type, exc, tb, communicators))
             sys.stderr.flush()
+            # the report is in the pipe to the launcher, which relays it; MPI_Abort has the
+            # launcher kill every rank at once, and a launcher that has not read the pipe
+            # by then drops it (seen with MPICH's Hydra: a job that ended with no output)
+            time.sleep(FORWARD_SECONDS)
         finally:
             MPI.COMM_WORLD.Abort(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
