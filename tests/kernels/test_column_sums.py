@@ -41,7 +41,7 @@ def host_kernels(monkeypatch):
     GPU it holds whatever was there: a block that read a partial sum before it was
     written would go unnoticed if a previous launch had left the same sums there)."""
     use_host_kernels(monkeypatch)
-    launch._column_counters.clear()
+    launch._tickets.clear()
 
     def column_launch(xp, rows, n, sums, dtype):
         grid, block, (group, partial, counters) = launch.column_launch(xp, rows, n, sums,
@@ -52,7 +52,7 @@ def host_kernels(monkeypatch):
     monkeypatch.setattr(gpu, "column_launch", column_launch)
     monkeypatch.setattr(gpu_norms, "column_launch", column_launch)
     yield
-    launch._column_counters.clear()
+    launch._tickets.clear()
 
 
 def _rand(shape, dtype, seed=0):
@@ -90,7 +90,7 @@ def _in_kernel_order(v, group):
 
 
 def _counters_are_zero():
-    return all(not c.any() for c in launch._column_counters.values())
+    return all(not c.any() for c in launch._tickets.values())
 
 
 def _same_bits(a, b):

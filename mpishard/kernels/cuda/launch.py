@@ -9,7 +9,7 @@ import numpy as np
 __all__ = ["ROW_THREADS", "PARAM_ROW_THREADS", "is_strict_module", "elementwise_kernel",
            "reduction_kernel", "raw_function", "raw_kernels_take", "presence_flag",
            "dropout_arguments", "copy_to_device", "COLUMN_BLOCKS_WANTED", "MIN_GROUP_ROWS",
-           "column_groups", "column_launch"]
+           "column_groups", "column_launch", "block_tickets"]
 
 #: threads per block of the kernels that take a thread block per row
 ROW_THREADS = 256
@@ -23,8 +23,8 @@ COLUMN_BLOCKS_WANTED = 4 * 132
 #: and read again, are then at most half of what it reads)
 MIN_GROUP_ROWS = 2 * PARAM_ROW_THREADS
 _compiled: dict = {}
-#: (device, stream) -> the column-sum kernels' tickets (see :func:`column_launch`)
-_column_counters: dict = {}
+#: (array module, device, stream) -> the last-block-done tickets (see :func:`block_tickets`)
+_tickets: dict = {}
 
 
 def is_strict_module(xp) -> bool:
@@ -107,19 +107,20 @@ def column_groups(rows: int, n: int) -> int:
     return -(-group // PARAM_ROW_THREADS) * PARAM_ROW_THREADS
 
 
-def _counters(xp, column_blocks: int):
-    """The tickets of the column-sum kernels' last-block-done pattern on ``xp``'s current
-    device and stream: one ``uint32`` per block of columns, zero between launches (the
-    last block of each column resets its own), allocated zeroed once and kept (grown by
-    powers of two). Launches on one stream run one after another, so they share them."""
+def block_tickets(xp, count: int):
+    """Tickets for the last-block-done pattern (the column sums, cross-entropy's mean) on
+    ``xp``'s current device and stream: ``uint32`` counters, zero between launches (the
+    last block to arrive resets its own), allocated zeroed once and kept (grown by powers
+    of two). Launches on one stream run one after another, so every kernel on it shares
+    them."""
     cuda = getattr(xp, "cuda", None)
     key = (id(xp), None if cuda is None else
            (cuda.Device().id, cuda.get_current_stream().ptr))
-    counters = _column_counters.get(key)
-    if counters is None or counters.size < column_blocks:
-        size = 1 << max(10, (column_blocks - 1).bit_length())
-        counters = _column_counters[key] = xp.zeros(size, dtype=np.uint32)
-    return counters
+    tickets = _tickets.get(key)
+    if tickets is None or tickets.size < count:
+        size = 1 << max(10, (count - 1).bit_length())
+        tickets = _tickets[key] = xp.zeros(size, dtype=np.uint32)
+    return tickets
 
 
 def column_launch(xp, rows: int, n: int, sums: int, dtype) -> tuple:
@@ -131,7 +132,7 @@ def column_launch(xp, rows: int, n: int, sums: int, dtype) -> tuple:
     column_blocks = max(1, -(-n // 32))
     group = column_groups(rows, n)
     groups = max(1, -(-rows // group))
-    counters = _counters(xp, column_blocks)
+    counters = block_tickets(xp, column_blocks)
     partial = (xp.empty(sums * groups * n, dtype=dtype) if sums and groups > 1
                else counters)                   # unread (one group, or no sums)
     return ((column_blocks, groups), (32, PARAM_ROW_THREADS),

@@ -10,10 +10,9 @@ float64, the 16-bit ones converted per element into float32 registers), so no fl
 rows) run the reference; on the CuPy-strict module the reference runs as the one launch
 per kernel it is on a GPU.
 
-The forward's last block is found with a ticket counter: one ``uint32`` per device,
-made (zeroed) at the first launch and handed back at 0 by every launch. Two launches
-running at once on different streams of one device would share it; mpishard computes
-on one stream.
+The forward's last block is found with a ticket counter, the first of
+:func:`.launch.block_tickets` (per device and stream, shared with the column sums),
+handed back at 0 by every launch.
 """
 from __future__ import annotations
 
@@ -21,7 +20,8 @@ import numpy as np
 
 from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
-from mpishard.kernels.cuda.launch import ROW_THREADS, is_strict_module, raw_function
+from mpishard.kernels.cuda.launch import (ROW_THREADS, block_tickets, is_strict_module,
+                                          raw_function)
 from mpishard.kernels.cuda.loss_src import loss_kernel_name, loss_kernel_source
 
 __all__ = ["cross_entropy_forward", "cross_entropy_backward", "cross_entropy_takes"]
@@ -29,7 +29,6 @@ __all__ = ["cross_entropy_forward", "cross_entropy_backward", "cross_entropy_tak
 #: the logits' dtype -> the C type the kernels read them as
 _STORAGE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
             "float64": "double"}
-_tickets: dict = {}     # device id -> the forward's ticket counter (see the module docstring)
 
 
 def _math_dtype(dtype) -> np.dtype:
@@ -56,14 +55,6 @@ def _int64_rows(xp, targets):
     return xp.ascontiguousarray(targets, dtype=np.int64)
 
 
-def _ticket(xp):
-    # host arrays have no device (the tests run these kernels' CUDA C on the host)
-    device = xp.cuda.runtime.getDevice() if hasattr(xp, "cuda") else None
-    if device not in _tickets:
-        _tickets[device] = xp.zeros(1, dtype=np.uint32)
-    return _tickets[device]
-
-
 def cross_entropy_forward(logits, targets, ignore_index: int):
     xp = xp_of(logits)
     if is_strict_module(xp):
@@ -76,7 +67,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int):
     totals = xp.empty(2, dtype=fd)              # the mean loss, the rows counted
     _kernel(xp, "mpishard_cross_entropy_forward", logits.dtype)(
         (N,), (ROW_THREADS,), (logits, _int64_rows(xp, targets), np.int64(N), np.int32(V),
-                               np.int64(ignore_index), stats, totals, _ticket(xp)))
+                               np.int64(ignore_index), stats, totals, block_tickets(xp, 1)))
     return totals[0:1].reshape(()), stats[0], stats[1], totals[1:2].reshape(())  # 0-d views
 
 
