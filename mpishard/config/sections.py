@@ -71,8 +71,9 @@ class ParallelConfig:
                          choices=("float32", "float16", "bfloat16"), estimate=True,
                          aliases={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
     offload: str = opt("none", "optimizer: keep the float32 master weights and the optimizer "
-                       "state in host memory and update them there (DDP and ZeRO; "
-                       "docs/offload.md)", choices=("none", "optimizer"))
+                       "state in host memory and update them there (DDP and ZeRO); params: "
+                       "the parameter shards too, copied to the device for each gather "
+                       "(ZeRO-3; docs/offload.md)", choices=("none", "optimizer", "params"))
     layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
                       "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
                       "micro-steps and checkpointing; the global batch stays)",

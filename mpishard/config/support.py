@@ -21,7 +21,7 @@ checkpointing); model chunks the pipeline cannot interleave (``virtual_stages >
 1`` without the interleaved schedule, the interleaved schedule without ``pp`` and
 ``virtual_stages`` of 2 or more, micro-steps that are not a multiple of ``pp``,
 blocks that do not split into ``pp x virtual_stages`` equal chunks, a strategy
-that gathers parameters per call). What depends on the world size (a mesh whose product is not
+that gathers parameters per call); an offload the strategy cannot do. What depends on the world size (a mesh whose product is not
 the number of ranks, ep not inside ``dp_shard x cp``) is refused alike when the
 mesh is built, before the model.
 """
@@ -57,6 +57,7 @@ def check_supported(cfg) -> list:
             raise ConfigError(f"{key} = {str(value).lower()}: the {m.name} model does not "
                               f"split {what}; use {fix}")
     _check_interleaving(cfg)
+    _check_offload(cfg)
     if spec.build_config is None:
         return []
     if p.tp > m.n_head:
@@ -132,3 +133,21 @@ def _check_interleaving(cfg) -> None:
                           f"gathers the parameters outside the blocks (embeddings, head) "
                           f"around every call of a stage, which runs once per model chunk; "
                           f"use --strategy {whole}")
+
+
+def _check_offload(cfg) -> None:
+    """An offload the strategy cannot do (what :func:`~mpishard.parallel.offload.
+    check_offload` refuses, in flags)."""
+    from mpishard.parallel.offload import check_offload  # noqa: PLC0415 (as above)
+    from mpishard.parallel.strategy import STRATEGIES  # noqa: PLC0415
+    p = cfg.parallel
+    try:
+        check_offload(p.offload, STRATEGIES[p.strategy].cls)
+    except ValueError:
+        if p.offload == "params":
+            what = "its parameters (only ZeRO-3 keeps them as shards between uses)"
+            fix = "--strategy zero3, or --offload optimizer"
+        else:
+            what, fix = "its optimizer", "--strategy ddp or a ZeRO stage, or --offload none"
+        raise ConfigError(f"offload = {p.offload}: strategy = {p.strategy} cannot offload "
+                          f"{what}; use {fix}") from None

@@ -184,10 +184,12 @@ def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=No
     An unmaterialised model is materialised from ``seed`` (default
     ``model.seed``), or, under ZeRO, straight into shards. ``precision`` is
     passed on (see :class:`~mpishard.parallel.Precision`), and so is ``offload``
-    (``"optimizer"``: see mpishard/parallel/offload.py) to a strategy that takes it.
+    (``"optimizer"``, ``"params"``: see mpishard/parallel/offload.py) to a strategy
+    that takes it.
     """
     entry = strategy_entry(strategy)
-    extra = {"offload": "optimizer"} if check_offload(offload, entry.cls) else {}
+    mode = check_offload(offload, entry.cls)
+    extra = {"offload": mode} if mode else {}
     return entry.build(model, mesh, seed=seed, precision=precision, **extra)
 
 
@@ -214,7 +216,8 @@ class ParallelModel:
         sequence_parallel: Megatron's sequence parallelism with tp: norms and
             residuals hold 1/tp of the rows (see mpishard/parallel/tensor/layers.py).
         offload: ``"optimizer"``: float32 masters and optimizer state in host memory,
-            updated there (DDP and ZeRO; docs/offload.md).
+            updated there (DDP and ZeRO); ``"params"``: the parameter shards too, copied
+            to the device for each all-gather (ZeRO-3; docs/offload.md).
     """
 
     def __init__(self, model, mesh, strategy: str = "zero3", micro_batches: int = 1,

@@ -43,23 +43,28 @@ __all__ = ["OFFLOADS", "HostMasters", "check_offload", "host_zeros", "to_host", 
            "copy_into"]
 
 #: what ``offload`` accepts (``--offload``)
-OFFLOADS = ("none", "optimizer")
+OFFLOADS = ("none", "optimizer", "params")
 
 
-def check_offload(value, strategy_cls) -> bool:
-    """Whether ``value`` (``None``, ``"none"`` or ``"optimizer"``) asks for optimizer
-    offload; a ValueError naming the value, or the strategy that cannot offload, and
-    the fix."""
+def check_offload(value, strategy_cls) -> str | None:
+    """What ``value`` (``None``, ``"none"``, ``"optimizer"`` or ``"params"``) offloads:
+    ``None``, ``"optimizer"`` or ``"params"`` (which offloads the optimizer too); a
+    ValueError naming the value, or the strategy that cannot offload it, and the fix."""
     if value in (None, "none"):
-        return False
+        return None
     if value not in OFFLOADS:
         raise ValueError(f"offload={value!r} is not one of {', '.join(OFFLOADS)}; "
                          f"offload='optimizer' keeps the optimizer state and float32 "
-                         f"masters in host memory")
+                         f"masters in host memory, 'params' (ZeRO-3) the parameter "
+                         f"shards too")
     if not getattr(strategy_cls, "offloads_optimizer", False):
         raise ValueError(f"{strategy_cls.__name__} cannot offload its optimizer "
                          f"(offload={value!r}); use DataParallel or ZeRO, or offload='none'")
-    return True
+    if value == "params" and not getattr(strategy_cls, "offloads_params", False):
+        raise ValueError(f"{strategy_cls.__name__} cannot offload its parameters "
+                         f"(offload='params'): only ZeRO-3 keeps them as shards between "
+                         f"uses; use --strategy zero3, or offload='optimizer'")
+    return value
 
 
 def _is_cupy(xp) -> bool:

@@ -40,7 +40,9 @@ def describe_plan(trainer) -> str:
              trainer.plan.format()]
     if p.offload != "none":       # the planner does not count offload yet
         lines.append("offload: float32 masters and optimizer state in host memory, updated "
-                     "there (the plan above counts them on the device)")
+                     "there" + (", parameter shards too, copied in for each gather"
+                                if p.offload == "params" else "")
+                     + " (the plan above counts them on the device)")
     budget = cfg.run.memory_budget
     if budget:
         verdict = "fits" if trainer.plan.total_peak_bytes <= budget else "DOES NOT FIT"

@@ -82,16 +82,17 @@ def assert_offloaded(strategy, opt):
     assert not any(id(t.data) in model_arrays for t in opt.params)
 
 
-def on_and_off(size: int, kind: str, **options):
-    """``kind`` trained on ``size`` ranks without and with offload: ``[(record, params,
-    strategy, optimizer)]`` for each, on the ranks of the sub-world (``None`` elsewhere)."""
+def on_and_off(size: int, kind: str, offload_mode: str = "optimizer", **options):
+    """``kind`` trained on ``size`` ranks without and with offload (``offload_mode``):
+    ``[(record, params, strategy, optimizer)]`` for each, on the ranks of the sub-world
+    (``None`` elsewhere)."""
     if size > MPI.COMM_WORLD.size:
         pytest.skip(f"needs {size} ranks")
     with parity.sub_world(size) as comm:
         if comm is None:
             return None
         runs = []
-        for offload in (None, "optimizer"):
+        for offload in (None, offload_mode):
             strategy = build(kind, comm, offload, **options)
             opt = parity.make_optimizer(strategy.parameters(), strategy.ledger)
             record = train(strategy, opt, comm.rank, STEPS)
@@ -113,12 +114,36 @@ def test_float64_with_offload_is_bit_identical(size, kind):
     assert_same_run(plain, offloaded, plain_params, offloaded_params)
 
 
+def assert_params_offloaded(strategy):
+    """Parameter offload: every unit's gathered shard is a host array, released from the
+    device between uses (no unit is left gathered after a step)."""
+    ledger = strategy.ledger
+    for unit in strategy.units:
+        assert unit.offloaded and ledger.on_host(unit.compute_shard), unit.label
+        assert unit.full is None, unit.label
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero3"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_float64_with_parameter_offload_is_bit_identical(size):
+    runs = on_and_off(size, "zero3", "params")
+    if runs is None:
+        return
+    (plain, plain_params, _, _), (offloaded, offloaded_params, strategy, opt) = runs
+    assert_offloaded(strategy, opt)
+    assert_params_offloaded(strategy)
+    assert all(norm > MAX_NORM for _, norm, _, _ in plain)     # clipping was on
+    assert_same_run(plain, offloaded, plain_params, offloaded_params)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,mode", [("ddp", "optimizer"), ("zero1", "optimizer"),
+                                       ("zero3", "optimizer"), ("zero3", "params")])
 @pytest.mark.parametrize("size", [2, 4])
-def test_bfloat16_with_offload_is_bit_identical(size, kind):
-    runs = on_and_off(size, kind, dtype="float32", precision="bfloat16")
+def test_bfloat16_with_offload_is_bit_identical(size, kind, mode):
+    runs = on_and_off(size, kind, mode, dtype="float32", precision="bfloat16")
     if runs is None:
         return
     (plain, plain_params, _, _), (offloaded, offloaded_params, strategy, _) = runs
@@ -130,14 +155,15 @@ def test_bfloat16_with_offload_is_bit_identical(size, kind):
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
 @pytest.mark.filterwarnings("ignore:overflow encountered")
-@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero3"])
-def test_float16_skipped_steps_are_the_same_with_offload(kind):
+@pytest.mark.parametrize("kind,mode", [("ddp", "optimizer"), ("zero1", "optimizer"),
+                                       ("zero3", "optimizer"), ("zero3", "params")])
+def test_float16_skipped_steps_are_the_same_with_offload(kind, mode):
     """A dynamic scale that starts far too high (the first steps overflow and are
     skipped on every rank), then an inf on one rank: the same skips, scales and bits."""
     world = Communicator(MPI.COMM_WORLD)
     policy = Precision("float16", loss_scale="dynamic", init_scale=2.0 ** 22, growth_interval=2)
     runs = []
-    for offload in (None, "optimizer"):
+    for offload in (None, mode):
         strategy = build(kind, world, offload, dtype="float32", precision=policy)
         opt = parity.make_optimizer(strategy.parameters(), strategy.ledger)
         record = train(strategy, opt, world.rank, 8, poison={6: world.size - 1})
@@ -149,8 +175,9 @@ def test_float16_skipped_steps_are_the_same_with_offload(kind):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero3"])
-def test_a_checkpoint_moves_between_offload_on_and_off(kind, tmp_path_factory):
+@pytest.mark.parametrize("kind,mode", [("ddp", "optimizer"), ("zero1", "optimizer"),
+                                       ("zero3", "optimizer"), ("zero3", "params")])
+def test_a_checkpoint_moves_between_offload_on_and_off(kind, mode, tmp_path_factory):
     """Two steps, a save, a load into a fresh strategy and optimizer with offload the
     other way, two more steps: the four steps of an uninterrupted run, bit for bit."""
     from mpishard.checkpoint import load_checkpoint, save_checkpoint
@@ -162,7 +189,7 @@ def test_a_checkpoint_moves_between_offload_on_and_off(kind, tmp_path_factory):
     opt = parity.make_optimizer(whole.parameters(), whole.ledger)
     want = train(whole, opt, world.rank, 4)
     want_params = whole.gather_full_params()
-    for first, then in ((None, "optimizer"), ("optimizer", None)):
+    for first, then in ((None, mode), (mode, None)):
         folder = f"{root}/{first or 'none'}"
         saved = build(kind, world, first)
         opt = parity.make_optimizer(saved.parameters(), saved.ledger)
@@ -217,10 +244,14 @@ def test_device_bytes_fall_on_the_strict_module(kind, precision):
 
 def test_bad_offload_values_and_strategies_are_refused_with_the_fix():
     comm = Communicator(MPI.COMM_SELF)
-    with pytest.raises(ValueError, match=r"offload='params' is not one of none, optimizer"):
-        build("zero3", comm, "params")
-    with pytest.raises(ValueError, match=r"offload='cpu' is not one of none, optimizer"):
+    with pytest.raises(ValueError, match=r"offload='cpu' is not one of none, optimizer, "
+                                         r"params"):
         build("ddp", comm, "cpu")
+    for kind in ("ddp", "zero1", "zero2"):
+        with pytest.raises(ValueError, match=r"cannot offload its parameters \(offload="
+                                             r"'params'\): only ZeRO-3 .* use --strategy "
+                                             r"zero3, or offload='optimizer'"):
+            build(kind, comm, "params")
 
     class Plain(Strategy):        # a strategy that does not offload
         pass
@@ -259,3 +290,38 @@ def test_offload_composes_with_tensor_and_pipeline_parallelism(dims, kind):
             record.append((loss, result.grad_norm, result.skipped, 1.0))
         runs.append((record, run.gather_full_params()))
     assert_same_run(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", [None, "bfloat16"])
+def test_parameter_offload_leaves_the_device_only_gradient_shards(precision):
+    """ZeRO-3 on the CuPy-strict module: with ``offload="params"`` the device holds no
+    parameter between steps (the gathered units are released, the shards are host
+    arrays), only the float32 gradient shards, 4 bytes per element of this rank's shard;
+    the host holds the master (4), the 16-bit copy that is gathered (2, mixed precision
+    only), a gradient copy (4) and AdamW's state (8). Training tracks the run without
+    offload (the strict module's device Adam sums in another order: rounding)."""
+    world = Communicator(MPI.COMM_WORLD)
+    runs = {}
+    for offload in (None, "params"):
+        strategy = build("zero3", world, offload, dtype="float32", precision=precision,
+                         backend=Backend.resolve("strict"))
+        opt = parity.make_optimizer(strategy.parameters(), strategy.ledger)
+        opt.allocate_state()
+        record = train(strategy, opt, world.rank, 2)
+        runs[offload] = (strategy, opt, record, strategy.gather_full_params())
+    offloaded, opt = runs["params"][0], runs["params"][1]
+    assert_params_offloaded(offloaded)
+    shard = sum(t.data.size for t in opt.params)        # this rank's elements
+    device, host = offloaded.ledger.bytes_by_category(), offloaded.ledger.host_bytes_by_category()
+    assert device["params"] == 0 and device["optim"] == 0
+    assert device["grads"] == 4 * shard
+    assert runs[None][0].ledger.bytes_by_category()["params"] == (6 if precision else 4) * shard
+    assert host == {**{c: 0 for c in host}, "params": (6 if precision else 4) * shard,
+                    "grads": 4 * shard, "optim": 8 * shard}
+    (_, _, want, want_params), (_, _, got, got_params) = runs[None], runs["params"]
+    assert [r[2:] for r in got] == [r[2:] for r in want]
+    np.testing.assert_allclose([r[0] for r in got], [r[0] for r in want], rtol=1e-5)
+    tol = 1e-5 if precision is None else 3 * 2.0 ** -8
+    assert parity.max_rel_err(got_params, want_params, norm="2") <= tol

@@ -1,5 +1,6 @@
-"""``mpishard train --offload optimizer``: the same losses as without, the host memory in
-the metrics, a resume across offload on and off, and a bad value refused in one line."""
+"""``mpishard train --offload optimizer`` and ``--offload params``: the same losses as
+without, the host memory in the metrics, a resume across offload on and off, and an
+offload the strategy cannot do refused in one line."""
 import json
 import shutil
 from pathlib import Path
@@ -21,10 +22,11 @@ def _losses(path: Path) -> dict:
 
 def test_train_with_offload_gives_the_same_losses_and_reports_host_memory(tmp_path):
     """2 ranks, ZeRO-3 in bfloat16, 4 steps: bit-identical losses; the device's peak
-    optimizer bytes are 0 with offload, the host's are what the device held without."""
+    optimizer bytes are 0 with offload, the host's are what the device held without;
+    with the parameters offloaded too, the device's peak parameter bytes are 0."""
     args = [*FAST, "--steps", "4", "--strategy", "zero3", "--precision", "bfloat16"]
     runs = {}
-    for offload in ("none", "optimizer"):
+    for offload in ("none", "optimizer", "params"):
         metrics = tmp_path / f"{offload}.jsonl"
         out = mpishard("train", *args, "--offload", offload, "--metrics", metrics, n=2)
         assert out.returncode == 0, out.stderr
@@ -39,6 +41,13 @@ def test_train_with_offload_gives_the_same_losses_and_reports_host_memory(tmp_pa
     for device, host, before in zip(last["memory"], last["host_memory"], last_plain["memory"]):
         assert device["optim"] == 0 and host["optim"] == before["optim"] > 0
         assert host["params"] == before["params"] - device["params"] > 0   # float32 masters
+    params, log = runs["params"]
+    assert "parameter shards too, copied in for each gather" in log
+    assert losses == [r["loss"] for r in params if "loss" in r]
+    last = [r for r in params if "memory" in r][-1]
+    for device, host, before in zip(last["memory"], last["host_memory"], last_plain["memory"]):
+        assert device["params"] == 0 and device["optim"] == 0
+        assert host["params"] == before["params"] > 0     # masters and the 16-bit shards
 
 
 def test_a_run_with_offload_resumes_without_it_bit_exact(tmp_path):
@@ -61,7 +70,13 @@ def test_a_run_with_offload_resumes_without_it_bit_exact(tmp_path):
 
 
 def test_an_offload_it_cannot_do_is_one_line():
-    out = mpishard("train", *FAST, "--steps", "1", "--offload", "params")
+    out = mpishard("train", *FAST, "--steps", "1", "--offload", "params", "--strategy", "zero1")
     assert out.returncode != 0
-    assert "offload = 'params' is not one of none, optimizer" in out.stderr
+    assert "offload = params: strategy = zero1 cannot offload its parameters (only ZeRO-3 " \
+        "keeps them as shards between uses); use --strategy zero3, or --offload optimizer" \
+        in out.stderr
+    assert "Traceback" not in out.stderr
+    out = mpishard("train", *FAST, "--steps", "1", "--offload", "disk")
+    assert out.returncode != 0
+    assert "offload = 'disk' is not one of none, optimizer, params" in out.stderr
     assert "Traceback" not in out.stderr

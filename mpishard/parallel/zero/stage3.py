@@ -22,13 +22,24 @@ whole forward and backward of every micro-batch and released when the step's
 gradients are reduced. With mixed precision the unit all-gathers a 16-bit copy
 of its shard, cast once per step. Use ``ZeRO(module, mesh, stage=3)``; this
 class is what that builds.
+
+[Note: parameter offload]
+With ``offload="params"`` (``--offload params``) what a unit all-gathers -- its
+shard, or the shard's 16-bit copy -- lives in host memory too, beside the
+float32 master and the optimizer state that ``offload="optimizer"`` already
+keeps there (see [Note: optimizer offload] in mpishard/parallel/offload.py).
+Gathering a unit (and prefetching it) first copies that shard into a device
+buffer, which is released once the all-gather has finished; the host update
+writes the new values straight into the host copy. Between a unit's uses the
+device then holds none of its parameters: what stays is the gradient shard
+(float32), and the gathered units while they compute.
 """
 from __future__ import annotations
 
 import enum
 
 from mpishard.autodiff.tensor import Tensor
-from mpishard.parallel.offload import copy_into
+from mpishard.parallel.offload import copy_into, host_zeros
 from mpishard.parallel.strategy import Sharded, register_strategy
 from mpishard.parallel.zero.base import ZeroStrategy, ZeroUnit
 
@@ -145,8 +156,9 @@ class ShardedUnit(ZeroUnit):
         self.reshard_after_backward = reshard_after_backward
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.compute_shard = None
-        self._gather = None        # (handle, buffer) while GATHERING
+        self.compute_shard = None  # in host memory under parameter offload
+        self.offloaded = False     # compute_shard is in host memory
+        self._gather = None        # (handle, buffer, device copy of the shard) while GATHERING
         if order is not None:
             order.add(self)
         module.register_forward_pre_hook(lambda m, args: self.pre_forward())
@@ -217,12 +229,26 @@ class ShardedUnit(ZeroUnit):
         if unit is not None:
             unit.prefetch()
 
+    def _send_shard(self):
+        """What the all-gather sends: the compute shard, or under parameter offload its
+        copy on the device (see [Note: parameter offload])."""
+        if not self.offloaded:
+            return self.compute_shard
+        shard = self.ledger.empty("comm", self.compute_shard.shape, self.compute_dtype,
+                                  f"param shard {self.label} (from host)", xp=self.xp)
+        copy_into(shard, self.compute_shard)
+        return shard
+
+    def _sent(self, shard) -> None:
+        if shard is not self.compute_shard:
+            self.ledger.release(shard)
+
     def prefetch(self) -> None:
         """Start gathering the full parameters without waiting (SHARDED -> GATHERING)."""
         if self.state is not ShardedState.SHARDED:
             return
-        buf = self._buffer()
-        self._gather = (self.dp.iall_gather(self.compute_shard, buf), buf)
+        buf, shard = self._buffer(), self._send_shard()
+        self._gather = (self.dp.iall_gather(shard, buf), buf, shard)
         self.state = ShardedState.GATHERING
 
     def unshard(self) -> None:
@@ -230,12 +256,13 @@ class ShardedUnit(ZeroUnit):
         if self.state is ShardedState.UNSHARDED:
             return
         if self.state is ShardedState.GATHERING:
-            handle, buf = self._gather
+            handle, buf, shard = self._gather
             handle.wait()
             self._gather = None
         else:
-            buf = self._buffer()
-            self.dp.all_gather(self.compute_shard, buf)
+            buf, shard = self._buffer(), self._send_shard()
+            self.dp.all_gather(shard, buf)
+        self._sent(shard)
         self.full = buf
         for p, view in zip(self.layout.params, self.layout.views(buf)):
             p.data = view
@@ -258,9 +285,10 @@ class ShardedUnit(ZeroUnit):
         """Drop a gather in flight (GATHERING -> SHARDED): its values predate an update."""
         if self.state is not ShardedState.GATHERING:
             return
-        handle, buf = self._gather
+        handle, buf, shard = self._gather
         handle.wait()
         self.ledger.release(buf)
+        self._sent(shard)
         self._gather = None
         self.state = ShardedState.SHARDED
 
@@ -272,6 +300,8 @@ class FullyShardedZeRO(ZeroStrategy):
     """ZeRO stage 3 (see the module docstring); build it as ``ZeRO(stage=3)``."""
 
     stages = (3,)
+    #: takes ``offload="params"`` (see [Note: parameter offload])
+    offloads_params = True
 
     def __init__(self, module, mesh, stage: int = 3, units=None, root_unit: bool = True,
                  reshard_after_forward: bool = True, prefetch: bool = True, seed=None,
@@ -292,16 +322,21 @@ class FullyShardedZeRO(ZeroStrategy):
             unit = ShardedUnit(layout, dp, self.context, self.module, scale,
                                reshard_after_forward=False, reshard_after_backward=False)
         # the master; in host memory when offloaded, unless it is also what is gathered
-        shard = self._new_master(layout) if self.mixed else ledger.zeros(
+        # and only the optimizer is offloaded
+        offloaded = self.offload == "params"
+        shard = self._new_master(layout) if self.mixed or offloaded else ledger.zeros(
             "params", (layout.shard_size,), layout.dtype, f"param shard {layout.label}", xp=xp)
         for i, p, value in self._initial_values(layout):
             p.data = xp.empty(0, dtype=cd)  # released; see [Note: parameter storage]
             offset, piece = layout.owned_piece(i, value)
             copy_into(shard[offset:offset + piece.size], piece)
         unit.compute_shard = shard
+        unit.offloaded = offloaded
         if self.mixed:
-            unit.compute_shard = ledger.zeros("params", (layout.shard_size,), cd,
-                                              f"{cd.name} param shard {layout.label}", xp=xp)
+            name = f"{cd.name} param shard {layout.label}"
+            unit.compute_shard = host_zeros(ledger, "params", layout.shard_size, cd, name, xp) \
+                if unit.offloaded else ledger.zeros("params", (layout.shard_size,), cd, name,
+                                                    xp=xp)
             copy_into(unit.compute_shard, shard)
         unit.target = self.masters.add(shard, unit.compute_shard, layout.decay_ranges(),
                                        layout.label)
