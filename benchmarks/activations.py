@@ -4,6 +4,8 @@ for whole blocks and for attention's core alone (selective recomputation).
     OMP_NUM_THREADS=1 python benchmarks/activations.py
     python benchmarks/activations.py --steps 10 --dropout 0.1
     python benchmarks/activations.py --block-size 1024 --batch-size 2   # long sequences
+    python benchmarks/activations.py --block-size 1024 --batch-size 2 --dropout 0.1 \
+        --precision bfloat16        # Megatron's accounting: 16-bit rows, 1-byte masks
 
 GPT config S (vocab 256, block 128, 4 layers, 4 heads, width 256, float32),
 batch 16 x 128 tokens, as in ``benchmarks/step.py`` (``--block-size`` and
@@ -12,13 +14,21 @@ same seed: plain, with ``set_activation_checkpointing(True)`` (each block
 recomputed) and with ``set_activation_checkpointing("selective")`` (attention's
 ``T x T`` core recomputed). For each,
 the memory ledger measures the bytes one training forward leaves alive for
-backward (:meth:`mpishard.core.backend.MemoryLedger.measure_activations`: NumPy
+backward (printed beside the plan's figure, ``GPT.activation_bytes``) (:meth:`mpishard.core.backend.MemoryLedger.measure_activations`: NumPy
 allocations traced by tracemalloc, minus what the ledger counts elsewhere).
 Then full steps (forward, backward, AdamW) are timed, the modes taking turns
 step by step so all see the same machine load, untraced. The block recompute
 costs about one extra forward of every block per step, the selective one the
 attention core's forward. Prints a
 table on stderr and one JSON line on stdout.
+
+``--precision bfloat16`` (or ``float16``) runs the three through data parallelism on
+one rank with that mixed precision (16-bit activations, float32 masters, as
+:func:`~mpishard.parallel.wrap_model` gives it). The fractions are printed twice:
+for the whole model, and per block (a 1-block model's bytes taken away: what is left
+is the blocks', the quantity of Korthikanti et al. 2022's ``s b h (34 + 5 a s / h)``
+per layer, whose selective share ``34 / (34 + 5 a s / h)`` is 0.298 at config S's
+``h = 256, a = 4`` and ``s = 1024``).
 """
 from __future__ import annotations
 
@@ -43,20 +53,40 @@ MODES = ("plain", "checkpointed", "selective")
 _SETTING = {"plain": "none", "checkpointed": "full", "selective": "selective"}
 
 
-def _setup(mode: str, dropout: float, config: dict, batch: int):
-    model = GPT(GPTConfig(**config, dropout=dropout), seed=0)
+def _build(mode: str, dropout: float, config: dict, precision: str):
+    """``(model or its wrapper, ledger, optimizer)``: float32 as it is; 16-bit through data
+    parallelism on this rank alone (the mixed-precision path a run takes)."""
+    if precision == "float32":
+        model = GPT(GPTConfig(**config, dropout=dropout), seed=0)
+        model.set_activation_checkpointing(_SETTING[mode])
+        return model, model.backend.ledger, AdamW(model.parameters(), lr=3e-4,
+                                                  weight_decay=0.1)
+    from mpi4py import MPI  # noqa: PLC0415  (only the 16-bit runs need a communicator)
+
+    from mpishard.comm import Communicator, Mesh  # noqa: PLC0415
+    from mpishard.parallel import wrap_model  # noqa: PLC0415
+    model = GPT(GPTConfig(**config, dropout=dropout), seed=0, materialize_now=False)
     model.set_activation_checkpointing(_SETTING[mode])
-    opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    run = wrap_model(model, Mesh(Communicator(MPI.COMM_SELF)), "ddp", precision=precision)
+    opt = AdamW(run.parameters(), lr=3e-4, weight_decay=0.1, ledger=run.ledger)
+    return run, run.ledger, opt
+
+
+def _setup(mode: str, dropout: float, config: dict, batch: int, precision: str = "float32"):
+    """``(measure, step, planned bytes)`` of one mode."""
+    model, ledger, opt = _build(mode, dropout, config, precision)
+    gpt = getattr(model, "module", model)
+    planned = gpt.activation_bytes(batch, config["block_size"], precision)
     r = np.random.default_rng(0)
     x = r.integers(0, config["vocab_size"], (batch, config["block_size"]))
     y = r.integers(0, config["vocab_size"], (batch, config["block_size"]))
 
     def measure() -> int:
-        with model.backend.ledger.measure_activations() as m:
+        with ledger.measure_activations() as m:
             _, loss = model(x, y)
         loss.backward()
         model.zero_grad()
-        model.backend.ledger.release_activations()
+        ledger.release_activations()
         return m.nbytes
 
     def step() -> float:
@@ -64,9 +94,12 @@ def _setup(mode: str, dropout: float, config: dict, batch: int):
         _, loss = model(x, y)
         model.zero_grad()
         loss.backward()
-        opt.step()
+        if precision == "float32":
+            opt.step()
+        else:
+            model.step(opt)
         return time.perf_counter() - t0
-    return measure, step
+    return measure, step, planned
 
 
 def main(argv=None) -> dict:
@@ -77,11 +110,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-size", type=int, default=CONFIG_S["block_size"],
                         help="sequence length T (config S: 128)")
     parser.add_argument("--batch-size", type=int, default=BATCH, help="sequences per step")
+    parser.add_argument("--precision", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="activations' precision (16-bit: mixed, float32 masters)")
     args = parser.parse_args(argv)
 
     config = {**CONFIG_S, "block_size": args.block_size}
-    runs = {mode: _setup(mode, args.dropout, config, args.batch_size) for mode in MODES}
+    runs = {mode: _setup(mode, args.dropout, config, args.batch_size, args.precision)
+            for mode in MODES}
     nbytes = {mode: runs[mode][0]() for mode in MODES}
+    one_block = {**config, "n_layer": 1}   # the embeddings, head and loss, one block
+    per_block = {mode: (nbytes[mode] - _setup(mode, args.dropout, one_block, args.batch_size,
+                                              args.precision)[0]()) / (config["n_layer"] - 1)
+                 for mode in MODES}
     times = {mode: [] for mode in MODES}
     for i in range(args.warmup + args.steps):
         for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
@@ -90,8 +131,12 @@ def main(argv=None) -> dict:
                 times[mode].append(seconds)
     median = {mode: statistics.median(times[mode]) for mode in MODES}
     result = {"benchmark": "activations", "config": "S", **config, "batch": args.batch_size,
-              "dtype": "float32", "dropout": args.dropout,
+              "dtype": args.precision, "dropout": args.dropout,
               "activation_bytes": nbytes,
+              "planned_activation_bytes": {m: runs[m][2] for m in MODES},
+              "activation_bytes_per_block": {m: int(b) for m, b in per_block.items()},
+              "selective_kept_fraction_per_block": round(per_block["selective"]
+                                                         / per_block["plain"], 3),
               "activation_ratio": round(nbytes["plain"] / nbytes["checkpointed"], 2),
               "median_step_s": {m: round(s, 4) for m, s in median.items()},
               "step_time_ratio": round(median["checkpointed"] / median["plain"], 3),
@@ -99,14 +144,17 @@ def main(argv=None) -> dict:
               "selective_kept_fraction": round(nbytes["selective"] / nbytes["plain"], 3),
               "selective_step_time_ratio": round(median["selective"] / median["plain"], 3)}
     for mode in MODES:
-        print(f"{mode:13s} activations {nbytes[mode] / MIB:8.2f} MiB   "
+        print(f"{mode:13s} activations {nbytes[mode] / MIB:8.2f} MiB "
+              f"({per_block[mode] / MIB:7.2f} MiB a block; planned "
+              f"{runs[mode][2] / nbytes[mode] - 1:+.1%})   "
               f"step {median[mode]:.3f} s (median of {args.steps})", file=sys.stderr)
     print(f"checkpointing keeps {result['activation_ratio']}x fewer activation bytes for "
           f"{result['step_time_ratio']}x the step time; selective recomputation "
           f"{result['selective_activation_ratio']}x fewer (keeps "
           f"{result['selective_kept_fraction']} of them) for "
-          f"{result['selective_step_time_ratio']}x; T = {config['block_size']}, batch "
-          f"{args.batch_size}", file=sys.stderr)
+          f"{result['selective_step_time_ratio']}x; a block keeps "
+          f"{result['selective_kept_fraction_per_block']} of its bytes; T = "
+          f"{config['block_size']}, batch {args.batch_size}, {args.precision}", file=sys.stderr)
     print(json.dumps(result))
     return result
 

@@ -31,7 +31,7 @@ import numpy as np
 from mpishard.core.backend import xp_of
 from mpishard.kernels import fused_attention
 from mpishard.kernels.cuda.gemm import batched_matmul
-from mpishard.autodiff.rows import cast, draw_uniform
+from mpishard.autodiff.rows import cast, draw_uniform, kept_mask
 
 __all__ = ["device_attention"]
 
@@ -65,12 +65,14 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
     hm = _head_major(xp, qkv_data, B, T, n_head, hs, cd, bias)
     att = batched_matmul(hm[0], hm[1], trans_b=True, out_dtype=sd)   # (B, nh, T, T), kept
     rows = att.reshape(-1, T)
-    drop_u = None
+    kept = None                                       # see [Note: what ops keep] in rows.py
     if use_dropout:                                   # softmax and dropout: one kernel
         drop_u = draw_uniform(rng, att.shape, xp, out=xp.empty(att.shape, dtype=np.float32))
         used = xp.empty_like(att)
         kernels.causal_softmax(rows, T, scale, drop_u=drop_u.reshape(-1, T), drop_p=dropout_p,
                                dropped=used.reshape(-1, T))
+        kept = kept_mask(drop_u, dropout_p)
+        del drop_u
     else:
         kernels.causal_softmax(rows, T, scale)
         used = att
@@ -84,7 +86,7 @@ def device_attention(qkv_data, n_head: int, B: int, scale: float, cd, sd, kernel
         gy = xp.empty((B, n_head, T, hs), dtype=cd)
         gy[...] = g.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
         dh = xp.empty((3, B, n_head, T, hs), dtype=cd)   # q's, k's and v's gradients
-        u = drop_u.reshape(-1, T) if use_dropout else None
+        u = kept.reshape(-1, T) if use_dropout else None
         p = xp.empty_like(att) if use_dropout else att    # the dropped weights, again
         da = batched_matmul(gy, v, trans_b=True, out_dtype=sd)        # (B, nh, T, T)
         kernels.softmax_backward(da.reshape(-1, T), att.reshape(-1, T), scale,  # masked

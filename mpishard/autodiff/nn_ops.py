@@ -33,7 +33,8 @@ from mpishard.kernels.cuda.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_
 from mpishard.kernels.rows import col_sum_dtype
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
 from mpishard.autodiff.rows import (bias_grad, cast, check_last_dim, draw_uniform,
-                                    native_float16, scatter_add_rows, up)
+                                    keeps_least, kept_mask, native_float16, scatter_add_rows,
+                                    up)
 from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = ["linear", "layer_norm", "gelu", "embedding", "dropout", "dropout_add"]
@@ -101,12 +102,18 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     native = native_float16(kernels, dtype) and all(
         t is None or t.data.dtype == dtype for t in (weight, bias))
     lift = (lambda a: a) if native else up
-    x2 = lift(x.data.reshape(-1, n))                    # (N, C)
-    y, xhat, rstd = kernels.layer_norm_forward(         # xhat, rstd kept for backward
-        x2, lift(weight.data) if weight is not None else None,
-        lift(bias.data) if bias is not None else None, eps)
 
-    def backward(g):
+    def normalise():                                    # (y, xhat, rstd), (N, C) rows
+        return kernels.layer_norm_forward(
+            lift(x.data.reshape(-1, n)), lift(weight.data) if weight is not None else None,
+            lift(bias.data) if bias is not None else None, eps)
+    y, kept_xhat, kept_rstd = normalise()
+    if keeps_least(xp):              # see [Note: what ops keep] in rows.py
+        kept_xhat = kept_rstd = None
+
+    def backward(g):      # else xhat and rstd again from the input, which the graph
+        xhat, rstd = (kept_xhat, kept_rstd) if kept_xhat is not None else \
+            normalise()[1:]          # keeps: the same bits
         g2 = lift(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
         need_b = bias is not None and bias.requires_grad
@@ -146,12 +153,16 @@ def gelu(x, bias=None) -> Tensor:
                              f"{x.data.dtype}")
     if native_float16(kernels, x.data.dtype):
         return _gelu16(x, bias, a2, kernels)              # one kernel each way
-    a2 = up(a2)                                         # see [Note: 16-bit inputs]
-    y2, t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))  # t2 kept
+    y2, kept_t2 = kernels.gelu_forward(up(a2), None if bias is None else up(bias.data))
+    shape2 = a2.shape                                   # see [Note: 16-bit inputs]
+    if keeps_least(xp):              # see [Note: what ops keep] in rows.py
+        kept_t2 = None
 
-    def backward(g):
-        a2 = up(x.data.reshape(t2.shape))
-        g2 = up(g.reshape(t2.shape))
+    def backward(g):     # else tanh again from the input, which the graph keeps
+        a2 = up(x.data.reshape(shape2))
+        t2 = kept_t2 if kept_t2 is not None else \
+            kernels.gelu_forward(a2, None if bias is None else up(bias.data))[1]
+        g2 = up(g.reshape(shape2))
         if bias is None:
             return (cast(kernels.gelu_backward(a2, t2, g2), x.dtype).reshape(x.shape),)
         gx, gb = kernels.bias_gelu_backward(                # see [Note: gradient buffers]
@@ -204,7 +215,8 @@ def embedding(indices, weight) -> Tensor:
         bad = ((flat < 0) | (flat >= n_rows))[:, None]
         flat = xp.clip(flat, 0, n_rows - 1)
         out = weight.data[flat]
-        out = xp.where(bad, xp.asarray(float("nan"), dtype=out.dtype), out)
+        # a scalar of out's dtype, a kernel argument (asarray would copy it from the host)
+        out = xp.where(bad, out.dtype.type(float("nan")), out)
     out = out.reshape(idx.shape + (width,))
 
     def backward(g):
@@ -225,8 +237,9 @@ def dropout(x, p: float, rng, training: bool = True) -> Tensor:
         rng: a seeded generator with ``random(shape, dtype=...)`` (NumPy's
             ``Generator`` or CuPy's), so masks are reproducible.
 
-    One draw of float32 uniforms ``u`` (kept for backward: an element stays
-    where ``u >= p``), then one kernel each way.
+    One draw of float32 uniforms ``u`` (an element stays where ``u >= p``), then
+    one kernel each way; backward keeps which elements stayed, a byte each, or the
+    draws on a device (see [Note: what ops keep] in rows.py).
     """
     x = as_tensor(x)
     if not 0.0 <= p < 1.0:
@@ -236,8 +249,9 @@ def dropout(x, p: float, rng, training: bool = True) -> Tensor:
     xp = xp_of(x.data)
     kernels = kernels_for(xp)
     u = draw_uniform(rng, x.shape, xp)
+    kept = kept_mask(u, p)
     return make_result(kernels.dropout_add(None, x.data, u, p), (x,),
-                       lambda g: (kernels.dropout_backward(g, u, p),), "dropout")
+                       lambda g: (kernels.dropout_backward(g, kept, p),), "dropout")
 
 
 @register_op
@@ -263,9 +277,11 @@ def dropout_add(x, y, p: float, rng, training: bool = True, bias=None) -> Tensor
     xp = xp_of(y.data)
     kernels = kernels_for(xp)
     u = draw_uniform(rng, y.shape, xp) if drop else None
+    kept = kept_mask(u, p) if drop else None     # see [Note: what ops keep] in rows.py
     if bias is None:
         return make_result(kernels.dropout_add(x.data, y.data, u, p), (x, y),
-                           lambda g: (g, kernels.dropout_backward(g, u, p)), "dropout_add")
+                           lambda g: (g, kernels.dropout_backward(g, kept, p)),
+                           "dropout_add")
     bias = as_tensor(bias)
     check_last_dim("dropout_add", y, bias.shape[0], "bias size")
     if bias.data.dtype != y.data.dtype:
@@ -276,13 +292,15 @@ def dropout_add(x, y, p: float, rng, training: bool = True, bias=None) -> Tensor
                               y.data.reshape(-1, n), u if u is None else u.reshape(-1, n),
                               p, bias.data)
 
+    del u
+
     def backward(g):
         g2 = g.reshape(-1, n)
         gy, gb = kernels.bias_dropout_backward(           # see [Note: gradient buffers]
-            g2, u if u is None else u.reshape(-1, n), p,
+            g2, None if kept is None else kept.reshape(-1, n), p,
             grad_buffer(bias, col_sum_dtype(g2.dtype)))
         gy = gy.reshape(y.shape)
-        if x is not None and u is None:                   # no dropout: both get g (a view
+        if x is not None and kept is None:                # no dropout: both get g (a view
             gy = gy.copy()                                # of it: each its own array)
         return g, gy, gb if bias.requires_grad else None
     return make_result(out.reshape(y.shape), (x, y, bias), backward, "dropout_add")

@@ -14,7 +14,8 @@ from mpishard.kernels.rows import col_sum, col_sum_dtype
 from mpishard.autodiff.tensor import Tensor, grad_buffer
 
 __all__ = ["bias_grad", "up", "cast", "check_last_dim", "scatter_add", "scatter_add_rows",
-           "draw_uniform", "native_float16"]
+           "draw_uniform", "keeps_least", "kept_mask", "release_values",
+           "native_float16"]
 
 
 def bias_grad(bias, g2):
@@ -92,6 +93,48 @@ def draw_uniform(rng, shape, xp, out=None):
         return u
     out[...] = u
     return out
+
+
+def keeps_least(xp) -> bool:
+    """Whether ops on ``xp``'s arrays keep the least for backward and compute the rest
+    again there (NumPy); see [Note: what ops keep]."""
+    return xp is np
+
+
+def kept_mask(u, p: float):
+    """What backward keeps of a dropout's draws ``u``: which elements stayed (``u >=
+    p``, compared in float32 as the kernels compare), a byte each, where ops keep the
+    least; else the draws themselves. The kernels take either as their draws
+    (``kept >= p`` is ``u >= p`` element for element, ``0 < p < 1``)."""
+    return u >= u.dtype.type(p) if keeps_least(xp_of(u)) else u
+
+
+# [Note: what ops keep]
+# On NumPy the ops keep for backward only what cannot be computed again from the
+# graph's own tensors: a dropout which elements it kept, a byte each (as Megatron-LM's
+# masks: Korthikanti et al. 2022, arXiv:2205.05198, section 4.1), not its float32
+# draws; a layer norm nothing (backward normalises its input again), a GELU nothing
+# (backward computes its tanh again), each the same bits as forward's. A pass more in
+# backward costs no launch there. A device's fused kernels read float32 draws, the
+# normalised rows and the tanh, and every pass is a launch (the fusion budget of
+# tests/testing/test_strict_launches.py): there the ops keep them, until the kernels
+# take masks and compute the rest inline. The activation plans follow
+# (:func:`mpishard.models.activations.micro_batch`).
+
+
+def release_values(tensor) -> None:
+    """Let go of ``tensor``'s values, keeping its place in the graph: its ``data`` becomes
+    a zero-strided stand-in of the same shape and dtype (one element of memory, its
+    value undefined).
+
+    For an op's output whose only reader has already read it and whose backward, like
+    every other backward in the graph, never reads it (a product summed over tensor-
+    parallel ranks, a residual branch added in): the graph would otherwise keep it alive
+    until backward. Only the code that made ``tensor`` and handed it to that one reader
+    can know this; a caller that still holds ``tensor`` must not read it afterwards."""
+    data = tensor.data
+    xp = xp_of(data)           # empty: no kernel launch on a device
+    tensor.data = xp.broadcast_to(xp.empty((), dtype=data.dtype), data.shape)
 
 
 def native_float16(kernels, dtype) -> bool:

@@ -16,7 +16,7 @@ from mpishard.kernels import kernels_for
 from mpishard.kernels.rows import col_sum_dtype, row_dot, row_max, row_sum
 from mpishard.autodiff.batched_attention import device_attention
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
-from mpishard.autodiff.rows import bias_grad, cast, draw_uniform, up
+from mpishard.autodiff.rows import bias_grad, cast, draw_uniform, kept_mask, up
 from mpishard.autodiff.tensor import Tensor, grad_buffer
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "causal_self_attention", "valid_count",
@@ -209,25 +209,27 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
     # softmax's dtype is the products'
     packed = packed_rows()
     att = xp.empty((B, n_head, T, T), dtype=sd)          # softmax weights, kept
-    # dropout on the weights: float32 uniforms, kept (an element stays where u >= p)
-    drop_u = xp.empty(att.shape, dtype=np.float32) if use_dropout else None
+    # dropout on the weights: float32 uniforms, one sequence's at a time; kept is which
+    # elements stayed (u >= p), a byte each (see [Note: what ops keep] in rows.py)
+    kept = xp.empty(att.shape, dtype=bool) if use_dropout else None
+    u = xp.empty(att[:1].shape, dtype=np.float32) if use_dropout else None
     out = xp.empty((B, T, n_head, hs), dtype=cd)
     for b0 in range(B):
         b = slice(b0, b0 + 1)
         a = att[b]
         xp.matmul(heads(packed, b, 0), heads(packed, b, 1).swapaxes(-1, -2), out=a)
         if use_dropout:                                  # softmax and dropout: one kernel
-            u = drop_u[b]
             draw_uniform(rng, u.shape, xp, out=u)
             used = xp.empty_like(a)
             kernels.causal_softmax(a.reshape(-1, T), T, scale, drop_u=u.reshape(-1, T),
                                    drop_p=dropout_p, dropped=used.reshape(-1, T))
+            kept[b] = kept_mask(u, dropout_p)
             a = used
         else:
             kernels.causal_softmax(a.reshape(-1, T), T, scale)
         out[b] = (a @ heads(packed, b, 2)).transpose(0, 2, 1, 3)
 
-    del packed
+    del packed, u
 
     def backward(g):
         packed = packed_rows()
@@ -240,7 +242,7 @@ def causal_self_attention(qkv, n_head: int, batch_size: int, dropout_p: float = 
             q, k, v = heads(packed, b, 0), heads(packed, b, 1), heads(packed, b, 2)
             gyb = gy[b].transpose(0, 2, 1, 3)            # (1, nh, T, hs)
             a = att[b]
-            u = drop_u[b].reshape(-1, T) if use_dropout else None
+            u = kept[b].reshape(-1, T) if use_dropout else None
             used = kernels.dropout_add(None, a.reshape(-1, T), u, dropout_p).reshape(
                 a.shape) if use_dropout else a
             dqkv[b, :, 2] = (used.swapaxes(-1, -2) @ gyb).transpose(0, 2, 1, 3)

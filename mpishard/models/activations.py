@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpishard.autodiff.rows import keeps_least
+
 __all__ = ["MicroBatch", "micro_batch", "stage_input", "width", "row_parallel",
            "graph_objects", "split_of", "attention_bytes", "token_rows", "routing_indices",
            "head_and_loss"]
@@ -75,10 +77,12 @@ def attention_bytes(B: int, h: int, T: int, hs: int, c: int, f: int, cp: int = 1
     return 3 * N * A * c + B * h * cp * T * T * f + 2 * N * A * c   # all-to-all
 
 
-def token_rows(table, N: int, C: int, c: int) -> int:
-    """The looked-up token rows (vocabulary-parallel: the masked lookup and its mask too)."""
+def token_rows(table, N: int, C: int, c: int, rows: bool = True) -> int:
+    """The looked-up token rows (``rows``: where they are the blocks' input; a GPT adds
+    positions and lets them go) and, vocabulary-parallel, the mask and the local ids
+    (the lookup and the masked product are let go once summed over tp)."""
     split_vocab = int(table.weight.shape[0]) != int(table.num_embeddings)
-    return 3 * N * C * c + N * c + 8 * N if split_vocab else N * C * c
+    return N * C * c * rows + (N * c + 8 * N if split_vocab else 0)
 
 
 def routing_indices(N: int, E: int, k: int, c: int) -> int:
@@ -102,8 +106,9 @@ def head_and_loss(lm_head, N: int, c: int, f: int) -> int:
 class MicroBatch:
     """One micro-batch of ``B`` sequences of ``T`` local rows as a count reads it: ``N =
     B T`` rows, ``Ns = N / sp`` outside the tensor-parallel layers, width ``C``, the
-    activation dtype's size ``c`` and the reductions' ``f``, the splits, and whether
-    blocks recompute in backward."""
+    activation dtype's size ``c`` and the reductions' ``f``, the splits, whether
+    blocks recompute in backward, and whether the ops keep the least (``lean``, on
+    NumPy: see [Note: what ops keep] in mpishard/autodiff/rows.py)."""
 
     B: int
     T: int
@@ -116,6 +121,17 @@ class MicroBatch:
     cp_mode: str
     sp: int
     checkpointing: bool
+    lean: bool = True
+
+    @property
+    def mask(self) -> int:
+        """Bytes a dropout keeps an element: its mask's byte, or a device's draws."""
+        return 1 if self.lean else 4
+
+    def norm(self, rows: int) -> int:
+        """What a layer norm of ``rows`` keeps: its output (a device's kernels also the
+        normalised rows and 1/std)."""
+        return rows * self.C * self.c + (0 if self.lean else rows * (self.C + 1) * self.f)
 
 
 def micro_batch(model, blocks, batch_size: int, seq_len: int, dtype, checkpointing=None,
@@ -128,13 +144,16 @@ def micro_batch(model, blocks, batch_size: int, seq_len: int, dtype, checkpointi
         checkpointing = any(b.activation_checkpointing for b in blocks)
     N = batch_size * seq_len
     return MicroBatch(batch_size, seq_len, N, N // sp, int(model.config.n_embd), c,
-                      4 if c == 2 else c, cp, cp_mode, sp, bool(checkpointing))
+                      4 if c == 2 else c, cp, cp_mode, sp, bool(checkpointing),
+                      keeps_least(model.backend.xp))
 
 
-def stage_input(table, m: MicroBatch) -> int:
+def stage_input(table, m: MicroBatch, rows: bool = True) -> int:
     """What a stage keeps of its input: the first stage (``table``, its token table) the
-    looked-up rows and, under sequence parallelism, this rank's cut of them; a later
-    stage (``table`` None) the received activations."""
+    looked-up rows (``rows``: when they are the blocks' input) or, under sequence
+    parallelism, this rank's cut of them (the whole rows let go); a later stage
+    (``table`` None) the received activations."""
     if table is None:
         return m.Ns * m.C * m.c
-    return token_rows(table, m.N, m.C, m.c) + (m.Ns * m.C * m.c if m.sp > 1 else 0)
+    return token_rows(table, m.N, m.C, m.c, rows and m.sp == 1) + (
+        m.Ns * m.C * m.c if m.sp > 1 else 0)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.autodiff import nn_ops, softmax_ops
+from mpishard.autodiff.rows import release_values
+from mpishard.autodiff.tensor import Tensor
 from mpishard.nn.module import Module
 from mpishard.nn.parameter import Constant, Normal, Parameter
 
@@ -89,10 +91,16 @@ class Dropout(Module):
 
     def add_to(self, residual, x, bias=None):
         """``residual + self(x + bias)`` as one op (:func:`~mpishard.autodiff.dropout_add`;
-        ``residual`` or ``bias`` may be None), or ``self(x)`` when both are."""
-        if residual is None and bias is None:
-            return self(x)
-        return nn_ops.dropout_add(residual, x, self.p, self.rng, self.training, bias=bias)
+        ``residual`` or ``bias`` may be None), or ``self(x)`` when both are.
+
+        ``x`` is a residual branch's last output, handed over: once added, its values
+        are let go (:func:`~mpishard.autodiff.rows.release_values`; backward needs only
+        the mask), so pass an op's fresh output that nothing reads afterwards."""
+        out = self(x) if residual is None and bias is None else \
+            nn_ops.dropout_add(residual, x, self.p, self.rng, self.training, bias=bias)
+        if out is not x and isinstance(x, Tensor) and x._backward is not None:
+            release_values(x)          # an op's output in the graph: nothing else reads it
+        return out
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -276,7 +276,8 @@ def _cp_bytes(stage, layout, plan, act) -> int:
     for pattern in plan.attention:
         for path, module in matching_modules(stage, pattern):
             h, hs = _local_heads(stage, module)
-            again = _again(layout, plan, path)
+            # the exchange is inside attention's core: selective recomputation repeats it
+            again = 2 if layout.selective else _again(layout, plan, path)
             if layout.cp_mode == "ring":    # each block sent and received; a recompute
                 block = B * n * 2 * h * hs  # passes the K/V blocks around once more
                 total += 2 * (ring_kv_bytes(B, layout.seq_len, h, hs, cp, c, g)

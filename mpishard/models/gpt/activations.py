@@ -7,23 +7,27 @@ mpishard/autodiff (what each output is, and what each backward closure holds;
 float32 for 16-bit activations, else ``c``):
 
 ===================  ===============================================================
-layer norm (width W) output ``N W c``, normalised input ``N W f``, 1/std ``N f``
-linear (out O)       output ``N O c`` (its input is the previous op's output)
+layer norm (width W) output ``N W c`` (backward normalises its input again; a
+                     device's kernels keep the normalised input ``N W f`` and 1/std
+                     ``N f``, see [Note: what ops keep] in mpishard/autodiff/rows.py)
+linear (out O)       output ``N O c`` (its input is the previous op's output); the
+                     last of a residual branch (attention's and the MLP's ``c_proj``)
+                     none: the residual add lets go of it (``Dropout.add_to``), and a
+                     row-parallel one (tp > 1) of its partial product and, under
+                     sequence parallelism, of its reduce-scattered rows before the
+                     bias's add (the bias's use is summed over tp in a forward hook)
 attention            weights ``B h T^2 f`` (``h`` this rank's heads), output ``N A c``
-                     (``A = h * head_size``); with dropout its float32 draws, ``B h T^2 4``;
-                     a GPU's fused kernels (``MPISHARD_ATTENTION=fused``, no dropout):
-                     instead of the weights the head-major output ``N A c`` and a
-                     log-sum-exp per row ``B h T f``
-GELU (width F)       output ``N F c``, tanh ``N F f``
+                     (``A = h * head_size``); with dropout its mask, ``B h T^2`` (a
+                     byte each; a device: its float32 draws, four); a GPU's fused kernels (``MPISHARD_ATTENTION=fused``,
+                     no dropout): instead of the weights the head-major output ``N A c``
+                     and a log-sum-exp per row ``B h T f``
+GELU (width F)       output ``N F c`` (backward computes its tanh again; a device
+                     keeps it, ``N F f``)
 residual add         ``N C c``; with its branch's dropout (``p > 0``, one fused op)
-                     the float32 draws, ``N C 4``; a dropout alone: draws and output
-row-parallel linear  tp > 1: the summed copy after the all-reduce, ``N C c`` more; its
-                     bias is added in the next op's kernel (as every linear's before
-                     a GELU or a residual's dropout), but under sequence parallelism
-                     in an add of its own (the bias's use is summed over tp in a
-                     forward hook), its output ``N C c`` more
-embeddings           tokens ``N C c`` (tp > 1: rows, mask, product, sum, ids:
-                     ``3 N C c + N c + 8 N``), positions ``T C c + 8 T``, sum ``N C c``
+                     the mask, ``N C`` (a byte each); a dropout alone: mask and output
+embeddings           ids ``8 T`` of the positions (tp > 1: the tokens' local ids and
+                     mask, ``8 N + N c``), the sum ``N C c`` (the lookups let go of);
+                     with dropout instead its mask and output, ``N C (1 + c)``
 loss                 logits ``N V c`` and ``(9 + 2 f) N`` of per-row target ids,
                      flags, maxima and sums of exponentials (backward recomputes the
                      softmax block by block); vocabulary-parallel (tp > 1): ``(18 +
@@ -39,8 +43,7 @@ scores block by block); all-to-all (Ulysses) the head-split copy of q, k and v,
 cp T^2 f``, and the output back in the sequence split, ``N A c`` more. Under
 sequence parallelism (``sp`` = tp ranks) the rows outside the tensor-parallel
 layers are ``N / sp``: norms, residual adds, dropouts, the received activations,
-the reduce-scattered (and biased) output of a row-parallel layer (its partial
-output stays ``N C c``), the embeddings' cut rows (``N C c / sp`` more). A
+the embeddings' cut rows (``N C c / sp`` more; the whole rows let go). A
 column-parallel layer keeps only its own rows of the input it all-gathers
 (backward gathers them again); a layer the plan keeps whole keeps the gathered
 input, ``N C c``.
@@ -57,18 +60,12 @@ from __future__ import annotations
 
 from mpishard.kernels import fused_attention
 from mpishard.models.activations import (attention_bytes, graph_objects, head_and_loss,
-                                         micro_batch, routing_indices, row_parallel,
-                                         stage_input, width)
+                                         micro_batch, routing_indices, stage_input, width)
 
 __all__ = ["gpt_activation_bytes"]
 
 #: a mixture-of-experts block's graph has more (the router's and the dispatch's steps)
 _OBJECTS_MOE_PER_BLOCK = 11 << 10
-
-
-def _biased(linear, sp: int) -> int:
-    """1, or 2 where a row-parallel layer's bias is added apart (see the table)."""
-    return 1 + (sp > 1 and linear.bias is not None)
 
 
 def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
@@ -90,11 +87,13 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
     m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp)
     B, T, N, Ns, C, c, f, cp, sp = m.B, m.T, m.N, m.Ns, m.C, m.c, m.f, m.cp, m.sp
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode)
-    total += stage_input(model.transformer.wte if model.first_stage else None, m)
-    if model.first_stage:                                   # positions, their sum
-        total += T * C * c + 8 * T + N * C * c
-        if cfg.dropout > 0:
-            total += N * C * (4 + c)
+    total += stage_input(model.transformer.wte if model.first_stage else None, m, rows=False)
+    if model.first_stage:      # the positions' ids; the sum (the blocks' input without
+        total += 8 * T         # dropout), else the dropout's mask and output (whole rows:
+        if cfg.dropout > 0:    # under sp the cut rows are the blocks' input)
+            total += N * C * m.mask + (N * C * c if sp == 1 else 0)
+        elif sp == 1:
+            total += N * C * c
     for block in blocks:
         if m.checkpointing:
             total += Ns * C * c
@@ -102,28 +101,23 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         attn, mlp = block.attn, block.mlp
         qkv = width(attn.c_attn)
         heads = qkv // (3 * attn.head_size)
-        norms = 2 * (Ns * C * (c + f) + Ns * f)
+        norms = 2 * m.norm(Ns)
         if hasattr(mlp, "experts"):   # a mixture of GELU experts (as Llama's, with 4C)
             E, k, H = mlp.n_experts, mlp.top_k, int(mlp.experts.c_fc_weight.shape[1])
             M = N * k
-            linears = N * qkv * c + N * C * c + 2 * N * E * c + 2 * N * k * c + M * C * c \
+            linears = N * qkv * c + 2 * N * E * c + 2 * N * k * c + M * C * c \
                 + 2 * M * C * c + M * c + N * C * c
             if mlp.router != "softmax":
                 linears += 3 * N * E * c                    # sigmoid's steps
             if mlp.dispatch is not None:                    # expert parallel, even routing
                 linears += 4 * M * C * c                    # (see models/llama/activations.py)
             linears += routing_indices(N, E, k, c) + _OBJECTS_MOE_PER_BLOCK
-            if "shared_expert" in mlp._modules:             # a GPT MLP every row goes through
-                linears += 2 * N * C * c + N * H * c + N * H * (c + f)
-                if cfg.bias or cfg.dropout > 0:             # its output's bias or dropout
-                    linears += N * C * c
-            reduced = Ns * C * c * _biased(attn.c_proj, sp) * row_parallel(attn.c_proj)
+            if "shared_expert" in mlp._modules:             # a GPT MLP every row goes
+                linears += 2 * N * C * c + N * H * c + N * H * (c if m.lean else c + f)
             gelu = M * H * c
         else:
-            linears = N * qkv * c + N * C * c + N * width(mlp.c_fc) * c + N * C * c
-            reduced = Ns * C * c * sum(_biased(lin, sp) * row_parallel(lin)
-                                       for lin in (attn.c_proj, mlp.c_proj))
-            gelu = N * width(mlp.c_fc) * (c + f)
+            linears = N * qkv * c + N * width(mlp.c_fc) * c
+            gelu = N * width(mlp.c_fc) * (c if m.lean else c + f)   # a device: its tanh
         fused = fused_attention(model.backend.xp, attn.head_size, cfg.dropout > 0)
         selective = attn.recompute_core and not fused     # the core kept as its output only
         attention = N * heads * attn.head_size * c if selective else \
@@ -132,10 +126,10 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
         # the residual branches' draws: attention's and the MLP's (a mixture of experts'
         # output has none; its shared expert, a GPT MLP, has its own), and the weights'
         branches = 2 if not hasattr(mlp, "experts") or "shared_expert" in mlp._modules else 1
-        weights = 0 if selective else B * heads * T * T * 4
-        dropouts = (branches * Ns * C * 4 + weights) if cfg.dropout > 0 else 0
-        total += norms + linears + reduced + attention + gelu + adds + dropouts
+        weights = 0 if selective else B * heads * T * T
+        dropouts = (branches * Ns * C + weights) * m.mask if cfg.dropout > 0 else 0
+        total += norms + linears + attention + gelu + adds + dropouts
     if model.last_stage:
-        total += Ns * C * (c + f) + Ns * f                  # ln_f
+        total += m.norm(Ns)                                 # ln_f
         total += head_and_loss(model.lm_head, N, c, f)
     return int(total)

@@ -21,6 +21,7 @@ import numpy as np
 
 from mpishard.autodiff import nn_ops, softmax_ops
 from mpishard.autodiff.recompute import recompute
+from mpishard.autodiff.rows import release_values
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend, xp_of
 from mpishard.nn import (CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict,
@@ -308,8 +309,13 @@ class GPT(Module):
             xp = xp_of(self.transformer.wte.weight.data)
             tok = self.transformer.wte(idx)                        # (B, T, C)
             pos = self.transformer.wpe(seq.positions(T, xp) if seq else xp.arange(T))
-            x = (tok + pos).reshape(B * T, self.config.n_embd)     # (B*T, C)
-            x = self.transformer.drop(x)
+            summed = tok + pos
+            rows = summed.reshape(B * T, self.config.n_embd)       # (B*T, C)
+            x = self.transformer.drop(rows)
+            # backward reads none of these values (the lookups keep their ids, a
+            # dropout its mask): let them go unless the sum is the blocks' input
+            for spent in (tok, pos) + ((summed, rows) if x is not rows else ()):
+                release_values(spent)
         else:
             if batch_size is None:
                 raise ValueError("a stage that is not first needs batch_size")

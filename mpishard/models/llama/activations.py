@@ -11,7 +11,8 @@ q, k, v projections         ``N hs (h + 2 h_kv) c``
 rotary q, k and packing     packed q|k|v for attention ``3 N h hs c``; the rotation tables
                             (cos and signed sin per head) ``2 T hs (h + h_kv) c``
 attention                   weights ``B h T^2 f``, output ``N h hs c``
-o / down projections        ``N C c`` each (tp > 1: the summed copy, ``N C c`` more)
+o / down projections        ``N C c`` each (tp > 1: the summed rows, this rank's partial
+                            products let go, see the GPT's table)
 gate, up; SwiGLU            ``2 N F c``; output ``N F c`` and sigmoid ``N F f``
 residual adds               ``2 N C c``
 ==========================  =========================================================
@@ -60,8 +61,8 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
             + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + (
                 _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c if shared is not None else 0)
     F = width(mlp.gate_proj)
-    return N * C * c + Ns * C * c * row_parallel(mlp.down_proj) \
-        + 2 * N * F * c + N * F * (c + f)                                 # down; gate, up, SwiGLU
+    down = (Ns if row_parallel(mlp.down_proj) else N) * C * c
+    return down + 2 * N * F * c + N * F * (c + f)                         # down; gate, up, SwiGLU
 
 
 #: the graph's Python objects per block (tensors, closures): measured, bytes
@@ -92,9 +93,10 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
             total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
         fused = not attn.takes_fused_path() and fused_attention(model.backend.xp, hs, False)
         if attn.recompute_core and not fused:   # selective: the recomputed op's output
-            total += N * h * hs * c             # (and outside the one op, q, k, v, tables)
-            if not (cp == sp == 1 and attn.takes_fused_path()):
-                total += N * hs * (h + 2 * h_kv) * c + 2 * T * hs * (h + h_kv) * c
+            total += N * h * hs * c             # (and outside the one op, q, k, v, the
+            if not (cp == sp == 1 and attn.takes_fused_path()):   # packed rows it reads,
+                total += N * hs * (h + 2 * h_kv) * c + 3 * N * h * hs * c \
+                    + 2 * T * hs * (h + h_kv) * c                 # tables)
         else:
             if cp == sp == 1 and attn.takes_fused_path():   # rotated q, k, v; rotations,
                 total += N * hs * (h + 2 * h_kv) * f + 2 * T * hs * (h + h_kv) * f  # conjugates
@@ -102,7 +104,7 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
                 total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
                 total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
             total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
-        total += N * C * c + Ns * C * c * row_parallel(attn.o_proj)     # o
+        total += (Ns if row_parallel(attn.o_proj) else N) * C * c         # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:

@@ -51,6 +51,7 @@ import dataclasses
 
 from mpishard.autodiff import nn_ops
 from mpishard.autodiff.ops import mul
+from mpishard.autodiff.rows import release_values
 from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import xp_of
@@ -134,13 +135,22 @@ class RowParallelLinear(_SplitLinear):
 
     def forward(self, x_local):
         y = self.forward_unbiased(x_local)
-        return y + self.bias if self.bias is not None else y
+        if self.bias is None:
+            return y
+        out = y + self.bias
+        release_values(y)        # the add's backward reads no values: none kept for it
+        return out
 
     def forward_unbiased(self, x_local):
-        """The reduced output before the bias (see :func:`mpishard.nn.unbiased`)."""
+        """The reduced output before the bias (see :func:`mpishard.nn.unbiased`); this
+        rank's partial product, summed into it, is not kept for backward (neither
+        collective's backward reads it)."""
         partial = nn_ops.linear(x_local, self.weight)
-        return reduce_scatter_to_sp(partial, self.tp) if self.sequence_parallel else \
+        y = reduce_scatter_to_sp(partial, self.tp) if self.sequence_parallel else \
             reduce_from_tp(partial, self.tp)
+        if y is not partial:                          # (tp 1: the product itself)
+            release_values(partial)
+        return y
 
 
 class VocabParallelEmbedding(Module):
@@ -164,8 +174,11 @@ class VocabParallelEmbedding(Module):
         mine = (idx >= self.vocab_start) & (idx < self.vocab_stop)
         local = xp.where(mine, idx - self.vocab_start, 0)
         rows = nn_ops.embedding(local, self.weight)                 # (..., C)
-        rows = mul(rows, mine[..., None].astype(self.weight.data.dtype))
-        return reduce_from_tp(rows, self.tp)
+        masked = mul(rows, mine[..., None].astype(self.weight.data.dtype))
+        summed = reduce_from_tp(masked, self.tp)
+        release_values(rows)     # backward reads neither (the product's only the mask)
+        release_values(masked)
+        return summed
 
 
 class VocabParallelCrossEntropy(Module):
@@ -276,8 +289,7 @@ def _split_rows(model, tp, plan) -> None:
     except KeyError:
         module = None          # a pipeline stage without the embeddings
     if module is not None:
-        module.register_forward_hook(
-            lambda m, args, out: scatter_to_sp(reshape(out, (-1, out.shape[-1])), tp))
+        module.register_forward_hook(lambda m, args, out: _cut_rows(out, tp))
     model.sequence_parallel_size = tp.size   # the rows a pipeline stage passes on
     first = tuple(plan.pipeline.first) if plan.pipeline is not None else ()
     for path, owner in model.named_modules():
@@ -288,6 +300,17 @@ def _split_rows(model, tp, plan) -> None:
         if names:
             owner.register_forward_pre_hook(lambda m, args, names=names: _use_summed(m, names, tp))
             owner.register_forward_hook(lambda m, args, out, names=names: _drop_uses(m, names))
+
+
+def _cut_rows(out, tp):
+    """This rank's rows of the entry module's output ``out``, which nothing reads after
+    (the hook's result replaces it), nor does the cut's backward: let go of it."""
+    rows = reshape(out, (-1, out.shape[-1]))
+    mine = scatter_to_sp(rows, tp)
+    if mine is not rows:
+        for whole in (out, rows):
+            release_values(whole)
+    return mine
 
 
 class _SummedUse(Tensor):
