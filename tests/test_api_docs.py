@@ -305,7 +305,7 @@ def test_each_entry_is_documented_once():
     ("AdamW(params, *, lr: float = 0.001, betas: tuple = (0.9, 0.999), eps: float = 1e-8, "
      "weight_decay: float = 0.01, ledger: MemoryLedger | None = None)", "keyword-only"),
     ("clip_grad_norm(params, max_norm: float) -> int", "returns"),
-    ("AdamW.step(grad_scale: float = 1.0) -> float", "returns"),
+    ("AdamW.step(grad_scale=1.0, skip=None) -> float", "returns"),
     ("AdamW.no_such_method()", "documented but missing"),
     ("NoSuchOptimizer(lr)", "documented but missing"),
     ("clip_coefficient = 3", "documented value"),

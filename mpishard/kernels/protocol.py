@@ -158,13 +158,18 @@ class KernelSet(Protocol):
         ``exp(s - lse)``, ``D = rowsum(gy y)``, ``ds = p (gy v^T - D)``,
         ``dq = scale ds k``, ``dk = scale ds^T q``, ``dv = p^T gy``."""
 
-    def multi_adam_update(self, targets, beta1: float, beta2: float, step_size: float,
-                          inv_bias2: float, eps: float, grad_scale: float = 1.0,
-                          decay: float = 1.0) -> None:
+    def multi_adam_update(self, targets, beta1: float, beta2: float, step_size, inv_bias2,
+                          eps: float, grad_scale=1.0, decay: float = 1.0,
+                          skip=None) -> None:
         """One AdamW step over many flat targets ``(param, grad, m, v, decay_ranges)``:
         each gradient times ``grad_scale`` (the loss scale's and the clipping's factor),
         each param's decay ranges times ``decay`` (decoupled weight decay, in place on
-        the views), then :meth:`adam_update` (a GPU does all targets in one launch)."""
+        the views), then :meth:`adam_update` (a GPU does all targets in one launch).
+        With ``skip`` a 0-d boolean array (a step decided on the device) ``step_size``,
+        ``inv_bias2`` and ``grad_scale`` may be 0-d float64 arrays of the targets' array
+        module: a GPU's kernel reads them, and the flag, from device memory and leaves
+        every target and its state as they were where the flag is set (no read back);
+        the host sets and the reference read them."""
 
     def multi_sq_sum(self, arrays, out):
         """``out[i]`` (float64) = the sum of squares of ``arrays[i]``, for every i (a GPU

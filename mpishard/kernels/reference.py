@@ -223,12 +223,26 @@ def adam_update(param, grad, m, v, beta1: float, beta2: float, step_size: float,
     param -= step_size * (m / (xp.sqrt(v) * inv_bias2 + eps))
 
 
+def step_scalars(step_size, inv_bias2, grad_scale, skip) -> tuple:
+    """A step's scalars as Python numbers: 0-d arrays (a step decided on a device, see
+    :meth:`.KernelSet.multi_adam_update`) read (free on the host, a sync each on a
+    device), ``skip`` ``None`` as ``False``."""
+    def value(x):
+        return x.item() if hasattr(x, "shape") else x
+    return (value(step_size), value(inv_bias2), value(grad_scale),
+            bool(value(skip)) if skip is not None else False)
+
+
 def multi_adam(adam_update):
     """The multi-tensor Adam step of a one-target ``adam_update`` (a kernel set's),
     target by target (see :meth:`.KernelSet.multi_adam_update`)."""
-    def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
-                          inv_bias2: float, eps: float, grad_scale: float = 1.0,
-                          decay: float = 1.0) -> None:
+    def multi_adam_update(targets, beta1: float, beta2: float, step_size, inv_bias2,
+                          eps: float, grad_scale=1.0, decay: float = 1.0,
+                          skip=None) -> None:
+        step_size, inv_bias2, grad_scale, skipped = step_scalars(step_size, inv_bias2,
+                                                                 grad_scale, skip)
+        if skipped:
+            return
         for param, grad, m, v, ranges in targets:
             if grad_scale != 1.0:
                 grad = grad * grad_scale

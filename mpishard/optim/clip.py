@@ -10,20 +10,22 @@ from typing import Iterable
 
 import numpy as np
 
-from mpishard.core.backend import to_numpy, xp_of
+from mpishard.core.backend import xp_of
 from mpishard.kernels import kernels_for
 
 __all__ = ["grad_sq_sum", "global_grad_norm", "clip_grad_norm", "clip_coefficient"]
 
 
-def grad_sq_sum(grads: Iterable) -> float:
+def grad_sq_sum(grads: Iterable):
     """Sum of squares of every element of ``grads``, accumulated in float64.
 
-    Host arrays: each one's float64 copy dotted with itself. Device arrays: all
-    their sums of squares in one multi-tensor call (on a GPU two launches, float64
-    accumulation, no float64 copy) into the slots of a small device array, read
-    back once at the end (one host sync, whatever the number of arrays) and added
-    on the host in the arrays' order, as the host arrays' are.
+    Host arrays: each one's float64 copy dotted with itself, added in order into a
+    Python float, which is returned. Device arrays: all their sums of squares in one
+    multi-tensor call (on a GPU two launches, float64 accumulation, no float64 copy)
+    into the slots of a small device array, added in the arrays' order (after the host
+    arrays' total, if any) by one cumulative sum: the result is a 0-d float64 device
+    array, never read back here (a step decides on it on the device; see [Note: device
+    step decisions] in mpishard/parallel/strategy.py).
     """
     total, device = 0.0, []
     for g in grads:
@@ -36,17 +38,20 @@ def grad_sq_sum(grads: Iterable) -> float:
             total += float(np.dot(flat, flat))
         else:
             device.append(g)
-    if device:
-        xp = xp_of(device[0])
-        sums = kernels_for(xp).multi_sq_sum(device, xp.empty(len(device), dtype=np.float64))
-        for value in to_numpy(sums).tolist():
-            total += value
-    return total
+    if not device:
+        return total
+    xp = xp_of(device[0])
+    sums = xp.zeros(len(device) + 1, dtype=np.float64)
+    if total:
+        sums[0] = total
+    kernels_for(xp).multi_sq_sum(device, sums[1:])
+    return xp.cumsum(sums)[-1]       # left to right, as the host's loop adds
 
 
 def global_grad_norm(params: Iterable) -> float:
-    """L2 norm of all gradients together (``inf``/``nan`` when any is non-finite)."""
-    return math.sqrt(grad_sq_sum(p.grad for p in params))
+    """L2 norm of all gradients together (``inf``/``nan`` when any is non-finite); on a
+    device one read of the sum."""
+    return math.sqrt(float(grad_sq_sum(p.grad for p in params)))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

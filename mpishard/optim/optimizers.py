@@ -11,6 +11,13 @@ and per kind (``exp_avg``, ...), so it shards with the target.
 All arithmetic uses Python-float scalars so float32 state never promotes to
 float64 (a NumPy float64 scalar times a float32 array computes in float64,
 about 4x slower), and writes in place with ``out=``.
+
+A strategy on a device decides a step there (see [Note: device step decisions] in
+mpishard/parallel/strategy.py): ``step(grad_scale=factor, skip=overflow)`` with both
+0-d device arrays. Adam and AdamW then count their steps on the device too (the bias
+corrections are computed there) and hand the scalars to the kernel, which leaves every
+target and its state unchanged where ``skip`` is set: nothing is read back.
+``step_count`` reads the device count when asked. SGD decides on the host (one read).
 """
 from __future__ import annotations
 
@@ -45,8 +52,47 @@ class Optimizer:
             raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
         self.lr = float(lr)
         self.ledger = ledger
-        self.step_count = 0
+        self._steps, self._device_steps = 0, None
         self.state: list[dict] = [{} for _ in self.params]
+
+    @property
+    def step_count(self) -> int:
+        """Updates made so far (skipped steps not counted; on a device: one read)."""
+        if self._device_steps is not None:
+            self._steps, self._device_steps = int(self._device_steps), None
+        return self._steps
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._steps, self._device_steps = int(value), None
+
+    def _count_on_device(self, skip):
+        """This step's number as a 0-d float64 array of ``skip``'s module: the count so
+        far plus one unless ``skip`` is set (kept on the device, see ``step_count``)."""
+        xp = xp_of(skip)
+        if self._device_steps is None:
+            self._device_steps = xp.full((), float(self._steps), dtype=np.float64)
+        self._device_steps = self._device_steps + xp.logical_not(skip)
+        return self._device_steps
+
+    def _decide_on_host(self, grad_scale, skip) -> tuple:
+        """``(grad_scale, skip)`` with host arrays' values as Python numbers and, where
+        this optimizer cannot skip on the device (``device_skip`` false, or its targets
+        on the host), a device ``skip`` read (and for host targets its ``grad_scale``):
+        ``skip`` is then ``None`` or a bool."""
+        if hasattr(grad_scale, "shape") and isinstance(grad_scale, np.ndarray):
+            grad_scale = float(grad_scale)
+        if skip is None or isinstance(skip, (bool, np.ndarray, np.bool_)):
+            return grad_scale, None if skip is None else bool(skip)
+        on_host = xp_of(self.params[0].data) is np       # offloaded targets
+        if self.device_skip and not on_host:
+            return grad_scale, skip
+        if on_host and hasattr(grad_scale, "shape"):
+            grad_scale = float(grad_scale)
+        return grad_scale, bool(skip)
+
+    #: whether :meth:`step` takes a device ``skip`` flag without reading it
+    device_skip = False
 
     def _state(self, i: int, name: str, like):
         slot = self.state[i]
@@ -70,10 +116,14 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self, grad_scale: float = 1.0) -> None:
+    def step(self, grad_scale=1.0, skip=None) -> None:
         """Apply one update to every target that has a gradient, each gradient taken
         times ``grad_scale`` (a strategy's unscaling and clipping factor, applied here
-        rather than to the gradients in place: on a GPU inside the update's kernel)."""
+        rather than to the gradients in place: on a GPU inside the update's kernel),
+        unless ``skip`` is set (see the module docstring)."""
+        grad_scale, skip = self._decide_on_host(grad_scale, skip)
+        if skip:
+            return
         self.step_count += 1
         for i, param, grad in self._flat_targets():
             self._update(i, param, grad, tuple(self.params[i].decay_ranges), grad_scale)
@@ -134,6 +184,14 @@ def _in_blocks(update, size: int, host: bool) -> None:
              -(-size // _ROW), _ROW)
 
 
+def _scaled(grad, grad_scale):
+    """``grad * grad_scale``: a Python float (``grad`` itself for 1.0), or a 0-d device
+    array cast to the gradient's dtype first, as a Python float would be."""
+    if not hasattr(grad_scale, "astype"):
+        return grad if grad_scale == 1.0 else grad * grad_scale
+    return grad * grad_scale.astype(grad.dtype)
+
+
 def _add_l2(grad, param, decay_ranges: tuple, weight_decay: float):
     """``grad + weight_decay * param`` on the decayed ranges (a fresh array)."""
     grad = grad.copy()
@@ -161,9 +219,7 @@ class SGD(Optimizer):
         decayed = decay_ranges if self.weight_decay else ()
 
         def update(lo: int, hi: int) -> None:     # elements [lo, hi): in cache on a host
-            g = grad[lo:hi]
-            if grad_scale != 1.0:
-                g = g * grad_scale
+            g = _scaled(grad[lo:hi], grad_scale)
             if g.dtype != param.dtype:
                 g = g.astype(param.dtype)
             ranges = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in decayed if a < hi and b > lo]
@@ -198,32 +254,48 @@ class Adam(Optimizer):
         self.beta1, self.beta2 = float(b1), float(b2)
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
-    def step(self, grad_scale: float = 1.0) -> None:
+    device_skip = True
+
+    def step(self, grad_scale=1.0, skip=None) -> None:
         """Every target's update as one multi-tensor call per array module and dtype (on
         a GPU one kernel launch for all targets: the gradients' scaling, the decoupled
         weight decay and Adam's update together); a gradient of another dtype than its
-        target, or plain Adam's L2 decay, is prepared on the way, target by target."""
-        self.step_count += 1
-        b1, b2, lr, t = self.beta1, self.beta2, self.lr, self.step_count
+        target, or plain Adam's L2 decay, is prepared on the way, target by target.
+        With a device ``skip`` the step's number and bias corrections are computed on
+        the device and the kernel skips there (see the module docstring)."""
+        grad_scale, skip = self._decide_on_host(grad_scale, skip)
+        if skip is True:
+            return
+        b1, b2, lr = self.beta1, self.beta2, self.lr
+        if skip is None or skip is False:
+            skip = None
+            self.step_count += 1
+            t = self.step_count
+            step_size, inv_bias2 = lr / (1.0 - b1 ** t), 1.0 / math.sqrt(1.0 - b2 ** t)
+        else:        # Python's arithmetic above, on the device (pow, sqrt: the same libm)
+            xp = xp_of(skip)
+            t = self._count_on_device(skip)
+            step_size = lr / (1.0 - xp.power(b1, t))
+            inv_bias2 = 1.0 / xp.sqrt(1.0 - xp.power(b2, t))
         decay = 1.0 - lr * self.weight_decay if self.decoupled and self.weight_decay else 1.0
         groups: dict = {}
         for i, param, grad in self._flat_targets():
             ranges = tuple(self.params[i].decay_ranges)
             scale = grad_scale
             if grad.dtype != param.dtype or (self.weight_decay and not self.decoupled):
-                grad = grad * grad_scale if grad_scale != 1.0 else grad
-                grad = grad.astype(param.dtype, copy=False)
+                grad = _scaled(grad, grad_scale).astype(param.dtype, copy=False)
                 if self.weight_decay and not self.decoupled and ranges:
                     grad = _add_l2(grad, param, ranges, self.weight_decay)
                 scale = 1.0                               # applied here
             m = self._state(i, "exp_avg", param)
             v = self._state(i, "exp_avg_sq", param)
-            key = (id(xp_of(param)), param.dtype.name, scale)
-            groups.setdefault(key, []).append((param, grad, m, v, ranges))
-        for (_, _, scale), targets in groups.items():
+            key = (id(xp_of(param)), param.dtype.name,
+                   id(scale) if hasattr(scale, "shape") else scale)
+            groups.setdefault(key, (scale, []))[1].append((param, grad, m, v, ranges))
+        for scale, targets in groups.values():
+            extra = {} if skip is None else {"skip": skip}
             kernels_for(xp_of(targets[0][0])).multi_adam_update(
-                targets, b1, b2, lr / (1.0 - b1 ** t), 1.0 / math.sqrt(1.0 - b2 ** t),
-                self.eps, scale, decay)
+                targets, b1, b2, step_size, inv_bias2, self.eps, scale, decay, **extra)
 
 
 class AdamW(Adam):

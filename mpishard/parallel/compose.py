@@ -272,6 +272,12 @@ class ParallelModel:
         count] in pipeline/schedule.py)."""
         return self.pipeline.train_step(*self._local(x, y))
 
+    def forward_backward(self, x, y):
+        """:meth:`train_step` with the loss left unread (a
+        :class:`~mpishard.parallel.pipeline.schedule.StepLoss`): ``float(loss)`` after
+        :meth:`step`, on every rank, keeps the step free of host reads."""
+        return self.pipeline.forward_backward(*self._local(x, y))
+
     def eval_step(self, x, y) -> float:
         """Mean loss without gradients."""
         self.strategy.eval()

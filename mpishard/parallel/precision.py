@@ -29,6 +29,8 @@ parameters and optimizer state untouched) and doubles after
 overflow decision is the global gradient norm's, which one all-reduce over the
 whole mesh makes the same on every rank (see [Note: collective step
 decisions] in strategy.py), so all ranks skip together and keep the same scale.
+On a device the scale, its clean-step count and the skip stay there, never read
+inside a step (see [Note: device step decisions] in strategy.py).
 bfloat16 has float32's exponent range and needs no scaling.
 """
 from __future__ import annotations
@@ -121,34 +123,83 @@ class Precision:
 
 
 class LossScaler:
-    """The current loss scale and its dynamic update (see [Note: mixed precision])."""
+    """The current loss scale and its dynamic update (see [Note: mixed precision]).
 
-    def __init__(self, precision: Precision):
+    With ``xp`` a device array module (CuPy, the strict module) a dynamic scale and its
+    count of clean steps live on the device as 0-d float64 arrays, and :meth:`update`
+    takes the step's overflow flag as a device boolean: nothing is read back inside a
+    step (see [Note: device step decisions] in strategy.py). ``scale`` and
+    ``clean_steps`` read them when asked (after the step: logging, checkpoints).
+    """
+
+    def __init__(self, precision: Precision, xp=None):
         self.precision = precision
         self.dynamic = precision.loss_scale == "dynamic"
-        if self.dynamic:
-            self.scale = float(precision.init_scale)
-        else:
-            self.scale = float(precision.loss_scale or 1.0)
+        self._xp = xp if self.dynamic and xp is not None and xp.__name__ != "numpy" else None
+        self.scale = float(precision.init_scale if self.dynamic else
+                           (precision.loss_scale or 1.0))
         self.clean_steps = 0
 
     #: the dynamic scale never backs off below this (a run whose gradients
     #: overflow even here has non-finite values that no scale can fix)
     min_scale = 2.0 ** -24
 
-    def update(self, overflow: bool) -> None:
-        """After a step: back off on overflow, grow after enough clean steps."""
+    @property
+    def on_device(self) -> bool:
+        """Whether the scale is a device array (a dynamic scale on a device module)."""
+        return self._xp is not None
+
+    @property
+    def scale(self) -> float:
+        """The current scale as a Python float (on a device: one read)."""
+        return float(self._scale) if self.on_device else self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = (self._xp.full((), float(value), dtype="float64") if self.on_device
+                       else float(value))
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean) if self.on_device else self._clean
+
+    @clean_steps.setter
+    def clean_steps(self, value: int) -> None:
+        self._clean = (self._xp.full((), float(value), dtype="float64") if self.on_device
+                       else int(value))
+
+    def device_scale(self, dtype):
+        """The scale to multiply a loss of ``dtype`` by: a 0-d device array of that dtype
+        on a device, else the Python float (cast as a Python scalar would be)."""
+        return self._scale.astype(dtype) if self.on_device else self._scale
+
+    def scale_value(self):
+        """The scale as the step's arithmetic takes it: the float64 device array, or the
+        Python float."""
+        return self._scale
+
+    def update(self, overflow) -> None:
+        """After a step: back off on overflow, grow after enough clean steps.
+        ``overflow`` is a bool, or on a device a 0-d boolean array."""
         if not self.dynamic:
             return
         p = self.precision
+        if self.on_device:
+            xp, scale, clean = self._xp, self._scale, self._clean + 1.0
+            grow = clean >= p.growth_interval
+            backed_off = xp.maximum(scale * p.backoff_factor, self.min_scale)
+            self._scale = xp.where(overflow, backed_off,
+                                   xp.where(grow, scale * p.growth_factor, scale))
+            self._clean = xp.where(overflow | grow, 0.0, clean)
+            return
         if overflow:
-            self.scale = max(self.scale * p.backoff_factor, self.min_scale)
-            self.clean_steps = 0
+            self._scale = max(self._scale * p.backoff_factor, self.min_scale)
+            self._clean = 0
         else:
-            self.clean_steps += 1
-            if self.clean_steps >= p.growth_interval:
-                self.scale *= p.growth_factor
-                self.clean_steps = 0
+            self._clean += 1
+            if self._clean >= p.growth_interval:
+                self._scale *= p.growth_factor
+                self._clean = 0
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "dynamic": self.dynamic}

@@ -43,6 +43,33 @@ the squared gradient norm is combined with one all-reduce that also carries a
 coefficient and the same skip decision. A skipped step leaves parameters and
 optimizer state bit-unchanged and is counted in ``skipped_steps``.
 
+[Note: device step decisions]
+On a device (CuPy, or the strict module standing in for it) :meth:`Strategy.step`
+reads nothing back between its first launch and its last, so that a step can be
+captured as a CUDA graph and the host never waits for the device inside it:
+
+* the squared norm stays a 0-d float64 device array (``grad_sq_sum``), is all-reduced
+  on the device (staged through host buffers where MPI is not CUDA-aware: moved, not
+  read), and the norm, the unscale-and-clip factor ``min(1, max_norm / (norm +
+  1e-6)) / scale`` and the overflow flag ``not isfinite(norm)`` are 0-d device arrays
+  computed in float64 with the host's operations in the host's order (the same bits);
+* the optimizer gets ``step(grad_scale=factor, skip=overflow)``: Adam's kernel reads
+  the factor, its step size and bias correction (its step count kept on the device)
+  and the flag from device memory and returns at once where the flag is set, so a
+  skipped step leaves everything bit-unchanged. ``after_update`` runs either way (it
+  re-gathers and re-casts unchanged masters). An optimizer without ``skip`` (SGD, or
+  another library's) gets the flag read on the host: one read;
+* the dynamic loss scale and its clean-step count are device arrays updated with
+  ``where`` (:class:`~mpishard.parallel.precision.LossScaler`), and ``scale_loss``
+  multiplies by the device scale;
+* what the host wants to know -- the norm and ``skipped`` of the returned
+  :class:`StepResult`, ``skipped_steps``, the optimizer's ``step_count``, the scale --
+  is read when asked, after the step (one read of the norm and the flag together);
+* the "model changed" check is a host flag: all-reduced on the host, on its own.
+
+The loss is read after the step too (:meth:`~mpishard.parallel.ParallelModel.
+forward_backward`). Host arrays (NumPy) take the host path above, unchanged.
+
 [Note: counted once]
 The norm all-reduce runs over the whole mesh (dp x tp x pp), so every element
 of the model's gradient must be added by exactly one rank: a dp replica only on
@@ -60,7 +87,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpishard.core.backend import MemoryLedger
+from mpishard.core.backend import MemoryLedger, to_numpy, xp_of
 from mpishard.core.dtypes import resolve_dtype
 from mpishard.nn.init import materialize
 from mpishard.optim.clip import clip_coefficient
@@ -71,14 +98,38 @@ __all__ = ["Strategy", "StepResult", "Sharded", "StrategyEntry", "STRATEGIES",
            "register_strategy", "strategy_entry"]
 
 
-@dataclass(frozen=True)
 class StepResult:
     """What :meth:`Strategy.step` did: the global gradient norm before clipping,
-    whether the update was skipped (non-finite gradients), and the step count."""
+    whether the update was skipped (non-finite gradients), and the step count.
 
-    grad_norm: float
-    skipped: bool
-    step: int
+    On a device the norm and the skip flag stay there until ``grad_norm`` or
+    ``skipped`` is first read: one read of both, after the step (see [Note: device
+    step decisions])."""
+
+    def __init__(self, grad_norm, skipped, step: int, on_read=None):
+        self._values = None if on_read is not None else (float(grad_norm), bool(skipped))
+        self._pending, self._on_read, self.step = (grad_norm, skipped), on_read, step
+
+    def _read(self) -> tuple:
+        if self._values is None:
+            norm, skipped = self._on_read(*self._pending)
+            self._values, self._pending = (float(norm), bool(skipped)), None
+        return self._values
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read()[0]
+
+    @property
+    def skipped(self) -> bool:
+        return self._read()[1]
+
+    def __eq__(self, other):
+        return isinstance(other, StepResult) and (self.grad_norm, self.skipped, self.step) == \
+            (other.grad_norm, other.skipped, other.step)
+
+    def __repr__(self) -> str:
+        return f"StepResult(grad_norm={self.grad_norm}, skipped={self.skipped}, step={self.step})"
 
 
 class Sharded(enum.IntEnum):
@@ -179,7 +230,7 @@ class Strategy:
         self.ledger = ledger or (backend.ledger if backend is not None else MemoryLedger())
         self.sync_gradients = True
         self.steps = 0
-        self.skipped_steps = 0
+        self._skipped = 0        # a host int, or a 0-d device array (see skipped_steps)
         self._param_ids = [id(p) for p in module.parameters()]
         self.precision = Precision.of(precision)
         self.xp = backend.xp if backend is not None else np
@@ -190,7 +241,7 @@ class Strategy:
                               else self.master_dtype)
         self.reduce_dtype = (resolve_dtype(self.precision.reduce_dtype, self.xp) if self.mixed
                              else self.master_dtype)
-        self.scaler = LossScaler(self.precision)
+        self.scaler = LossScaler(self.precision, self.xp)
         if self.mixed:  # every gradient contribution is added in reduce_dtype, not 16 bits
             for p in params:
                 p.grad_dtype = self.reduce_dtype
@@ -247,10 +298,12 @@ class Strategy:
 
     # -- the contract: defaults -------------------------------------------------
     def scale_grads(self, factor: float) -> None:
-        """Multiply every optimizer target's gradient by ``factor`` (unscaling, clipping)."""
+        """Multiply every optimizer target's gradient by ``factor`` (unscaling, clipping):
+        a Python float, or a 0-d device array (cast to each gradient's dtype first, as a
+        Python float would be)."""
         for p in self.parameters():
             if p.grad is not None:
-                p.grad *= factor
+                p.grad *= factor.astype(p.grad.dtype) if hasattr(factor, "astype") else factor
 
     def after_update(self) -> None:
         """Runs after the optimizer updated this rank's targets (ZeRO-1/2 all-gather,
@@ -298,8 +351,22 @@ class Strategy:
 
     def scale_loss(self, loss):
         """``loss`` times the current loss scale (itself when there is none): call
-        ``backward()`` on this. :meth:`step` divides the scale out again."""
+        ``backward()`` on this. :meth:`step` divides the scale out again. A dynamic
+        scale on a device multiplies as a device scalar of the loss's dtype (no read)."""
+        if self.scaler.on_device:
+            return loss * self.scaler.device_scale(loss.data.dtype)
         return loss if self.scaler.scale == 1.0 else loss * self.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (on a device: one read, after the step)."""
+        if not isinstance(self._skipped, int):
+            self._skipped = int(self._skipped)
+        return self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = int(value)
 
     def zero_grad(self) -> None:
         for p in self.module.parameters():
@@ -323,29 +390,62 @@ class Strategy:
             return False
         return spec.tp_dim is not None or self.mesh.tp.rank == 0
 
-    def grad_norm(self) -> float:
-        """Global gradient norm, the same on every rank. See [Note: collective step decisions]."""
-        sq = self.local_grad_sq()
-        # +inf stands for any non-finite value (NaN + x stays NaN, but is harder to read).
-        flags = np.array([sq if math.isfinite(sq) else math.inf, float(self._model_changed())])
+    def _check_model(self, changed: float, flags=None) -> None:
+        """All-reduce whether the model changed (with the host ``flags`` it rides on, or
+        alone) and raise on every rank if it did on any."""
+        if flags is None:
+            flags = np.array([changed])
+        else:
+            flags[-1] = changed
         self.mesh.world.all_reduce(flags, op="sum")
-        if flags[1] > 0:
+        if flags[-1] > 0:
             raise RuntimeError(
                 "the model's parameters changed after it was wrapped (a parameter was "
                 "added, removed or replaced); build the model completely, then wrap it once")
-        return math.sqrt(flags[0])
+
+    def grad_norm(self):
+        """Global gradient norm, the same on every rank. See [Note: collective step decisions].
+
+        A Python float; with the strategy on a device a 0-d float64 device array (+inf
+        for any non-finite value), never read here (see [Note: device step decisions]).
+        """
+        sq = self.local_grad_sq()
+        changed = float(self._model_changed())
+        if self.xp is np:
+            # +inf stands for any non-finite value (NaN + x stays NaN, but is harder to read)
+            flags = np.array([sq if math.isfinite(sq) else math.inf, 0.0])
+            self._check_model(changed, flags)
+            return math.sqrt(flags[0])
+        self._check_model(changed)          # a host flag: no read of the device
+        xp = self.xp
+        sq = xp.full((), sq, dtype=np.float64) if isinstance(sq, float) else sq
+        total = xp.where(xp.isfinite(sq), sq, math.inf).reshape(1)
+        self.mesh.world.all_reduce(total, op="sum")
+        return xp.sqrt(total[0])
 
     def grad_factor(self, max_norm: float | None) -> tuple:
         """``(norm, factor)``: the unscaled global gradient norm, and what to multiply
         the gradients by to divide out the loss scale and clip to ``max_norm`` (1.0
-        when the norm is not finite: the step is skipped)."""
-        scale = self.scaler.scale
-        norm = self.grad_norm() / scale
-        factor = 1.0
-        if math.isfinite(norm):
-            factor = 1.0 / scale
-            if max_norm is not None:
-                factor *= clip_coefficient(norm, max_norm)
+        when the norm is not finite: the step is skipped). On a device both are 0-d
+        float64 device arrays (the factor then meaningless where the norm is not
+        finite: the update is skipped on the device)."""
+        scale = self.scaler.scale_value()
+        if self.xp is np:
+            norm = self.grad_norm() / scale
+            factor = 1.0
+            if math.isfinite(norm):
+                factor = 1.0 / scale
+                if max_norm is not None:
+                    factor *= clip_coefficient(norm, max_norm)
+            return norm, factor
+        norm = self.grad_norm()
+        if not (isinstance(scale, float) and scale == 1.0):
+            norm = norm / scale
+        factor = 1.0 / scale
+        if max_norm is not None:    # clip_coefficient's arithmetic, on the device
+            factor = factor * self.xp.minimum(1.0, max_norm / (norm + 1e-6))
+        elif isinstance(factor, float):
+            factor = self.xp.full((), factor, dtype=np.float64)
         return norm, factor
 
     def _check_optimizer(self, optimizer) -> None:
@@ -370,11 +470,14 @@ class Strategy:
         """Reduce gradients, unscale and clip (optional), update unless non-finite, zero gradients.
 
         A non-finite norm skips the update on every rank and, with a dynamic
-        loss scale, halves the scale (see [Note: mixed precision]).
+        loss scale, halves the scale (see [Note: mixed precision]). On a device the
+        decisions stay there (see [Note: device step decisions]).
         """
         self._check_optimizer(optimizer)
         self.reduce_grads()
         norm, factor = self.grad_factor(max_norm)
+        if self.xp is not np:
+            return self._device_step(optimizer, norm, factor)
         skipped = not math.isfinite(norm)
         if skipped:
             self.skipped_steps += 1
@@ -391,11 +494,38 @@ class Strategy:
         self.steps += 1
         return StepResult(norm, skipped, self.steps)
 
+    def _device_step(self, optimizer, norm, factor) -> StepResult:
+        """:meth:`step`'s update and bookkeeping with the norm and the factor on the device."""
+        xp = self.xp
+        overflow = ~xp.isfinite(norm)
+        if _takes_grad_scale(optimizer, "skip"):
+            optimizer.step(grad_scale=factor, skip=overflow)
+        elif not bool(overflow):        # another optimizer: it decides on the host (a read)
+            if _takes_grad_scale(optimizer):
+                optimizer.step(grad_scale=factor)
+            else:
+                self.scale_grads(factor)
+                optimizer.step()
+        self.after_update()             # a skipped update left the masters as they were
+        self._skipped = self._skipped + overflow
+        self.scaler.update(overflow=overflow)
+        self.zero_grad()
+        self.steps += 1
+        return StepResult(norm, overflow, self.steps, on_read=_read_pair)
 
-def _takes_grad_scale(optimizer) -> bool:
-    """Whether ``optimizer.step`` takes ``grad_scale`` (mpishard's optimizers do; another
-    one, or a subclass with its own ``step()``, gets its gradients scaled first)."""
+
+def _read_pair(norm, overflow) -> tuple:
+    """``(norm, overflow)`` of a device step, read back together (one sync)."""
+    xp = xp_of(norm)
+    norm, overflow = to_numpy(xp.stack([norm, overflow.astype(np.float64)])).tolist()
+    return norm, overflow != 0.0
+
+
+def _takes_grad_scale(optimizer, name: str = "grad_scale") -> bool:
+    """Whether ``optimizer.step`` takes ``name`` (``grad_scale``, ``skip``: mpishard's
+    optimizers do; another one, or a subclass with its own ``step()``, gets its
+    gradients scaled first and is skipped by the host)."""
     try:
-        return "grad_scale" in inspect.signature(optimizer.step).parameters
+        return name in inspect.signature(optimizer.step).parameters
     except (TypeError, ValueError):
         return False

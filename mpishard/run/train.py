@@ -191,7 +191,9 @@ class Trainer:
             comm.stats.reset()
         pipeline.measure_activations = self.steps_done == self.first_step  # see pipeline.py
         t0 = time.perf_counter()
-        loss = np.array([self.run.train_step(*self.recipe.step_batch(self.sampler))])
+        # read after the step: nothing inside it waits for the device (see [Note: device
+        # step decisions] in mpishard/parallel/strategy.py)
+        step_loss = self.run.forward_backward(*self.recipe.step_batch(self.sampler))
         if pipeline.measure_activations:
             pipeline.measure_activations = False
             most = self.world.all_reduce_obj(pipeline.activation_bytes, op="max")
@@ -199,6 +201,7 @@ class Trainer:
                           f"busiest rank (measured on step {self.steps_done + 1}"
                           f"{_CHECKPOINTED[cfg.model.activation_checkpointing]})")
         result = self.run.step(self.opt, max_norm=cfg.optim.grad_clip or None)
+        loss = np.array([float(step_loss)])
         self.mesh.dp_cp.all_reduce(loss, op="avg")
         seconds = time.perf_counter() - t0
         samples = cfg.optim.batch_size * cfg.optim.micro_steps * self.mesh.dp.size

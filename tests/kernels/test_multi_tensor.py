@@ -181,3 +181,43 @@ def test_later_steps_keep_the_tables(table_work, moving):
             assert [list(c) for c in new] == [
                 [g.ctypes.data for _, g, *_ in got if g.size], [g.ctypes.data for g in grads]]
     assert len(gpu_multi._tables) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_adam_kernel_reads_a_step_decided_on_the_device(host_multi, dtype, skip):
+    """The step's size, bias correction and gradient factor as 0-d float64 device arrays
+    and a 0-d skip flag (a step decided on the device, see [Note: device step decisions]):
+    the kernel reads them, the same bits as the host's scalars, and a set flag leaves
+    every target and its state as they were."""
+    got, want, before = _targets(dtype), _targets(dtype), _targets(dtype)
+    on_device = [np.array(x, dtype=np.float64) for x in (1e-2, 1.3, 0.37)]
+    for _ in range(2):
+        gpu_multi.multi_adam_update(got, 0.9, 0.95, *on_device[:2], 1e-8, on_device[2], 0.999,
+                                    skip=np.array(skip))
+        gpu_multi.multi_adam_update(want, 0.9, 0.95, 1e-2, 1.3, 1e-8, 0.37, 0.999)
+    for g, w, b in zip(got, want, before):
+        for a, x, y in zip(g[:4], w[:4], b[:4]):
+            np.testing.assert_array_equal(a, y if skip else x)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_strict_adam_launch_reads_nothing_back(skip):
+    """On the strict module the same call is one launch and no host read, the reference's
+    bits (or nothing changed, skipped)."""
+    from mpishard.kernels import kernels_for
+    from mpishard.testing import strict
+
+    host, want = _targets(np.float32, 4), _targets(np.float32, 4)
+    dev = [tuple(strict.asarray(a) for a in t[:4]) + (t[4],) for t in host]
+    scalars = [strict.full((), x, dtype=np.float64) for x in (1e-2, 1.3, 0.37)]
+    flag = strict.full((), skip, dtype=bool)
+    strict.syncs.reset()
+    kernels_for(strict).multi_adam_update(dev, 0.9, 0.95, *scalars[:2], 1e-8, scalars[2], 0.99,
+                                          skip=flag)
+    assert strict.syncs.count == 0 and strict.syncs.launches == 1
+    if not skip:
+        reference.multi_adam_update(want, 0.9, 0.95, 1e-2, 1.3, 1e-8, 0.37, 0.99)
+    for d, w in zip(dev, want):
+        for a, b in zip(d[:4], w[:4]):
+            np.testing.assert_array_equal(a.get(), b)

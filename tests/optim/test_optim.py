@@ -158,11 +158,13 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
-def test_the_device_norm_is_two_kernels_for_all_gradients_and_one_read(dtype):
+def test_the_device_norm_is_two_kernels_for_all_gradients_and_no_read(dtype):
     """On a device (the CuPy-strict module) all the gradients' sums of squares are two
     multi-tensor kernels (the chunks' sums, then each gradient's) into their slots,
-    read back once; the sum is NumPy's to rounding, with non-finite gradients, empty
-    ones and Nones among them. 16-bit gradients: one by one (a copy, a product, a set)."""
+    added in order by one cumulative sum into a 0-d device array that is not read
+    back (a step decides on it there); the sum is NumPy's to rounding, with non-finite
+    gradients, empty ones and Nones among them. 16-bit gradients: one by one (a copy,
+    a product, a set)."""
     from mpishard.testing import strict
     from mpishard.optim.clip import grad_sq_sum
 
@@ -172,14 +174,15 @@ def test_the_device_norm_is_two_kernels_for_all_gradients_and_one_read(dtype):
     device = [strict.asarray(h) for h in host] + [None]
     strict.syncs.reset()
     got = grad_sq_sum(device)
-    assert got == pytest.approx(want, rel=1e-12)
+    assert strict.syncs.count == 0 and got.shape == ()
     fused = 1 if dtype != np.float16 else 0         # 16-bit: the copy, the product, the set
     assert strict.syncs.launches_by_op.get("mpishard_multi_sq_sum", 0) == fused
     assert strict.syncs.launches_by_op.get("mpishard_multi_sq_total", 0) == fused
-    assert strict.syncs.launches == 2 or dtype == np.float16
-    assert strict.syncs.count == 1
+    # the slots' zeros, the two kernels, the cumulative sum
+    assert strict.syncs.launches == 4 or dtype == np.float16
+    assert float(got) == pytest.approx(want, rel=1e-12)
     device[1][2] = np.inf
-    assert grad_sq_sum(device) == math.inf
+    assert float(grad_sq_sum(device)) == math.inf
 
 
 def test_an_optimizer_whose_step_takes_no_grad_scale_still_gets_clipped_gradients():

@@ -130,3 +130,28 @@ def test_backend_and_module_names():
     assert strict.get_array_module(on) is strict and strict.get_array_module(1.0) is np
     assert Backend.resolve("numpy").asarray(on).tolist() == [0, 1, 2]   # an explicit copy
     assert {"zeros", "einsum", "matmul", "fmax", "moveaxis"} <= set(dir(strict))
+
+
+def test_copies_of_host_data_onto_the_device_are_counted_as_pageable():
+    """Host data copied to the device (what a captured CUDA graph cannot hold) counts in
+    ``syncs.pageable``, by line; device-to-device work, scalars as kernel arguments and
+    fills do not. ``peek`` reads a value as a fused kernel does: no sync, and only there."""
+    a = strict.arange(4.0)
+    strict.syncs.reset()
+    b = a * 2.0 + strict.full((), 3.0)                    # kernels, scalar arguments
+    strict.asarray(b)                                      # already on the device
+    b[1:3] = a[0:2]
+    assert strict.syncs.pageable == 0 and strict.syncs.count == 0
+    strict.asarray(np.arange(4.0))                         # host data: one copy each
+    strict.asarray(1.5)
+    strict.array([1, 2])
+    b.set(np.zeros(4))
+    b[np.array([0, 1])] = 1.0                              # the index array
+    b[[0, 1]] = np.float64(1.0)                            # a list index; a scalar value
+    assert strict.syncs.pageable == 6 and strict.syncs.count == 0
+    assert sum(strict.syncs.pageable_sites.values()) == 6
+    with pytest.raises(RuntimeError, match="outside a fused block"):
+        strict.syncs.peek(b)
+    with strict.syncs.fused("kernel"):
+        assert strict.syncs.peek(b[0]).item() == 1.0
+    assert strict.syncs.count == 0

@@ -136,11 +136,14 @@ def compiled_multi_adam_update(targets, beta1: float, beta2: float, step_size: f
     for_shares(share, offsets[-1])
 
 
-def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
-                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
-                      decay: float = 1.0) -> None:
+def multi_adam_update(targets, beta1: float, beta2: float, step_size, inv_bias2,
+                      eps: float, grad_scale=1.0, decay: float = 1.0, skip=None) -> None:
     """One AdamW step over ``(param, grad, m, v, decay_ranges)`` targets (see the module
     docstring and :meth:`.KernelSet.multi_adam_update`)."""
+    step_size, inv_bias2, grad_scale, skipped = reference.step_scalars(
+        step_size, inv_bias2, grad_scale, skip)
+    if skipped:
+        return
     args = (beta1, beta2, step_size, inv_bias2, eps, grad_scale, decay)
     fast = [t for t in targets if _compilable(t)]
     if sum(t[0].size for t in fast) < COMPILED_MIN_ELEMS or compiled_adam() is None:

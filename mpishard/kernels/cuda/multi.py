@@ -124,19 +124,30 @@ def _takes(arrays, dtype) -> bool:
             and all(a.dtype == dtype and a.flags.c_contiguous and a.ndim == 1 for a in arrays))
 
 
-def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
-                      inv_bias2: float, eps: float, grad_scale: float = 1.0,
-                      decay: float = 1.0) -> None:
+def multi_adam_update(targets, beta1: float, beta2: float, step_size, inv_bias2, eps: float,
+                      grad_scale=1.0, decay: float = 1.0, skip=None) -> None:
     targets = [t for t in targets if t[0].size]
     if not targets:
         return
     xp, dtype = xp_of(targets[0][0]), targets[0][0].dtype
     if not _takes([a for t in targets for a in t[:4]], dtype):   # float16 targets, views:
         _one_by_one(targets, beta1, beta2, step_size, inv_bias2, eps,   # one kernel per
-                    grad_scale, decay)                                  # target
+                    grad_scale, decay, skip)                            # target
         return
+    on_device = skip is not None or any(hasattr(x, "shape") for x in
+                                        (step_size, inv_bias2, grad_scale))
+    if on_device:       # every scalar from device memory (Python ones put there)
+        step_size, inv_bias2, grad_scale = (
+            x if hasattr(x, "shape") else xp.full((), x, dtype=np.float64)
+            for x in (step_size, inv_bias2, grad_scale))
+        skip = xp.zeros((), dtype=bool) if skip is None else skip
     if is_strict_module(xp):
-        with xp.syncs.fused("mpishard_multi_adam"):
+        with xp.syncs.fused("mpishard_multi_adam"):     # the kernel reads its scalars
+            if on_device:
+                step_size, inv_bias2, grad_scale, skipped = (
+                    xp.syncs.peek(a).item() for a in (step_size, inv_bias2, grad_scale, skip))
+                if skipped:
+                    return
             reference.multi_adam_update(targets, beta1, beta2, step_size, inv_bias2, eps,
                                         grad_scale, decay)
         return
@@ -147,11 +158,22 @@ def multi_adam_update(targets, beta1: float, beta2: float, step_size: float,
     tables = _tables_for(xp, key, [[t[k] for t in targets] for k in range(4)],
                          [t[0].size for t in targets], ranges)
     c = dtype.type
+    if on_device:
+        host = (1.0, 1.0, 1.0)
+        device = (step_size, inv_bias2, grad_scale, skip)
+    else:
+        host = (step_size, inv_bias2, grad_scale)
+        device = (_no_array(xp),) * 4   # another dtype than the pointers': never read
     _multi_kernel(xp, "mpishard_multi_adam", dtype)(
         (tables.n_chunks,), (THREADS,),
         (tables.ptrs, np.int32(len(targets)), tables.chunks, c(beta1), c(1.0 - beta1), c(beta2),
-         c(1.0 - beta2), c(step_size), c(inv_bias2), c(eps), np.int32(grad_scale != 1.0),
-         c(grad_scale), c(decay)))
+         c(1.0 - beta2), c(host[0]), c(host[1]), c(eps), np.int32(host[2] != 1.0),
+         c(host[2]), c(decay), np.int32(on_device), *device))
+
+
+def _no_array(xp):
+    """A one-byte array standing in for the absent device scalars (``on_device`` 0)."""
+    return xp.empty(1, dtype=np.int8)
 
 
 def multi_sq_sum(arrays, out):

@@ -17,7 +17,12 @@ multi-tensor tables] there).
 * ``mpishard_multi_adam_{T}``: per element, ``g = grad * grad_scale`` (the loss
   scale's and the clipping's factor, where ``scaled``), ``p *= decay`` where the
   chunk decays (decoupled weight decay), then Adam's update of ``m``, ``v`` and
-  ``p``, term for term the one-target kernel's (``mpishard_adam_update``);
+  ``p``, term for term the one-target kernel's (``mpishard_adam_update``). With
+  ``on_device`` the step size, the second moment's bias correction and the gradient
+  factor are read from 0-d device arrays (double, cast to ``T`` as the host's
+  arguments are), and a set ``skip`` flag returns at once: a step decided on the
+  device, with no value read back (see [Note: device step decisions] in
+  mpishard/parallel/strategy.py);
 * ``mpishard_multi_sq_sum_{T}``: each chunk's sum of squares in double (a block
   reduction, deterministic) into ``partial[chunk]``; ``mpishard_multi_sq_total``
   adds each target's chunks' partial sums in order into ``out[target]``.
@@ -39,7 +44,15 @@ typedef {T} T;
 extern "C" __global__ void mpishard_multi_adam_{T}(
     const unsigned long long* ptrs, const int n_targets, const long long* chunks,
     const T b1, const T one_b1, const T b2, const T one_b2, const T step, const T ib2,
-    const T eps, const int scaled, const T grad_scale, const T decay) {
+    const T eps, const int scaled, const T grad_scale, const T decay, const int on_device,
+    const double* d_step, const double* d_ib2, const double* d_scale, const bool* d_skip) {
+  /* on_device: the step's scalars are read from device memory, and a set skip flag
+     (non-finite gradients) leaves everything as it was */
+  if (on_device && *d_skip) return;
+  const T step_ = on_device ? (T)*d_step : step;
+  const T ib2_ = on_device ? (T)*d_ib2 : ib2;
+  const T scale_ = on_device ? (T)*d_scale : grad_scale;
+  const bool scaled_ = on_device || scaled;
   const long long* c = chunks + 4 * (long long)blockIdx.x;
   const unsigned long long* t = ptrs + c[0];   /* by column: params, grads, m, v */
   T* p = (T*)t[0];
@@ -48,13 +61,13 @@ extern "C" __global__ void mpishard_multi_adam_{T}(
   T* v = (T*)t[3 * (long long)n_targets];
   const bool decays = c[3] != 0;
   for (long long e = c[1] + threadIdx.x; e < c[2]; e += blockDim.x) {
-    const T ge = scaled ? (T)(g[e] * grad_scale) : g[e];
+    const T ge = scaled_ ? (T)(g[e] * scale_) : g[e];
     const T pe = decays ? (T)(p[e] * decay) : p[e];
     const T me = b1 * m[e] + one_b1 * ge;
     const T ve = b2 * v[e] + one_b2 * ge * ge;
     m[e] = me;
     v[e] = ve;
-    p[e] = pe - step * (me / (sqrt(ve) * ib2 + eps));
+    p[e] = pe - step_ * (me / (sqrt(ve) * ib2_ + eps));
   }
 }
 

@@ -47,7 +47,7 @@ from mpishard.autodiff.tensor import Tensor, no_grad
 from mpishard.core.backend import to_numpy, xp_of
 from mpishard.parallel.pipeline.order import SCHEDULES, message_tag, schedule_order
 
-__all__ = ["partition_blocks", "Pipeline", "bubble_fraction"]
+__all__ = ["partition_blocks", "Pipeline", "StepLoss", "bubble_fraction"]
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
@@ -124,6 +124,28 @@ class _Step:
     losses: list = field(default_factory=list)
     weights: list = field(default_factory=list)   # each micro-batch's loss weight
     alive: dict = field(default_factory=dict)     # (c, i) -> measured activation bytes
+
+
+class StepLoss:
+    """A training step's mean loss, read when first converted (``float(loss)``).
+
+    :meth:`Pipeline.forward_backward` returns it so that the step's optimizer update
+    can run before anything is read back: on a device the micro-batches' losses stay
+    there until then (see [Note: device step decisions] in mpishard/parallel/strategy.py).
+    The read is one host sync and, with ``pp > 1``, a broadcast from the last stage:
+    every rank of the pipeline reads its step's loss, in the same order.
+    """
+
+    def __init__(self, read):
+        self._read, self._value = read, None
+
+    def __float__(self) -> float:
+        if self._read is not None:
+            self._value, self._read = self._read(), None
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"StepLoss({float(self)})"
 
 
 class Pipeline:
@@ -270,6 +292,11 @@ class Pipeline:
         Every rank of the pipeline must pass the same ``x``, ``y``. Gradients are
         left for ``strategy.step(...)`` to reduce; tied parameters are summed here.
         """
+        return float(self.forward_backward(x, y))
+
+    def forward_backward(self, x, y) -> StepLoss:
+        """:meth:`train_step` with the loss not yet read: read it after
+        ``strategy.step(...)`` (``float(loss)``, on every rank of the pipeline)."""
         step = self._prepare(x, y, self.micro_batches)
         m = self.micro_batches
         t0 = time.perf_counter()
@@ -288,7 +315,8 @@ class Pipeline:
         if self.measure_activations:  # the peak stays in the ledger; nothing is alive now
             self.strategy.ledger.record_activations(self.activation_bytes)
             self.strategy.ledger.release_activations()
-        return self._mean_loss(step)
+        losses, weights = step.losses, step.weights
+        return StepLoss(lambda: self._mean_loss(losses, weights))
 
     def eval_step(self, x, y) -> float:
         """Forward only (no graph); returns the mean loss. One stage runs the whole
@@ -303,7 +331,7 @@ class Pipeline:
                 step.saved.pop((c, i))
         for handle in step.sends:
             handle.wait()
-        return self._mean_loss(step)
+        return self._mean_loss(step.losses, step.weights)
 
     def _prepare(self, x, y, m: int) -> _Step:
         B = len(x)
@@ -343,14 +371,14 @@ class Pipeline:
             return [1.0 / m] * m
         return [c * group.size / total[0] for c in counts]
 
-    def _mean_loss(self, step: _Step) -> float:
-        """The step's loss: the micro-batches' losses read back at once (one host sync on
-        a device), weighted, and broadcast from the last stage."""
+    def _mean_loss(self, losses: list, weights: list) -> float:
+        """The step's loss: the micro-batches' ``losses`` read back at once (one host sync
+        on a device), weighted, and broadcast from the last stage."""
         mean = 0.0
-        if step.losses:
-            losses = to_numpy(xp_of(step.losses[0]).stack(step.losses)).astype(np.float64)
-            uniform = all(w == 1.0 / len(step.weights) for w in step.weights)
-            mean = np.mean(losses) if uniform else float(np.dot(losses, step.weights))
+        if losses:
+            losses = to_numpy(xp_of(losses[0]).stack(losses)).astype(np.float64)
+            uniform = all(w == 1.0 / len(weights) for w in weights)
+            mean = np.mean(losses) if uniform else float(np.dot(losses, weights))
         loss = np.array([mean])
         self.pp.broadcast(loss, root=self.stages - 1)
         return float(loss[0])

@@ -29,6 +29,10 @@ What differs from NumPy, as on CuPy (:mod:`.array`):
   views (``reshape``, ``transpose``, ``.T``, basic slicing), attribute reads and
   host reads (syncs) are not launches; ``with syncs.fused(name):`` counts its
   whole block as one launch (a fused kernel; see :mod:`.syncs`);
+* every copy of host data onto the device (``asarray`` of host data, a list or a
+  scalar, ``set``, a NumPy array written in, a NumPy array or list as an index)
+  counts in ``syncs.pageable`` (by line in ``syncs.pageable_sites``): what a captured
+  CUDA graph cannot hold; ``syncs.peek`` reads a value as a fused kernel does;
 * bfloat16 arrays (``ml_dtypes.bfloat16``) are taken as CuPy 14 takes them; their
   products accumulate in float32 as float16's do, and a bfloat16 product of more
   than two dimensions or ``scatter_add`` into bfloat16 raises, as in CuPy 14;

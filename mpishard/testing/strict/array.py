@@ -92,7 +92,10 @@ def _index(index):
     if type(index) is ndarray:
         return index._a
     if isinstance(index, tuple):
+        syncs.copy_in(sum(isinstance(i, (np.ndarray, list)) for i in index))
         return tuple(i._a if type(i) is ndarray else i for i in index)
+    if isinstance(index, (np.ndarray, list)):
+        syncs.copy_in()
     return index
 
 
@@ -262,6 +265,7 @@ class ndarray:
             raise ValueError(f"set: shape {arr.shape} / dtype {arr.dtype} do not match "
                              f"{self._a.shape} / {self._a.dtype}")
         launch("set")       # a host-to-device copy on the stream
+        syncs.copy_in()
         self._a[...] = arr
 
     def item(self):
@@ -335,6 +339,8 @@ class ndarray:
             raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         elif isinstance(value, (list, tuple)):
             raise _unsupported(value)
+        elif isinstance(value, np.ndarray):
+            syncs.copy_in()        # host data onto the device
         launch("scatter" if _advanced(index) else "setitem")
         self._a[index] = value
 

@@ -207,6 +207,7 @@ def asarray(a, dtype=None, order=None, *, blocking=False):
             return a
         return a.astype(dtype, copy=False)
     launch("asarray")
+    syncs.copy_in()
     return ndarray._of(np.array(unwrap(a, host_ok=True), dtype=dtype, order=order or "K",
                                 copy=True))
 
@@ -216,6 +217,8 @@ def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocki
     if type(obj) is ndarray and not copy and (dtype is None or np.dtype(dtype) == obj.dtype):
         return obj
     launch("array")
+    if type(obj) is not ndarray:
+        syncs.copy_in()
     return ndarray._of(np.array(unwrap(obj, host_ok=True), dtype=dtype, order=order,
                                 copy=True, ndmin=ndmin))
 

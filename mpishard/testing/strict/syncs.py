@@ -33,6 +33,15 @@ counts a whole block as the one launch of a fused kernel:
     (3, {'multiply': 1, 'add': 1, 'axpb': 1})
 
 A host read (``.get()``, ``float``) is a sync, never a launch.
+
+``pageable`` counts the copies of host data onto the device (``asarray`` or ``array``
+of host data, a list or a scalar, ``set``, a NumPy array written into a strict one,
+a NumPy array or list as an index): on a GPU each is a copy out of pageable host
+memory, which a captured CUDA graph cannot hold and which waits for the host.
+They are launches too, never reads.
+
+``peek(a)`` is the value of strict array ``a`` as a fused kernel reads it from device
+memory: no sync, and only inside a :meth:`~SyncCounter.fused` block.
 """
 from __future__ import annotations
 
@@ -74,6 +83,9 @@ class SyncCounter(threading.local):
         #: on a GPU without CUDA-aware MPI each also waits for the device, but they move
         #: buffers, they read no value the code decides on, so they are not in ``count``
         self.staged = 0
+        #: copies of host data onto the device (see the module docstring), and where
+        self.pageable = 0
+        self.pageable_sites: collections.Counter = collections.Counter()
         #: the outermost :meth:`fused` block's name while in one, else ``None``
         self.fusing: str | None = None
         # launches by operation name, and where :meth:`launch` counts: there, or in a
@@ -97,6 +109,8 @@ class SyncCounter(threading.local):
         """Start counting from zero."""
         self.count = 0
         self.staged = 0
+        self.pageable = 0
+        self.pageable_sites.clear()
         self.by_kind.clear()
         self.sites.clear()
         self._by_op.clear()
@@ -130,6 +144,21 @@ class SyncCounter(threading.local):
         self.count += 1
         self.by_kind[kind] += 1
         self.sites[f"{site} ({kind})"] += 1
+
+    def copy_in(self, n: int = 1) -> None:
+        """Count ``n`` copies of host data onto the device (``pageable``), by the line."""
+        if n:
+            self.pageable += n
+            self.pageable_sites[_site()] += n
+
+    def peek(self, a):
+        """The value of strict array ``a`` as the kernel of the :meth:`fused` block this
+        runs in reads it from device memory: a NumPy copy, no sync. Outside a fused
+        block it is a read of the host, so it raises ``RuntimeError``: use ``.get()``."""
+        if self.fusing is None:
+            raise RuntimeError("syncs.peek outside a fused block: a kernel reads device "
+                               "memory, the host reads it with .get() (a sync)")
+        return a._a.copy()
 
     @contextlib.contextmanager
     def refused(self):
