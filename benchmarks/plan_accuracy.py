@@ -20,14 +20,21 @@
    2021, Table 1: per-GPU teraFLOP/s, turned into seconds per iteration with the
    paper's own FLOP count, Eq. 3; Korthikanti et al. 2022, Table 5: seconds per
    iteration), predicted with the shipped ``a100-80gb`` description only (no
-   fitting to these targets): Megatron's GPT (vocabulary 51200, sequence 2048,
-   MLP 4h) as mpishard's GPT, full recomputation as activation checkpointing,
-   "present work" (selective recomputation + sequence parallelism) as sequence
-   parallelism without checkpointing, 16-bit compute with float32 masters,
-   ZeRO-1 over dp (Megatron's distributed optimizer is off in these runs: DDP
-   where dp > 1 is the closer match, and is what is planned). The interleaved
-   pipeline schedule of some runs is not modelled. Printed side by side, with
-   the median absolute error (target <= 15%) and the planner's memory per GPU.
+   fitting to these targets; its kernel model's constants are Calculon's
+   published tables and datasheets, see its ``sources``): Megatron's GPT
+   (vocabulary 51200, sequence 2048, MLP 4h, dropout 0.1) as mpishard's GPT,
+   unfused attention, full recomputation as activation checkpointing, "present
+   work" as sequence parallelism + selective recomputation (``selective``),
+   16-bit compute with float32 masters, DDP over dp (Megatron's distributed
+   optimizer is off in these runs), its reduction hidden behind backward for
+   the runs whose script uses torch DDP and after backward for Megatron's 2021
+   "local" DDP, the interleaved schedule with the runs' virtual stages where
+   their scripts (Narayanan) or Section 6 (Korthikanti: 175B and 530B, three
+   stages) say so. Printed side by side, with the median and worst absolute
+   error (targets <= 5% and <= 10%, errors of both signs), Korthikanti Table 5's
+   mean (target <= 3.5%) and the planner's memory per GPU. Built once per model
+   shape and shared by its runs: a few seconds (``tests/planning/
+   test_published_accuracy.py`` holds the targets).
 
 Figures and PASS/FAIL go to stderr, one JSON line to stdout; ``--plot PATH``
 draws measured (or published) against predicted.
@@ -50,6 +57,11 @@ GPT_S = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 LLAMA_S = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_kv_head=2, n_embd=256,
                intermediate_size=768)
 GLOBAL_BATCH, SEQ = 8, 128
+#: the published-run targets (issue "Reproduce the published tables")
+MEDIAN_TARGET, WORST_TARGET, TABLE5_TARGET = 0.05, 0.10, 0.035
+#: Megatron-LM's --attention-dropout and --hidden-dropout defaults (megatron/arguments.py),
+#: which the published runs' scripts leave as they are
+MEGATRON_DROPOUT = 0.1
 #: ranks -> (dp, tp, pp, strategy, micro-batches)
 LAYOUTS = {
     1: [(1, 1, 1, "ddp", 1), (1, 1, 1, "ddp", 2), (1, 1, 1, "zero3", 1)],
@@ -188,39 +200,106 @@ def _megatron_flops(run) -> float:
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def published(args, say) -> dict:
-    from mpishard.models import GPT, GPTConfig
-    from mpishard.planning.layout import Layout, estimate_layout
+def published_layout(run):
+    """``(layout, GPTConfig)`` of a published Megatron-LM run, or None without a full
+    layout (see the module docstring for the mapping)."""
+    from mpishard.models import GPTConfig
+    from mpishard.planning.layout import Layout
+    m, p = run["model"], run["parallel"]
+    tp, pp = p.get("tensor_parallel"), p.get("pipeline_parallel")
+    if not tp or not pp:
+        return None
+    dp = p["num_gpus"] // (tp * pp)
+    mbs = p.get("micro_batch_size") or 1
+    micro = p["global_batch_size"] // (dp * mbs)
+    present = run["id"].endswith("present_work") or "sec6.3" in run["id"]
+    chunks = p.get("interleaved_pipeline_stages") or p.get("virtual_pipeline_stages") or 1
+    layout = Layout(dp, tp, pp, "ddp", "float16", batch_size=mbs, seq_len=m["seq_length"],
+                    micro_batches=micro, activation_checkpointing=not present,
+                    sequence_parallel=present and tp > 1, selective=present,
+                    schedule="interleaved" if chunks > 1 else "1f1b", virtual_stages=chunks)
+    cfg = GPTConfig(vocab_size=m["vocab_size"], block_size=m["seq_length"],
+                    n_layer=m["num_layers"], n_head=m["attention_heads"],
+                    n_embd=m["hidden_size"], bias=True, dropout=MEGATRON_DROPOUT)
+    return layout, cfg
+
+
+def hopper_layout(run):
+    """``(layout, make_model)`` of a published run of a preset (torchtitan's)."""
+    from mpishard.models import MODELS, Llama
+    from mpishard.models.llama.spec import PRESETS
+    from mpishard.planning.layout import Layout
+    m, p = run["model"], run["parallel"]
+    dp = p["num_gpus"] // (p["tensor_parallel"] * p["pipeline_parallel"])
+    layout = Layout(dp, p["tensor_parallel"], p["pipeline_parallel"], p["strategy"], "bfloat16",
+                    batch_size=p["micro_batch_size"], seq_len=m["seq_length"],
+                    micro_batches=p["global_batch_size"] // (dp * p["micro_batch_size"]),
+                    selective=p.get("activation_checkpointing") == "selective")
+    spec = MODELS["llama"]
+    keys = {"dropout": 0.0, "bias": False, **spec.defaults(), **PRESETS[m["preset"]],
+            "block_size": m["seq_length"]}
+    cfg = spec.build_config(keys)
+    return layout, lambda: Llama(cfg, materialize_now=False)
+
+
+def hopper(say=lambda text: None) -> list:
+    """The Hopper references: tokens/s per GPU, published against predicted."""
     from mpishard.planning import load_machine, predict_step
-    machine = load_machine("a100-80gb")
     data = json.loads((ROOT / "benchmarks" / "published_runs.json").read_text())
     rows = []
     for run in data["runs"]:
-        m, p, pub = run["model"], run["parallel"], run.get("published", {})
-        tp, pp = p.get("tensor_parallel"), p.get("pipeline_parallel")
-        if not tp or not pp:
+        if "preset" not in run["model"]:
             continue
-        if pub.get("iteration_time_s"):
-            target = pub["iteration_time_s"]
-        elif pub.get("achieved_tflops_per_gpu"):
-            target = _megatron_flops(run) / (pub["achieved_tflops_per_gpu"] * 1e12 *
-                                             p["num_gpus"])
-        else:
+        say(f"  predicting {run['id']}")
+        layout, make = hopper_layout(run)
+        cost = predict_step(make, layout, load_machine(run["machine"]), flash_attention=True)
+        published_tps = run["published"]["tokens_per_s_per_gpu"]
+        predicted_tps = cost.tokens_per_s / run["parallel"]["num_gpus"]
+        rows.append({"id": run["id"], "published_tokens_per_s_per_gpu": published_tps,
+                     "predicted_tokens_per_s_per_gpu": round(predicted_tps),
+                     "error": (published_tps / predicted_tps) - 1, "mfu": cost.mfu,
+                     "breakdown": {k: round(v, 4) for k, v in cost.breakdown.items()}})
+    return rows
+
+
+def _target(run):
+    p, pub = run["parallel"], run.get("published", {})
+    if pub.get("iteration_time_s"):
+        return pub["iteration_time_s"]
+    if pub.get("achieved_tflops_per_gpu"):
+        return _megatron_flops(run) / (pub["achieved_tflops_per_gpu"] * 1e12 * p["num_gpus"])
+    return None
+
+
+def published(args=None, say=lambda text: None) -> dict:
+    """Every published run with a full layout, predicted from the shipped descriptions
+    (one built model per shape, its stages and plans shared by the runs of that shape)."""
+    from mpishard.models import GPT
+    from mpishard.planning import load_machine, predict_step
+    from mpishard.planning.layout import estimate_layout
+    from mpishard.planning.search import StageCache
+    data = json.loads((ROOT / "benchmarks" / "published_runs.json").read_text())
+    rows, built = [], {}
+    for run in data["runs"]:
+        if "preset" in run["model"]:          # the Hopper references: see hopper()
             continue
-        dp = p["num_gpus"] // (tp * pp)
-        mbs = p.get("micro_batch_size") or 1
-        micro = p["global_batch_size"] // (dp * mbs)
-        present = run["id"].endswith("present_work") or "sec6.3" in run["id"]
-        layout = Layout(dp, tp, pp, "ddp", "float16", batch_size=mbs, seq_len=m["seq_length"],
-                        micro_batches=micro, activation_checkpointing=not present,
-                        sequence_parallel=present and tp > 1, selective=present)
-        cfg = GPTConfig(vocab_size=m["vocab_size"], block_size=m["seq_length"],
-                        n_layer=m["num_layers"], n_head=m["attention_heads"],
-                        n_embd=m["hidden_size"], bias=True)
+        mapped, target = published_layout(run), _target(run)
+        if mapped is None or target is None:
+            continue
+        layout, cfg = mapped
+        machine = load_machine(run.get("machine", "a100-80gb"))
         say(f"  predicting {run['id']}")
         make = lambda cfg=cfg: GPT(cfg, materialize_now=False)       # noqa: E731
-        plan = estimate_layout(make(), layout)
-        cost = predict_step(make, layout, machine, plan=plan)
+        key = repr(cfg)
+        if key not in built:
+            whole = make().freeze_structure()
+            built[key] = (whole, StageCache(make, whole), {})
+        whole, cache, memo = built[key]
+        plan = estimate_layout(whole, layout, stage_of=cache.of(layout), memo=memo,
+                               representative=True)
+        cost = predict_step(make, layout, machine, plan=plan, stages=cache.of(layout),
+                            memo=memo, whole=whole, flash_attention=run.get("flash", False),
+                            dp_overlap=run["parallel"].get("ddp_impl_in_script") != "local")
         busiest = plan.busiest
         paper = run.get("memory", {})
         rows.append({"id": run["id"], "published_s": round(target, 3),
@@ -231,7 +310,11 @@ def published(args, say) -> dict:
                      "activation_gib": busiest.activation_bytes / 2**30,
                      "breakdown": {k: round(v, 3) for k, v in cost.breakdown.items()}})
     errors = [abs(r["error"]) for r in rows]
-    return {"rows": rows, "median_abs_error": statistics.median(errors) if errors else None}
+    table5 = [abs(r["error"]) for r in rows if r["id"].startswith("korthikanti2022_table5")]
+    return {"rows": rows, "median_abs_error": statistics.median(errors) if errors else None,
+            "worst_abs_error": max(errors) if errors else None,
+            "table5_mean_abs_error": statistics.mean(table5) if table5 else None,
+            "signs": sorted({"+" if r["error"] > 0 else "-" for r in rows})}
 
 
 def _plot(path, here, pub) -> None:
@@ -301,9 +384,18 @@ def main(argv=None):
             f"{r['predicted_s']:>8.3f} s  ({r['error']:+.1%}); model state "
             f"{r['model_state_gib']:.1f} GiB/GPU{paper}, activations {r['activation_gib']:.1f}")
     if pub["median_abs_error"] is not None:
-        e = pub["median_abs_error"]
+        e, worst, t5 = pub["median_abs_error"], pub["worst_abs_error"], \
+            pub["table5_mean_abs_error"]
         say(f"published runs: median |error| {e:.1%} over {len(pub['rows'])} runs "
-            f"(target <= 15%) {'PASS' if e <= 0.15 else 'FAIL'}")
+            f"(target <= {MEDIAN_TARGET:.0%}) {'PASS' if e <= MEDIAN_TARGET else 'FAIL'}; "
+            f"worst {worst:.1%} (target <= {WORST_TARGET:.0%}) "
+            f"{'PASS' if worst <= WORST_TARGET else 'FAIL'}; signs {' '.join(pub['signs'])}; "
+            f"Korthikanti Table 5 mean |error| {t5:.1%} (target <= {TABLE5_TARGET:.1%}) "
+            f"{'PASS' if t5 <= TABLE5_TARGET else 'FAIL'}")
+    for r in hopper(say):
+        say(f"{r['id']:<45} published {r['published_tokens_per_s_per_gpu']:>6} tokens/s/GPU  "
+            f"predicted {r['predicted_tokens_per_s_per_gpu']:>6} (step time {r['error']:+.1%}); "
+            f"MFU {r['mfu']:.1%}")
     if args.plot:
         _plot(args.plot, here, pub)
     print(json.dumps({"measured_here": here, "published": pub}))

@@ -30,6 +30,11 @@ def add_plan_command(sub) -> None:
                       "x ranks)")
     plan.add_argument("--top", type=int, default=5, help="layouts to print")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--explain", action="store_true",
+                      help="print the fastest layout's breakdown: compute by op class, "
+                      "recomputation, exposed communication per mesh group, bubble, "
+                      "optimizer, memory by category, and where the machine's figures "
+                      "come from")
     plan.add_argument("--config", help="TOML file with training settings")
     add_config_flags(plan, "estimate")
     plan.set_defaults(func=_cmd_plan)
@@ -55,7 +60,8 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     m = cfg.model
     rpn = ranks_per_node or min(machine.ranks_per_node, ranks)
     layouts = candidate_layouts(ranks, rpn, seq, batch, m.n_layer, m.n_head,
-                                None if precision == "float32" else precision, strategies)
+                                None if precision == "float32" else precision, strategies,
+                                virtual_stages=(1, 2))      # and interleaved, 2 chunks a rank
     if not layouts:
         raise ConfigError(f"no layout of {ranks} ranks fits a global batch of {batch} "
                           f"sequences; pass a --global-batch that the data-parallel sizes "
@@ -105,15 +111,18 @@ def apply_auto_layout(cfg, world_size: int) -> str:
     ranked, _, n, machine, _ = plan_config(cfg, world_size, p.machine, None, batch)
     if not ranked:
         raise ConfigError(f"--layout auto: none of {n} layouts of {world_size} ranks fits "
-                          f"{machine.name}'s memory ({machine.memory_bytes / 2**30:.1f} GiB "
-                          f"per rank)")
+                          f"{machine.name}'s memory ({_usable(machine)} per rank)")
     lay = ranked[0].layout
     p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
     p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
+    p.pipeline_schedule, p.virtual_stages = (lay.schedule, lay.virtual_stages) if \
+        lay.virtual_stages > 1 else (p.pipeline_schedule, 1)
     o.batch_size, o.micro_steps, o.global_batch = lay.batch_size, lay.micro_batches, 0
     cfg.model.activation_checkpointing = "full" if lay.activation_checkpointing else "none"
     return (f"layout auto ({machine.name}, {n} layouts): dp={lay.dp} (dp_replicate="
-            f"{lay.dp_replicate}) x cp={lay.cp} x tp={lay.tp} x pp={lay.pp}, {lay.strategy}, "
+            f"{lay.dp_replicate}) x cp={lay.cp} x tp={lay.tp} x pp={lay.pp}"
+            f"{f' ({lay.virtual_stages} chunks each, interleaved)' if lay.virtual_stages > 1 else ''}"
+            f", {lay.strategy}, "
             f"{lay.batch_size} x {lay.micro_batches} micro-batches per dp rank"
             f"{', checkpointed' if lay.activation_checkpointing else ''}; predicted "
             f"{ranked[0].cost.seconds:.3f} s/step")
@@ -132,10 +141,49 @@ def _cmd_plan(args) -> int:
                           "layouts": [r.as_dict() for r in top]}, indent=1))
         return 0
     print(f"{n} layouts of {args.ranks} ranks on {machine.name} ({precision}); {over} over "
-          f"{machine.memory_bytes / 2**30:.1f} GiB per rank, {len(ranked)} fit; the fastest "
-          f"{len(top)}:")
+          f"{_usable(machine)} per rank, {len(ranked)} fit; the fastest {len(top)}:")
     print(format_table(top))
     if top:
         parts = ", ".join(f"{k} {v:.4f}" for k, v in top[0].cost.breakdown.items() if v)
         print(f"#1 step {top[0].cost.seconds:.4f} s: {parts}")
+    print("figures: " + "; ".join(f"{kind}: {', '.join(keys)}" for kind, keys in
+                                  sorted(machine.provenance().items())))
+    if top and args.explain:
+        print(explain(top[0], args, machine))
     return 0
+
+
+def _usable(machine) -> str:
+    gib = 2**30
+    if not machine.memory_reserve_bytes:
+        return f"{machine.memory_bytes / gib:.1f} GiB"
+    return (f"{machine.usable_memory_bytes / gib:.1f} GiB ({machine.memory_bytes / gib:.1f} "
+            f"less a {machine.memory_reserve_bytes / gib:.1f} GiB reserve)")
+
+
+def explain(ranked, args, machine) -> str:
+    """One layout's breakdown beside its step total: compute by op class (with the
+    recomputation in it), exposed communication per mesh group, bubble, optimizer, and
+    its busiest rank's memory by category."""
+    from mpishard.config.flags import config_from_args
+    from mpishard.core.backend import Backend
+    from mpishard.planning.layout import estimate_layout
+    from mpishard.recipes import recipe_for
+
+    cost, lay = ranked.cost, ranked.layout
+    total = cost.seconds
+    rows = [f"#1 explained: {total:.4f} s per step, {cost.tokens_per_s:.0f} tokens/s, "
+            f"MFU {cost.mfu:.1%} (busiest pipeline stage {cost.stage})"]
+    for part, seconds in cost.breakdown.items():
+        if seconds:
+            before = cost.comm_total.get(part[5:]) if part.startswith("comm ") else None
+            hidden = f" (of {before:.4f} s before overlap)" if before is not None else ""
+            rows.append(f"  {part:<26}{seconds:10.4f} s {seconds / total:6.1%}{hidden}")
+    recompute = "full blocks" if lay.activation_checkpointing else \
+        "attention's core" if lay.selective else "none"
+    rows.append(f"  recomputation: {recompute} (inside the compute rows)")
+    cfg = config_from_args(args)
+    if args.seq:
+        cfg.model.block_size = args.seq
+    rows.append(estimate_layout(recipe_for(cfg).model(Backend()), lay).format())
+    return "\n".join(rows)

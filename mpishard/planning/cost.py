@@ -16,6 +16,9 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   ``activation_rate`` (calibrated; else three streams of them, written forward,
   read and their gradients written backward, at the memory's elementwise
   bandwidth), a third more for a checkpointed forward; ``op_overhead_s`` per op.
+  On a machine with a ``matmul_efficiency_table`` (the shipped GPUs) instead
+  kernel by kernel, see [Note: GPU kernel model] (``gpu_time.py``): the
+  breakdown's ``compute <class>`` rows, recomputation inside them.
 * **bubble**: a pipeline runs ``m + p - 1`` micro-batch slots for ``m``
   micro-batches (GPipe and 1F1B alike), so ``(p - 1)`` slots idle; interleaved
   over ``V`` chunks per rank, ``V m + p - 1`` chunk slots of ``1 / V`` the time,
@@ -32,8 +35,12 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   ZeRO-3's prefetched gathers and reduce-scatters behind the compute, ZeRO-1/2's
   reduce-scatters behind backward (their all-gather after the update stays),
   the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
-  and replica all-reduces stay exposed. Without overlap (a CPU: the same cores
-  copy) everything is exposed.
+  and replica all-reduces stay exposed (``dp_overlap=False``: the data-parallel
+  reduction too). Without overlap (a CPU: the same cores copy) everything is
+  exposed. Under sequence parallelism the tp group's bytes go at the link's
+  all-gather and reduce-scatter bandwidth; on a kernel-costed machine a
+  stage's pipeline sends and receives cross a full-duplex link at once (half
+  the planned bytes on the wire each way).
 * **optimizer**: the model state the update touches (its targets' values,
   gradients and AdamW states: under ZeRO-1/2 the shard, not the whole
   parameters and gradients those stages also keep) at the calibrated optimizer
@@ -56,6 +63,7 @@ from mpishard.models import spec_of
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage
 from mpishard.parallel.strategy import Sharded, strategy_entry
+from mpishard.planning.gpu_time import micro_batch_times, moe_rows, stage_ops
 from mpishard.planning.layout import estimate_layout, memo_for, mesh_shape
 from mpishard.planning.memory import layout_itemsizes
 from mpishard.parallel.plans import matching_modules
@@ -80,13 +88,6 @@ class StepCost:
         return sum(v for k, v in self.breakdown.items() if k.startswith("comm "))
 
 
-def _moe_rows(module, rows: int) -> int:
-    k, E = module.top_k, module.n_experts
-    if module.capacity is None:
-        return rows * k
-    return min(rows * k, E * int(np.ceil(module.capacity * rows * k / E)))
-
-
 def stage_flops(stage, layout) -> dict:
     """Forward FLOPs of one micro-batch on this rank: ``{"blocks": ..., "rest": ...,
     "products": count, "attention": ...}`` (blocks: what activation checkpointing
@@ -105,7 +106,7 @@ def stage_flops(stage, layout) -> dict:
         if w is not None and len(w.shape) == 2 and type(m).__name__.endswith("Linear"):
             add(path, 2.0 * rows * w.shape[0] * w.shape[1], 1)
         if hasattr(m, "n_experts") and "experts" in m._modules:
-            routed = _moe_rows(m, rows)
+            routed = moe_rows(m, rows)
             weights = [p for p in m.experts._parameters.values() if p is not None
                        and len(p.shape) == 3]
             add(path, sum(2.0 * routed * p.shape[1] * p.shape[2] for p in weights),
@@ -126,6 +127,7 @@ def group_spans_nodes(layout, group: str, ranks_per_node: int) -> bool:
         .spans_nodes(ranks_per_node)
 
 
+_DP_GROUPS = ("dp_cp", "dp", "edp", "dp_shard_cp", "dp_shard", "edp_shard", "dp_replicate")
 _KIND = {"tp": "all_reduce", "cp": "send", "pp": "send", "dp": "all_reduce",
          "dp_cp": "all_reduce", "dp_replicate": "all_reduce", "dp_shard": "all_gather",
          "dp_shard_cp": "all_gather", "ep": "all_to_all", "edp": "all_reduce",
@@ -152,9 +154,9 @@ def _calls(layout, group: str, n_blocks: int, n_units: int, grad_bytes: float) -
 
 
 def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
-             overlap: bool) -> float:
+             overlap: bool, dp_overlap: bool = True) -> float:
     """Seconds of ``group``'s communication left after overlap (see [Note: step-time model])."""
-    if not overlap or seconds == 0.0:
+    if not overlap or seconds == 0.0 or (not dp_overlap and group in _DP_GROUPS):
         return seconds
     last = seconds / max(calls, 1.0)
     sharded = strategy_entry(layout.strategy).keeps_sharded
@@ -170,14 +172,18 @@ def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
 
 
 def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
-                 plan=None, stages=None, memo: dict | None = None, whole=None) -> StepCost:
+                 plan=None, stages=None, memo: dict | None = None, whole=None,
+                 flash_attention: bool = False, dp_overlap: bool = True) -> StepCost:
     """The predicted step of ``layout`` for the model ``make_model()`` builds (whole,
     unmaterialised) on ``machine`` (see [Note: step-time model]).
 
     ``plan`` (the layout's :func:`estimate_layout`) and ``stages`` (stage index -> the
     built stage) reuse what a search already has, ``memo`` its cache (see
     :func:`estimate_layout`) and ``whole`` its whole model (only read); without them
-    they are built.
+    they are built. ``flash_attention``: attention runs as one fused kernel each way
+    (on a machine costed kernel by kernel; otherwise unfused, as Megatron-LM's);
+    ``dp_overlap=False``: the data-parallel reduction runs after backward, none of it
+    hidden (Megatron-LM's 2021 "local" DDP).
     """
     rpn = ranks_per_node or machine.ranks_per_node
     world = layout.dp * layout.cp * layout.tp * layout.pp
@@ -203,18 +209,29 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         forward = fl["blocks"] + fl["rest"]
         hardware = 3 * forward + (fl["blocks"] if layout.activation_checkpointing else
                                   fl["attention"] if layout.selective else 0.0)
-        activation = getattr(stage, "activation_bytes", None)
+        activation = getattr(stage, "activation_bytes", None) and not machine.kernel_model
         kept = cached(("whole activations", layout.batch_size, layout.local_seq_len, act.name),
                       lambda: _whole_activations(stage, layout, act)) if activation else 0
-        recomputed = 1.0 + (1 / 3 if layout.activation_checkpointing else 0.0)
-        n_ops = 10 * cached(("modules",), lambda: sum(1 for _ in stage.named_modules()))
-        matmul = machine.matmul_seconds(hardware, dtype, 3 * fl["products"])
-        elementwise = machine.activation_seconds(kept) * recomputed + \
-            n_ops * machine.op_overhead_s
-        micro = matmul + elementwise
-        attention_share = micro * fl["attention"] / forward if forward else 0.0
-        times = {"compute": micro * m, "backward": micro * m * 2 / 3,
-                 "attention": attention_share * m}
+        if machine.kernel_model:             # kernel by kernel (see [Note: GPU kernel model])
+            ops = cached(("ops", layout.batch_size, layout.seq_len, layout.cp, act.itemsize,
+                          layout.sequence_parallel, flash_attention),
+                         lambda: stage_ops(stage, layout, act.itemsize, flash_attention))
+            kernel = micro_batch_times(ops, machine, dtype, layout)
+            micro = kernel["forward"] + kernel["backward"] + kernel["recompute"]
+            compute = {f"compute {k}": v * m for k, v in kernel["by class"].items() if v}
+            times = {"compute": micro * m, "backward": kernel["backward"] * m,
+                     "attention": kernel["attention"] * m}
+        else:
+            recomputed = 1.0 + (1 / 3 if layout.activation_checkpointing else 0.0)
+            n_ops = 10 * cached(("modules",), lambda: sum(1 for _ in stage.named_modules()))
+            matmul = machine.matmul_seconds(hardware, dtype, 3 * fl["products"])
+            elementwise = machine.activation_seconds(kept) * recomputed + \
+                n_ops * machine.op_overhead_s
+            micro = matmul + elementwise
+            attention_share = micro * fl["attention"] / forward if forward else 0.0
+            times = {"compute": micro * m, "backward": micro * m * 2 / 3,
+                     "attention": attention_share * m}
+            compute = {"matmul": matmul * m, "elementwise": elementwise * m}
         optimizer = machine.optimizer_seconds(_updated_bytes(stage_estimate.memory.steady), cached(
             ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout))) \
             * share
@@ -222,8 +239,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         n_units = n_blocks + 1
         busy = micro * m
         bubble = micro * (p - 1) / layout.virtual_stages
-        breakdown = {"matmul": matmul * m, "elementwise": elementwise * m,
-                     "bubble": bubble, "optimizer": optimizer}
+        breakdown = {**compute, "bubble": bubble, "optimizer": optimizer}
         if share > 1:        # ranks sharing cores, each spinning in MPI when it waits
             breakdown["shared cores"] = (share - 1) * (busy + bubble)
         comm_total = {}
@@ -232,12 +248,16 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                 continue
             calls = _calls(layout, group, n_blocks, n_units,
                            stage_estimate.memory.steady.get("grads", 0))
-            link = machine.link(_KIND.get(group, "all_reduce"), _group_size(mesh, group),
+            kind = "all_gather" if group == "tp" and layout.sequence_parallel else \
+                _KIND.get(group, "all_reduce")          # sp: gathers and reduce-scatters
+            link = machine.link(kind, _group_size(mesh, group),
                                 group_spans_nodes(layout, group, rpn))
+            if group == "pp" and machine.kernel_model:
+                nbytes /= 2     # a stage's sends and receives cross a full-duplex link at once
             t = link.seconds(nbytes, calls)
             comm_total[group] = t
             breakdown[f"comm {group}"] = _exposed(layout, group, t, calls, times,
-                                                  machine.overlap)
+                                                  machine.overlap, dp_overlap)
         seconds = sum(breakdown.values())
         if best is None or seconds > best[0]:
             best = (seconds, breakdown, comm_total, s)

@@ -4,6 +4,13 @@
     machine = load_machine("machine.json")        # or a file, e.g. from `mpishard bench calibrate`
     machine.matmul_seconds(2e12, "bfloat16")      # one product of 2 TFLOP
 
+GPU descriptions also cost steps kernel by kernel (see [Note: GPU kernel model] in
+``gpu_time.py``): ``matmul_efficiency_table``, ``vector_flops``,
+``vector_efficiency_table``, ``memory_efficiency_table`` (Calculon's size ->
+efficiency tables), ``flash_attention_efficiency``, ``launch_s`` per kernel; and
+``memory_reserve_bytes`` per device that layouts may not plan (CUDA context, NCCL
+buffers, the pool's fragmentation: :attr:`Machine.usable_memory_bytes`).
+
 A description is one JSON object::
 
     {"name": "h100-sxm", "kind": "gpu", "ranks_per_node": 8,
@@ -26,7 +33,8 @@ elementwise ops get through per second, forward and backward;
 ``optimizer_rate`` and ``optimizer_overhead_s`` (optional, calibrated) what an
 optimizer step takes per byte of model state and per target array. ``links`` give the
 bus bandwidth (bytes per second of bus bytes, see [Note: bus bytes]) and
-per-call latency within a node and across nodes; ``collectives`` (from a
+per-call latency within a node and across nodes (``gather_bandwidth``: all-gathers'
+and reduce-scatters' where slower); ``collectives`` (from a
 calibration) override them per collective kind and group size (``"all_reduce@4"``,
 ``"all_reduce@4/inter"`` for groups spanning nodes). ``overlap``: whether
 communication runs beside computation (DMA engines and NICs on GPUs; on a CPU
@@ -52,6 +60,7 @@ class Link:
 
     latency_s: float
     bandwidth: float
+    gather_bandwidth: float | None = None     # all-gathers and reduce-scatters, if slower
 
     def seconds(self, bus_bytes: float, calls: float = 1.0) -> float:
         return calls * self.latency_s + bus_bytes / self.bandwidth
@@ -80,6 +89,46 @@ class Machine:
     overlap: bool = True
     cores: int | None = None
     sources: dict = field(default_factory=dict)
+    matmul_efficiency_table: tuple | None = None
+    vector_flops: dict = field(default_factory=dict)
+    vector_efficiency_table: tuple = ((0, 1.0),)
+    memory_efficiency_table: tuple = ((0, 1.0),)
+    flash_attention_efficiency: float = 0.5
+    launch_s: float = 0.0
+    memory_reserve_bytes: float = 0.0
+
+    @property
+    def kernel_model(self) -> bool:
+        """Whether steps are costed kernel by kernel (see [Note: GPU kernel model]):
+        the description has a ``matmul_efficiency_table``."""
+        return self.matmul_efficiency_table is not None
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """What layouts may plan per device: its memory less the reserve for what the
+        plan does not hold (CUDA context, NCCL buffers, the pool's fragmentation)."""
+        return self.memory_bytes - self.memory_reserve_bytes
+
+    def provenance(self) -> dict:
+        """``{"measured here" | "calibrated" | "datasheet" | "published tables" |
+        "estimate": [fields]}``: where each figure of the description comes from, read
+        from its ``sources``."""
+        out: dict = {}
+        for key, text in self.sources.items():
+            low = str(text).lower()
+            kind = "measured here" if "measured here" in low or "bench calibrate" in low else \
+                "calibrated" if "calibrat" in low else \
+                "estimate" if "assumed" in low or "estimate" in low else \
+                "datasheet" if "datasheet" in low or "_gpu_specs" in low else "published tables"
+            out.setdefault(kind, []).append(key)
+        return out
+
+    def vector_peak(self, dtype: str) -> float:
+        """The vector units' FLOP/s in ``dtype`` (16-bit types fall back on each other)."""
+        for name in (dtype, {"float16": "bfloat16", "bfloat16": "float16"}.get(dtype, dtype)):
+            if name in self.vector_flops:
+                return float(self.vector_flops[name])
+        return self.peak(dtype)
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s in ``dtype`` (float16 and bfloat16 fall back on each other)."""
@@ -126,7 +175,10 @@ class Machine:
         fitted = self.collectives.get(f"{kind}@{size}" + ("/inter" if spans_nodes else ""))
         if fitted is not None:
             return Link(float(fitted["latency_s"]), float(fitted["bandwidth"]))
-        return self.inter if spans_nodes else self.intra
+        link = self.inter if spans_nodes else self.intra
+        if kind in ("all_gather", "reduce_scatter") and link.gather_bandwidth:
+            return Link(link.latency_s, link.gather_bandwidth)
+        return link
 
 
 def _positive(value, where: str) -> float:
@@ -143,7 +195,9 @@ def _link(raw: dict, where: str) -> Link:
     latency = raw.get("latency_s", 0.0)
     if not isinstance(latency, (int, float)) or latency < 0:
         raise ValueError(f"machine description: {where}.latency_s={latency!r} must be >= 0")
-    return Link(float(latency), _positive(raw.get("bandwidth"), f"{where}.bandwidth"))
+    gather = raw.get("gather_bandwidth")
+    return Link(float(latency), _positive(raw.get("bandwidth"), f"{where}.bandwidth"),
+                _positive(gather, f"{where}.gather_bandwidth") if gather is not None else None)
 
 
 def machine_from_dict(raw: dict) -> Machine:
@@ -181,7 +235,33 @@ def machine_from_dict(raw: dict) -> Machine:
         inter=_link(links.get("inter", links.get("intra")), "links.inter"),
         collectives=dict(raw.get("collectives") or {}), overlap=bool(raw.get("overlap", True)),
         cores=int(raw["cores"]) if raw.get("cores") else None,
-        sources=dict(raw.get("sources") or {}))
+        sources=dict(raw.get("sources") or {}),
+        matmul_efficiency_table=_table(device.get("matmul_efficiency_table"),
+                                       "device.matmul_efficiency_table"),
+        vector_flops={k: _positive(v, f"device.vector_flops.{k}")
+                      for k, v in (device.get("vector_flops") or {}).items()},
+        vector_efficiency_table=_table(device.get("vector_efficiency_table"),
+                                       "device.vector_efficiency_table") or ((0, 1.0),),
+        memory_efficiency_table=_table(device.get("memory_efficiency_table"),
+                                       "device.memory_efficiency_table") or ((0, 1.0),),
+        flash_attention_efficiency=_positive(device.get("flash_attention_efficiency", 0.5),
+                                             "device.flash_attention_efficiency"),
+        launch_s=float(device.get("launch_s", 0.0)),
+        memory_reserve_bytes=float(device.get("memory_reserve_bytes", 0.0)))
+
+
+def _table(raw, where: str):
+    """A size -> efficiency table (``[[size, efficiency], ...]``, sizes descending, the
+    last 0: Calculon's format), as a tuple of pairs; None when absent."""
+    if raw is None:
+        return None
+    rows = tuple((float(a), float(b)) for a, b in raw)
+    sizes = [a for a, _ in rows]
+    if not rows or sizes != sorted(sizes, reverse=True) or sizes[-1] != 0 or \
+            not all(0 < b <= 1 for _, b in rows):
+        raise ValueError(f"machine description: {where}={raw!r} must be [[size, efficiency], "
+                         f"...] with sizes descending to 0 and efficiencies in (0, 1]")
+    return rows
 
 
 def shipped_machines() -> list:

@@ -126,8 +126,10 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
     """``(ranked fits by step time, number over the memory limit)`` for ``layouts``.
 
     A checkpointed layout whose plain twin fits is skipped: recomputing only adds
-    time."""
-    limit = memory_bytes or machine.memory_bytes
+    time. A layout fits when its busiest rank's planned bytes are at most
+    ``memory_bytes``, by default the machine's memory less its reserve
+    (:attr:`~mpishard.planning.machine.Machine.usable_memory_bytes`)."""
+    limit = memory_bytes or machine.usable_memory_bytes      # the reserve kept back
     whole = make_model().freeze_structure()      # only read: plans, sizes, pipeline stages
     cache, memo = StageCache(make_model, whole), {}
     fits, over, plain_fits = [], 0, set()
@@ -154,8 +156,9 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
 
 
 def format_table(ranked: list) -> str:
-    """The table ``mpishard plan`` prints, one row per layout."""
-    head = (f"{'#':>3} {'dp (R x S)':>11} {'cp':>3} {'tp':>3} {'pp':>3} {'strategy':<8} "
+    """The table ``mpishard plan`` prints, one row per layout (``pp x V``: pipeline
+    stages, and the chunks per rank of an interleaved schedule)."""
+    head = (f"{'#':>3} {'dp (R x S)':>11} {'cp':>3} {'tp':>3} {'pp x V':>6} {'strategy':<8} "
             f"{'mb x m':>7} {'ckpt':>4} {'GiB/rank':>9} {'step s':>9} {'tokens/s':>10} "
             f"{'MFU':>6} {'comm s':>8} {'bubble':>6}")
     rows = [head, "-" * len(head)]
@@ -163,7 +166,8 @@ def format_table(ranked: list) -> str:
         lay, c = r.layout, r.cost
         dp = f"{lay.dp} ({lay.dp_replicate}x{lay.dp_shard})" if lay.dp_replicate > 1 \
             else str(lay.dp)
-        rows.append(f"{i:>3} {dp:>11} {lay.cp:>3} {lay.tp:>3} {lay.pp:>3} {lay.strategy:<8} "
+        pp = f"{lay.pp}x{lay.virtual_stages}" if lay.virtual_stages > 1 else str(lay.pp)
+        rows.append(f"{i:>3} {dp:>11} {lay.cp:>3} {lay.tp:>3} {pp:>6} {lay.strategy:<8} "
                     f"{f'{lay.batch_size}x{lay.micro_batches}':>7} "
                     f"{'yes' if lay.activation_checkpointing else 'no':>4} "
                     f"{r.peak_bytes / 2**30:>9.2f} {c.seconds:>9.4f} {c.tokens_per_s:>10.0f} "

@@ -1,0 +1,122 @@
+"""The GPU kernel model (mpishard/planning/gpu_time.py), the machine's efficiency tables,
+memory reserve and figures' provenance, with hand-computed values.
+
+    pytest -q tests/planning/test_step_model.py
+"""
+import pytest
+
+from mpishard.models import GPT, GPTConfig
+from mpishard.parallel.compose import build_stage
+from mpishard.planning import load_machine, machine_from_dict, predict_step, stage_flops
+from mpishard.planning.gpu_time import micro_batch_times, op_seconds, stage_ops, Op
+from mpishard.planning.layout import Layout, mesh_shape
+from mpishard.planning.search import candidate_layouts, rank_layouts
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=8, dropout=0.1)
+KERNEL = {"name": "kernels", "kind": "gpu", "ranks_per_node": 4, "overlap": True,
+          "device": {"flops": {"float16": 1e12, "float32": 1e12}, "matmul_efficiency": 1.0,
+                     "memory_bytes": 1e9, "memory_bandwidth": 1e11,
+                     "matmul_efficiency_table": [[1, 0.5], [0, 0.25]],
+                     "vector_flops": {"float16": 1e11},
+                     "memory_efficiency_table": [[0, 0.5]], "launch_s": 1e-6},
+          "links": {"intra": {"latency_s": 0.0, "bandwidth": 1e9}}}
+
+
+def make():
+    return GPT(CFG, materialize_now=False)
+
+
+def test_the_kernels_products_are_the_stages_products():
+    """Forward FLOPs of the products and attention's batched products equal
+    stage_flops' count (an independent walk), backward twice them."""
+    lay = Layout(batch_size=2, seq_len=16)
+    ops = stage_ops(make(), lay, itemsize=2)
+    fl = stage_flops(make(), lay)
+    products = [op for op in ops if op.matrix]
+    assert sum(op.fw_flops for op in products) == pytest.approx(fl["blocks"] + fl["rest"])
+    assert sum(op.bw_flops for op in products) == pytest.approx(2 * (fl["blocks"] + fl["rest"]))
+    assert sum(op.fw_flops for op in products if op.core) == pytest.approx(fl["attention"])
+
+
+def test_a_kernel_is_its_flops_then_its_bytes_plus_a_launch():
+    machine = machine_from_dict(KERNEL)
+    big = Op("matmul", 2e9, 1e8, 4e9, 2e8, matrix=True)           # 2 GFLOP: table row 1
+    fw, bw = op_seconds(big, machine, "float16")
+    assert fw == pytest.approx(2e9 / (1e12 * 0.5) + 1e8 / (1e11 * 0.5) + 1e-6)
+    assert bw == pytest.approx(2 * fw)                              # two products backward
+    capped = machine_from_dict({**KERNEL, "device": {**KERNEL["device"],
+                                                     "matmul_efficiency": 0.4}})
+    assert op_seconds(big, capped, "float16")[0] == pytest.approx(
+        2e9 / (1e12 * 0.4) + 1e8 / (1e11 * 0.5) + 1e-6)             # the measured best caps it
+    small = Op("norm", 1e6, 1e6, 2e6, 1.5e6, bw_kernels=1)          # vector units, row 0
+    assert op_seconds(small, machine, "float16")[0] == pytest.approx(
+        1e6 / 1e11 + 1e6 / (1e11 * 0.5) + 1e-6)
+
+
+def test_sequence_parallelism_splits_the_norms_and_residual_adds_over_tp():
+    plain, sp = (Layout(tp=2, batch_size=2, seq_len=16, sequence_parallel=s)
+                 for s in (False, True))
+
+    def bytes_of(lay, cls):
+        stage = build_stage(make(), mesh_shape(lay, 0), None, lay.cp_mode,
+                            lay.sequence_parallel, 1)
+        return sum(op.fw_bytes for op in stage_ops(stage, lay, 2) if op.cls == cls)
+    for cls in ("norm", "dropout+residual"):
+        assert bytes_of(sp, cls) == pytest.approx(bytes_of(plain, cls) / 2)
+    assert bytes_of(sp, "matmul") == bytes_of(plain, "matmul")      # products: gathered rows
+
+
+def test_recomputation_repeats_the_blocks_or_attentions_core_forward():
+    machine, lay = machine_from_dict(KERNEL), Layout(batch_size=2, seq_len=16)
+    ops = stage_ops(make(), lay, 2)
+    times = {name: micro_batch_times(ops, machine, "float16", Layout(
+        batch_size=2, seq_len=16, **extra)) for name, extra in
+        (("none", {}), ("full", {"activation_checkpointing": True}),
+         ("selective", {"selective": True}))}
+    forward = {cls: sum(op_seconds(op, machine, "float16")[0] for op in ops if test(op))
+               for cls, test in (("blocks", lambda op: op.block),
+                                 ("core", lambda op: op.core))}
+    assert times["none"]["recompute"] == 0.0
+    assert times["full"]["recompute"] == pytest.approx(forward["blocks"])
+    assert times["selective"]["recompute"] == pytest.approx(forward["core"])
+    assert 0 < forward["core"] < forward["blocks"]
+
+
+def test_a_gpu_step_adds_up_and_halves_pipeline_bytes_on_full_duplex_links():
+    machine = machine_from_dict(KERNEL)
+    lay = Layout(pp=2, strategy="ddp", batch_size=1, seq_len=16, micro_batches=2)
+    cost = predict_step(make, lay, machine)
+    assert cost.seconds == pytest.approx(sum(cost.breakdown.values()))
+    assert any(k.startswith("compute ") for k in cost.breakdown) and cost.breakdown["bubble"] > 0
+    from mpishard.planning.layout import estimate_layout
+    sent = estimate_layout(make(), lay).stages[cost.stage].bus_bytes["pp"]
+    assert cost.comm_total["pp"] == pytest.approx(sent / 2 / 1e9)
+
+
+def test_the_memory_reserve_is_kept_back_from_what_layouts_plan():
+    layouts = candidate_layouts(2, 2, 16, 4, CFG.n_layer, CFG.n_head, strategies=["ddp"],
+                                checkpointing=(False,))
+    machine = machine_from_dict(KERNEL)
+    fits, _ = rank_layouts(make, layouts, machine)
+    peak = min(r.peak_bytes for r in fits)
+    reserved = machine_from_dict({**KERNEL, "device": {
+        **KERNEL["device"], "memory_reserve_bytes": KERNEL["device"]["memory_bytes"] - peak
+        + 1}})
+    assert reserved.usable_memory_bytes == peak - 1
+    assert rank_layouts(make, layouts, reserved)[0] == []
+
+
+def test_shipped_gpus_are_costed_by_kernels_with_every_figure_sourced():
+    for name in ("a100-80gb", "h100-sxm", "h200"):
+        machine = load_machine(name)
+        assert machine.kernel_model and machine.memory_reserve_bytes > 0
+        for key in ("matmul_efficiency_table", "vector_flops", "memory_efficiency_table",
+                    "flash_attention_efficiency", "launch_s", "memory_reserve_bytes"):
+            assert f"device.{key}" in machine.sources, (name, key)
+        kinds = machine.provenance()
+        assert "datasheet" in kinds and "published tables" in kinds
+    cpu = load_machine("cpu-2core")
+    assert not cpu.kernel_model and set(cpu.provenance()) == {"measured here"}
+    with pytest.raises(ValueError, match="sizes descending to 0"):
+        machine_from_dict({**KERNEL, "device": {**KERNEL["device"],
+                                                "matmul_efficiency_table": [[0, 1], [1, 1]]}})
