@@ -162,7 +162,8 @@ class HostMasters(MasterCopies):
         elements ``span = (lo, hi)`` of it: one bucket), which becomes ``target.grad``."""
         host = self.host_grads[id(target)]
         lo, hi = span if span is not None else (0, host.size)
-        to_host(grad, host[lo:hi])
+        if grad is not host:                 # a ZeRO unit's shard may be the buffer itself
+            to_host(grad, host[lo:hi])
         target.grad = host
 
     def refresh(self) -> None:

@@ -54,8 +54,10 @@ class Precision:
     Args:
         param_dtype: dtype parameters are gathered and computed in; ``None``
             computes in the model's own dtype (no mixed precision).
-        reduce_dtype: dtype gradients are averaged in (``"float32"``, or the
-            ``param_dtype`` to halve the bytes; bfloat16 cannot be reduced by MPI).
+        reduce_dtype: dtype gradients are added and averaged in (``"float32"``, or the
+            ``param_dtype`` to halve their bytes: FSDP2's ``reduce_dtype``; over MPI a
+            16-bit reduction adds in float32 and rounds once, see [Note: 16-bit floats
+            on MPI] in mpishard/comm/checks.py).
         loss_scale: ``"dynamic"``, a fixed positive number, or ``None`` (no scaling).
         init_scale, growth_factor, backoff_factor, growth_interval: the dynamic
             scale's start, its factors on growth and overflow, and the clean
@@ -78,9 +80,6 @@ class Precision:
         if self.reduce_dtype not in FLOAT_DTYPES:
             raise ValueError(f"Precision: reduce_dtype {self.reduce_dtype!r} is not one of "
                              f"{', '.join(FLOAT_DTYPES)}")
-        if self.reduce_dtype == "bfloat16":
-            raise ValueError("Precision: reduce_dtype='bfloat16' is not possible, MPI has no "
-                             "bfloat16 arithmetic; use reduce_dtype='float32'")
         if (self.param_dtype == "bfloat16" and self.reduce_dtype == "float16"
                 and self.loss_scale is None):
             raise ValueError("Precision: bfloat16 gradients reduced in float16 without a loss "

@@ -225,7 +225,11 @@ def test_device_bytes_fall_on_the_strict_module(kind, precision):
     before, after = plain.bytes_by_category(), offloaded.bytes_by_category()
     assert before["optim"] == 8 * masters and after["optim"] == 0
     assert before["params"] - after["params"] == (4 * masters if precision else 0)
-    assert before["grads"] == after["grads"]
+    # a ZeRO unit's reduced gradient shard lands in host memory (unless it is the full
+    # gradient buffer itself: stage 1 on one rank); DDP's buckets stay on the device
+    moved = sum(4 * u.layout.shard_size for u in getattr(runs["optimizer"][0], "units", ())
+                if not u.aliased)
+    assert before["grads"] - after["grads"] == moved
     assert offloaded.host_bytes_by_category() == {**{c: 0 for c in after},
                                                   "params": 4 * masters,
                                                   "grads": 4 * masters, "optim": 8 * masters}
@@ -295,13 +299,14 @@ def test_offload_composes_with_tensor_and_pipeline_parallelism(dims, kind):
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", [None, "bfloat16"])
-def test_parameter_offload_leaves_the_device_only_gradient_shards(precision):
+def test_parameter_offload_leaves_the_device_no_model_state(precision):
     """ZeRO-3 on the CuPy-strict module: with ``offload="params"`` the device holds no
-    parameter between steps (the gathered units are released, the shards are host
-    arrays), only the float32 gradient shards, 4 bytes per element of this rank's shard;
-    the host holds the master (4), the 16-bit copy that is gathered (2, mixed precision
-    only), a gradient copy (4) and AdamW's state (8). Training tracks the run without
-    offload (the strict module's device Adam sums in another order: rounding)."""
+    model state between steps (the gathered units are released, the shards are host
+    arrays, and so are the gradient shards each reduction lands in); the host holds the
+    master (4 bytes per element of this rank's shard), the 16-bit copy that is gathered
+    (2, mixed precision only), the gradient shard (4) and AdamW's state (8). Training
+    tracks the run without offload (the strict module's device Adam sums in another
+    order: rounding)."""
     world = Communicator(MPI.COMM_WORLD)
     runs = {}
     for offload in (None, "params"):
@@ -315,8 +320,7 @@ def test_parameter_offload_leaves_the_device_only_gradient_shards(precision):
     assert_params_offloaded(offloaded)
     shard = sum(t.data.size for t in opt.params)        # this rank's elements
     device, host = offloaded.ledger.bytes_by_category(), offloaded.ledger.host_bytes_by_category()
-    assert device["params"] == 0 and device["optim"] == 0
-    assert device["grads"] == 4 * shard
+    assert device["params"] == device["grads"] == device["optim"] == 0
     assert runs[None][0].ledger.bytes_by_category()["params"] == (6 if precision else 4) * shard
     assert host == {**{c: 0 for c in host}, "params": (6 if precision else 4) * shard,
                     "grads": 4 * shard, "optim": 8 * shard}
@@ -325,3 +329,26 @@ def test_parameter_offload_leaves_the_device_only_gradient_shards(precision):
     np.testing.assert_allclose([r[0] for r in got], [r[0] for r in want], rtol=1e-5)
     tol = 1e-5 if precision is None else 3 * 2.0 ** -8
     assert parity.max_rel_err(got_params, want_params, norm="2") <= tol
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_zero1_bfloat16_with_offload_keeps_four_bytes_per_parameter_on_the_device():
+    """ZeRO-1, bfloat16 weights and gradients (``reduce_dtype="bfloat16"``), optimizer
+    offload, on the CuPy-strict module: the device's model state is the 16-bit
+    parameters and the 16-bit full gradients, 2 + 2 bytes per (padded) parameter; the
+    float32 masters, the reduced gradient shards and AdamW's state are host arrays."""
+    world = Communicator(MPI.COMM_WORLD)
+    policy = Precision("bfloat16", reduce_dtype="bfloat16")
+    strategy = build("zero1", world, "optimizer", dtype="float32", precision=policy,
+                     backend=Backend.resolve("strict"))
+    opt = parity.make_optimizer(strategy.parameters(), strategy.ledger)
+    record = train(strategy, opt, world.rank, 2)
+    assert all(math.isfinite(loss) for loss, _, _, _ in record)
+    padded = sum(u.layout.padded for u in strategy.units)     # the model, padded per unit
+    device = strategy.ledger.bytes_by_category()
+    assert device["params"] == device["grads"] == 2 * padded
+    assert device["optim"] == 0
+    shard = sum(t.data.size for t in opt.params)
+    host = strategy.ledger.host_bytes_by_category()
+    assert (host["params"], host["grads"], host["optim"]) == (4 * shard, 4 * shard, 8 * shard)

@@ -130,8 +130,10 @@ class ZeroUnit:
     def label(self) -> str:
         return self.layout.label
 
-    def allocate_grads(self) -> None:
-        """The gradient shard (and, at stage 1, the full gradient buffer)."""
+    def allocate_grads(self, host_shard=None) -> None:
+        """The gradient shard (and, at stage 1, the full gradient buffer). ``host_shard``:
+        under offload, the host gradient buffer of the unit's master, which then is the
+        shard itself (see [Note: optimizer offload] in mpishard/parallel/offload.py)."""
         layout = self.layout
         if self.keep_full_grads:
             self.grad_full = self.ledger.zeros("grads", (layout.padded,), self.reduce_dtype,
@@ -144,6 +146,9 @@ class ZeroUnit:
                     self.reduce_dtype == layout.dtype:
                 self.grad_shard, self.aliased = self.grad_full, True
                 return
+        if host_shard is not None:
+            self.grad_shard = host_shard
+            return
         self.grad_shard = self.ledger.zeros("grads", (layout.shard_size,), layout.dtype,
                                             f"grad shard {layout.label}", xp=self.xp)
 
@@ -180,7 +185,7 @@ class ZeroUnit:
         if self.aliased:  # the full buffer is the shard: nothing to reduce or send
             self.reductions += 1
             return Reduction(self, None, flat, self.grad_shard, first)
-        if first and rd == self.grad_shard.dtype:
+        if first and rd == self.grad_shard.dtype and not self.ledger.on_host(self.grad_shard):
             recv = self.grad_shard
         else:
             recv = self.ledger.empty("comm", (layout.shard_size,), rd,
@@ -249,6 +254,11 @@ class ZeroStrategy(Strategy):
         if deferred:  # what materialize() does besides parameters: dropout generators
             seed_dropout(module, self.seed, getattr(module, "backend", None))
 
+    def host_grad_shard(self, unit):
+        """Under offload the host buffer a unit's reduced gradients land in (its master's
+        host gradient buffer), else ``None``: the shard then lives on the device."""
+        return self.masters.host_grads[id(unit.target)] if self.offload else None
+
     def unit_group(self, layout: FlatUnit) -> tuple:
         """``(shard communicator, scale)`` of a unit: ``(dp_shard x cp, 1)``, or for the
         experts split over ep ``(edp_shard, 1 / ep)`` (see parallel/expert/layers.py)."""
@@ -307,7 +317,7 @@ class ZeroStrategy(Strategy):
         self.reduction_queue.finish()
         for unit in self.units:
             unit.finish_step()
-            if self.offload:
+            if self.offload:     # the host shard itself, unless aliased (stage 1, one rank)
                 self.masters.grad_to_host(unit.target, unit.grad_shard)
 
     def zero_grad(self) -> None:

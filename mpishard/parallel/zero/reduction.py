@@ -9,6 +9,9 @@ first finishes the oldest. Every rank adds and finishes them in the same order.
 """
 from __future__ import annotations
 
+from mpishard.core.backend import to_numpy
+from mpishard.parallel.offload import copy_into
+
 __all__ = ["Reduction", "ReductionQueue"]
 
 
@@ -22,7 +25,9 @@ class Reduction:
 
     def finish(self, ledger) -> None:
         """Wait; add (or, for the step's first, cast) the received slice into the
-        gradient shard; release the buffers that were only for this reduction."""
+        gradient shard (under offload a host array: the slice is copied there as its
+        reduction finishes, while backward goes on); release the buffers that were only
+        for this reduction."""
         if self.handle is not None:  # None: nothing to send (see ZeroUnit.aliased)
             self.handle.wait()
         unit = self.unit
@@ -31,8 +36,10 @@ class Reduction:
         if unit.scale != 1.0:     # expert gradients: 1 / ep (see parallel/expert/layers.py)
             self.recv *= unit.scale
         if self.recv is not unit.grad_shard:
-            if self.first:  # reduced in another dtype: cast into the shard
-                unit.grad_shard[...] = self.recv
+            if self.first:  # reduced in another dtype, or into the device: into the shard
+                copy_into(unit.grad_shard, self.recv)
+            elif ledger.on_host(unit.grad_shard) and not ledger.on_host(self.recv):
+                unit.grad_shard += to_numpy(self.recv).astype(unit.grad_shard.dtype)
             else:
                 unit.grad_shard += self.recv
             ledger.release(self.recv)

@@ -45,7 +45,7 @@ class ShardedStateZeRO(ZeroStrategy):
                 offset, piece = layout.owned_piece(i, value)
                 copy_into(master[offset:offset + piece.size], piece)
         unit.target = self.masters.add(master, block, layout.decay_ranges(), layout.label)
-        unit.allocate_grads()
+        unit.allocate_grads(self.host_grad_shard(unit))
         return unit
 
     def _before_forward(self) -> None:

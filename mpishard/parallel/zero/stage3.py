@@ -340,7 +340,7 @@ class FullyShardedZeRO(ZeroStrategy):
             copy_into(unit.compute_shard, shard)
         unit.target = self.masters.add(shard, unit.compute_shard, layout.decay_ranges(),
                                        layout.label)
-        unit.allocate_grads()
+        unit.allocate_grads(self.host_grad_shard(unit))
         return unit
 
     def _before_forward(self) -> None:
