@@ -275,6 +275,18 @@ def _worker(steps: int) -> dict:
     return out
 
 
+def _report_syncs(result: dict) -> None:
+    """The host reads per step as lines of text on stderr, layout by layout."""
+    print(f"host reads inside a step (most on any rank; budget {result['budget']}, before "
+          f"{BEFORE['host_syncs_per_step']}), after it, and copies through host buffers, "
+          f"per world size:", file=sys.stderr)
+    for layout, per in result["host_syncs_per_step"].items():
+        cells = ", ".join(f"{size}: {n} in, {result['reads_after_step'][layout][size]} after, "
+                          f"{result['staged_per_step'][layout][size]} staged"
+                          for size, n in per.items())
+        print(f"  {layout:14s} {cells}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="measured steps (after 1 warm-up)")
@@ -300,6 +312,7 @@ def main(argv=None) -> int:
     result = _worker(args.steps)
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({"bench": "syncs", **result}), flush=True)
+        _report_syncs(result)
         _report_launches(result)
         return 0 if result["within_budget"] else 1
     return 0
