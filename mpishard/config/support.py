@@ -20,8 +20,8 @@ experts' auxiliary losses over pipeline stages or with activation
 checkpointing); model chunks the pipeline cannot interleave (``virtual_stages >
 1`` without the interleaved schedule, the interleaved schedule without ``pp`` and
 ``virtual_stages`` of 2 or more, micro-steps that are not a multiple of ``pp``,
-blocks that do not split into ``pp x virtual_stages`` equal chunks, a strategy
-that gathers parameters per call); an offload the strategy cannot do. What depends on the world size (a mesh whose product is not
+blocks that do not split into ``pp x virtual_stages`` equal chunks); an
+offload the strategy cannot do. What depends on the world size (a mesh whose product is not
 the number of ranks, ep not inside ``dp_shard x cp``) is refused alike when the
 mesh is built, before the model.
 """
@@ -107,7 +107,7 @@ def _check_sequence(cfg) -> None:
 
 
 def _check_interleaving(cfg) -> None:
-    """Model chunks the pipeline schedule, pp, the micro-steps or the strategy cannot run
+    """Model chunks the pipeline schedule, pp or the micro-steps cannot run
     (what :func:`~mpishard.parallel.compose.check_interleaving` refuses, in flags)."""
     p, micro = cfg.parallel, cfg.optim.micro_steps
     if p.pipeline_schedule != "interleaved":
@@ -125,20 +125,12 @@ def _check_interleaving(cfg) -> None:
                           f"micro-batches round the pipeline in groups of pp = {p.pp}; use "
                           f"--micro-steps {p.pp * max(1, round(micro / p.pp))} (a multiple "
                           f"of {p.pp})")
-    from mpishard.parallel.strategy import STRATEGIES, Sharded  # noqa: PLC0415 (as options.py)
-    if STRATEGIES[p.strategy].keeps_sharded is Sharded.PARAMETERS:
-        whole = " or ".join(n for n, e in STRATEGIES.items()
-                            if e.keeps_sharded < Sharded.PARAMETERS)
-        raise ConfigError(f"strategy = {p.strategy} with --pipeline-schedule interleaved: it "
-                          f"gathers the parameters outside the blocks (embeddings, head) "
-                          f"around every call of a stage, which runs once per model chunk; "
-                          f"use --strategy {whole}")
 
 
 def _check_offload(cfg) -> None:
     """An offload the strategy cannot do (what :func:`~mpishard.parallel.offload.
     check_offload` refuses, in flags)."""
-    from mpishard.parallel.offload import check_offload  # noqa: PLC0415 (as above)
+    from mpishard.parallel.offload import check_offload  # noqa: PLC0415 (as options.py)
     from mpishard.parallel.strategy import STRATEGIES  # noqa: PLC0415
     p = cfg.parallel
     try:

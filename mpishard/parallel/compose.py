@@ -32,7 +32,7 @@ from mpishard.autodiff.tensor import no_grad
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.pipeline.chunks import ModelChunks, chunk_blocks
 from mpishard.parallel.pipeline.schedule import Pipeline, partition_blocks
-from mpishard.parallel.strategy import STRATEGIES, Sharded, strategy_entry
+from mpishard.parallel.strategy import strategy_entry
 from mpishard.parallel.context.apply import apply_context_plan
 from mpishard.parallel.expert.layers import apply_expert_plan
 from mpishard.parallel.offload import check_offload
@@ -149,10 +149,10 @@ def build_stage(model, mesh, stage_estimate=None, cp_mode: str = "ring",
     return model
 
 
-def check_interleaving(schedule: str, virtual_stages: int, pp: int, micro_batches: int,
-                       strategy: str) -> None:
-    """ValueError naming the fix for model chunks the schedule, ``pp``, ``m`` or the
-    strategy cannot run (the same on every rank: it reads the arguments only)."""
+def check_interleaving(schedule: str, virtual_stages: int, pp: int,
+                       micro_batches: int) -> None:
+    """ValueError naming the fix for model chunks the schedule, ``pp`` or ``m`` cannot
+    run (the same on every rank: it reads the arguments only)."""
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
     if schedule != "interleaved":
@@ -169,11 +169,6 @@ def check_interleaving(schedule: str, virtual_stages: int, pp: int, micro_batche
         raise ValueError(f"the interleaved schedule sends micro-batches round the pipeline "
                          f"in groups of pp = {pp}; micro_batches = {micro_batches} is not a "
                          f"multiple of {pp}")
-    if strategy_entry(strategy).keeps_sharded is Sharded.PARAMETERS:
-        whole = ", ".join(n for n, e in STRATEGIES.items() if e.keeps_sharded < Sharded.PARAMETERS)
-        raise ValueError(f"strategy {strategy!r} with the interleaved schedule: it gathers the "
-                         f"parameters outside the blocks (embeddings, head) around every call "
-                         f"of the stage, which runs once per model chunk; use one of {whole}")
 
 
 def wrap_model(model, mesh, strategy: str, seed: int | None = None, precision=None,
@@ -226,7 +221,7 @@ class ParallelModel:
                  sequence_parallel: bool = False, virtual_stages: int = 1, offload=None):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        check_interleaving(schedule, virtual_stages, mesh.pp.size, micro_batches, strategy)
+        check_interleaving(schedule, virtual_stages, mesh.pp.size, micro_batches)
         plan = plan_of(model)
         self.mesh = mesh
         stage = build_stage(model, mesh, stage_estimate, cp_mode, sequence_parallel,

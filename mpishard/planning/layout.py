@@ -123,7 +123,7 @@ class Layout:
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"Layout.{name}={n!r} must be a positive integer")
         check_interleaving(self.schedule, int(self.virtual_stages), int(self.pp),
-                           int(self.micro_batches), self.strategy)
+                           int(self.micro_batches))
         if self.dp % self.dp_replicate:
             raise ValueError(f"Layout dp_replicate={self.dp_replicate} does not divide "
                              f"dp={self.dp}; pass a dp_replicate that divides {self.dp} "

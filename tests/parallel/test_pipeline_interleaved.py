@@ -6,8 +6,10 @@ bubble (p - 1) / (V m) in an event simulation); then GPT layouts train 6 AdamW
 steps in float64 with clipping active and different data per dp rank, and must
 equal the single-process reference within 1e-10: pp2 x V2 (DDP and ZeRO-1),
 pp4 x V2, pp2 x tp2 x V2 (ZeRO-2), dp2 x pp2 x V2 (ZeRO-1), cp2 x pp2 x V2
-(ZeRO-2). Widths divide none of 2, 3, 4. The plan's in-flight chunks and
-pipeline bytes are checked against the order by hand. Checkpoints go between interleaved and plain pipelines.
+(ZeRO-2), and ZeRO-3 at pp2 x V2, dp2 x pp2 x V2, pp4 x V2 and pp2 x tp2 x V2.
+Widths divide none of 2, 3, 4. The plan's in-flight chunks and pipeline bytes are
+checked against the order by hand. Checkpoints go between interleaved and plain
+pipelines.
 
     mpiexec -n 4 python -m mpi4py -m pytest --with-mpi tests/parallel/test_pipeline_interleaved.py
 """
@@ -144,8 +146,6 @@ def test_chunks_and_refusals():
      "needs --pp and --virtual-stages of 2 or more"),
     (dict(pp=2, pipeline_schedule="interleaved", virtual_stages=2, n_layer=4, micro_steps=3,
           strategy="ddp"), "micro_steps = 3: .* use --micro-steps 4"),
-    (dict(pp=2, pipeline_schedule="interleaved", virtual_stages=2, n_layer=4, micro_steps=2,
-          strategy="zero3"), "strategy = zero3 with --pipeline-schedule interleaved"),
 ])
 def test_config_refuses_what_cannot_interleave(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -153,10 +153,12 @@ def test_config_refuses_what_cannot_interleave(flags, message):
 
 
 def test_interleaved_config_is_accepted():
-    cfg = load_config(None, {"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2,
-                             "n_layer": 4, "n_head": 2, "n_embd": 8, "micro_steps": 4,
-                             "strategy": "zero2"})
-    assert (cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages) == ("interleaved", 2)
+    for strategy in ("zero2", "zero3"):
+        cfg = load_config(None, {"pp": 2, "pipeline_schedule": "interleaved",
+                                 "virtual_stages": 2, "n_layer": 4, "n_head": 2, "n_embd": 8,
+                                 "micro_steps": 4, "strategy": strategy})
+        assert (cfg.parallel.pipeline_schedule, cfg.parallel.virtual_stages) == \
+            ("interleaved", 2)
 
 
 def test_chunks_keep_the_global_names():
@@ -180,9 +182,6 @@ def test_chunks_keep_the_global_names():
 
 def test_bad_arguments_raise_before_building():
     model = GPT(CFG, materialize_now=False)
-    with pytest.raises(ValueError, match="strategy 'zero3' with the interleaved schedule"):
-        ParallelModel(model, MeshShape(pp=2), "zero3", micro_batches=2,
-                      schedule="interleaved", virtual_stages=2)
     with pytest.raises(ValueError, match="virtual_stages = 2 needs the interleaved"):
         ParallelModel(model, MeshShape(pp=2), "ddp", micro_batches=2, virtual_stages=2)
     with pytest.raises(ValueError, match="micro_batches = 3 is not a multiple of 2"):
@@ -231,6 +230,10 @@ LAYOUTS = [  # (dp, tp, pp, cp, strategy, micro-batches, V, config)
     (1, 2, 2, 1, "zero2", 2, 2, CFG),
     (2, 1, 2, 1, "zero1", 2, 2, CFG),
     (1, 1, 2, 2, "zero2", 2, 2, CFG),   # context parallel: each chunk's attention over cp
+    (1, 1, 2, 1, "zero3", 4, 2, CFG),   # ZeRO-3: the root gathered across chunk calls
+    (2, 1, 2, 1, "zero3", 2, 2, CFG),
+    (1, 1, 4, 1, "zero3", 4, 2, DEEP),
+    (1, 2, 2, 1, "zero3", 2, 2, CFG),
 ]
 
 

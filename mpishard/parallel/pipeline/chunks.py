@@ -10,7 +10,7 @@ the model's own ``pipeline_stage`` (see [Note: pipeline stage interface] in
 mpishard/nn/sharding.py); :class:`ModelChunks` holds the ``V`` of them.
 
 [Note: one strategy over the chunks]
-One strategy (DataParallel or ZeRO-1/2) wraps one :class:`ModelChunks`, not one
+One strategy (DataParallel or ZeRO) wraps one :class:`ModelChunks`, not one
 strategy per chunk: the rank's parameters then form one set, so gradient
 buckets and ZeRO's units, the one global-norm all-reduce of clipping and the
 non-finite check, mixed precision's masters and the checkpoint pieces are
@@ -23,11 +23,12 @@ chunk 1 in one ``transformer.h``), built from new containers where chunks
 meet and the chunks' own modules below, while the chunks themselves stay
 unregistered (a plain list) and run their own forwards. ``forward(...,
 chunk=c)`` runs chunk ``c``, so the strategy's forward hooks run once per
-chunk call. ZeRO-3 is refused with chunks: its root unit (the embeddings and
-the head, the parameters outside the blocks) is gathered around every call
-of the strategy's module and expects that call's backward to reach it, which
-a chunk without them never does; lifting that needs ZeRO-3 to gather those
-parameters around the chunk that holds them instead.
+chunk call. Under ZeRO-3 each block unit is gathered around its own chunk's
+forward and backward as in a plain stage; the root unit (the embeddings and
+the head, the parameters outside the blocks) is gathered at the first chunk
+call of a step and stays so until the step's gradients are reduced, taking
+one chunk's forward in the middle of another's backward (see [Note: unit
+training state] in mpishard/parallel/zero/stage3.py).
 """
 from __future__ import annotations
 

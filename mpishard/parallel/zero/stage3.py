@@ -74,7 +74,12 @@ class TrainingState(enum.Enum):
 # from another state means the hooks and the model disagree (a module run
 # inside its own forward, gradients without a backward through the unit's
 # output): it raises, the same on every rank, instead of gathering or
-# reducing at the wrong moment.
+# reducing at the wrong moment. The root unit is exempt: it stays gathered
+# from its first forward to the end of the step, so no event of its can gather
+# or release at the wrong moment, and under the interleaved pipeline schedule
+# its module (all of the rank's model chunks) runs a chunk's forward while
+# another chunk's backward is under way -- events from any state are right
+# there.
 _STARTS = {"pre_forward": (TrainingState.IDLE,),
            "post_forward": (TrainingState.FORWARD,),
            "pre_backward": (TrainingState.IDLE, TrainingState.BACKWARD),
@@ -167,7 +172,8 @@ class ShardedUnit(ZeroUnit):
     # -- the training state (see [Note: unit training state]) ------------------------
     def _begin(self, event: str, then: TrainingState) -> None:
         allowed = _STARTS[event]
-        if self.training_state not in allowed:
+        # the root (gathered until the step ends) takes events from any state
+        if self.training_state not in allowed and self.reshard_after_backward:
             raise RuntimeError(
                 f"ZeRO-3 unit {self.label!r}: {event} while {self.training_state.value}, "
                 f"expected {' or '.join(s.value for s in allowed)}; call the unit's module "
