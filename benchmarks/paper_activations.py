@@ -25,7 +25,11 @@ and :func:`paper_formula` computes them, to the digit. Beside each, mpishard's p
 (:func:`~mpishard.planning.layout.estimate_layout`, precision float16) of the
 first stage's activations and the busiest stage's total (model state included;
 mixed precision's float32 masters and Adam's two states on every parameter, as
-Megatron-LM keeps them without its distributed optimizer).
+Megatron-LM keeps them without its distributed optimizer). As in Megatron-LM, a
+stage keeps none of the outputs it sends on (``deallocate_output_tensor``, the
+paper's Appendix B) and under sequence parallelism the embeddings' dropout drops
+this rank's rows after the cut; every plan is then within 5% of the figure
+(tests/planning/test_activation_paper.py).
 """
 from __future__ import annotations
 
@@ -129,9 +133,12 @@ def main(argv=None) -> list:
               f"{r['planned_gib']:>9.2f}{r['error']:>+8.1%}{r['busiest_total_gib']:>11.2f} GiB"
               f"  {'yes' if r['fits_a100'] else 'NO'}", file=sys.stderr)
     worst = max(abs(r["error"]) for r in rows)
-    print(f"worst |error| {worst:.1%} (baseline: tensor parallel, no recomputation; present: "
-          f"sequence parallel + selective recomputation)", file=sys.stderr)
-    print(json.dumps({"benchmark": "paper_activations", "rows": rows, "worst_abs_error": worst}))
+    within = sum(abs(r["error"]) <= 0.05 for r in rows)
+    print(f"worst |error| {worst:.1%}, {within} of {len(rows)} within 5% (baseline: tensor "
+          f"parallel, no recomputation; present: sequence parallel + selective "
+          f"recomputation; a stage's sent outputs let go of, as Megatron-LM)", file=sys.stderr)
+    print(json.dumps({"benchmark": "paper_activations", "rows": rows, "worst_abs_error": worst,
+                      "within_5_percent": within}))
     return rows
 
 

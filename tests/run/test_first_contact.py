@@ -60,8 +60,9 @@ def test_estimate_plans_the_layout_it_is_given():
 
 
 def test_train_plan_counts_tensor_and_pipeline_traffic():
+    # (a batch of 4: each tp rank sends half the rows, and 2 KiB would print as 0.00 MiB)
     out = mpishard("train", *FAST, "--n-layer", "2", "--tp", "2", "--pp", "2", "--micro-steps",
-                   "2", "--strategy", "zero1", "--dry-run", n=4)
+                   "2", "--batch-size", "4", "--strategy", "zero1", "--dry-run", n=4)
     assert out.returncode == 0, out.stderr
     f = figures(out.stdout)
     assert f["bus tp"] > 0 and f["bus pp"] > 0 and f["bus tied"] > 0

@@ -28,11 +28,14 @@ residual add         ``N C c``; with its branch's dropout (``p > 0``, one fused 
 embeddings           ids ``8 T`` of the positions (tp > 1: the tokens' local ids and
                      mask, ``8 N + N c``), the sum ``N C c`` (the lookups let go of);
                      with dropout instead its mask and output, ``N C (1 + c)``
+                     (under sequence parallelism on this rank's rows, ``N / sp``)
 loss                 logits ``N V c`` and ``(9 + 2 f) N`` of per-row target ids,
                      flags, maxima and sums of exponentials (backward recomputes the
                      softmax block by block); vocabulary-parallel (tp > 1): ``(18 +
                      2 f) N`` (row ids and its own target flags too)
 a later stage        the received activations, ``N C c``
+a stage's output     none where a later stage takes it: sent there and let go of
+                     (see [Note: sent outputs] in mpishard/parallel/pipeline/schedule.py)
 ===================  ===============================================================
 
 Under context parallelism ``T`` is this rank's rows of each sequence (``T_global
@@ -42,8 +45,9 @@ scores block by block); all-to-all (Ulysses) the head-split copy of q, k and v,
 ``3 N A c``, the weights of its ``h / cp`` heads over the whole sequence, ``B h
 cp T^2 f``, and the output back in the sequence split, ``N A c`` more. Under
 sequence parallelism (``sp`` = tp ranks) the rows outside the tensor-parallel
-layers are ``N / sp``: norms, residual adds, dropouts, the received activations,
-the embeddings' cut rows (``N C c / sp`` more; the whole rows let go). A
+layers are ``N / sp``: norms, residual adds, dropouts (the embeddings' too: it
+drops the cut rows), the received activations, the embeddings' cut rows (``N C c
+/ sp`` more; the whole rows let go). A
 column-parallel layer keeps only its own rows of the input it all-gathers
 (backward gathers them again); a layer the plan keeps whole keeps the gathered
 input, ``N C c``.
@@ -89,11 +93,13 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode)
     total += stage_input(model.transformer.wte if model.first_stage else None, m, rows=False)
     if model.first_stage:      # the positions' ids; the sum (the blocks' input without
-        total += 8 * T         # dropout), else the dropout's mask and output (whole rows:
-        if cfg.dropout > 0:    # under sp the cut rows are the blocks' input)
-            total += N * C * m.mask + (N * C * c if sp == 1 else 0)
+        total += 8 * T         # dropout), else the dropout's mask and output (under sp
+        if cfg.dropout > 0:    # it drops the cut rows, counted as the stage's input)
+            total += Ns * C * m.mask + (N * C * c if sp == 1 else 0)
         elif sp == 1:
             total += N * C * c
+    if not model.last_stage:   # its output (a residual add's): sent on, let go of
+        total -= Ns * C * c
     for block in blocks:
         if m.checkpointing:
             total += Ns * C * c

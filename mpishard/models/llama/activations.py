@@ -18,7 +18,8 @@ residual adds               ``2 N C c``
 ==========================  =========================================================
 
 The first stage keeps the looked-up token rows (vocabulary-parallel: as the
-GPT's), the last the final norm, logits and loss as the GPT's. Context and
+GPT's), the last the final norm, logits and loss as the GPT's; a stage that sends
+its output on keeps none of it, as the GPT's. Context and
 sequence parallelism change what they change in the GPT (see its note): the
 attention term, and ``N / sp`` rows for norms, adds and reduce-scattered outputs;
 a key/value projection kept whole (tp does not divide ``n_kv_head``) keeps the
@@ -109,4 +110,6 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:
         total += norm + head_and_loss(model.lm_head, N, c, f)
+    else:      # its output (a residual add's): sent on and let go of, as a GPT's
+        total -= Ns * C * c
     return int(total)

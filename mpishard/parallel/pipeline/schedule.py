@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpishard.autodiff.rows import release_values
 from mpishard.autodiff.tensor import Tensor, no_grad
 from mpishard.core.backend import to_numpy, xp_of
 from mpishard.parallel.pipeline.order import SCHEDULES, message_tag, schedule_order
@@ -205,13 +206,16 @@ class Pipeline:
     # step's peak of that sum, what the schedule keeps at once (all m
     # micro-batches under GPipe, at most p - s under 1F1B, the chunks' forwards
     # between a forward and its backward in the interleaved order), becomes the
-    # ledger's "activations" peak and ``activation_bytes``.
+    # ledger's "activations" peak and ``activation_bytes``. A chunk's output handed
+    # to its send is not among them: a message in flight, not kept for backward
+    # (see [Note: sent outputs]).
     def _forward(self, step: _Step, c: int, i: int) -> None:
         if not self.measure_activations:
-            return self._run_forward(step, c, i)
-        with self.strategy.ledger.measure_activations() as measured:
             self._run_forward(step, c, i)
-        step.alive[c, i] = measured.nbytes
+            return
+        with self.strategy.ledger.measure_activations() as measured:
+            sent = self._run_forward(step, c, i)
+        step.alive[c, i] = measured.nbytes - sent
         self.activation_bytes = max(self.activation_bytes, sum(step.alive.values()))
 
     # -- one micro-batch through one chunk ------------------------------------------
@@ -223,7 +227,20 @@ class Pipeline:
         """:func:`~mpishard.parallel.pipeline.order.message_tag` of this rank."""
         return message_tag(self.stage, c, i, self.micro_batches, bool(direction), before)
 
-    def _run_forward(self, step: _Step, c: int, i: int) -> None:
+    # [Note: sent outputs]
+    # Once a chunk's output is handed to its send, nothing on this rank reads its
+    # values: the boundary's backward, ``out.backward(grad)``, reads only the
+    # gradient that comes back (an op's backward reads what it kept, never its own
+    # output tensor). So the output lets go of its values at once, keeping its
+    # place in the graph (:func:`~mpishard.autodiff.rows.release_values`), and the
+    # send holds the array until it completes; the completed sends are dropped
+    # before each forward and backward, and with them the arrays. Megatron-LM does
+    # the same (``deallocate_output_tensor``; Korthikanti et al. 2022,
+    # arXiv:2205.05198, Appendix B), and the activation plans count no output on a
+    # stage that sends one (mpishard/models/gpt/activations.py).
+    def _run_forward(self, step: _Step, c: int, i: int) -> int:
+        """Micro-batch ``i`` through chunk ``c``; returns the bytes handed to a send
+        (0 on the model's last stage, which sends nothing)."""
         x, y = step.x[i], step.y[i]
         first, last = self._ends(c)
         chunk = {"chunk": c} if self.chunks > 1 else {}
@@ -233,18 +250,21 @@ class Pipeline:
             rows, width = self.model.activation_shape(step.batch, step.seq_len)
             split = getattr(self.model, "sequence_parallel_size", 1)  # split rows under sp
             buf = self._xp.empty((rows // split, width), dtype=self._dtype)
-            self._recv(buf, (self.stage - 1) % self.stages, self._tag(c, i, 0, before=True))
+            self._recv_rows(buf, (self.stage - 1) % self.stages,
+                            self._tag(c, i, 0, before=True))
             inp, extra = Tensor(buf, requires_grad=True), {"batch_size": step.batch}
         if last:
             _, loss = self.strategy(inp, y, **extra, **chunk)
             step.losses.append(loss.data)     # read once per step, in _mean_loss
             step.saved[c, i] = (inp, self.strategy.scale_loss(loss) * step.weights[i])
-        else:
-            out = self.strategy(inp, **extra, **chunk)
-            send = self._xp.ascontiguousarray(out.data)
-            step.sends.append(self.pp.isend(send, (self.stage + 1) % self.stages,
-                                            self._tag(c, i, 0, before=False)))
-            step.saved[c, i] = (inp, out)
+            return 0
+        out = self.strategy(inp, **extra, **chunk)
+        send = self._xp.ascontiguousarray(out.data)
+        step.sends.append(self.pp.isend(self._rows_to_send(send), (self.stage + 1) % self.stages,
+                                        self._tag(c, i, 0, before=False)))
+        release_values(out)                   # the send holds it: see [Note: sent outputs]
+        step.saved[c, i] = (inp, out)
+        return send.nbytes
 
     def _backward(self, step: _Step, c: int, i: int) -> None:
         step.alive.pop((c, i), None)
@@ -254,12 +274,14 @@ class Pipeline:
             out.backward()
         else:
             grad = self._xp.empty(out.shape, dtype=self._dtype)
-            self._recv(grad, (self.stage + 1) % self.stages, self._tag(c, i, 1, before=False))
+            self._recv_rows(grad, (self.stage + 1) % self.stages,
+                            self._tag(c, i, 1, before=False))
             out.backward(grad)
         if not first:
             send = self._xp.zeros(inp.shape, self._dtype) if inp.grad is None else \
                 self._xp.ascontiguousarray(inp.grad, dtype=self._dtype)
-            step.sends.append(self.pp.isend(send, (self.stage - 1) % self.stages,
+            step.sends.append(self.pp.isend(self._rows_to_send(send),
+                                            (self.stage - 1) % self.stages,
                                             self._tag(c, i, 1, before=True)))
 
     def order(self) -> list:
@@ -269,7 +291,9 @@ class Pipeline:
                               self.chunks)
 
     def _run(self, step: _Step, kind: str, c: int, i: int) -> None:
-        """One forward or backward, its time outside receives counted as busy."""
+        """One forward or backward, its time outside receives counted as busy; the
+        sends completed by then dropped first (see [Note: sent outputs])."""
+        step.sends = [handle for handle in step.sends if not handle.test()]
         idle, t0 = self.idle_seconds, time.perf_counter()
         (self._forward if kind == "F" else self._backward)(step, c, i)
         self.busy_seconds += time.perf_counter() - t0 - (self.idle_seconds - idle)
@@ -284,6 +308,39 @@ class Pipeline:
         t0 = time.perf_counter()
         self.pp.recv(buf, source, tag)
         self.idle_seconds += time.perf_counter() - t0
+
+    # [Note: scattered pipeline messages]
+    # Without sequence parallelism every tp rank holds the same (N, C) activations
+    # at a stage boundary, and the same gradient of them coming back. So, as
+    # Megatron-LM does (Narayanan et al. 2021, arXiv:2104.04473, section 4.1,
+    # "scatter/gather"), each tp rank sends only its block of rows (rank r: rows
+    # sp_rows(N, tp)) to the same tp rank of the next stage, which receives it into
+    # that block of its buffer and all-gathers the others over tp: 1/tp of the
+    # bytes over the pipeline link, the rest over tp, the same values. Under
+    # sequence parallelism the rows are split already; rows that do not divide
+    # by tp go whole. The plan counts the same (_pp_bytes in
+    # mpishard/planning/memory.py).
+    def _scattered(self, rows: int) -> bool:
+        """Whether a message of ``rows`` rows goes as tp blocks (see the note)."""
+        tp = self.mesh.tp.size
+        return tp > 1 and getattr(self.model, "sequence_parallel_size", 1) == 1 \
+            and rows % tp == 0
+
+    def _rows_to_send(self, array):
+        """``array`` itself, or this tp rank's block of its rows (a view)."""
+        if not self._scattered(array.shape[0]):
+            return array
+        block = array.shape[0] // self.mesh.tp.size
+        return array[self.mesh.tp.rank * block:(self.mesh.tp.rank + 1) * block]
+
+    def _recv_rows(self, buf, source: int, tag: int) -> None:
+        """Receive ``buf`` whole, or this tp rank's block of it and the rest gathered."""
+        if not self._scattered(buf.shape[0]):
+            self._recv(buf, source, tag)
+            return
+        mine = self._rows_to_send(buf)
+        self._recv(mine, source, tag)
+        self.mesh.tp.all_gather(mine, recv=buf)       # in place: mine is buf's block
 
     # -- the step ---------------------------------------------------------------
     def train_step(self, x, y) -> float:

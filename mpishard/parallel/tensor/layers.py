@@ -21,7 +21,9 @@ With ``sequence_parallel`` (Korthikanti et al., 2022, arXiv:2205.05198) the
 rows between the tensor-parallel layers -- norms, residual adds, dropout --
 are split over tp (rank r holds rows ``sp_rows``): the plan's
 ``sequence_entry`` module's output is cut to this rank's rows
-(:func:`~mpishard.parallel.tensor.sequence.scatter_to_sp`), a column-parallel layer
+(:func:`~mpishard.parallel.tensor.sequence.scatter_to_sp`; a dropout entry, the
+GPT's, becomes a :class:`RowsDropout` that cuts its input and drops the cut rows,
+those rows of one process's mask), a column-parallel layer
 all-gathers its input (:func:`~mpishard.parallel.tensor.sequence.gather_from_sp`, a
 reduce-scatter in backward; :func:`~mpishard.parallel.tensor.sequence.gathered_linear`
 gathers again in backward rather than keep the gathered rows) instead of
@@ -49,20 +51,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from mpishard.autodiff import nn_ops
 from mpishard.autodiff.ops import mul
-from mpishard.autodiff.rows import release_values
+from mpishard.autodiff.rows import draw_uniform, release_values
 from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import xp_of
-from mpishard.nn import Constant, Embedding, Linear, Module, Normal, Parameter
+from mpishard.nn import Constant, Dropout, Embedding, Linear, Module, Normal, Parameter
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss, plan_of
 from mpishard.parallel.plans import matching_modules, split_range
 from mpishard.parallel.tensor.sequence import gather_from_sp, gathered_linear, reduce_scatter_to_sp, scatter_to_sp
 from mpishard.parallel.tensor.ops import summed_copy, copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelCrossEntropy", "apply_tensor_plan", "tie_parameters"]
+           "VocabParallelCrossEntropy", "RowsDropout", "apply_tensor_plan", "tie_parameters"]
 
 
 def _split_param(global_shape, blocks, dim, init, decay, dtype) -> Parameter:
@@ -288,7 +292,9 @@ def _split_rows(model, tp, plan) -> None:
         module = model.get_submodule(entry)
     except KeyError:
         module = None          # a pipeline stage without the embeddings
-    if module is not None:
+    if isinstance(module, Dropout):   # cut before it, as Megatron-LM: see RowsDropout
+        model.set_submodule(entry, RowsDropout(module.p, tp))
+    elif module is not None:
         module.register_forward_hook(lambda m, args, out: _cut_rows(out, tp))
     model.sequence_parallel_size = tp.size   # the rows a pipeline stage passes on
     first = tuple(plan.pipeline.first) if plan.pipeline is not None else ()
@@ -311,6 +317,76 @@ def _cut_rows(out, tp):
         for whole in (out, rows):
             release_values(whole)
     return mine
+
+
+class RowsDropout(Dropout):
+    """A dropout entering the sequence-parallel region: it cuts its input to this rank's
+    rows, then drops them (Megatron-LM's order: a mask of ``N / tp`` rows kept, not
+    ``N``), with those rows of the mask one process draws for the whole input.
+
+    Its generator is the dropout's own (seeded from the same module name) and ends
+    each forward as the whole draw leaves it, so every tp rank's and one process's
+    stay equal, and the ranks' masks together are one process's: the output gathered
+    over tp is bit-identical to the unsplit dropout's.
+    """
+
+    def __init__(self, p: float, tp):
+        super().__init__(p)
+        self.tp = tp
+
+    def forward(self, x):
+        mine = _cut_rows(x, self.tp)                        # (N/tp, C)
+        if not self.training or self.p == 0.0:
+            return mine
+        n, width = mine.shape
+        xp = xp_of(mine.data)
+        draws = _draw_rows(self.rng, n * self.tp.rank, n * (self.tp.rank + 1),
+                           n * self.tp.size, width, xp)
+        out = nn_ops.dropout(mine, self.p, _Drawn(draws), True)
+        release_values(mine)     # the cut's backward and the dropout's read no values
+        return out
+
+
+class _Drawn:
+    """Uniforms already drawn, as the generator :func:`~mpishard.autodiff.nn_ops.dropout`
+    reads its draws from (``random(shape, dtype)``)."""
+
+    def __init__(self, draws):
+        self.draws = draws
+
+    def random(self, shape, dtype=None, out=None):
+        if tuple(shape) != tuple(self.draws.shape):
+            raise ValueError(f"draws of shape {tuple(self.draws.shape)} asked for as "
+                             f"{tuple(shape)}")
+        return self.draws
+
+
+def _draw_rows(rng, start: int, stop: int, n_rows: int, width: int, xp):
+    """Rows ``[start, stop)`` of the ``(n_rows, width)`` float32 uniforms ``rng`` would
+    draw next (:func:`~mpishard.autodiff.rows.draw_uniform`), leaving ``rng`` as that
+    whole draw would. A NumPy PCG64 generator skips the other rows (each float32 is
+    one 32-bit half of a 64-bit step); any other draws them all."""
+    if not (isinstance(rng, np.random.Generator) and
+            type(rng.bit_generator) in (np.random.PCG64, np.random.PCG64DXSM)):
+        return draw_uniform(rng, (n_rows, width), xp)[start:stop].copy()
+    _skip_floats(rng, start * width)
+    rows = draw_uniform(rng, (stop - start, width), xp)
+    _skip_floats(rng, (n_rows - stop) * width)
+    return rows
+
+
+def _skip_floats(rng, k: int) -> None:
+    """Advance a PCG64 ``rng`` past ``k`` float32 draws, its state (the buffered 32-bit
+    half too) as drawing them would leave it."""
+    if k and rng.bit_generator.state["has_uint32"]:
+        rng.random(1, dtype=np.float32)        # the buffered half
+        k -= 1
+    if k == 0:
+        return
+    steps = (k - 1) // 2                       # whole 64-bit steps, then the last one or
+    if steps:                                  # two halves drawn (advance() resets the
+        rng.bit_generator.advance(steps)       # buffer; a draw sets it as it would be)
+    rng.random(k - 2 * steps, dtype=np.float32)
 
 
 class _SummedUse(Tensor):
