@@ -10,24 +10,24 @@ The top-level ``mpishard`` command registers these with
 """
 from __future__ import annotations
 
-import re
+import argparse
 import sys
 
+from mpishard.core.parse import parse_bytes
+
 __all__ = ["add_checkpoint_commands", "parse_size"]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
 
 def parse_size(text: str) -> int:
     """``"5GB"`` -> 5 * 10**9, ``"200MiB"`` -> 200 * 2**20, ``"1024"`` -> 1024 (bytes), as
     transformers reads ``max_shard_size``."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+    try:
+        size = parse_bytes(text)
+    except argparse.ArgumentTypeError:
+        size = 0
+    if size < 1:
         raise ValueError(f"--max-shard-size {text!r}: give a size such as 5GB, 200MB, "
                          f"500MiB or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return size
 
 
 def add_checkpoint_commands(subparsers) -> None:

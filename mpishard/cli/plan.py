@@ -3,9 +3,17 @@
     mpishard plan --preset llama3.1-8b --ranks 64 --ranks-per-node 8 --machine h100-sxm \\
         --seq 8192 --global-batch 1024
     mpishard plan --preset gpt2 --ranks 4 --machine machine.json --json
+    mpishard plan --preset llama3.1-8b --ranks 1 --machine h200 --memory-budget 60GiB
+
+A layout that does not fit is tried with optimizer offload, then (ZeRO-3) parameter
+offload, on a machine whose description has a ``host_link``; one that fits so is
+listed marked, with the shares of its step the copies and the host update take
+(see [Note: offload plan] in mpishard/planning/offload.py). ``--offload`` plans
+every layout with that offload instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -41,10 +49,12 @@ def add_plan_command(sub) -> None:
 
 
 def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None,
-                precision=None, strategies=None, say=None) -> tuple:
+                precision=None, strategies=None, say=None, memory_bytes=None) -> tuple:
     """``(ranked layouts, over the memory limit, candidates, machine, precision)`` of the
     model ``cfg`` describes on ``ranks`` ranks of ``machine`` (a :class:`Machine`, or
-    the name or file :func:`load_machine` takes)."""
+    the name or file :func:`load_machine` takes), each rank fitting ``memory_bytes``
+    (default: the machine's usable memory); offloaded where nothing else fits (on a
+    machine with a host link), or as ``cfg.parallel.offload`` asks."""
     from mpishard.core.backend import Backend
     from mpishard.config.sections import ConfigError
     from mpishard.recipes import recipe_for
@@ -66,13 +76,25 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
         raise ConfigError(f"no layout of {ranks} ranks fits a global batch of {batch} "
                           f"sequences; pass a --global-batch that the data-parallel sizes "
                           f"divide")
+    offloads = ("optimizer", "params") if machine.host_link is not None else ()
+    if cfg.parallel.offload != "none":         # asked for: every layout that can
+        layouts = [lay for lay in (_with_offload(lay, cfg.parallel.offload) for lay in layouts)
+                   if lay is not None]
+        offloads = ()
 
     def progress(i, n):
         if say and (i % max(1, n // 10) == 0):
             say(f"plan: {i}/{n} layouts")
     ranked, over = rank_layouts(lambda: recipe.model(Backend()), layouts, machine, rpn,
-                                progress=progress)
+                                memory_bytes, progress=progress, offloads=offloads)
     return ranked, over, len(layouts), machine, precision
+
+
+def _with_offload(layout, offload: str):
+    try:
+        return dataclasses.replace(layout, offload=offload)
+    except ValueError:             # a strategy that cannot offload this
+        return None
 
 
 def machine_or_error(machine):
@@ -99,7 +121,7 @@ def plan_from_args(args, say=None) -> tuple:
     precision = "bfloat16" if gpu_default else None   # what GPUs train in, unless asked
     strategies = [cfg.parallel.strategy] if args.strategy is not None else None
     return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
-                       precision, strategies, say)
+                       precision, strategies, say, cfg.run.memory_budget or None)
 
 
 def apply_auto_layout(cfg, world_size: int) -> str:
@@ -115,6 +137,7 @@ def apply_auto_layout(cfg, world_size: int) -> str:
     lay = ranked[0].layout
     p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
     p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
+    p.offload = lay.offload
     p.pipeline_schedule, p.virtual_stages = (lay.schedule, lay.virtual_stages) if \
         lay.virtual_stages > 1 else (p.pipeline_schedule, 1)
     o.batch_size, o.micro_steps, o.global_batch = lay.batch_size, lay.micro_batches, 0
@@ -124,11 +147,13 @@ def apply_auto_layout(cfg, world_size: int) -> str:
             f"{f' ({lay.virtual_stages} chunks each, interleaved)' if lay.virtual_stages > 1 else ''}"
             f", {lay.strategy}, "
             f"{lay.batch_size} x {lay.micro_batches} micro-batches per dp rank"
-            f"{', checkpointed' if lay.activation_checkpointing else ''}; predicted "
+            f"{', checkpointed' if lay.activation_checkpointing else ''}"
+            f"{f', offload {lay.offload}' if lay.offload != 'none' else ''}; predicted "
             f"{ranked[0].cost.seconds:.3f} s/step")
 
 
 def _cmd_plan(args) -> int:
+    from mpishard.config.flags import config_from_args
     from mpishard.planning.search import format_table
 
     def say(text):
@@ -140,17 +165,40 @@ def _cmd_plan(args) -> int:
                           "precision": precision, "candidates": n, "over_memory": over,
                           "layouts": [r.as_dict() for r in top]}, indent=1))
         return 0
+    cfg = config_from_args(args)
+    budget, asked = cfg.run.memory_budget, cfg.parallel.offload
+    limit = f"{budget / 2**30:.1f} GiB (--memory-budget)" if budget else _usable(machine)
+    offloaded = [r for r in ranked if r.layout.offload != "none"]
     print(f"{n} layouts of {args.ranks} ranks on {machine.name} ({precision}); {over} over "
-          f"{_usable(machine)} per rank, {len(ranked)} fit; the fastest {len(top)}:")
+          f"{limit} per rank, {len(ranked)} fit"
+          + (f" (offload {asked}, as asked)" if asked != "none"
+             else f" ({len(offloaded)} only with offload)" if offloaded else "")
+          + f"; the fastest {len(top)}:")
     print(format_table(top))
     if top:
         parts = ", ".join(f"{k} {v:.4f}" for k, v in top[0].cost.breakdown.items() if v)
         print(f"#1 step {top[0].cost.seconds:.4f} s: {parts}")
+    first = next((i for i, r in enumerate(top) if r.layout.offload != "none"), None)
+    if first is not None:
+        print(offload_line(first + 1, top[first]))
     print("figures: " + "; ".join(f"{kind}: {', '.join(keys)}" for kind, keys in
                                   sorted(machine.provenance().items())))
     if top and args.explain:
         print(explain(top[0], args, machine))
     return 0
+
+
+def offload_line(number: int, ranked) -> str:
+    """What an offloaded layout's step pays for it, and what it keeps in host memory."""
+    from mpishard.planning.search import offload_share
+    cost, lay = ranked.cost, ranked.layout
+    copies, host = offload_share(cost)
+    b = cost.breakdown
+    what = "optimizer and parameters" if lay.offload == "params" else "optimizer"
+    return (f"#{number} offloads the {what}: {ranked.host_bytes / 2**30:.2f} GiB per rank "
+            f"in host memory; offload copies {b['offload copies']:.4f} s ({copies:.1%} of "
+            f"the step), host optimizer {b['host optimizer']:.4f} s ({host:.1%}), neither "
+            f"overlapped with compute")
 
 
 def _usable(machine) -> str:

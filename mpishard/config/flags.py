@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from mpishard.core.parse import parse_bool
+from mpishard.core.parse import parse_bool, parse_bytes
 from mpishard.config.sections import KEYS, RENAMED, SECTIONS, TrainConfig, load_config
 
 __all__ = ["add_config_flags", "config_from_args"]
@@ -42,8 +42,10 @@ def add_config_flags(parser, command: str = "train") -> None:
             choices = key.meta["choices"]
             choices = choices() if callable(choices) else choices
             listed = f"; one of {', '.join(choices)}" if choices else ""
-            kwargs = dict(dest=key.flat, default=None, type=converters[key.type],
-                          metavar=key.type.upper(),
+            size = key.meta.get("size")
+            kwargs = dict(dest=key.flat, default=None,
+                          type=parse_bytes if size else converters[key.type],
+                          metavar="SIZE" if size else key.type.upper(),
                           help=f"{key.meta['help']}{listed} (default: {_default(key)})")
             if key.type == "bool":
                 kwargs.update(nargs="?", const=True)

@@ -73,7 +73,8 @@ class ParallelConfig:
     offload: str = opt("none", "optimizer: keep the float32 master weights and the optimizer "
                        "state in host memory and update them there (DDP and ZeRO); params: "
                        "the parameter shards too, copied to the device for each gather "
-                       "(ZeRO-3; docs/offload.md)", choices=("none", "optimizer", "params"))
+                       "(ZeRO-3; docs/offload.md)", choices=("none", "optimizer", "params"),
+                       estimate=True)
     layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
                       "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
                       "micro-steps and checkpointing; the global batch stays)",
@@ -127,8 +128,9 @@ class RunConfig:
     seed: int = opt(0, "initialisation and data order", low=0)
     backend: str = opt("numpy", "array backend: numpy, cupy (one GPU per rank) or auto",
                        choices=("numpy", "cupy", "auto"))
-    memory_budget: int = opt(0, "per-rank byte budget for the memory ledger (0: none)", low=0,
-                             estimate=True)
+    memory_budget: int = opt(0, "per-rank byte budget for the memory ledger, and the memory "
+                             "mpishard plan fits layouts into (e.g. 60GiB; 0: none)", low=0,
+                             estimate=True, size=True)
     eval_interval: int = opt(50, "steps between validation losses (0: start and end only)",
                              low=0)
     eval_batches: int = opt(4, "batches per validation loss", low=1)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import re
 
-__all__ = ["parse_bool"]
+__all__ = ["parse_bool", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bool(text: str) -> bool:
@@ -13,3 +17,14 @@ def parse_bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def parse_bytes(text: str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"60GiB"`` -> 60 * 2**30, ``"1024"`` -> 1024 (bytes), for
+    argparse's ``type=`` (an :class:`argparse.ArgumentTypeError` naming the forms)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give one such as 5GB, "
+                                         f"200MB, 60GiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])

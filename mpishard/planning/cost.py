@@ -33,14 +33,21 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   On a machine that overlaps (``overlap``), what hides behind computation is
   taken off: DDP's bucket all-reduces behind backward (the last bucket stays),
   ZeRO-3's prefetched gathers and reduce-scatters behind the compute, ZeRO-1/2's
-  reduce-scatters behind backward (their all-gather after the update stays),
+  reduce-scatters behind backward (their all-gather after the update stays);
+  DDP and ZeRO-1/2 reduce on the last micro-batch only (``no_sync`` before it, as
+  mpishard and Megatron-LM's ``forward_backward_no_pipelining`` do), so only that
+  micro-batch's backward hides them, and DDP's last bucket holds the embeddings,
+  whose gradients are complete only when backward ends;
   the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
   and replica all-reduces stay exposed (``dp_overlap=False``: the data-parallel
   reduction too). Without overlap (a CPU: the same cores copy) everything is
   exposed. Under sequence parallelism the tp group's bytes go at the link's
   all-gather and reduce-scatter bandwidth; on a kernel-costed machine a
   stage's pipeline sends and receives cross a full-duplex link at once (half
-  the planned bytes on the wire each way).
+  the planned bytes on the wire each way). Without sequence parallelism a
+  pipeline message crosses as ``1 / tp`` of it per tp rank, then an all-gather
+  over the tp group (mpishard's runs as Megatron-LM's: the plan's pp and tp bytes,
+  see [Note: scattered pipeline messages] in mpishard/parallel/pipeline/schedule.py).
 * **optimizer**: the model state the update touches (its targets' values,
   gradients and AdamW states: under ZeRO-1/2 the shard, not the whole
   parameters and gradients those stages also keep) at the calibrated optimizer
@@ -63,9 +70,11 @@ from mpishard.models import spec_of
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage
 from mpishard.parallel.strategy import Sharded, strategy_entry
-from mpishard.planning.gpu_time import micro_batch_times, moe_rows, stage_ops
+from mpishard.planning.gpu_time import (MPISHARD_KERNELS, KernelSet, micro_batch_times,
+                                        moe_rows, stage_ops)
 from mpishard.planning.layout import estimate_layout, memo_for, mesh_shape
 from mpishard.planning.memory import layout_itemsizes
+from mpishard.planning.offload import offload_seconds
 from mpishard.parallel.plans import matching_modules
 
 __all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes"]
@@ -154,11 +163,14 @@ def _calls(layout, group: str, n_blocks: int, n_units: int, grad_bytes: float) -
 
 
 def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
-             overlap: bool, dp_overlap: bool = True) -> float:
-    """Seconds of ``group``'s communication left after overlap (see [Note: step-time model])."""
+             overlap: bool, dp_overlap: bool = True, last: float = 0.0) -> float:
+    """Seconds of ``group``'s communication left after overlap (see [Note: step-time
+    model]); ``times``: the step's ``compute``, the ``backward`` a reduction hides behind
+    (the last micro-batch's) and ``attention``; ``last``: the seconds of DDP's last
+    bucket, when more than an even share."""
     if not overlap or seconds == 0.0 or (not dp_overlap and group in _DP_GROUPS):
         return seconds
-    last = seconds / max(calls, 1.0)
+    last = min(seconds, max(last, seconds / max(calls, 1.0)))
     sharded = strategy_entry(layout.strategy).keeps_sharded
     if sharded is Sharded.NOTHING and group in ("dp_cp", "dp", "edp"):
         return max(last, seconds - times["backward"])
@@ -173,17 +185,18 @@ def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
 
 def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                  plan=None, stages=None, memo: dict | None = None, whole=None,
-                 flash_attention: bool = False, dp_overlap: bool = True) -> StepCost:
+                 kernels: KernelSet = MPISHARD_KERNELS, dp_overlap: bool = True) -> StepCost:
     """The predicted step of ``layout`` for the model ``make_model()`` builds (whole,
     unmaterialised) on ``machine`` (see [Note: step-time model]).
 
     ``plan`` (the layout's :func:`estimate_layout`) and ``stages`` (stage index -> the
     built stage) reuse what a search already has, ``memo`` its cache (see
     :func:`estimate_layout`) and ``whole`` its whole model (only read); without them
-    they are built. ``flash_attention``: attention runs as one fused kernel each way
-    (on a machine costed kernel by kernel; otherwise unfused, as Megatron-LM's);
-    ``dp_overlap=False``: the data-parallel reduction runs after backward, none of it
-    hidden (Megatron-LM's 2021 "local" DDP).
+    they are built. ``kernels``: what the framework runs on a machine costed kernel by
+    kernel (:class:`~mpishard.planning.gpu_time.KernelSet`; mpishard's CUDA backend by
+    default, ``MEGATRON_KERNELS`` for Megatron-LM's runs); ``dp_overlap=False``: the
+    data-parallel reduction runs after backward, none of it hidden (Megatron-LM's 2021
+    "local" DDP).
     """
     rpn = ranks_per_node or machine.ranks_per_node
     world = layout.dp * layout.cp * layout.tp * layout.pp
@@ -214,12 +227,12 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                       lambda: _whole_activations(stage, layout, act)) if activation else 0
         if machine.kernel_model:             # kernel by kernel (see [Note: GPU kernel model])
             ops = cached(("ops", layout.batch_size, layout.seq_len, layout.cp, act.itemsize,
-                          layout.sequence_parallel, flash_attention),
-                         lambda: stage_ops(stage, layout, act.itemsize, flash_attention))
+                          layout.sequence_parallel, kernels),
+                         lambda: stage_ops(stage, layout, act.itemsize, kernels))
             kernel = micro_batch_times(ops, machine, dtype, layout)
             micro = kernel["forward"] + kernel["backward"] + kernel["recompute"]
             compute = {f"compute {k}": v * m for k, v in kernel["by class"].items() if v}
-            times = {"compute": micro * m, "backward": kernel["backward"] * m,
+            times = {"compute": micro * m, "backward": kernel["backward"],
                      "attention": kernel["attention"] * m}
         else:
             recomputed = 1.0 + (1 / 3 if layout.activation_checkpointing else 0.0)
@@ -229,7 +242,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                 n_ops * machine.op_overhead_s
             micro = matmul + elementwise
             attention_share = micro * fl["attention"] / forward if forward else 0.0
-            times = {"compute": micro * m, "backward": micro * m * 2 / 3,
+            times = {"compute": micro * m, "backward": micro * 2 / 3,
                      "attention": attention_share * m}
             compute = {"matmul": matmul * m, "elementwise": elementwise * m}
         optimizer = machine.optimizer_seconds(_updated_bytes(stage_estimate.memory.steady), cached(
@@ -254,14 +267,28 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                                 group_spans_nodes(layout, group, rpn))
             if group == "pp" and machine.kernel_model:
                 nbytes /= 2     # a stage's sends and receives cross a full-duplex link at once
+            if kernels.grad_reduce_itemsize and (group in _DP_GROUPS or group == "tied"):
+                nbytes *= kernels.grad_reduce_itemsize / grad
             t = link.seconds(nbytes, calls)
             comm_total[group] = t
+            last = 0.0
+            if group in _DP_GROUPS and machine.kernel_model and \
+                    strategy_entry(layout.strategy).keeps_sharded is Sharded.NOTHING:
+                # DDP's last bucket: the embeddings' gradients, complete when backward ends
+                size = _group_size(mesh, group)
+                last = link.seconds(2 * (size - 1) / size * (kernels.grad_reduce_itemsize or grad)
+                                    * cached(("embeddings",), lambda: _embedding_elements(stage)))
             breakdown[f"comm {group}"] = _exposed(layout, group, t, calls, times,
-                                                  machine.overlap, dp_overlap)
+                                                  machine.overlap, dp_overlap, last)
         seconds = sum(breakdown.values())
         if best is None or seconds > best[0]:
             best = (seconds, breakdown, comm_total, s)
     seconds, breakdown, comm_total, s = best
+    host = next(e.memory.host_traffic for e in plan.stages if e.stage == s)
+    if host is not None:     # offloaded: the update runs on the host, nothing overlapped
+        breakdown = {**breakdown, "optimizer": 0.0,
+                     **offload_seconds(host, machine, min(rpn, world))}
+        seconds = sum(breakdown.values())       # (see [Note: offload plan] in offload.py)
     tokens = layout.dp * layout.batch_size * m * layout.seq_len
     mfu = model_flops / (seconds * world * machine.peak(dtype))
     return StepCost(seconds, tokens / seconds, mfu, breakdown, comm_total, model_flops, s)
@@ -304,6 +331,12 @@ def _whole_activations(stage, layout, act) -> int:
     finally:
         if checkpointed:
             stage.set_activation_checkpointing(True)
+
+
+def _embedding_elements(stage) -> int:
+    """Elements of the stage's embedding tables (their gradients complete last)."""
+    return sum(int(np.prod(m.weight.shape)) for _, m in stage.named_modules()
+               if "Embedding" in type(m).__name__ and m._parameters.get("weight") is not None)
 
 
 def _count_blocks(stage) -> int:

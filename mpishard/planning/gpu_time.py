@@ -1,6 +1,7 @@
 """A GPU's time for one micro-batch of a stage: every kernel's FLOPs and bytes at shape-dependent rates.
 
-    ops = stage_ops(stage, layout, itemsize=2)
+    ops = stage_ops(stage, layout, itemsize=2)                 # mpishard's CUDA kernels
+    ops = stage_ops(stage, layout, itemsize=2, kernels=MEGATRON_KERNELS)
     times = micro_batch_times(ops, load_machine("a100-80gb"), "float16", layout)
     times["forward"], times["backward"], times["recompute"], times["by class"]
 
@@ -20,15 +21,26 @@ processing mode, calculon-ai/calculon ``calculon/system.py``), plus one launch:
   weight's gradients);
 * attention's two batched products over ``B x heads`` of ``T_local x T x hs``,
   their softmax over the ``T x T`` scores and its dropout (unfused, as
-  Megatron-LM runs them), or one fused kernel (flash attention: the causal
-  half of the products at the machine's ``flash_attention_efficiency``,
-  only Q, K, V and the output through memory);
+  Megatron-LM and mpishard's batched path run them), or one fused kernel
+  forward and one or two backward (flash attention: the causal half of the
+  products, only Q, K, V and the output through memory) at the machine's
+  ``flash_attention_efficiency`` (FlashAttention-2's published rate) or, for
+  mpishard's own tensor-core kernel, :data:`TENSOR_CORE_ATTENTION_SHARE` of it;
 * memory-bound kernels (norms, the MLP's activation, dropout fused with the
   residual add, the embedding lookup, the loss's softmax) on the vector
   units at ``vector_flops x`` their table's efficiency, and their bytes at
   ``memory_bandwidth x`` the ``memory_efficiency_table``'s (MB ->
   efficiency). Under sequence parallelism norms, dropouts and residual adds
-  see ``rows / tp``, otherwise every tp rank repeats them on all rows.
+  see ``rows / tp``, otherwise every tp rank repeats them on all rows;
+* the loss over the head's logits: mpishard's fused cross-entropy (a launch
+  each way, the 16-bit logits read once forward, read and their gradient
+  written backward), or the logits cast to float32 and the vocabulary-parallel
+  cross-entropy's passes over them (Megatron-LM, torchtitan).
+
+Which of these a step runs is its :class:`KernelSet`, the framework's: mpishard's
+CUDA backend (:data:`MPISHARD_KERNELS`, what ``mpishard plan`` costs), Megatron-LM
+(:data:`MEGATRON_KERNELS`) or FlashAttention-2 with a float32 loss
+(:data:`FLASH2_KERNELS`, torchtitan).
 
 Recomputation adds forward kernels: the blocks' (full) or attention's core
 (``core`` ops: its products, softmax and dropout; selective). What it leaves
@@ -41,15 +53,65 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpishard.kernels.cuda.attention_tc_src import tensor_cores
 from mpishard.models import spec_of
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.plans import matching_modules
 
-__all__ = ["Op", "stage_ops", "micro_batch_times", "moe_rows", "OP_CLASSES"]
+__all__ = ["Op", "KernelSet", "stage_ops", "micro_batch_times", "moe_rows", "OP_CLASSES",
+           "MPISHARD_KERNELS", "MEGATRON_KERNELS", "FLASH2_KERNELS",
+           "TENSOR_CORE_ATTENTION_SHARE"]
 
 #: the op classes of a breakdown, in the order they are printed
 OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "embedding",
               "loss")
+
+
+#: mpishard's tensor-core attention (kernels/cuda/attention_tc_src.py) at this share of the
+#: machine's FlashAttention-2 rate. An estimate, never measured (the kernel has not yet run on
+#: a GPU): FlashAttention-2's abstract (Dao 2023, arXiv:2307.08691) puts FlashAttention-1 at
+#: 25-40% of the A100's peak against its own 50-73%; mpishard's kernel (WMMA 16 x 16 x 16
+#: fragments, the softmax through shared memory, no asynchronous copies) is counted as the
+#: first kind, at the ratio of the two ranges' low ends, 25 / 50.
+TENSOR_CORE_ATTENTION_SHARE = 0.5
+_ATTENTION = ("mpishard", "unfused", "flash2")
+_LOSS = ("fused", "float32")
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The kernels a framework runs where frameworks differ (see [Note: GPU kernel model]).
+
+    ``attention``: ``"mpishard"``, mpishard's CUDA backend with ``MPISHARD_ATTENTION=fused``
+    (its tensor-core flash kernels where they take the rows: 16-bit, a head size that is a
+    multiple of 16 up to 128, no dropout of the weights; otherwise the batched path),
+    ``"unfused"`` (products, softmax and dropout as separate kernels, Megatron-LM's) or
+    ``"flash2"`` (one FlashAttention-2 kernel each way). ``loss``: ``"fused"`` (mpishard's
+    cross-entropy kernels) or ``"float32"`` (the logits cast to float32 first: Megatron-LM
+    without ``--fp16-lm-cross-entropy``, torchtitan). ``grad_reduce_itemsize``:
+    the bytes per gradient element the data-parallel and tied-weight all-reduces send
+    (None: the plan's, mpishard's reduce dtype)."""
+
+    attention: str = "mpishard"
+    loss: str = "fused"
+    grad_reduce_itemsize: int | None = None
+
+    def __post_init__(self):
+        if self.attention not in _ATTENTION or self.loss not in _LOSS:
+            raise ValueError(f"KernelSet(attention={self.attention!r}, loss={self.loss!r}): "
+                             f"attention must be one of {_ATTENTION}, loss one of {_LOSS}")
+
+
+#: mpishard's CUDA backend, what ``mpishard plan`` costs
+MPISHARD_KERNELS = KernelSet()
+#: Megatron-LM as the 2021-2022 papers ran it (NVIDIA/Megatron-LM at commit de7dc40f,
+#: 'scripts for sc21': megatron/model/transformer.py, gpt_model.py, arguments.py): the
+#: gradients all-reduced in 16 bits (torch DDP's .grad, or local DDP's main_grad buffer
+#: in the params' dtype without --accumulate-allreduce-grads-in-fp32, which the sc21
+#: scripts do not pass)
+MEGATRON_KERNELS = KernelSet("unfused", "float32", 2)
+#: FlashAttention-2 with the loss over float32 logits (torchtitan)
+FLASH2_KERNELS = KernelSet("flash2", "float32")
 
 
 def moe_rows(module, rows: int) -> int:
@@ -77,7 +139,7 @@ class Op:
     core: bool = False
     fw_kernels: int = 1
     bw_kernels: int = 2
-    flash: bool = False
+    flash: float = 0.0           # a fused attention kernel: its share of the flash rate
 
 
 def _gemm(cls, m, n, k, s, block, core=False, batch=1) -> Op:
@@ -99,9 +161,25 @@ def _dropout(stage) -> float:
     return float(getattr(getattr(stage, "config", None), "dropout", 0.0) or 0.0)
 
 
-def stage_ops(stage, layout, itemsize: int, flash: bool = False) -> list:
+def _loss(elements, s, kernels) -> Op:
+    """The loss over ``elements`` logits of ``s`` bytes (see :class:`KernelSet`)."""
+    if kernels.loss == "fused":      # max, exponentials' sum and target; gradient rows
+        return Op("loss", 5.0 * elements, elements * s, 3.0 * elements, 2.0 * elements * s,
+                  False, False, False, 1, 1)
+    # Megatron-LM's vocab_parallel_cross_entropy (megatron/mpu/cross_entropy.py) on
+    # output.float(): the cast (s in, 4 out; none for float32 logits), the maximum (4),
+    # subtracting it (8), exponentials in place (8), their sum (4), dividing to keep the
+    # softmax for backward (8); backward scales it in place (8) and casts back (4 + s)
+    cast = s + 4.0 if s < 4 else 0.0
+    return Op("loss", 5.0 * elements, (cast + 32.0) * elements, 2.0 * elements,
+              (8.0 + (4.0 + s if s < 4 else 0.0)) * elements, False, False, False,
+              6 if s < 4 else 5, 2 if s < 4 else 1)
+
+
+def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNELS) -> list:
     """The kernels of one micro-batch of ``stage`` (built for ``layout``'s split) with
-    activations of ``itemsize`` bytes (see [Note: GPU kernel model])."""
+    activations of ``itemsize`` bytes, as ``kernels`` runs them (see [Note: GPU kernel
+    model])."""
     plan = plan_of(stage)
     blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
     rows = layout.batch_size * layout.local_seq_len            # a Linear's rows (gathered)
@@ -118,10 +196,7 @@ def stage_ops(stage, layout, itemsize: int, flash: bool = False) -> list:
             out, inp = weight.shape
             ops.append(_gemm("matmul", rows, out, inp, s, in_block))
             if blocks and not in_block:
-                # outside the blocks, the head: its logits feed the loss (max, sum of
-                # exponentials, gradient;
-                # float32 rows for 16-bit logits, as the vocabulary-parallel loss keeps)
-                ops.append(_vector("loss", rows * out, max(s, 4), 5, 3, 3, 2, False))
+                ops.append(_loss(rows * out, s, kernels))   # the head's logits
         elif weight is not None and len(weight.shape) == 1 and "Norm" in name:
             n = split_rows * weight.shape[0]
             ops.append(_vector("norm", n, s, 9, 21, 2, 3, in_block))
@@ -149,17 +224,29 @@ def stage_ops(stage, layout, itemsize: int, flash: bool = False) -> list:
             in_block = bool(blocks) and path.startswith(blocks)
             heads, hs = spec_of(stage).attention_heads(m)
             B, Tl, T = layout.batch_size, layout.local_seq_len, layout.seq_len
-            ops += _attention(B * heads, Tl, T, hs, s, p, in_block, flash)
+            ops += _attention(B * heads, Tl, T, hs, s, p, in_block, _flash(kernels, s, hs, p))
     return ops
 
 
+def _flash(kernels, s, hs, p) -> tuple:
+    """``(share of the flash rate, backward kernels)`` of a fused attention, else None."""
+    if kernels.attention == "flash2":
+        return 1.0, 1
+    if kernels.attention == "mpishard" and p == 0 and tensor_cores("__half" if s == 2 else
+                                                                  "", hs):
+        return TENSOR_CORE_ATTENTION_SHARE, 2                 # dq, then dk and dv
+    return None
+
+
 def _attention(bh, Tl, T, hs, s, p, block, flash) -> list:
-    """Attention's core over ``bh`` (batch x local heads) of ``Tl`` queries and ``T`` keys."""
-    if flash:           # one kernel forward, one backward; the causal half of the tiles
+    """Attention's core over ``bh`` (batch x local heads) of ``Tl`` queries and ``T`` keys
+    (``flash``: a fused kernel's share of the flash rate and its backward kernels)."""
+    if flash:           # one kernel forward; the causal half of the tiles
         flops = 2.0 * 2 * bh * Tl * T * hs / 2
         io = 4.0 * bh * Tl * hs * s
-        return [Op("attention", flops, io, 2.5 * flops, 2.5 * io, True, block, True, 1, 1,
-                   flash=True)]
+        share, backward = flash
+        return [Op("attention", flops, io, 2.5 * flops, 2.5 * io, True, block, True, 1,
+                   backward, flash=share)]
     scores = float(bh) * Tl * T
     mask = scores if p > 0 else 0.0
     ops = [_gemm("attention", Tl, T, hs, s, block, True, batch=bh),          # q k^T
@@ -186,7 +273,7 @@ def op_seconds(op: Op, machine, dtype: str) -> tuple:
             return 0.0
         per_flops, per_bytes = flops / kernels, nbytes / kernels
         if op.flash:
-            rate = peak * machine.flash_attention_efficiency
+            rate = peak * machine.flash_attention_efficiency * op.flash
         elif op.matrix:
             rate = peak * min(machine.matmul_efficiency,     # the best shape measured
                               _table(machine.matmul_efficiency_table, per_flops / 1e9))

@@ -66,8 +66,11 @@ from mpishard.core.mesh_axes import MeshShape
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage, check_interleaving, stage_blocks
 from mpishard.parallel.context.apply import CP_MODES
+from mpishard.parallel.offload import check_offload
+from mpishard.parallel.strategy import strategy_entry
 from mpishard.parallel.pipeline.order import peak_in_flight, schedule_order
-from mpishard.planning.memory import MemoryEstimate, layout_itemsizes, estimate_memory, stage_traffic
+from mpishard.planning.memory import (MemoryEstimate, layout_itemsizes, estimate_memory,
+                                     host_rows, stage_traffic)
 from mpishard.parallel.plans import split_range
 
 __all__ = ["Layout", "StageEstimate", "LayoutEstimate", "estimate_layout", "mesh_shape"]
@@ -88,7 +91,9 @@ class Layout:
     ``selective`` only attention's core (the activation plan then keeps no ``T x T``
     weights; the step-time model adds the core's products once more).
     ``schedule`` is ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` with
-    ``virtual_stages`` model chunks per pipeline rank.
+    ``virtual_stages`` model chunks per pipeline rank. ``offload`` is ``"none"``,
+    ``"optimizer"`` (DDP, ZeRO) or ``"params"`` (ZeRO-3): what the run keeps in host
+    memory is planned there (see [Note: offload plan] in offload.py).
 
     Raises:
         ValueError: sizes that do not fit together, naming the fix.
@@ -112,6 +117,7 @@ class Layout:
     ep: int = 1
     selective: bool = False
     virtual_stages: int = 1
+    offload: str = "none"
 
     def __post_init__(self):
         if self.selective and self.activation_checkpointing:
@@ -122,6 +128,7 @@ class Layout:
             n = getattr(self, name)
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"Layout.{name}={n!r} must be a positive integer")
+        check_offload(self.offload, strategy_entry(self.strategy).cls)
         check_interleaving(self.schedule, int(self.virtual_stages), int(self.pp),
                            int(self.micro_batches))
         if self.dp % self.dp_replicate:
@@ -229,6 +236,9 @@ class LayoutEstimate:
             rows.append(f"  {'activations':<12}{'(not estimated for this model)':>14}")
         rows.append(f"  {'total':<12}{mib(stage.total_peak_bytes)}  (model state "
                     f"{m.model_state_bytes / 2**20:.2f} MiB)")
+        if lay.offload != "none":
+            rows.append(f"  offload {lay.offload}: in host memory per rank")
+            rows += host_rows(m.host, 12)
         per_axis = ", ".join(f"{axis} {n / 2**20:.2f}" for axis, n in stage.bus_bytes.items())
         rows.append(f"  {'traffic':<12}{mib(sum(stage.bus_bytes.values()))}  bus bytes per step "
                     f"({per_axis} MiB)")
@@ -338,11 +348,13 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
             stage.set_activation_checkpointing(mode)
         cached = memo_for(memo, stage)
         memory = cached(("memory", layout.strategy, mesh.dp_cp.size, layout.optimizer,
-                         layout.precision, layout.micro_batches, layout.dp_replicate, layout.ep),
+                         layout.precision, layout.micro_batches, layout.dp_replicate, layout.ep,
+                         layout.offload),
                         lambda: estimate_memory(stage, layout.strategy, mesh.dp_cp.size,
                                             layout.optimizer, precision=layout.precision,
                                             micro_batches=layout.micro_batches,
-                                            dp_replicate=layout.dp_replicate, ep=layout.ep))
+                                            dp_replicate=layout.dp_replicate, ep=layout.ep,
+                                            offload=layout.offload))
         chunks = getattr(stage, "chunks", [stage])       # V model chunks when interleaved
         per_chunk = cached(("activations", layout.batch_size, layout.local_seq_len, act.name,
                             mode),

@@ -9,7 +9,10 @@ GPU descriptions also cost steps kernel by kernel (see [Note: GPU kernel model] 
 ``vector_efficiency_table``, ``memory_efficiency_table`` (Calculon's size ->
 efficiency tables), ``flash_attention_efficiency``, ``launch_s`` per kernel; and
 ``memory_reserve_bytes`` per device that layouts may not plan (CUDA context, NCCL
-buffers, the pool's fragmentation: :attr:`Machine.usable_memory_bytes`).
+buffers, the pool's fragmentation: :attr:`Machine.usable_memory_bytes`); and, for
+offload (see [Note: offload plan] in ``offload.py``), ``host_link`` (each device's
+link to host memory: bytes per second each way, latency per copy) and
+``host_memory_bandwidth`` (a node's host DRAM, shared by its ranks).
 
 A description is one JSON object::
 
@@ -96,6 +99,8 @@ class Machine:
     flash_attention_efficiency: float = 0.5
     launch_s: float = 0.0
     memory_reserve_bytes: float = 0.0
+    host_link: Link | None = None
+    host_memory_bandwidth: float | None = None
 
     @property
     def kernel_model(self) -> bool:
@@ -247,7 +252,10 @@ def machine_from_dict(raw: dict) -> Machine:
         flash_attention_efficiency=_positive(device.get("flash_attention_efficiency", 0.5),
                                              "device.flash_attention_efficiency"),
         launch_s=float(device.get("launch_s", 0.0)),
-        memory_reserve_bytes=float(device.get("memory_reserve_bytes", 0.0)))
+        memory_reserve_bytes=float(device.get("memory_reserve_bytes", 0.0)),
+        host_link=_link(raw["host_link"], "host_link") if raw.get("host_link") else None,
+        host_memory_bandwidth=_positive(raw["host_memory_bandwidth"], "host_memory_bandwidth")
+        if raw.get("host_memory_bandwidth") is not None else None)
 
 
 def _table(raw, where: str):

@@ -31,9 +31,10 @@ from mpishard.parallel.plans import matching_modules
 from mpishard.parallel.strategy import Sharded, strategy_entry
 from mpishard.parallel.tensor.layers import ColumnParallelLinear
 from mpishard.planning.model_state import replicated_state, sharded_state
+from mpishard.planning.offload import HostTraffic
 
 __all__ = ["MemoryEstimate", "EstimateSizes", "estimate_memory", "OPTIMIZER_STATES",
-           "layout_itemsizes", "stage_traffic"]
+           "layout_itemsizes", "stage_traffic", "host_rows"]
 
 #: flat state arrays per parameter element
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
@@ -57,6 +58,8 @@ class MemoryEstimate:
     bus_bytes_per_step: int = 0
     precision: str | None = None                 # e.g. "float16 compute, float32 gradients"
     bus_bytes_by_group: dict = field(default_factory=dict)   # mesh group -> bytes per step
+    host: dict = field(default_factory=dict)     # offloaded: params, grads, optim, comm in host memory
+    host_traffic: HostTraffic | None = None      # offloaded: what a step copies and updates there
 
     @property
     def model_state_bytes(self) -> int:
@@ -77,6 +80,7 @@ class MemoryEstimate:
             rows.append(f"  {k:<10}{mib(v)}")
         for k, v in self.peak.items():
             rows.append(f"  {k:<10}{mib(v)}  (peak, transient)")
+        rows += host_rows(self.host, 10)
         rows.append(f"  {'total':<10}{mib(self.total_peak_bytes)}  (model state "
                     f"{self.model_state_bytes / 2**20:.2f} MiB)")
         rows.append(f"  comm      {self.bus_bytes_per_step / 2**20:10.2f} MiB bus bytes per step")
@@ -104,6 +108,8 @@ class EstimateSizes:
         ep: expert-parallel size: experts split over ep are replicated over
             ``dp_size / ep`` ranks (``edp``) and ZeRO shards them over
             ``shard_size / ep`` (``edp_shard``).
+        offload: ``"none"``, ``"optimizer"`` or ``"params"`` (see [Note: offload plan]
+            in offload.py).
     """
 
     strategy: str
@@ -118,6 +124,7 @@ class EstimateSizes:
     micro_batches: int = 1
     dp_replicate: int = 1
     ep: int = 1
+    offload: str = "none"
 
     @property
     def factor(self) -> float:
@@ -143,7 +150,7 @@ class EstimateSizes:
 
 def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw",
                 dtype: str | None = None, precision=None, micro_batches: int = 1,
-                dp_replicate: int = 1, ep: int = 1) -> MemoryEstimate:
+                dp_replicate: int = 1, ep: int = 1, offload: str = "none") -> MemoryEstimate:
     """Predict per-rank bytes by ledger category for ``model`` under ``strategy``.
 
     Args:
@@ -160,6 +167,8 @@ def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw"
             still reduced once).
         dp_replicate: replicas of sharded state (hybrid sharding); divides ``dp_size``.
         ep: expert-parallel size (the model's experts already split over it).
+        offload: ``"optimizer"`` or ``"params"``: the categories that run keeps in host
+            memory move to :attr:`MemoryEstimate.host` (see [Note: offload plan]).
     """
     entry = strategy_entry(strategy)
     if optimizer not in OPTIMIZER_STATES:
@@ -180,11 +189,21 @@ def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw"
         mixed=mixed, n_states=OPTIMIZER_STATES[optimizer],
         precision=(f"{policy.param_dtype} compute, {policy.reduce_dtype} gradients"
                    if mixed else None), micro_batches=micro_batches, dp_replicate=dp_replicate,
-        ep=ep)
+        ep=ep, offload=offload or "none")
     if entry.keeps_sharded is Sharded.NOTHING:
         return replicated_state(model, sizes)
     return sharded_state(model, sizes, entry.keeps_sharded,
                          entry.cls.max_inflight_reductions)
+
+
+def host_rows(host: dict, width: int) -> list:
+    """The plan's lines for its host bytes (none without offload)."""
+    if not host:
+        return []
+    notes = {"comm": "host memory: CuPy's page-locked staging copies"}
+    return [f"  {'host ' + k:<{width}}{v / 2**20:10.2f} MiB  ({notes.get(k, 'host memory')})"
+            for k, v in host.items() if v] + \
+        [f"  {'host total':<{width}}{sum(host.values()) / 2**20:10.2f} MiB  (host memory)"]
 
 
 # -- a pipeline stage's traffic (see [Note: layout plan] in layout.py) -----------------
@@ -287,14 +306,34 @@ def _cp_bytes(stage, layout, plan, act) -> int:
     return int(round(total * layout.micro_batches))
 
 
+def _pp_message(stage, layout, act) -> tuple:
+    """``(bytes of one pipeline message, messages a micro-batch receives, gathered)``: a
+    message is a tp rank's block of the boundary's rows under sequence parallelism,
+    and without it where they divide by tp (``gathered``: the receiver all-gathers the
+    rest over tp; see [Note: scattered pipeline messages] in
+    mpishard/parallel/pipeline/schedule.py)."""
+    rows, width = stage.activation_shape(layout.batch_size, layout.local_seq_len)
+    whole = rows * width * act.itemsize
+    gathered = layout.tp > 1 and not layout.sequence_parallel and rows % layout.tp == 0
+    split = layout.tp if layout.sequence_parallel or gathered else 1
+    sides = sum(int(not chunk.first_stage) + int(not chunk.last_stage)   # each model chunk's
+                for chunk in getattr(stage, "chunks", [stage]))          # (interleaved)
+    return whole // split, sides, gathered
+
+
 def _pp_bytes(stage, layout, act) -> int:
     if layout.pp == 1:
         return 0
-    shape = stage.activation_shape(layout.batch_size, layout.local_seq_len)
-    one = int(np.prod(shape)) * act.itemsize // (layout.tp if layout.sequence_parallel else 1)
-    sides = sum(int(not chunk.first_stage) + int(not chunk.last_stage)   # each model chunk's
-                for chunk in getattr(stage, "chunks", [stage]))          # (interleaved)
+    one, sides, _ = _pp_message(stage, layout, act)
     return 2 * sides * one * layout.micro_batches + 8      # sends + receives, loss broadcast
+
+
+def _pp_gather_bytes(stage, layout, act) -> int:
+    """Bus bytes over tp of the all-gathers that complete scattered pipeline messages."""
+    if layout.pp == 1:
+        return 0
+    one, sides, gathered = _pp_message(stage, layout, act)
+    return (layout.tp - 1) * one * sides * layout.micro_batches if gathered else 0
 
 
 def _tie_bytes(stage, layout, plan, grad: int) -> int:
@@ -330,7 +369,8 @@ def _ep_bytes(stage, layout, plan, act) -> int:
 def stage_traffic(stage, layout, plan, act, wire: int, grad: int) -> dict:
     """Bus bytes per step of ``stage`` by mesh group: ``tp``, ``cp``, ``pp``, ``ep`` and
     (between the pipeline's ends) ``tied``, from :func:`layout_itemsizes`' sizes."""
-    return {"tp": _tp_bytes(stage, layout, plan, wire, act),
+    return {"tp": _tp_bytes(stage, layout, plan, wire, act)
+            + _pp_gather_bytes(stage, layout, act),
             "cp": _cp_bytes(stage, layout, plan, act), "pp": _pp_bytes(stage, layout, act),
             "ep": _ep_bytes(stage, layout, plan, act),
             "tied": _tie_bytes(stage, layout, plan, grad)}

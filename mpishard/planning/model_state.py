@@ -6,13 +6,15 @@ contract]) and applies one of these to the :class:`EstimateSizes` it computed:
 :func:`replicated_state` when nothing is sharded (DDP), :func:`sharded_state`
 for ZeRO's stages, from the same units the strategy builds (see [Note: flat unit
 layout] in units.py). Each returns ``sizes.new_plan()`` filled in: a
-:class:`~mpishard.planning.memory.MemoryEstimate`.
+:class:`~mpishard.planning.memory.MemoryEstimate`, with what offload keeps in host
+memory moved there (:func:`~mpishard.planning.offload.place_offload`).
 """
 from __future__ import annotations
 
 from mpishard.nn.sharding import plan_of
 from mpishard.parallel.strategy import Sharded
 from mpishard.parallel.zero.units import build_units, expert_units
+from mpishard.planning.offload import place_offload
 
 __all__ = ["replicated_state", "sharded_state", "window_peak"]
 
@@ -41,7 +43,8 @@ def replicated_state(model, sizes):
         "dp_cp": int(round(2 * s.factor * dense * s.reduce_itemsize)),
         "edp": int(round(2 * (edp - 1) / edp * experts * s.reduce_itemsize))}
     plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
-    return plan
+    buckets = max(1, -(-n * s.reduce_itemsize // (4 << 20)))    # 4 MiB buckets
+    return place_offload(plan, s, n, s.reduce_itemsize, buckets, 1)
 
 
 def sharded_state(model, sizes, sharded: Sharded, max_inflight: int | None):
@@ -63,16 +66,18 @@ def sharded_state(model, sizes, sharded: Sharded, max_inflight: int | None):
     # reduce dtype is not the shard's (mixed precision). Stage 1 reduces from its
     # full gradient buffer (counted as grads), in backward's order.
     whole_grads = sharded is Sharded.OPTIMIZER_STATE
-    order = [u for u in units if u.module is not None][::-1] + [
-        u for u in units if u.module is None]
-    in_flight = [(0 if whole_grads else u.padded * rb) + (u.shard_size * rb if rb != b else 0)
-                 for u in order]
-    plan = s.new_plan()
-    copy = padded_n * cb if whole_params else (shards_n * cb if s.mixed else 0)
+    offloaded = s.offload not in (None, "none")
 
     def aliased(u):   # see ZeroUnit.allocate_grads (expert units are never aliased)
         return whole_grads and shard == 1 and s.dp_replicate == 1 and rb == b and \
             u.name not in experts
+    order = [u for u in units if u.module is not None][::-1] + [
+        u for u in units if u.module is None]
+    # offloaded, a reduction lands in a device buffer of its own, then in the host shard
+    in_flight = [(0 if whole_grads else u.padded * rb) + (u.shard_size * rb if rb != b or (
+        offloaded and not aliased(u)) else 0) for u in order]
+    plan = s.new_plan()
+    copy = padded_n * cb if whole_params else (shards_n * cb if s.mixed else 0)
     plan.steady = {"params": (shards_n * b if not whole_params or s.mixed else 0) + copy,
                    "grads": sum(0 if aliased(u) else u.shard_size * b for u in units)
                    + (padded_n * rb if whole_grads else 0),
@@ -97,7 +102,11 @@ def sharded_state(model, sizes, sharded: Sharded, max_inflight: int | None):
     plan.bus_bytes_by_group = {k: int(round(v)) for k, v in by_group.items()}
     plan.bus_bytes_by_group["dp_replicate"] = replicas
     plan.bus_bytes_per_step = sum(plan.bus_bytes_by_group.values())
-    return plan
+    if offloaded:      # each unit's gradient shard is its master's host gradient buffer
+        plan.steady["grads"] -= sum(u.shard_size * b for u in units if not aliased(u))
+    gathers = tuple((u.shard_size, 2 * s.micro_batches if u.module is not None else 1)
+                    for u in units) if s.offload == "params" else ()
+    return place_offload(plan, s, shards_n, rb, len(units), len(units), gathers)
 
 
 def _units(model, names, shard: int, expert_shard: int, experts) -> list:

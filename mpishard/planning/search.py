@@ -14,8 +14,12 @@ pipeline); with ``virtual_stages`` beyond 1, also each interleaved pipeline of
 that many chunks per rank that the blocks, micro-batches and strategy allow;
 activation checkpointing off and on; sequence parallelism whenever ``tp > 1``. Each is planned exactly for memory first (the layout planner) and
 dropped when its busiest rank exceeds the device memory (a checkpointed one
-when its plain twin fits: recomputing only costs time); the rest are costed
-(:func:`~mpishard.planning.cost.predict_step`) and sorted by step time.
+when its plain twin fits: recomputing only costs time), unless it fits with
+one of the offloads asked for (``offloads``: optimizer offload first, then
+ZeRO-3's parameter offload; see [Note: offload plan] in offload.py): then that
+offloaded layout takes its place, its step paying the copies and the host
+update. The rest are costed (:func:`~mpishard.planning.cost.predict_step`) and
+sorted by step time.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from mpishard.parallel.strategy import STRATEGIES, Sharded
 from mpishard.planning.cost import StepCost, predict_step
 from mpishard.planning.layout import Layout, estimate_layout, mesh_shape
 
-__all__ = ["Ranked", "candidate_layouts", "rank_layouts", "format_table"]
+__all__ = ["Ranked", "candidate_layouts", "rank_layouts", "format_table", "offload_share"]
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Ranked:
     layout: Layout
     peak_bytes: int
     cost: StepCost
+    host_bytes: int = 0      # offloaded: the busiest rank's bytes in host memory
 
     def as_dict(self) -> dict:
         lay = self.layout
@@ -48,7 +53,8 @@ class Ranked:
                 "sequence_parallel": lay.sequence_parallel, "peak_bytes": self.peak_bytes,
                 "step_s": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_s,
                 "mfu": self.cost.mfu, "exposed_comm_s": self.cost.exposed_comm,
-                "virtual_stages": lay.virtual_stages,
+                "virtual_stages": lay.virtual_stages, "offload": lay.offload,
+                "host_bytes": self.host_bytes,
                 "bubble": bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages),
                 "breakdown": self.cost.breakdown}
 
@@ -122,13 +128,16 @@ class StageCache:
 
 
 def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None,
-                 memory_bytes: float | None = None, progress=None) -> tuple:
+                 memory_bytes: float | None = None, progress=None,
+                 offloads: tuple = ()) -> tuple:
     """``(ranked fits by step time, number over the memory limit)`` for ``layouts``.
 
     A checkpointed layout whose plain twin fits is skipped: recomputing only adds
     time. A layout fits when its busiest rank's planned bytes are at most
     ``memory_bytes``, by default the machine's memory less its reserve
-    (:attr:`~mpishard.planning.machine.Machine.usable_memory_bytes`)."""
+    (:attr:`~mpishard.planning.machine.Machine.usable_memory_bytes`); one that does
+    not is tried with each of ``offloads`` in turn (``"optimizer"``, ``"params"``)
+    that its strategy can do, and the first that fits is ranked in its place."""
     limit = memory_bytes or machine.usable_memory_bytes      # the reserve kept back
     whole = make_model().freeze_structure()      # only read: plans, sizes, pipeline stages
     cache, memo = StageCache(make_model, whole), {}
@@ -145,22 +154,47 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
         except ValueError:
             continue
         if plan.total_peak_bytes > limit:
-            over += 1
-            continue
-        if not layout.activation_checkpointing:
+            layout, plan = _offloaded(whole, layout, cache, memo, limit, offloads)
+            if plan is None:
+                over += 1
+                continue
+        if not layout.activation_checkpointing and layout.offload == "none":
             plain_fits.add(layout)
         fits.append(Ranked(layout, plan.total_peak_bytes, predict_step(
-            make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo, whole)))
+            make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo, whole),
+            sum(plan.busiest.memory.host.values())))
     fits.sort(key=lambda r: r.cost.seconds)
     return fits, over
 
 
+def _offloaded(whole, layout, cache, memo, limit: float, offloads: tuple) -> tuple:
+    """``(layout with the first of offloads that fits, its plan)``, or ``(layout, None)``."""
+    for offload in offloads:
+        try:
+            moved = dataclasses.replace(layout, offload=offload)
+        except ValueError:              # a strategy that cannot offload this
+            continue
+        plan = estimate_layout(whole, moved, stage_of=cache.of(moved), memo=memo,
+                               representative=True)
+        if plan.total_peak_bytes <= limit:
+            return moved, plan
+    return layout, None
+
+
+def offload_share(cost) -> tuple:
+    """``(copies, host update)``: the shares of ``cost``'s step that offload adds."""
+    b = cost.breakdown
+    return b.get("offload copies", 0.0) / cost.seconds, b.get("host optimizer", 0.0) / cost.seconds
+
+
 def format_table(ranked: list) -> str:
     """The table ``mpishard plan`` prints, one row per layout (``pp x V``: pipeline
-    stages, and the chunks per rank of an interleaved schedule)."""
+    stages, and the chunks per rank of an interleaved schedule; ``offload``: what a
+    layout that fits only with offload keeps in host memory, with the shares of its
+    step the copies and the host update take)."""
     head = (f"{'#':>3} {'dp (R x S)':>11} {'cp':>3} {'tp':>3} {'pp x V':>6} {'strategy':<8} "
             f"{'mb x m':>7} {'ckpt':>4} {'GiB/rank':>9} {'step s':>9} {'tokens/s':>10} "
-            f"{'MFU':>6} {'comm s':>8} {'bubble':>6}")
+            f"{'MFU':>6} {'comm s':>8} {'bubble':>6} {'offload (copies, host)':<24}")
     rows = [head, "-" * len(head)]
     for i, r in enumerate(ranked, 1):
         lay, c = r.layout, r.cost
@@ -172,5 +206,13 @@ def format_table(ranked: list) -> str:
                     f"{'yes' if lay.activation_checkpointing else 'no':>4} "
                     f"{r.peak_bytes / 2**30:>9.2f} {c.seconds:>9.4f} {c.tokens_per_s:>10.0f} "
                     f"{c.mfu:>6.1%} {c.exposed_comm:>8.4f} "
-                    f"{bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages):>6.1%}")
+                    f"{bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages):>6.1%} "
+                    f"{_offload_text(r):<24}".rstrip())
     return "\n".join(rows)
+
+
+def _offload_text(ranked) -> str:
+    if ranked.layout.offload == "none":
+        return "-"
+    copies, host = offload_share(ranked.cost)
+    return f"{ranked.layout.offload} ({copies:.1%}, {host:.1%})"

@@ -38,11 +38,11 @@ def describe_plan(trainer) -> str:
              + (f", context parallel {p.cp_mode}" if mesh.cp.size > 1 else "")
              + (", sequence parallel" if p.sequence_parallel and mesh.tp.size > 1 else ""),
              trainer.plan.format()]
-    if p.offload != "none":       # the planner does not count offload yet
+    if p.offload != "none":       # the plan above puts them there (its host rows)
         lines.append("offload: float32 masters and optimizer state in host memory, updated "
                      "there" + (", parameter shards too, copied in for each gather"
                                 if p.offload == "params" else "")
-                     + " (the plan above counts them on the device)")
+                     + " (the plan's host rows; its device rows and the budget leave them out)")
     budget = cfg.run.memory_budget
     if budget:
         verdict = "fits" if trainer.plan.total_peak_bytes <= budget else "DOES NOT FIT"

@@ -307,7 +307,8 @@ def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
                   activation_checkpointing=cfg.model.activation_checkpointing == "full",
                   cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
                   sequence_parallel=p.sequence_parallel, ep=p.ep,
-                  selective=cfg.model.activation_checkpointing == "selective")
+                  selective=cfg.model.activation_checkpointing == "selective",
+                  offload=p.offload)
 
 
 def stop_reason(stop, stopped: bool, run) -> str:

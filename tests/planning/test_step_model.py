@@ -8,8 +8,10 @@ import pytest
 from mpishard.models import GPT, GPTConfig
 from mpishard.parallel.compose import build_stage
 from mpishard.planning import load_machine, machine_from_dict, predict_step, stage_flops
-from mpishard.planning.gpu_time import micro_batch_times, op_seconds, stage_ops, Op
-from mpishard.planning.layout import Layout, mesh_shape
+from mpishard.planning.gpu_time import (MEGATRON_KERNELS, TENSOR_CORE_ATTENTION_SHARE,
+                                        KernelSet, Op, micro_batch_times, op_seconds,
+                                        stage_ops)
+from mpishard.planning.layout import Layout, estimate_layout, mesh_shape
 from mpishard.planning.search import candidate_layouts, rank_layouts
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=8, dropout=0.1)
@@ -120,3 +122,72 @@ def test_shipped_gpus_are_costed_by_kernels_with_every_figure_sourced():
     with pytest.raises(ValueError, match="sizes descending to 0"):
         machine_from_dict({**KERNEL, "device": {**KERNEL["device"],
                                                 "matmul_efficiency_table": [[0, 1], [1, 1]]}})
+
+
+def test_mpishards_kernels_fuse_attention_where_the_tensor_core_kernel_takes_it():
+    """16-bit rows, a head size a multiple of 16 and no dropout of the weights: one fused
+    kernel forward, two backward (dq; dk and dv) at the tensor-core share of the flash
+    rate; with dropout (or 4-byte rows) the batched path's products and softmax."""
+    lay = Layout(batch_size=2, seq_len=16)
+    wide = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+    def attention(cfg, itemsize, kernels=KernelSet()):
+        return [op for op in stage_ops(GPT(cfg, materialize_now=False), lay, itemsize,
+                                       kernels) if op.core]
+    fused = attention(wide, 2)
+    assert [(op.flash, op.fw_kernels, op.bw_kernels) for op in fused] == \
+        [(TENSOR_CORE_ATTENTION_SHARE, 1, 2)] * 2                    # one per block
+    assert all(not op.flash for op in attention(wide, 4))          # float32: no WMMA kernel
+    assert all(not op.flash for op in attention(CFG, 2))            # dropout 0.1, head size 4
+    assert {op.flash for op in attention(wide, 2, KernelSet("flash2"))} == {1.0}
+    assert all(not op.flash for op in attention(wide, 2, MEGATRON_KERNELS))
+    with pytest.raises(ValueError, match="attention must be one of"):
+        KernelSet("sdpa")
+
+
+def test_the_loss_reads_16_bit_logits_once_fused_or_streams_float32_copies():
+    lay = Layout(batch_size=2, seq_len=16)
+    logits = 2 * 16 * CFG.vocab_size
+
+    def loss(kernels):
+        (op,) = [op for op in stage_ops(make(), lay, 2, kernels) if op.cls == "loss"]
+        return op
+    fused, megatron = loss(KernelSet()), loss(MEGATRON_KERNELS)
+    assert (fused.fw_bytes, fused.bw_bytes) == (2 * logits, 4 * logits)
+    assert (megatron.fw_bytes, megatron.bw_bytes) == (38 * logits, 14 * logits)
+    assert (megatron.fw_kernels, megatron.bw_kernels) == (6, 2)
+
+
+def test_pipeline_messages_cost_the_planned_bytes_half_each_way():
+    """The plan's pp bytes (without sequence parallelism 1 / tp of a message per tp rank,
+    its all-gather in tp's bytes) cross a full-duplex link: half of them each way."""
+    machine = machine_from_dict(KERNEL)
+    for sp in (False, True):
+        lay = Layout(tp=2, pp=2, strategy="ddp", batch_size=2, seq_len=16, micro_batches=2,
+                     sequence_parallel=sp)
+        plan = estimate_layout(make(), lay)
+        cost = predict_step(make, lay, machine, plan=plan)
+        stage = plan.stages[cost.stage]
+        link = machine.link("send", 2, False)
+        assert cost.comm_total["pp"] == pytest.approx(link.seconds(stage.bus_bytes["pp"] / 2,
+                                                                   2 * lay.micro_batches))
+
+
+def test_ddp_hides_its_all_reduce_behind_the_last_micro_batch_only():
+    """no_sync before the last micro-batch: 4 micro-batches hide no more than 1 does;
+    16-bit gradient reductions send half of float32's bytes."""
+    slow = machine_from_dict({**KERNEL, "links": {"intra": {"latency_s": 0.0,
+                                                            "bandwidth": 5e9}}})
+    wide = GPTConfig(vocab_size=16, block_size=16, n_layer=2, n_head=2, n_embd=512)
+
+    def make():         # 25 MB of gradients: 6 buckets, the embeddings' (the last) small
+        return GPT(wide, materialize_now=False)
+    one, four = (predict_step(make, Layout(dp=2, strategy="ddp", precision="float16",
+                                           batch_size=1, seq_len=16, micro_batches=m), slow)
+                 for m in (1, 4))
+    assert four.comm_total["dp"] == pytest.approx(one.comm_total["dp"])
+    assert four.breakdown["comm dp"] == pytest.approx(one.breakdown["comm dp"])
+    assert 0.3 * one.comm_total["dp"] < one.breakdown["comm dp"] < one.comm_total["dp"]
+    half = predict_step(make, Layout(dp=2, strategy="ddp", precision="float16", batch_size=1,
+                                     seq_len=16), slow, kernels=KernelSet(grad_reduce_itemsize=2))
+    assert half.comm_total["dp"] == pytest.approx(one.comm_total["dp"] / 2)
