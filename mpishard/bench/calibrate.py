@@ -121,12 +121,14 @@ def _elementwise(repeats: int) -> float:
 
 
 def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) -> float:
-    """Bytes kept for backward that the elementwise ops of a block get through per second,
-    forward and backward: layer norm, GELU and a residual add on ``(rows, width)``, and
-    the causal softmax on ``(rows / seq, heads, seq, seq)`` scores, float32."""
+    """Bytes kept for backward (as a device's kernels keep them) that the elementwise ops
+    of a block get through per second, forward and backward: layer norm, GELU and a
+    residual add on ``(rows, width)``, and the causal softmax on ``(rows / seq, heads,
+    seq, seq)`` scores, float32."""
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.nn_ops import gelu, layer_norm
     from mpishard.autodiff.softmax_ops import softmax
+    from mpishard.autodiff.rows import keeps_least
     from mpishard.core.backend import MemoryLedger
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((rows, width)).astype(np.float32), requires_grad=True)
@@ -139,10 +141,15 @@ def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) 
     with ledger.measure_activations() as kept:
         out = forward()
     del out
+    # counted as a device's kernels keep, the measure the planner divides by (see
+    # _whole_activations in mpishard/planning/cost.py): NumPy's layer norm computes its
+    # normalised rows and 1/std again in backward, its GELU the tanh
+    streamed = kept.nbytes + ((rows * (width + 1) + rows * width) * 4
+                              if keeps_least(np) else 0)
 
     def step():
         forward().backward()
-    return kept.nbytes / _time(step, repeats)
+    return streamed / _time(step, repeats)
 
 
 def _optimizer(repeats: int) -> tuple:

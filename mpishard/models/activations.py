@@ -135,9 +135,10 @@ class MicroBatch:
 
 
 def micro_batch(model, blocks, batch_size: int, seq_len: int, dtype, checkpointing=None,
-                cp=None, cp_mode=None, sp=None) -> MicroBatch:
+                cp=None, cp_mode=None, sp=None, lean=None) -> MicroBatch:
     """The :class:`MicroBatch` of ``model`` (whose blocks are ``blocks``); each ``None`` as
-    the model is set (:func:`split_of`, the blocks' checkpointing)."""
+    the model is set (:func:`split_of`, the blocks' checkpointing, ``lean`` as the model's
+    array module's ops keep)."""
     cp, cp_mode, sp = split_of(model, cp, cp_mode, sp)
     c = np.dtype(dtype).itemsize
     if checkpointing is None:
@@ -145,7 +146,7 @@ def micro_batch(model, blocks, batch_size: int, seq_len: int, dtype, checkpointi
     N = batch_size * seq_len
     return MicroBatch(batch_size, seq_len, N, N // sp, int(model.config.n_embd), c,
                       4 if c == 2 else c, cp, cp_mode, sp, bool(checkpointing),
-                      keeps_least(model.backend.xp))
+                      keeps_least(model.backend.xp) if lean is None else bool(lean))
 
 
 def stage_input(table, m: MicroBatch, rows: bool = True) -> int:

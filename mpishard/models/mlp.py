@@ -49,10 +49,12 @@ class MLPClassifier(Module):
         trains with data parallelism (tp = pp = 1)."""
         return ShardingPlan(units=tuple(f"layers.{i}" for i in range(len(self.layers))))
 
-    def activation_bytes(self, batch_size: int, seq_len: int = 1, dtype="float32") -> int:
+    def activation_bytes(self, batch_size: int, seq_len: int = 1, dtype="float32",
+                         lean: bool | None = None) -> int:
         """Bytes one micro-batch's forward keeps for backward: each layer's output, each
         ReLU's, and the loss's shifted logits and per-row arrays (as the GPT's, see
-        mpishard/models/gpt/activations.py)."""
+        mpishard/models/gpt/activations.py; ``lean`` changes nothing here: these ops keep
+        the same on every array module)."""
         c = np.dtype(dtype).itemsize
         f = 4 if c == 2 else c
         n, widths = batch_size, [layer.out_features for layer in self.layers]

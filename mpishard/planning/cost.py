@@ -320,14 +320,19 @@ def _targets(stage, layout) -> int:
 
 
 def _whole_activations(stage, layout, act) -> int:
-    """What the forward of one micro-batch keeps without checkpointing (the bytes the
-    elementwise passes stream, also when checkpointing recomputes them)."""
+    """What the forward of one micro-batch keeps without checkpointing, counted as a
+    device's kernels keep (``lean=False``: the normalised rows, the GELU's tanh, the
+    dropouts' draws): a measure of the bytes the elementwise passes stream, the same
+    for every model whatever the NumPy ops compute again in backward (and the one
+    ``mpishard bench calibrate``'s ``activation_rate`` is per), also when checkpointing
+    recomputes them."""
     checkpointed = layout.activation_checkpointing and hasattr(stage,
                                                                "set_activation_checkpointing")
     if checkpointed:
         stage.set_activation_checkpointing(False)
     try:
-        return stage.activation_bytes(layout.batch_size, layout.local_seq_len, act)
+        return stage.activation_bytes(layout.batch_size, layout.local_seq_len, act,
+                                      lean=False)
     finally:
         if checkpointed:
             stage.set_activation_checkpointing(True)

@@ -74,7 +74,8 @@ _OBJECTS_MOE_PER_BLOCK = 11 << 10
 
 def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
                          checkpointing: bool | None = None, *, cp: int | None = None,
-                         cp_mode: str | None = None, sp: int | None = None) -> int:
+                         cp_mode: str | None = None, sp: int | None = None,
+                         lean: bool | None = None) -> int:
     """Bytes ``model`` (a GPT or one pipeline stage, tensor-parallel or not) keeps for
     backward after the forward of one micro-batch ``(batch_size, seq_len)`` with
     activations in ``dtype``; see [Note: activation bytes].
@@ -84,11 +85,14 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
     (default: as the model is set). ``cp``, ``cp_mode`` (``"ring"`` or
     ``"all-to-all"``) and ``sp`` (the tp ranks sequence parallelism splits rows
     over, 1 without it): default as the model is set
-    (:func:`~mpishard.models.activations.split_of`).
+    (:func:`~mpishard.models.activations.split_of`). ``lean``: whether the ops keep the
+    least (default: as they do on the model's array module; ``False`` counts what a
+    device's kernels keep, see [Note: what ops keep] in mpishard/autodiff/rows.py).
     """
     cfg = model.config
     blocks = list(model.transformer.h.values())
-    m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp)
+    m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp,
+                    lean)
     B, T, N, Ns, C, c, f, cp, sp = m.B, m.T, m.N, m.Ns, m.C, m.c, m.f, m.cp, m.sp
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode)
     total += stage_input(model.transformer.wte if model.first_stage else None, m, rows=False)

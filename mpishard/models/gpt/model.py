@@ -274,10 +274,12 @@ class GPT(Module):
                    materialize_now=False, blocks=blocks, first_stage=first_stage,
                    last_stage=last_stage)
 
-    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32") -> int:
+    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32",
+                         lean: bool | None = None) -> int:
         """Bytes one micro-batch's forward keeps for backward on this model or stage
-        (see [Note: activation bytes] in mpishard/models/gpt/activations.py)."""
-        return gpt_activation_bytes(self, batch_size, seq_len, dtype)
+        (see [Note: activation bytes] in mpishard/models/gpt/activations.py; ``lean``:
+        :func:`~mpishard.models.gpt.activations.gpt_activation_bytes`'s)."""
+        return gpt_activation_bytes(self, batch_size, seq_len, dtype, lean=lean)
 
     def activation_shape(self, batch_size: int, seq_len: int) -> tuple:
         """What one stage hands the next: ``(B*T, C)``."""

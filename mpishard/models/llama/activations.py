@@ -72,12 +72,14 @@ _OBJECTS_PER_BLOCK = 14 << 10
 
 def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
                            checkpointing: bool | None = None, *, cp: int | None = None,
-                           cp_mode: str | None = None, sp: int | None = None) -> int:
+                           cp_mode: str | None = None, sp: int | None = None,
+                           lean: bool | None = None) -> int:
     """Bytes ``model`` keeps for backward after one micro-batch ``(batch_size, seq_len)``;
     the arguments are :func:`~mpishard.models.gpt.activations.gpt_activation_bytes`'s."""
     cfg = model.config
     blocks = list(model.model.layers.values())
-    m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp)
+    m = micro_batch(model, blocks, batch_size, seq_len, dtype, checkpointing, cp, cp_mode, sp,
+                    lean)
     B, T, N, Ns, C, c, f, cp, sp = m.B, m.T, m.N, m.Ns, m.C, m.c, m.f, m.cp, m.sp
     hs = cfg.head_size
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode, _OBJECTS_PER_BLOCK)

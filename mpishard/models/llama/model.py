@@ -316,9 +316,11 @@ class Llama(Module):
     def activation_shape(self, batch_size: int, seq_len: int) -> tuple:
         return (batch_size * seq_len, self.config.n_embd)
 
-    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32") -> int:
-        """Bytes one micro-batch's forward keeps for backward (models/llama_activations.py)."""
-        return llama_activation_bytes(self, batch_size, seq_len, dtype)
+    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32",
+                         lean: bool | None = None) -> int:
+        """Bytes one micro-batch's forward keeps for backward (models/llama/activations.py;
+        ``lean``: as the GPT's)."""
+        return llama_activation_bytes(self, batch_size, seq_len, dtype, lean=lean)
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, rng=None):

@@ -135,9 +135,12 @@ class ModelChunks(Module):
         """Bytes one micro-batch's forward keeps for backward, per chunk."""
         return [chunk.activation_bytes(batch_size, seq_len, dtype) for chunk in self.chunks]
 
-    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32") -> int:
-        """Bytes one micro-batch keeps for backward through every chunk of this rank."""
-        return sum(self.chunk_activation_bytes(batch_size, seq_len, dtype))
+    def activation_bytes(self, batch_size: int, seq_len: int, dtype="float32",
+                         lean: bool | None = None) -> int:
+        """Bytes one micro-batch keeps for backward through every chunk of this rank
+        (``lean``: as the model's)."""
+        return sum(chunk.activation_bytes(batch_size, seq_len, dtype, lean=lean)
+                   for chunk in self.chunks)
 
     def train(self, mode: bool = True) -> "ModelChunks":
         """Training or evaluation mode for every chunk (their roots are not in the tree)."""
