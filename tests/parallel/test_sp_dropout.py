@@ -7,28 +7,18 @@ It drops this rank's rows after the cut (Megatron-LM's order): each rank's outpu
 the input's gradient must be one process's, bit for bit, and the generator must end
 where one process's does, whatever half-drawn state it starts in.
 """
-import contextlib
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from mpishard.autodiff import Tensor
 from mpishard.nn import Dropout
 from mpishard.nn.parameter import rng_for
 from mpishard.parallel.tensor.layers import RowsDropout, _draw_rows
 from mpishard.parallel.tensor.sequence import sp_rows
-from parity import sub_world
+from test_sp_ops import group
 
 SIZES = [1, 2, 3, 4]
-
-
-@contextlib.contextmanager
-def group(size):
-    if size > MPI.COMM_WORLD.size:
-        pytest.skip(f"needs {size} ranks")
-    with sub_world(size) as comm:
-        yield comm
 
 
 def _same(a, b) -> bool:
