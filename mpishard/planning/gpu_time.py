@@ -42,14 +42,21 @@ CUDA backend (:data:`MPISHARD_KERNELS`, what ``mpishard plan`` costs), Megatron-
 (:data:`MEGATRON_KERNELS`) or FlashAttention-2 with a float32 loss
 (:data:`FLASH2_KERNELS`, torchtitan).
 
-Recomputation adds forward kernels: the blocks' (full) or attention's core
-(``core`` ops: its products, softmax and dropout; selective). What it leaves
-out: bias adds (fused into the next kernel), kernel fusion beyond the above,
-and GEMM tile quantisation.
+Recomputation adds forward kernels: the blocks' (full) or, under selective
+recomputation, those the framework's policy drops (the op's ``selective`` flag):
+attention's core (its products, softmax and dropout; Megatron-LM's and mpishard's,
+Korthikanti et al. 2022) or, with ``KernelSet(selective="op")``, torchtitan's
+per-op policy: every kernel of a block but the matrix products and the fused
+attention, and every second matrix product of each block (torchtitan
+``_apply_ac_to_transformer_block``, ``selective_ac_option = "op"``: "Saves output of
+all compute ops, except every second mm"; the save list holds ``aten.mm``, the SDPA
+flash/efficient kernels and ``reduce_scatter``; the count restarts per block). What
+it leaves out: bias adds (fused into the next kernel), kernel fusion beyond the
+above, and GEMM tile quantisation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,8 +66,8 @@ from mpishard.nn.sharding import plan_of
 from mpishard.parallel.plans import matching_modules
 
 __all__ = ["Op", "KernelSet", "stage_ops", "micro_batch_times", "moe_rows", "OP_CLASSES",
-           "MPISHARD_KERNELS", "MEGATRON_KERNELS", "FLASH2_KERNELS",
-           "TENSOR_CORE_ATTENTION_SHARE"]
+           "MPISHARD_KERNELS", "MEGATRON_KERNELS", "FLASH2_KERNELS", "TORCHTITAN_KERNELS",
+           "LLMFOUNDRY_KERNELS", "TENSOR_CORE_ATTENTION_SHARE"]
 
 #: the op classes of a breakdown, in the order they are printed
 OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "embedding",
@@ -76,6 +83,7 @@ OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "
 TENSOR_CORE_ATTENTION_SHARE = 0.5
 _ATTENTION = ("mpishard", "unfused", "flash2")
 _LOSS = ("fused", "float32")
+_SELECTIVE = ("core", "op")
 
 
 @dataclass(frozen=True)
@@ -90,16 +98,22 @@ class KernelSet:
     cross-entropy kernels) or ``"float32"`` (the logits cast to float32 first: Megatron-LM
     without ``--fp16-lm-cross-entropy``, torchtitan). ``grad_reduce_itemsize``:
     the bytes per gradient element the data-parallel and tied-weight all-reduces send
-    (None: the plan's, mpishard's reduce dtype)."""
+    (None: the plan's, mpishard's reduce dtype). ``selective``: what a layout's
+    selective recomputation repeats, ``"core"`` (attention's core: Megatron-LM,
+    mpishard) or ``"op"`` (torchtitan's per-op policy, see [Note: GPU kernel model])."""
 
     attention: str = "mpishard"
     loss: str = "fused"
     grad_reduce_itemsize: int | None = None
+    selective: str = "core"
 
     def __post_init__(self):
-        if self.attention not in _ATTENTION or self.loss not in _LOSS:
-            raise ValueError(f"KernelSet(attention={self.attention!r}, loss={self.loss!r}): "
-                             f"attention must be one of {_ATTENTION}, loss one of {_LOSS}")
+        if self.attention not in _ATTENTION or self.loss not in _LOSS or \
+                self.selective not in _SELECTIVE:
+            raise ValueError(f"KernelSet(attention={self.attention!r}, loss={self.loss!r}, "
+                             f"selective={self.selective!r}): attention must be one of "
+                             f"{_ATTENTION}, loss one of {_LOSS}, selective one of "
+                             f"{_SELECTIVE}")
 
 
 #: mpishard's CUDA backend, what ``mpishard plan`` costs
@@ -110,8 +124,21 @@ MPISHARD_KERNELS = KernelSet()
 #: in the params' dtype without --accumulate-allreduce-grads-in-fp32, which the sc21
 #: scripts do not pass)
 MEGATRON_KERNELS = KernelSet("unfused", "float32", 2)
-#: FlashAttention-2 with the loss over float32 logits (torchtitan)
+#: FlashAttention-2 with the loss over float32 logits
 FLASH2_KERNELS = KernelSet("flash2", "float32")
+#: torchtitan (pytorch/torchtitan at 9dec370, 2024-12, the commit its H100 benchmark names):
+#: SDPA's FlashAttention-2 kernels, the loss over float32 logits (``pred.flatten(0, 1).float()``
+#: in ``cross_entropy_loss``), selective recomputation by op ("op", the default of its
+#: llama3_8b.toml: ``mode = 'selective'``, ``selective_ac_option = 'op'``)
+TORCHTITAN_KERNELS = KernelSet("flash2", "float32", selective="op")
+#: llm-foundry v0.3.0 (the release its 2023 H100 benchmarks ran: sweep.sh, submit_benchmarks.py
+#: at mosaicml/llm-foundry b2a43a1): ``attn_impl: triton`` (submit_benchmarks.py's default;
+#: FlashAttention's Triton kernels on the ``triton-pre-mlir`` sm90 build, costed at
+#: FlashAttention-2's rate: no published H100 rate of those kernels was found, so an upper
+#: bound on their speed) and flash-attn 1.0.9's fused cross-entropy (``loss_fn:
+#: fused_crossentropy``, modeling_mpt.py's default; setup.py's gpu extras install
+#: ``xentropy-cuda-lib``)
+LLMFOUNDRY_KERNELS = KernelSet("flash2", "fused")
 
 
 def moe_rows(module, rows: int) -> int:
@@ -140,6 +167,7 @@ class Op:
     fw_kernels: int = 1
     bw_kernels: int = 2
     flash: float = 0.0           # a fused attention kernel: its share of the flash rate
+    selective: bool = False      # repeated by selective recomputation (see KernelSet)
 
 
 def _gemm(cls, m, n, k, s, block, core=False, batch=1) -> Op:
@@ -188,12 +216,15 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
     p, s = _dropout(stage), itemsize
     mask = 1.0 if p > 0 else 0.0                               # a byte per element kept
     ops = []
+    block_of = {}                        # an in-block product's index in ops -> its block
     for path, m in stage.named_modules():
         in_block = bool(blocks) and path.startswith(blocks)
         name = type(m).__name__
         weight = m._parameters.get("weight")
         if weight is not None and len(weight.shape) == 2 and name.endswith("Linear"):
             out, inp = weight.shape
+            if in_block:
+                block_of[len(ops)] = path[len(blocks):].split(".", 1)[0]
             ops.append(_gemm("matmul", rows, out, inp, s, in_block))
             if blocks and not in_block:
                 ops.append(_loss(rows * out, s, kernels))   # the head's logits
@@ -225,7 +256,27 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             heads, hs = spec_of(stage).attention_heads(m)
             B, Tl, T = layout.batch_size, layout.local_seq_len, layout.seq_len
             ops += _attention(B * heads, Tl, T, hs, s, p, in_block, _flash(kernels, s, hs, p))
-    return ops
+    return _mark_selective(ops, block_of, kernels.selective)
+
+
+def _mark_selective(ops, block_of, policy) -> list:
+    """``ops`` with ``selective`` set on those selective recomputation repeats under
+    ``policy`` (see :class:`KernelSet`): ``"core"``, attention's core; ``"op"``, the blocks'
+    kernels other than the matrix products and the fused attention, and the 2nd, 4th, ...
+    matrix product of each block (torchtitan counts ``aten.mm`` calls per checkpointed
+    block; the products run in module order: q, k, v, o, then the MLP's)."""
+    if policy == "core":
+        return [replace(op, selective=op.core) for op in ops]
+    count: dict = {}
+    out = []
+    for i, op in enumerate(ops):
+        if i in block_of:
+            count[block_of[i]] = count.get(block_of[i], 0) + 1
+            again = count[block_of[i]] % 2 == 0
+        else:
+            again = op.block and not op.matrix and not op.flash
+        out.append(replace(op, selective=again))
+    return out
 
 
 def _flash(kernels, s, hs, p) -> tuple:
@@ -296,7 +347,7 @@ def micro_batch_times(ops: list, machine, dtype: str, layout) -> dict:
     for op in ops:
         fw, bw = op_seconds(op, machine, dtype)
         again = fw if (layout.activation_checkpointing and op.block) or \
-            (layout.selective and op.core) else 0.0
+            (layout.selective and op.selective) else 0.0
         forward, backward, recompute = forward + fw, backward + bw, recompute + again
         if op.core:
             attention += fw + bw

@@ -57,3 +57,39 @@ def test_every_published_run_fits_its_gpu_by_the_plan(accuracy):
     _, result, _ = accuracy
     for row in result["rows"]:
         assert row["peak_gib"] <= row["usable_gib"], row["id"]
+
+
+def test_torchtitan_op_policy_recomputes_every_second_block_product():
+    """torchtitan's ``selective_ac_option = "op"`` saves every op's output but every second
+    ``aten.mm`` of a block (counted per block) and recomputes the rest of its non-matmul
+    kernels; the fused attention is saved. ``KernelSet(selective="core")`` (Megatron-LM's,
+    mpishard's) repeats attention's core only."""
+    from mpishard.models import Llama, LlamaConfig
+    from mpishard.planning.gpu_time import FLASH2_KERNELS, TORCHTITAN_KERNELS, stage_ops
+    from mpishard.planning.layout import Layout
+    cfg = LlamaConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                      n_embd=64, intermediate_size=128)
+    model = Llama(cfg, materialize_now=False)
+    layout = Layout(1, 1, 1, "ddp", "bfloat16", batch_size=1, seq_len=64, selective=True)
+    op = stage_ops(model, layout, 2, TORCHTITAN_KERNELS)
+    products = [o for o in op if o.matrix and o.block and not o.flash]
+    assert len(products) == 2 * 7                           # q, k, v, o, gate, up, down
+    assert [o.selective for o in products[:7]] == [False, True, False, True, False, True,
+                                                   False]
+    assert not any(o.selective for o in op if o.flash)
+    assert all(o.selective for o in op if o.block and not o.matrix and not o.flash)
+    core = stage_ops(model, layout, 2, FLASH2_KERNELS)
+    assert [o for o in core if o.selective] == [o for o in core if o.core]
+
+
+def test_hopper_references_are_predicted_on_their_own_hardware():
+    """Every Hopper reference has a prediction; torchtitan's at both ends of its GPUs'
+    peak range (its benchmark: between the NVL's and the SXM's) with their 2.4 TB/s."""
+    spec = importlib.util.spec_from_file_location("plan_accuracy", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = {r["id"]: r for r in module.hopper()}
+    titan = [k for k in rows if k.startswith("torchtitan")]
+    assert len(titan) == 2 and len(rows) == 5
+    low, high = sorted(titan, key=lambda k: rows[k]["predicted_tokens_per_s_per_gpu"])
+    assert "NVL" in low and "SXM" in high
