@@ -4,12 +4,15 @@
         --seq 8192 --global-batch 1024
     mpishard plan --preset gpt2 --ranks 4 --machine machine.json --json
     mpishard plan --preset llama3.1-8b --ranks 1 --machine h200 --memory-budget 60GiB
+    mpishard plan --preset llama3.1-8b --ranks 1 --machine h200 --reduce-dtype bfloat16
 
 A layout that does not fit is tried with optimizer offload, then (ZeRO-3) parameter
 offload, on a machine whose description has a ``host_link``; one that fits so is
 listed marked, with the shares of its step the copies and the host update take
 (see [Note: offload plan] in mpishard/planning/offload.py). ``--offload`` plans
-every layout with that offload instead.
+every layout with that offload instead. ``--reduce-dtype bfloat16`` plans the
+gradients of 16-bit compute in bfloat16 (half their bytes and data-parallel
+traffic); the header says so.
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     model ``cfg`` describes on ``ranks`` ranks of ``machine`` (a :class:`Machine`, or
     the name or file :func:`load_machine` takes), each rank fitting ``memory_bytes``
     (default: the machine's usable memory); offloaded where nothing else fits (on a
-    machine with a host link), or as ``cfg.parallel.offload`` asks."""
+    machine with a host link), or as ``cfg.parallel.offload`` asks; gradients reduced
+    in ``cfg.parallel.reduce_dtype``."""
     from mpishard.core.backend import Backend
     from mpishard.config.sections import ConfigError
     from mpishard.recipes import recipe_for
@@ -69,9 +73,13 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     batch = global_batch or cfg.optim.batch_size * ranks
     m = cfg.model
     rpn = ranks_per_node or min(machine.ranks_per_node, ranks)
-    layouts = candidate_layouts(ranks, rpn, seq, batch, m.n_layer, m.n_head,
-                                None if precision == "float32" else precision, strategies,
-                                virtual_stages=(1, 2))      # and interleaved, 2 chunks a rank
+    try:
+        layouts = candidate_layouts(ranks, rpn, seq, batch, m.n_layer, m.n_head,
+                                    None if precision == "float32" else precision, strategies,
+                                    virtual_stages=(1, 2),  # and interleaved, 2 chunks a rank
+                                    reduce_dtype=cfg.parallel.reduce_dtype)
+    except ValueError as err:      # a reduce dtype that this precision does not admit
+        raise ConfigError(str(err)) from None
     if not layouts:
         raise ConfigError(f"no layout of {ranks} ranks fits a global batch of {batch} "
                           f"sequences; pass a --global-batch that the data-parallel sizes "
@@ -110,18 +118,20 @@ def machine_or_error(machine):
 
 
 def plan_from_args(args, say=None) -> tuple:
-    """:func:`plan_config` of ``mpishard plan``'s flags."""
+    """:func:`plan_config` of ``mpishard plan``'s flags. On a GPU machine without
+    ``--precision``, bfloat16 (what GPUs train in), written into ``args`` so that the
+    config check (``--reduce-dtype``) and every later read of the flags see it."""
     from mpishard.config.flags import config_from_args
 
+    machine = machine_or_error(args.machine)
+    if getattr(args, "precision", None) is None and machine.kind == "gpu":
+        args.precision = "bfloat16"
     cfg = config_from_args(args)
     if args.seq:
         cfg.model.block_size = args.seq
-    machine = machine_or_error(args.machine)
-    gpu_default = getattr(args, "precision", None) is None and machine.kind == "gpu"
-    precision = "bfloat16" if gpu_default else None   # what GPUs train in, unless asked
     strategies = [cfg.parallel.strategy] if args.strategy is not None else None
     return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
-                       precision, strategies, say, cfg.run.memory_budget or None)
+                       None, strategies, say, cfg.run.memory_budget or None)
 
 
 def apply_auto_layout(cfg, world_size: int) -> str:
@@ -160,17 +170,20 @@ def _cmd_plan(args) -> int:
         print(text, file=sys.stderr, flush=True)
     ranked, over, n, machine, precision = plan_from_args(args, say)
     top = ranked[:args.top]
+    cfg = config_from_args(args)
+    reduce = cfg.parallel.reduce_dtype
     if args.json:
         print(json.dumps({"machine": machine.name, "ranks": args.ranks,
-                          "precision": precision, "candidates": n, "over_memory": over,
-                          "layouts": [r.as_dict() for r in top]}, indent=1))
+                          "precision": precision, "reduce_dtype": reduce, "candidates": n,
+                          "over_memory": over, "layouts": [r.as_dict() for r in top]},
+                         indent=1))
         return 0
-    cfg = config_from_args(args)
     budget, asked = cfg.run.memory_budget, cfg.parallel.offload
     limit = f"{budget / 2**30:.1f} GiB (--memory-budget)" if budget else _usable(machine)
     offloaded = [r for r in ranked if r.layout.offload != "none"]
-    print(f"{n} layouts of {args.ranks} ranks on {machine.name} ({precision}); {over} over "
-          f"{limit} per rank, {len(ranked)} fit"
+    gradients = f", gradients in {reduce}" if reduce != "float32" else ""
+    print(f"{n} layouts of {args.ranks} ranks on {machine.name} ({precision}{gradients}); "
+          f"{over} over {limit} per rank, {len(ranked)} fit"
           + (f" (offload {asked}, as asked)" if asked != "none"
              else f" ({len(offloaded)} only with offload)" if offloaded else "")
           + f"; the fastest {len(top)}:")

@@ -70,6 +70,11 @@ class ParallelConfig:
                          "float32 masters (mixed precision); fp32, fp16 and bf16 too",
                          choices=("float32", "float16", "bfloat16"), estimate=True,
                          aliases={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
+    reduce_dtype: str = opt("float32", "dtype gradients are added and reduced in under a "
+                            "16-bit precision: float32, or the 16-bit one, half the gradient "
+                            "bytes and dp traffic (FSDP2's reduce_dtype; docs/offload.md)",
+                            choices=("float32", "bfloat16", "float16"), estimate=True,
+                            aliases={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
     offload: str = opt("none", "optimizer: keep the float32 master weights and the optimizer "
                        "state in host memory and update them there (DDP and ZeRO); params: "
                        "the parameter shards too, copied to the device for each gather "
@@ -81,6 +86,14 @@ class ParallelConfig:
                       choices=("", "auto"))
     machine: str = opt("cpu-2core", "machine description --layout auto plans for (a JSON "
                        "file, e.g. from mpishard bench calibrate, or a shipped name)")
+
+    @property
+    def policy(self):
+        """The :class:`~mpishard.parallel.Precision` a strategy and the plan take:
+        ``precision``'s, its gradients in ``reduce_dtype`` (checked first, see
+        [Note: refused before anything is built])."""
+        from mpishard.parallel.precision import Precision  # noqa: PLC0415 (as options.py)
+        return Precision.of(self.precision).reducing_in(self.reduce_dtype)
 
 
 @dataclass

@@ -21,9 +21,10 @@ checkpointing); model chunks the pipeline cannot interleave (``virtual_stages >
 1`` without the interleaved schedule, the interleaved schedule without ``pp`` and
 ``virtual_stages`` of 2 or more, micro-steps that are not a multiple of ``pp``,
 blocks that do not split into ``pp x virtual_stages`` equal chunks); an
-offload the strategy cannot do. What depends on the world size (a mesh whose product is not
-the number of ranks, ep not inside ``dp_shard x cp``) is refused alike when the
-mesh is built, before the model.
+offload the strategy cannot do; a 16-bit ``reduce_dtype`` without a 16-bit
+``precision``, and bfloat16 gradients reduced in float16. What depends on the
+world size (a mesh whose product is not the number of ranks, ep not inside
+``dp_shard x cp``) is refused alike when the mesh is built, before the model.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def check_supported(cfg) -> list:
                               f"split {what}; use {fix}")
     _check_interleaving(cfg)
     _check_offload(cfg)
+    _check_reduce_dtype(cfg)
     if spec.build_config is None:
         return []
     if p.tp > m.n_head:
@@ -143,3 +145,19 @@ def _check_offload(cfg) -> None:
             what, fix = "its optimizer", "--strategy ddp or a ZeRO stage, or --offload none"
         raise ConfigError(f"offload = {p.offload}: strategy = {p.strategy} cannot offload "
                           f"{what}; use {fix}") from None
+
+
+def _check_reduce_dtype(cfg) -> None:
+    """A reduce dtype that means nothing under float32 compute, or that
+    :class:`~mpishard.parallel.Precision` refuses (bfloat16 gradients in float16), in
+    flags."""
+    p = cfg.parallel
+    reduce, precision = p.reduce_dtype, p.precision
+    if reduce != "float32" and precision == "float32":
+        raise ConfigError(f"reduce_dtype = {reduce}: gradients are reduced in 16 bits only "
+                          f"under a 16-bit precision (precision = float32); add --precision "
+                          f"{reduce}, or use --reduce-dtype float32")
+    if reduce == "float16" and precision == "bfloat16":
+        raise ConfigError("reduce_dtype = float16 with precision = bfloat16: bfloat16 "
+                          "gradients reduced in float16 lose the small ones and overflow on "
+                          "large ones; use --reduce-dtype bfloat16 or float32")

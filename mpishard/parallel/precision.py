@@ -36,7 +36,7 @@ bfloat16 has float32's exponent range and needs no scaling.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpishard.core.dtypes import FLOAT_DTYPES, LOW_PRECISION
 from mpishard.parallel.flat import FlatShard
@@ -119,6 +119,13 @@ class Precision:
     def mixed(self) -> bool:
         """Whether parameters compute in a 16-bit dtype."""
         return self.param_dtype in LOW_PRECISION
+
+    def reducing_in(self, dtype: str) -> "Precision":
+        """This policy with its gradients added and reduced in ``dtype`` (``--reduce-dtype``);
+        itself without mixed precision, where gradients are the model's dtype."""
+        if not self.mixed or self.reduce_dtype == dtype:
+            return self
+        return replace(self, reduce_dtype=dtype)
 
 
 class LossScaler:

@@ -67,6 +67,7 @@ from mpishard.nn.sharding import plan_of
 from mpishard.parallel.compose import build_stage, check_interleaving, stage_blocks
 from mpishard.parallel.context.apply import CP_MODES
 from mpishard.parallel.offload import check_offload
+from mpishard.parallel.precision import Precision
 from mpishard.parallel.strategy import strategy_entry
 from mpishard.parallel.pipeline.order import peak_in_flight, schedule_order
 from mpishard.planning.memory import (MemoryEstimate, layout_itemsizes, estimate_memory,
@@ -93,7 +94,12 @@ class Layout:
     ``schedule`` is ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` with
     ``virtual_stages`` model chunks per pipeline rank. ``offload`` is ``"none"``,
     ``"optimizer"`` (DDP, ZeRO) or ``"params"`` (ZeRO-3): what the run keeps in host
-    memory is planned there (see [Note: offload plan] in offload.py).
+    memory is planned there (see [Note: offload plan] in offload.py). ``precision``
+    is a name (``"float16"``, ``"bfloat16"``; ``None`` or ``"float32"``: no mixed
+    precision); under a 16-bit one ``reduce_dtype`` is the dtype gradients are added
+    and reduced in (``"float32"``, or the 16-bit one: half the gradient bytes and dp
+    traffic; see :class:`~mpishard.parallel.Precision`), :attr:`policy` the two
+    together.
 
     Raises:
         ValueError: sizes that do not fit together, naming the fix.
@@ -118,6 +124,7 @@ class Layout:
     selective: bool = False
     virtual_stages: int = 1
     offload: str = "none"
+    reduce_dtype: str = "float32"
 
     def __post_init__(self):
         if self.selective and self.activation_checkpointing:
@@ -129,6 +136,10 @@ class Layout:
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"Layout.{name}={n!r} must be a positive integer")
         check_offload(self.offload, strategy_entry(self.strategy).cls)
+        if self.reduce_dtype != "float32" and not self.policy.mixed:
+            raise ValueError(f"Layout reduce_dtype={self.reduce_dtype!r} needs a 16-bit "
+                             f"precision (got precision={self.precision!r}); pass "
+                             f"precision='float16' or 'bfloat16', or reduce_dtype='float32'")
         check_interleaving(self.schedule, int(self.virtual_stages), int(self.pp),
                            int(self.micro_batches))
         if self.dp % self.dp_replicate:
@@ -154,6 +165,12 @@ class Layout:
                              f"micro-batch (batch_size x seq_len / cp) over tp = {self.tp}; "
                              f"use a batch_size or seq_len that makes them divisible by "
                              f"{self.tp}, or sequence_parallel=False")
+
+    @property
+    def policy(self) -> Precision:
+        """The :class:`~mpishard.parallel.Precision` planned: ``precision``'s, its
+        gradients in ``reduce_dtype`` when it computes in 16 bits."""
+        return Precision.of(self.precision).reducing_in(self.reduce_dtype)
 
     @property
     def dp_shard(self) -> int:
@@ -332,8 +349,8 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
     _check_heads(model, layout)
     plan = plan_of(model)
     whole = memo_for(memo, model)
-    act, wire, grad = whole(("itemsizes", layout.precision),
-                            lambda: layout_itemsizes(model, layout))
+    policy = layout.policy
+    act, wire, grad = whole(("itemsizes", policy), lambda: layout_itemsizes(model, layout))
     n_params = whole(("parameters",), model.num_parameters)
     stages = []
     for s in _stages_to_plan(model, layout, stage_of, representative):
@@ -348,10 +365,10 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
             stage.set_activation_checkpointing(mode)
         cached = memo_for(memo, stage)
         memory = cached(("memory", layout.strategy, mesh.dp_cp.size, layout.optimizer,
-                         layout.precision, layout.micro_batches, layout.dp_replicate, layout.ep,
+                         policy, layout.micro_batches, layout.dp_replicate, layout.ep,
                          layout.offload),
                         lambda: estimate_memory(stage, layout.strategy, mesh.dp_cp.size,
-                                            layout.optimizer, precision=layout.precision,
+                                            layout.optimizer, precision=policy,
                                             micro_batches=layout.micro_batches,
                                             dp_replicate=layout.dp_replicate, ep=layout.ep,
                                             offload=layout.offload))

@@ -210,10 +210,11 @@ def host_rows(host: dict, width: int) -> list:
 # ``layout`` is a :class:`~mpishard.planning.layout.Layout`; ``stage`` the stage built for it.
 
 def layout_itemsizes(model, layout) -> tuple:
-    """(activation dtype, all-reduce itemsize, gradient itemsize) of ``layout``."""
+    """(activation dtype, all-reduce itemsize, gradient itemsize) of ``layout`` (its
+    :attr:`~mpishard.planning.layout.Layout.policy`: gradients in its ``reduce_dtype``)."""
     params = model.parameters()
     master = np.dtype(params[0].spec.dtype) if params else np.dtype("float32")
-    policy = Precision.of(layout.precision)
+    policy = layout.policy
     act = resolve_dtype(policy.param_dtype) if policy.mixed else master
     wire = 4 if act.name == "bfloat16" else act.itemsize    # bfloat16 is summed in float32
     grad = resolve_dtype(policy.reduce_dtype).itemsize if policy.mixed else master.itemsize

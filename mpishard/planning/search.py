@@ -65,9 +65,16 @@ def _divisors(n: int) -> list:
 
 def candidate_layouts(ranks: int, ranks_per_node: int, seq_len: int, global_batch: int,
                       n_layer: int, n_head: int, precision=None, strategies=None,
-                      checkpointing=(False, True), virtual_stages=(1,)) -> list:
+                      checkpointing=(False, True), virtual_stages=(1,),
+                      reduce_dtype: str = "float32") -> list:
     """Every layout of the module docstring (unplanned); ``virtual_stages``: the model
-    chunks per pipeline rank to try (beyond 1: the interleaved schedule)."""
+    chunks per pipeline rank to try (beyond 1: the interleaved schedule); ``precision``
+    and ``reduce_dtype``: every layout's (see :class:`~mpishard.planning.layout.Layout`).
+
+    Raises:
+        ValueError: a ``reduce_dtype`` that ``precision`` does not admit.
+    """
+    Layout(precision=precision, reduce_dtype=reduce_dtype)   # a bad pair raises, once
     out = []
     for tp in [d for d in _divisors(ranks) if d <= min(ranks_per_node, n_head)
                and n_head % d == 0]:
@@ -99,7 +106,7 @@ def candidate_layouts(ranks: int, ranks_per_node: int, seq_len: int, global_batc
                                         activation_checkpointing=ac, cp=cp,
                                         dp_replicate=replicate, sequence_parallel=tp > 1,
                                         schedule="interleaved" if v > 1 else "1f1b",
-                                        virtual_stages=v))
+                                        virtual_stages=v, reduce_dtype=reduce_dtype))
                                 except ValueError:
                                     continue
     return out

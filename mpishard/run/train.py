@@ -88,7 +88,7 @@ class Trainer:
                                  cfg.parallel.strategy, micro_batches=cfg.optim.micro_steps,
                                  schedule=cfg.parallel.pipeline_schedule,
                                  virtual_stages=cfg.parallel.virtual_stages,
-                                 precision=cfg.parallel.precision,
+                                 precision=cfg.parallel.policy,
                                  offload=cfg.parallel.offload,
                                  cp_mode=cfg.parallel.cp_mode,
                                  sequence_parallel=cfg.parallel.sequence_parallel)
@@ -308,7 +308,7 @@ def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
                   cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
                   sequence_parallel=p.sequence_parallel, ep=p.ep,
                   selective=cfg.model.activation_checkpointing == "selective",
-                  offload=p.offload)
+                  offload=p.offload, reduce_dtype=p.reduce_dtype)
 
 
 def stop_reason(stop, stopped: bool, run) -> str:

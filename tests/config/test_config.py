@@ -79,5 +79,5 @@ def test_help_groups_flags_by_section_with_meaning_and_default():
     estimate = argparse.ArgumentParser()
     add_config_flags(estimate, "estimate")
     flags = {a.option_strings[0] for a in estimate._actions if a.option_strings}
-    assert {"--strategy", "--tp", "--n-layer", "--precision"} <= flags
+    assert {"--strategy", "--tp", "--n-layer", "--precision", "--reduce-dtype"} <= flags
     assert not {"--lr", "--seed", "--metrics", "--steps"} & flags

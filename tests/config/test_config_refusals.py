@@ -45,6 +45,12 @@ CASES = {  # id: (flags, what the one line says)
     "odd-head": ([*LLAMA, "--n-embd", "60"], "head size 15 is odd"),
     "kv-heads": ([*LLAMA, "--n-kv-head", "3"], "n_kv_head=3 must divide n_head=4"),
     "width-heads": ([*GPT, "--n-embd", "63"], "n_embd=63 is not divisible by n_head=4"),
+    "reduce-float32": ([*GPT, "--reduce-dtype", "bfloat16"],
+                       "reduce_dtype = bfloat16: gradients are reduced in 16 bits only under "
+                       "a 16-bit precision (precision = float32); add --precision bfloat16, "
+                       "or use --reduce-dtype float32"),
+    "reduce-bfloat16-float16": ([*GPT, "--precision", "bfloat16", "--reduce-dtype", "float16"],
+                                "reduce_dtype = float16 with precision = bfloat16"),
 }
 
 
@@ -71,6 +77,34 @@ def test_precision_abbreviations(keep_hooks):
 
     for short, name in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
         assert load_config(None, {"precision": short}).parallel.precision == name
+    parallel = load_config(None, {"precision": "bf16", "reduce_dtype": "bf16"}).parallel
+    assert parallel.reduce_dtype == "bfloat16"
+
+
+def test_reduce_dtype_reaches_the_strategy_and_the_plan(keep_hooks):
+    """``--reduce-dtype`` under ``--precision bfloat16``: the run's strategy reduces its
+    gradients in that dtype, and the run's plan holds it and counts the ledger's
+    gradient bytes."""
+    from mpi4py import MPI
+
+    from mpishard.cli.main import build_parser
+    from mpishard.comm import Communicator
+    from mpishard.config.flags import config_from_args
+    from mpishard.run.train import Trainer
+
+    flags = ["train", *GPT, "--strategy", "zero1", "--precision", "bf16", "--steps", "1",
+             "--max-bytes", "20000", "--batch-size", "2", "--block-size", "16"]
+    for reduce in ("float32", "bfloat16"):
+        cfg = config_from_args(build_parser().parse_args([*flags, "--reduce-dtype", reduce]))
+        assert cfg.parallel.policy.reduce_dtype == reduce
+        with Communicator(MPI.COMM_SELF.Dup(), "train", _owned=True) as comm:
+            trainer = Trainer(cfg, comm)
+            trainer.build()
+            assert trainer.strategy.precision.reduce_dtype == reduce
+            assert trainer.plan.layout.reduce_dtype == reduce
+            assert trainer.run.ledger.bytes_by_category()["grads"] == \
+                trainer.plan.busiest.memory.steady["grads"]
+            trainer.log.close()
 
 
 from ckpt_scripts.common import ranks_stderr, run_mpishard  # noqa: E402

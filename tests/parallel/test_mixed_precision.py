@@ -123,6 +123,10 @@ def test_precision_names_and_errors():
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         Precision.of("fp8")
     assert Precision("bfloat16", reduce_dtype="bfloat16").reduce_dtype == "bfloat16"
+    assert fp16.reducing_in("float16") == Precision("float16", "float16", "dynamic")
+    assert Precision().reducing_in("bfloat16") == Precision()      # nothing cast
+    with pytest.raises(ValueError, match="without a loss scale"):
+        Precision.of("bfloat16").reducing_in("float16")
     with pytest.raises(ValueError, match="loss_scale must be"):
         Precision("float16", loss_scale=-1.0)
     with pytest.raises(ValueError, match="param_dtype 'float32' is not one of float16"):

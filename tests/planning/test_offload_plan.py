@@ -8,6 +8,9 @@ parameter offload, in float32 and bfloat16, on NumPy and on the CuPy-strict modu
 (device and host memory apart): the plan's device bytes per category are the
 ledger's device bytes, its host bytes the ledger's host bytes (all but the
 page-locked staging copy only CuPy allocates), and the transient peaks within 5%.
+ZeRO-1 with bfloat16 gradients (``reduce_dtype``) and optimizer offload planned
+through a :class:`Layout`, as ``mpishard plan --reduce-dtype bfloat16`` plans it:
+4 bytes per padded parameter on the device.
 """
 import numpy as np
 import pytest
@@ -17,8 +20,9 @@ from mpishard.comm import Communicator, Mesh
 from mpishard.core.backend import Backend
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
-from mpishard.parallel import DataParallel, ZeRO
+from mpishard.parallel import DataParallel, Precision, ZeRO
 from mpishard.planning import load_machine
+from mpishard.planning.layout import Layout, estimate_layout
 from mpishard.planning.memory import estimate_memory
 from mpishard.planning.offload import HostTraffic, offload_seconds
 
@@ -69,6 +73,46 @@ def test_plan_puts_every_category_where_the_ledger_finds_it(kind, offload, preci
         assert abs(peak[cat] - predicted) <= 0.05 * max(predicted, 1), (cat, peak[cat], predicted)
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_bfloat16_gradients_plan_four_device_bytes_per_parameter_under_zero1_offload():
+    """ZeRO-1, bfloat16 compute and gradients, optimizer offload, on the CuPy-strict
+    module: the layout's plan is the ledger's, device and host, per category; on the
+    device 2 + 2 bytes per padded parameter (docs/offload.md), half the gradient bytes of
+    float32 reduction, and 2 bytes instead of 4 per element in the reduce-scatter."""
+    world = Communicator(MPI.COMM_WORLD)
+    layout = Layout(dp=world.size, strategy="zero1", precision="bfloat16", batch_size=1,
+                    seq_len=16, offload="optimizer", reduce_dtype="bfloat16")
+    assert layout.policy == Precision("bfloat16", reduce_dtype="bfloat16")
+    plan = estimate_layout(GPT(CONFIG, materialize_now=False), layout).busiest.memory
+    strategy, opt = _one_step("zero1", "optimizer", world, layout.policy,
+                              Backend.resolve("strict"))
+    device = strategy.ledger.bytes_by_category()
+    host = strategy.ledger.host_bytes_by_category()
+    assert {c: device[c] for c in plan.steady} == plan.steady
+    assert {c: host[c] for c in plan.host} == {**plan.host, "comm": 0}   # no CuPy staging
+    padded = sum(u.layout.padded for u in strategy.units)
+    assert plan.model_state_bytes == 4 * padded and plan.steady["optim"] == 0
+    fp32 = estimate_layout(GPT(CONFIG, materialize_now=False),
+                           Layout(dp=world.size, strategy="zero1", precision="bfloat16",
+                                  batch_size=1, seq_len=16, offload="optimizer"))
+    assert 2 * plan.steady["grads"] == fp32.busiest.memory.steady["grads"]
+    share = (world.size - 1) / world.size      # reduce-scatter 2 (or 4) + all-gather 2 bytes
+    assert plan.bus_bytes_by_group["dp_shard_cp"] == round(share * padded * (2 + 2))
+    assert fp32.busiest.memory.bus_bytes_by_group["dp_shard_cp"] == \
+        round(share * padded * (4 + 2))
+
+
+def test_a_reduce_dtype_needs_a_16_bit_precision():
+    """A Layout refuses 16-bit gradients of float32 compute and bfloat16 ones reduced in
+    float16, naming the value and the fix."""
+    with pytest.raises(ValueError, match="reduce_dtype='bfloat16' needs a 16-bit precision"):
+        Layout(precision="float32", reduce_dtype="bfloat16")
+    with pytest.raises(ValueError, match="use reduce_dtype='float32' or set loss_scale"):
+        Layout(precision="bfloat16", reduce_dtype="float16")
+    assert Layout(precision="float16", reduce_dtype="float16").policy.loss_scale == "dynamic"
+
+
 def test_offload_moves_the_state_the_docs_table_says():
     """Per parameter on one rank, bfloat16 (docs/offload.md's table): DDP 18 -> 6 bytes
     on the device and 16 on the host; ZeRO-3 with ``params`` 0 on the device (the
@@ -83,6 +127,32 @@ def test_offload_moves_the_state_the_docs_table_says():
         assert plain.model_state_bytes == pytest.approx(18 * n, rel=0.01)
         assert moved.model_state_bytes == pytest.approx(device * n, rel=0.01, abs=1)
         assert sum(moved.host.values()) - moved.host["comm"] == pytest.approx(host * n, rel=0.01)
+
+
+def test_plan_says_and_plans_the_gradients_dtype_asked_for():
+    """``mpishard plan --reduce-dtype bfloat16`` on a GPU (bfloat16 compute unless asked):
+    the header names the gradients' dtype, the JSON holds it, and ZeRO-1's ranks over
+    dp = 2 hold fewer bytes than with float32 reduction (half the full gradients)."""
+    import json
+
+    from ckpt_scripts.common import run_mpishard as mpishard
+    base = ("plan", "--preset", "gpt-tiny", "--ranks", "2", "--machine", "h100-sxm")
+    out = mpishard(*base, "--reduce-dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    assert "on h100-sxm (bfloat16, gradients in bfloat16);" in out.stdout
+    peaks = {}
+    for reduce in ("float32", "bfloat16"):
+        js = mpishard(*base, "--strategy", "zero1", "--top", "200", "--json",
+                      "--reduce-dtype", reduce)
+        assert js.returncode == 0, js.stderr
+        doc = json.loads(js.stdout)
+        assert (doc["precision"], doc["reduce_dtype"]) == ("bfloat16", reduce)
+        peaks[reduce] = {tuple(v for k, v in lay.items() if k not in (
+            "peak_bytes", "step_s", "tokens_per_s", "mfu", "exposed_comm_s", "breakdown",
+            "bubble", "host_bytes")): lay["peak_bytes"] for lay in doc["layouts"]
+            if lay["dp"] == 2}
+    assert peaks["float32"] and peaks["float32"].keys() == peaks["bfloat16"].keys()
+    assert all(peaks["bfloat16"][k] < peaks["float32"][k] for k in peaks["float32"])
 
 
 def test_copies_and_host_update_are_timed_on_the_host_link():
