@@ -25,10 +25,19 @@ thread as multi-rank runs use:
   second: ``optimizer_rate``) and over many small ones (``optimizer_overhead_s``
   per target).
 
+Then ranks compute at once: a training step of the model on one rank (no
+communication; forward, backward, clipping and AdamW; ``1 / n`` of the batch, a
+data-parallel rank's share) on ranks ``0 .. n - 1`` together, meeting at a barrier
+before each step as training's collectives make them, for each group size ``n`` that
+divides the world; each rank's time over rank 0's alone as ``busy_slowdown[n]``
+(ranks beyond the cores take turns; fewer still share the memory bus and the
+last-level cache).
 Then every rank takes part: for each group size ``n`` that divides the world
 (consecutive ranks, as the mesh's inner axes are), each collective the planner
 uses (all-reduce, all-gather, reduce-scatter, all-to-all, send) at sizes 4 KiB
-to 4 MiB is timed (the slowest rank, median of repeats) and fitted as
+to 4 MiB is timed (the slowest rank, the median of repeats taken in three rounds over
+every kind and size, so that it spans the scheduler's placements of ranks sharing
+cores, which move a collective's time up to 4x from moment to moment) and fitted as
 ``seconds = latency + bus_bytes / bandwidth`` per ``kind@n``. ``cores`` is the
 node's CPU count and ``ranks_per_node`` the ranks sharing this node. A
 progress line per step goes to stderr on rank 0.
@@ -120,11 +129,11 @@ def _elementwise(repeats: int) -> float:
     return statistics.median(rates)
 
 
-def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) -> float:
-    """Bytes kept for backward (as a device's kernels keep them) that the elementwise ops
-    of a block get through per second, forward and backward: layer norm, GELU and a
-    residual add on ``(rows, width)``, and the causal softmax on ``(rows / seq, heads,
-    seq, seq)`` scores, float32."""
+def _activation_step(rows: int, width: int, heads: int, seq: int) -> tuple:
+    """``(step, bytes)``: a forward and backward of a block's elementwise ops -- layer norm,
+    GELU and a residual add on ``(rows, width)``, and the causal softmax on ``(rows / seq,
+    heads, seq, seq)`` scores, float32 -- and the bytes it keeps for backward, counted as a
+    device's kernels keep them."""
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.nn_ops import gelu, layer_norm
     from mpishard.autodiff.softmax_ops import softmax
@@ -149,7 +158,91 @@ def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) 
 
     def step():
         forward().backward()
+    return step, streamed
+
+
+def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) -> float:
+    """Bytes kept for backward (as a device's kernels keep them) that the elementwise ops
+    of a block (:func:`_activation_step`) get through per second, forward and backward."""
+    step, streamed = _activation_step(rows, width, heads, seq)
     return streamed / _time(step, repeats)
+
+
+def _products(shapes) -> callable:
+    """One call of every forward and backward product of ``shapes`` (float32)."""
+    rng = np.random.default_rng(0)
+    arrays = [tuple(rng.standard_normal(s).astype(np.float32)
+                    for s in ((m, k), (n, k), (m, n))) for m, k, n in shapes]
+
+    def run():
+        for x, w, g in arrays:
+            x @ w.T, g @ w, g.T @ x
+    return run
+
+
+def model_step(model, seq: int, vocab: int) -> callable:
+    """``steps(rows)``: one training step of language model ``model`` (unmaterialised) on
+    this rank alone, no communication -- forward and backward over ``rows`` tokens in
+    sequences of ``seq``, clipping and AdamW -- as a zero-argument call."""
+    from mpishard.comm import Mesh
+    from mpishard.optim import AdamW
+    from mpishard.parallel import ParallelModel
+    run = ParallelModel(model, Mesh(Communicator(MPI.COMM_SELF), dp=1), strategy="ddp")
+    opt = AdamW(run.parameters(), lr=1e-4, ledger=run.ledger)
+    tokens = np.random.default_rng(0).integers(0, vocab, (1 << 16, seq))
+
+    def steps(rows):
+        x = tokens[:max(1, rows // seq)]
+        y = np.roll(x, -1, axis=1)
+
+        def step():
+            run.train_step(x, y)
+            run.step(opt, max_norm=1.0)
+        return step
+    return steps
+
+
+def _sleep_until(request) -> None:
+    """Wait for a non-blocking MPI request asleep: a rank spinning in MPI would take a
+    core from the ranks being timed."""
+    while not request.Test():
+        time.sleep(0.005)
+
+
+def _busy_slowdown(world, steps, rows: int, repeats: int, say) -> dict:
+    """``{n: f}``: how many times longer a training step (``steps(rows / n)``, the share of
+    ``rows`` each of ``n`` data-parallel ranks computes) takes on each of ranks ``0 .. n -
+    1`` (one node's) computing at once than on rank 0 alone, for each group size ``n``
+    that divides the world. As in training, the ranks meet after every step: each step
+    starts as a barrier over the ``n`` (MPI's, spinning) lets them go, and is timed from
+    there to its end (the mean over the ranks of each one's median; the other ranks wait
+    asleep). See [Note: ranks sharing a node] in mpishard/planning/cost.py."""
+    out = {}
+    for n in [d for d in range(2, world.size + 1) if world.size % d == 0]:
+        group = world.split(0 if world.rank < n else None, name=f"busy{n}")
+        step = steps(max(1, rows // n))
+        times = []
+        for ranks in (1, n):
+            _sleep_until(world.mpi.Ibarrier())
+            mine = None
+            if world.rank < ranks:
+                samples = []
+                for i in range(repeats + 1):
+                    if ranks > 1:
+                        group.barrier()
+                    start = time.perf_counter()
+                    step()
+                    samples.append(time.perf_counter() - start)
+                mine = statistics.median(samples[1:])
+            _sleep_until(world.mpi.Ibarrier())      # the others finish asleep, not spinning
+            times.append(statistics.fmean(t for t in world.mpi.allgather(mine)
+                                          if t is not None))
+        if group is not None:
+            group.free()
+        out[n] = times[1] / times[0]
+        say(f"  {n} ranks at once, {max(1, rows // n)} rows each: x{out[n]:.2f} the time of "
+            f"one alone")
+    return out
 
 
 def _optimizer(repeats: int) -> tuple:
@@ -203,23 +296,30 @@ def _collective(comm, kind: str, nbytes: int):
     return swap, full.nbytes
 
 
-def _fit_collectives(world, repeats: int, say) -> dict:
+def _fit_collectives(world, repeats: int, say, rounds: int = 3) -> dict:
+    """Each ``kind@n`` fitted as latency + bus bytes / bandwidth, from the median of the
+    slowest rank's time at each size. The sizes and kinds are timed in ``rounds`` rounds
+    (``repeats / 2`` each, at least 3), so that the median spans the scheduler's
+    placements of ranks that share cores, which can change a collective's time several
+    fold from one moment to the next."""
     out = {}
     for n in [d for d in range(2, world.size + 1) if world.size % d == 0]:
         comm = world.split(world.rank // n, key=world.rank, name=f"calibrate{n}")
-        for kind in KINDS:
-            xs, ys = [], []
-            for nbytes in (4 << 10, 64 << 10, 1 << 20, 4 << 20):
-                fn, moved = _collective(comm, kind, nbytes)
-                samples = []
-                for _ in range(repeats):
+        calls = {(kind, nbytes): _collective(comm, kind, nbytes) for kind in KINDS
+                 for nbytes in (4 << 10, 64 << 10, 1 << 20, 4 << 20)}
+        samples: dict = {key: [] for key in calls}
+        for _ in range(rounds):
+            for key, (fn, _) in calls.items():
+                for _ in range(max(3, repeats // 2)):
                     world.barrier()
                     start = time.perf_counter()
                     fn()
-                    samples.append(world.mpi.allreduce(time.perf_counter() - start, MPI.MAX))
-                xs.append(moved)
-                ys.append(statistics.median(samples))
-            latency, per_byte = fit_line(xs, ys)
+                    samples[key].append(world.mpi.allreduce(time.perf_counter() - start,
+                                                            MPI.MAX))
+        for kind in KINDS:
+            keys = [key for key in calls if key[0] == kind]
+            latency, per_byte = fit_line([calls[key][1] for key in keys],
+                                         [statistics.median(samples[key]) for key in keys])
             out[f"{kind}@{n}"] = {"latency_s": latency, "bandwidth": 1.0 / per_byte}
             say(f"  {kind}@{n}: latency {latency * 1e6:.1f} us, {1e-9 / per_byte:.2f} GB/s")
         comm.free()
@@ -227,19 +327,18 @@ def _fit_collectives(world, repeats: int, say) -> dict:
 
 
 def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
-              shapes=None, block=(1024, 256, 4, 128)) -> dict:
+              shapes=None, block=(1024, 256, 4, 128), steps=None) -> dict:
     """Measure this machine (collective over ``world``) on the products ``shapes``
-    (:func:`model_shapes`) and a block's elementwise ops of ``block`` = (rows, width,
-    heads, sequence); returns the description (rank 0's measurements, on every
-    rank)."""
+    (:func:`model_shapes`), a block's elementwise ops of ``block`` = (rows, width,
+    heads, sequence) and ``steps`` (:func:`model_step`'s training steps on one rank; by
+    default the products and the block's ops one after the other) run by 1 to all ranks
+    at once; returns the description (rank 0's measurements, on every rank)."""
     def say(text):
         if world.rank == 0:
             print(f"calibrate: {text}", file=sys.stderr, flush=True)
     measured = None
     if world.rank != 0:      # wait asleep: a rank spinning in a barrier would take a core
-        request = world.mpi.Ibarrier()
-        while not request.Test():
-            time.sleep(0.005)
+        _sleep_until(world.mpi.Ibarrier())
     else:
         say(f"matrix products of {len(shapes)} shapes (float32, float64) ...")
         o32, r32 = _matmul(np.float32, repeats, shapes)
@@ -260,6 +359,15 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
         world.mpi.Ibarrier().Wait()
     o32, r32, r64, bandwidth, rate, op, opt_rate, opt_overhead = world.broadcast_obj(
         measured, root=0)
+    slowdown = {}
+    if world.size > 1:
+        say(f"ranks computing at once, 1..{world.size} ...")
+        if steps is None:
+            def steps(rows):
+                products = _products([(max(1, m * rows // block[0]), k, n) for m, k, n in shapes])
+                elementwise = _activation_step(rows, *block[1:])[0]
+                return lambda: (products(), elementwise())
+        slowdown = _busy_slowdown(world, steps, block[0], max(3, repeats // 2), say)
     say(f"collectives over groups of 2..{world.size} ranks ...")
     collectives = _fit_collectives(world, repeats, say) if world.size > 1 else {}
     per_node = ranks_per_node(world)
@@ -277,12 +385,14 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
                        "optimizer_rate": opt_rate, "optimizer_overhead_s": opt_overhead},
             "links": {"intra": intra, "inter": intra},
             "collectives": collectives,
+            "busy_slowdown": {str(n): f for n, f in slowdown.items()},
             "sources": {"*": f"measured by mpishard bench calibrate on {stamp}, "
                              f"{world.size} ranks, one BLAS thread per rank"}}
 
 
 def main(argv=None) -> None:
     from mpishard.config.flags import add_config_flags, config_from_args
+    from mpishard.models import MODELS
     from mpishard.recipes import recipe_for
 
     parser = argparse.ArgumentParser(prog="mpishard bench calibrate",
@@ -299,7 +409,10 @@ def main(argv=None) -> None:
     shapes = model_shapes(recipe.model(Backend()), rows)
     block = (rows, cfg.model.n_embd, cfg.model.n_head, recipe.tokens_per_sample)
     world = Communicator(MPI.COMM_WORLD)
-    description = calibrate(world, args.repeats, args.name, shapes, block)
+    steps = model_step(recipe.model(Backend()), recipe.tokens_per_sample,
+                       recipe.model_config().vocab_size) \
+        if MODELS[cfg.model.name].task == "text" else None
+    description = calibrate(world, args.repeats, args.name, shapes, block, steps)
     if world.rank == 0:
         with open(args.output, "w") as f:
             json.dump(description, f, indent=1)

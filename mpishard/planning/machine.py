@@ -42,7 +42,9 @@ calibration) override them per collective kind and group size (``"all_reduce@4"`
 ``"all_reduce@4/inter"`` for groups spanning nodes). ``overlap``: whether
 communication runs beside computation (DMA engines and NICs on GPUs; on a CPU
 the cores that compute also copy). ``cores``: a CPU's cores per node; ranks
-beyond them share (``share``). Every value's origin is in ``sources``.
+beyond them share (``share``). ``busy_slowdown`` (calibrated) how many times longer a
+rank's compute takes while ``n`` ranks of a node compute at once (``{"4": 2.6}``): turns
+on shared cores, and the memory bus and last-level cache all ranks share. Every value's origin is in ``sources``.
 """
 from __future__ import annotations
 
@@ -101,6 +103,7 @@ class Machine:
     memory_reserve_bytes: float = 0.0
     host_link: Link | None = None
     host_memory_bandwidth: float | None = None
+    busy_slowdown: dict = field(default_factory=dict)
 
     @property
     def kernel_model(self) -> bool:
@@ -148,6 +151,17 @@ class Machine:
         if not self.cores:
             return 1.0
         return max(1.0, ranks_per_node / self.cores)
+
+    def slowdown(self, ranks_per_node: int) -> float:
+        """How many times longer a rank's compute takes while ``ranks_per_node`` ranks of a
+        node compute at once than on one rank alone: calibrated (``busy_slowdown``; for
+        more ranks than were measured, the most measured times the extra turns), else
+        :meth:`share`."""
+        measured = [n for n in self.busy_slowdown if n <= ranks_per_node]
+        if ranks_per_node <= 1 or not measured:
+            return self.share(ranks_per_node)
+        n = max(measured)
+        return self.busy_slowdown[n] * self.share(ranks_per_node) / self.share(n)
 
     def matmul_seconds(self, flops: float, dtype: str, calls: float = 1.0) -> float:
         return calls * self.matmul_overhead_s + flops / (self.peak(dtype) *
@@ -255,7 +269,19 @@ def machine_from_dict(raw: dict) -> Machine:
         memory_reserve_bytes=float(device.get("memory_reserve_bytes", 0.0)),
         host_link=_link(raw["host_link"], "host_link") if raw.get("host_link") else None,
         host_memory_bandwidth=_positive(raw["host_memory_bandwidth"], "host_memory_bandwidth")
-        if raw.get("host_memory_bandwidth") is not None else None)
+        if raw.get("host_memory_bandwidth") is not None else None,
+        busy_slowdown=_slowdowns(raw.get("busy_slowdown") or {}))
+
+
+def _slowdowns(raw: dict) -> dict:
+    """``busy_slowdown`` (``{"4": 2.6}``: ranks at once -> times alone) with int keys."""
+    out = {}
+    for n, factor in raw.items():
+        if not str(n).isdigit() or int(n) < 1:
+            raise ValueError(f"machine description: busy_slowdown key {n!r} must be a rank "
+                             f"count, e.g. {{\"4\": 2.6}}")
+        out[int(n)] = _positive(factor, f"busy_slowdown.{n}")
+    return out
 
 
 def _table(raw, where: str):

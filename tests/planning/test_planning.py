@@ -213,8 +213,35 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     machine = load_machine(path)
     assert machine.kind == "cpu" and machine.peak("float32") > 1e8
     assert "all_reduce@2" in machine.collectives and machine.activation_rate > 0
+    assert set(machine.busy_slowdown) == {2} and machine.busy_slowdown[2] > 0
     plan = mpishard("plan", "--preset", "gpt-tiny", "--ranks", "2", "--machine", str(path),
                     "--vocab-size", "256", "--batch-size", "4", "--json")
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["layouts"][0]["step_s"] > 0
     assert np.isfinite(json.loads(plan.stdout)["layouts"][0]["mfu"])
+
+
+def test_ranks_sharing_a_node_slow_compute_as_calibrated_and_the_bubble_by_turns():
+    """[Note: ranks sharing a node]: compute and the optimizer take the calibrated
+    ``busy_slowdown`` times as long (times the extra turns beyond what was measured),
+    the bubble ``share`` times; without a calibration, compute takes ``share`` too."""
+    cpu = {**TOY, "kind": "cpu", "cores": 2, "overlap": False}
+    plain = machine_from_dict(cpu)
+    assert plain.slowdown(4) == plain.share(4) == 2.0 and plain.slowdown(2) == 1.0
+    measured = machine_from_dict({**cpu, "busy_slowdown": {"2": 1.1, "4": 2.5}})
+    assert measured.slowdown(1) == 1.0 and measured.slowdown(2) == 1.1
+    assert measured.slowdown(3) == pytest.approx(1.1 * 1.5)     # 1.5 turns, 1 measured
+    assert measured.slowdown(8) == pytest.approx(2.5 * 2)       # 4 turns, 2 measured
+    with pytest.raises(ValueError, match="busy_slowdown.4"):
+        machine_from_dict({**cpu, "busy_slowdown": {"4": -1}})
+
+    model = lambda: GPT(CFG, materialize_now=False)  # noqa: E731
+    layout = Layout(dp=2, pp=2, strategy="ddp", batch_size=2, seq_len=16, micro_batches=2)
+    b = predict_step(model, layout, plain, ranks_per_node=4).breakdown
+    assert b["shared node"] == pytest.approx(b["matmul"] + b["elementwise"] + b["bubble"])
+    c = predict_step(model, layout, measured, ranks_per_node=4).breakdown
+    assert c["shared node"] == pytest.approx(1.5 * (c["matmul"] + c["elementwise"])
+                                             + c["bubble"])
+    assert c["optimizer"] == pytest.approx(b["optimizer"] / 2 * 2.5)
+    alone = predict_step(model, layout, measured, ranks_per_node=1)
+    assert "shared node" not in alone.breakdown
