@@ -6,6 +6,7 @@ for whole blocks and for attention's core alone (selective recomputation).
     python benchmarks/activations.py --block-size 1024 --batch-size 2   # long sequences
     python benchmarks/activations.py --block-size 1024 --batch-size 2 --dropout 0.1 \
         --precision bfloat16        # Megatron's accounting: 16-bit rows, 1-byte masks
+    python benchmarks/activations.py ... --n-layer 12     # GPT-2 small's depth
 
 GPT config S (vocab 256, block 128, 4 layers, 4 heads, width 256, float32),
 batch 16 x 128 tokens, as in ``benchmarks/step.py`` (``--block-size`` and
@@ -110,12 +111,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-size", type=int, default=CONFIG_S["block_size"],
                         help="sequence length T (config S: 128)")
     parser.add_argument("--batch-size", type=int, default=BATCH, help="sequences per step")
+    parser.add_argument("--n-layer", type=int, default=CONFIG_S["n_layer"],
+                        help="blocks (config S: 4; the embeddings, head and loss are a fixed "
+                             "share of the whole model's bytes, smaller the deeper it is)")
     parser.add_argument("--precision", default="float32",
                         choices=("float32", "bfloat16", "float16"),
                         help="activations' precision (16-bit: mixed, float32 masters)")
     args = parser.parse_args(argv)
 
-    config = {**CONFIG_S, "block_size": args.block_size}
+    if args.n_layer < 2:
+        parser.error(f"--n-layer {args.n_layer}: the per-block figures need at least 2 blocks")
+    config = {**CONFIG_S, "block_size": args.block_size, "n_layer": args.n_layer}
     runs = {mode: _setup(mode, args.dropout, config, args.batch_size, args.precision)
             for mode in MODES}
     nbytes = {mode: runs[mode][0]() for mode in MODES}
