@@ -23,7 +23,44 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   micro-batches (GPipe and 1F1B alike), so ``(p - 1)`` slots idle; interleaved
   over ``V`` chunks per rank, ``V m + p - 1`` chunk slots of ``1 / V`` the time,
   so ``(p - 1) / V`` micro-batch slots idle.
-* **shared node**: see [Note: ranks sharing a node]
+* **shared node**: see [Note: ranks sharing a node].
+* **communication** per mesh group: the planner's bus bytes per step (exact,
+  see [Note: layout plan]) over the group's link, plus its latency per call;
+  a group spans nodes when its ranks do (block placement, ``ranks_per_node``).
+  On a machine that overlaps (``overlap``), what hides behind computation is
+  taken off: DDP's bucket all-reduces behind backward (the last bucket stays),
+  ZeRO-3's prefetched gathers and reduce-scatters behind the compute, ZeRO-1/2's
+  reduce-scatters behind backward (their all-gather after the update stays);
+  DDP and ZeRO-1/2 reduce on the last micro-batch only (``no_sync`` before it, as
+  mpishard and Megatron-LM's ``forward_backward_no_pipelining`` do), so only that
+  micro-batch's backward hides them, and DDP's last bucket holds the embeddings,
+  whose gradients are complete only when backward ends;
+  the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
+  and replica all-reduces stay exposed (``dp_overlap=False``: the data-parallel
+  reduction too). What hides still costs the compute it runs beside: the link's
+  ``processor_usage`` of its seconds (the ``overlap`` row: a collective's kernels
+  take SMs and memory bandwidth; Calculon's 0.15 over NVLink, 0.02 over
+  InfiniBand). Without overlap (a CPU: the same cores copy) everything is
+  exposed. Under sequence parallelism the tp group's bytes go at the link's
+  all-gather and reduce-scatter bandwidth; on a kernel-costed machine a
+  stage's pipeline sends and receives cross a full-duplex link at once (half
+  the planned bytes on the wire each way). Without sequence parallelism a
+  pipeline message crosses as ``1 / tp`` of it per tp rank, then an all-gather
+  over the tp group (mpishard's runs as Megatron-LM's: the plan's pp and tp bytes,
+  see [Note: scattered pipeline messages] in mpishard/parallel/pipeline/schedule.py).
+* **optimizer**: the model state the update touches (its targets' values,
+  gradients and AdamW states: under ZeRO-1/2 the shard, not the whole
+  parameters and gradients those stages also keep) at the calibrated optimizer
+  rate plus a cost per target array (every parameter under full-precision DDP,
+  one flat array per ZeRO unit), else one read and one write of it.
+
+Step time is the sum; tokens/s the global batch's tokens over it; MFU the
+model's FLOPs (forward and backward, no recomputation) over step time x ranks x
+peak. What it leaves out: kernel-level fusion, stragglers and network
+contention between groups, and the exact routing of mixtures of experts (even
+routing is assumed).
+
+[Note: ranks sharing a node]
 A calibration times compute on one rank alone (the others asleep); in a run every
 rank of a node computes at once. Ranks beyond a CPU's cores take turns (``share``
 ranks per core); at any count they share the memory bus and the last-level cache,
@@ -31,18 +68,12 @@ and ranks that take turns refill their caches after each other's slices. The
 calibration measures what that costs: a training step of the model (a
 data-parallel rank's share of the batch) on ``n`` ranks at once, meeting at a
 barrier before each step, each rank's time over one rank's alone
-(``busy_slowdown``: 1.02x for 2 ranks and 2.09-2.14x for 4 on a 2-core machine,
+(``busy_slowdown``: 1.03-1.11x for 2 ranks and 2.01-2.17x for 4 on a 2-core machine,
 where turns alone would be 2x). The step's compute and optimizer take that many
 times as long (the breakdown's ``shared node`` row is the extra). MPI libraries
 wait by spinning, so a rank waiting in the bubble keeps its turns: the bubble takes
 ``share`` times as long. The measured collectives already include the sharing.
 Without a calibration (or on a GPU) compute takes ``share`` times as long.
-
-Step time is the sum; tokens/s the global batch's tokens over it; MFU the
-model's FLOPs (forward and backward, no recomputation) over step time x ranks x
-peak. What it leaves out: kernel-level fusion, stragglers and network
-contention between groups, and the exact routing of mixtures of experts (even
-routing is assumed).
 """
 from __future__ import annotations
 
@@ -266,8 +297,11 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                 size = _group_size(mesh, group)
                 last = link.seconds(2 * (size - 1) / size * (kernels.grad_reduce_itemsize or grad)
                                     * cached(("embeddings",), lambda: _embedding_elements(stage)))
-            breakdown[f"comm {group}"] = _exposed(layout, group, t, calls, times,
-                                                  machine.overlap, dp_overlap, last)
+            breakdown[f"comm {group}"] = exposed = _exposed(layout, group, t, calls, times,
+                                                            machine.overlap, dp_overlap, last)
+            if link.processor_usage and exposed < t:    # the hidden part slows the compute
+                breakdown["overlap"] = breakdown.get("overlap", 0.0) + \
+                    (t - exposed) * link.processor_usage
         seconds = sum(breakdown.values())
         if best is None or seconds > best[0]:
             best = (seconds, breakdown, comm_total, s)

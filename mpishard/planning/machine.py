@@ -41,7 +41,9 @@ and reduce-scatters' where slower); ``collectives`` (from a
 calibration) override them per collective kind and group size (``"all_reduce@4"``,
 ``"all_reduce@4/inter"`` for groups spanning nodes). ``overlap``: whether
 communication runs beside computation (DMA engines and NICs on GPUs; on a CPU
-the cores that compute also copy). ``cores``: a CPU's cores per node; ranks
+the cores that compute also copy); a link's ``processor_usage`` the share of the
+device that communication over it takes from computation it overlaps (the
+collective's kernels' SMs and memory traffic: Calculon's figure). ``cores``: a CPU's cores per node; ranks
 beyond them share (``share``). ``busy_slowdown`` (calibrated) how many times longer a
 rank's compute takes while ``n`` ranks of a node compute at once (``{"4": 2.6}``): turns
 on shared cores, and the memory bus and last-level cache all ranks share. Every value's origin is in ``sources``.
@@ -66,6 +68,7 @@ class Link:
     latency_s: float
     bandwidth: float
     gather_bandwidth: float | None = None     # all-gathers and reduce-scatters, if slower
+    processor_usage: float = 0.0              # compute time lost per second overlapped
 
     def seconds(self, bus_bytes: float, calls: float = 1.0) -> float:
         return calls * self.latency_s + bus_bytes / self.bandwidth
@@ -196,7 +199,7 @@ class Machine:
             return Link(float(fitted["latency_s"]), float(fitted["bandwidth"]))
         link = self.inter if spans_nodes else self.intra
         if kind in ("all_gather", "reduce_scatter") and link.gather_bandwidth:
-            return Link(link.latency_s, link.gather_bandwidth)
+            return Link(link.latency_s, link.gather_bandwidth, None, link.processor_usage)
         return link
 
 
@@ -215,8 +218,13 @@ def _link(raw: dict, where: str) -> Link:
     if not isinstance(latency, (int, float)) or latency < 0:
         raise ValueError(f"machine description: {where}.latency_s={latency!r} must be >= 0")
     gather = raw.get("gather_bandwidth")
+    usage = raw.get("processor_usage", 0.0)
+    if not isinstance(usage, (int, float)) or isinstance(usage, bool) or not 0 <= usage < 1:
+        raise ValueError(f"machine description: {where}.processor_usage={usage!r} must be in "
+                         f"[0, 1)")
     return Link(float(latency), _positive(raw.get("bandwidth"), f"{where}.bandwidth"),
-                _positive(gather, f"{where}.gather_bandwidth") if gather is not None else None)
+                _positive(gather, f"{where}.gather_bandwidth") if gather is not None else None,
+                float(usage))
 
 
 def machine_from_dict(raw: dict) -> Machine:

@@ -191,3 +191,22 @@ def test_ddp_hides_its_all_reduce_behind_the_last_micro_batch_only():
     half = predict_step(make, Layout(dp=2, strategy="ddp", precision="float16", batch_size=1,
                                      seq_len=16), slow, kernels=KernelSet(grad_reduce_itemsize=2))
     assert half.comm_total["dp"] == pytest.approx(one.comm_total["dp"] / 2)
+
+
+def test_hidden_communication_costs_the_links_processor_usage_of_its_time():
+    """ZeRO-3's gathers and reduce-scatters hide behind the compute, but take the link's
+    ``processor_usage`` of their seconds from it (the ``overlap`` row, Calculon's model);
+    what stays exposed costs nothing more, and a link without it adds no row."""
+    layout = Layout(dp=2, strategy="zero3", precision="float16", batch_size=2, seq_len=16)
+    plain = predict_step(make, layout, machine_from_dict(KERNEL))
+    busy = predict_step(make, layout, machine_from_dict(
+        {**KERNEL, "links": {"intra": {"latency_s": 0.0, "bandwidth": 1e9,
+                                       "processor_usage": 0.25}}}))
+    assert "overlap" not in plain.breakdown
+    hidden = plain.comm_total["dp"] - plain.breakdown["comm dp"]
+    assert hidden > 0
+    assert busy.breakdown["overlap"] == pytest.approx(0.25 * hidden)
+    assert busy.seconds == pytest.approx(plain.seconds + 0.25 * hidden)
+    with pytest.raises(ValueError, match="processor_usage=1.5 must be in"):
+        machine_from_dict({**KERNEL, "links": {"intra": {"bandwidth": 1e9,
+                                                         "processor_usage": 1.5}}})
