@@ -27,7 +27,9 @@ thread as multi-rank runs use:
 
 Then ranks compute at once: a training step of the model on one rank (no
 communication; forward, backward, clipping and AdamW; ``1 / n`` of the batch, a
-data-parallel rank's share) on ranks ``0 .. n - 1`` together, meeting at a barrier
+data-parallel rank's share; a model whose AdamW state on every rank of the node
+would take more than a quarter of its memory: its products and a block's ops
+instead) on ranks ``0 .. n - 1`` together, meeting at a barrier
 before each step as training's collectives make them, for each group size ``n`` that
 divides the world; each rank's time over rank 0's alone as ``busy_slowdown[n]``
 (ranks beyond the cores take turns; fewer still share the memory bus and the
@@ -36,8 +38,7 @@ Then every rank takes part: for each group size ``n`` that divides the world
 (consecutive ranks, as the mesh's inner axes are), each collective the planner
 uses (all-reduce, all-gather, reduce-scatter, all-to-all, send) at sizes 4 KiB
 to 4 MiB is timed (the slowest rank, the median of repeats taken in three rounds over
-every kind and size, so that it spans the scheduler's placements of ranks sharing
-cores, which move a collective's time up to 4x from moment to moment) and fitted as
+every kind and size) and fitted as
 ``seconds = latency + bus_bytes / bandwidth`` per ``kind@n``. ``cores`` is the
 node's CPU count and ``ranks_per_node`` the ranks sharing this node. A
 progress line per step goes to stderr on rank 0.
@@ -189,10 +190,9 @@ def model_step(model, seq: int, vocab: int) -> callable:
     from mpishard.parallel import ParallelModel
     run = ParallelModel(model, Mesh(Communicator(MPI.COMM_SELF), dp=1), strategy="ddp")
     opt = AdamW(run.parameters(), lr=1e-4, ledger=run.ledger)
-    tokens = np.random.default_rng(0).integers(0, vocab, (1 << 16, seq))
 
     def steps(rows):
-        x = tokens[:max(1, rows // seq)]
+        x = np.random.default_rng(0).integers(0, vocab, (max(1, rows // seq), seq))
         y = np.roll(x, -1, axis=1)
 
         def step():
@@ -299,9 +299,8 @@ def _collective(comm, kind: str, nbytes: int):
 def _fit_collectives(world, repeats: int, say, rounds: int = 3) -> dict:
     """Each ``kind@n`` fitted as latency + bus bytes / bandwidth, from the median of the
     slowest rank's time at each size. The sizes and kinds are timed in ``rounds`` rounds
-    (``repeats / 2`` each, at least 3), so that the median spans the scheduler's
-    placements of ranks that share cores, which can change a collective's time several
-    fold from one moment to the next."""
+    (``repeats / 2`` each, at least 3), so that a burst of load on the machine falls on
+    every kind and size alike."""
     out = {}
     for n in [d for d in range(2, world.size + 1) if world.size % d == 0]:
         comm = world.split(world.rank // n, key=world.rank, name=f"calibrate{n}")
@@ -409,9 +408,13 @@ def main(argv=None) -> None:
     shapes = model_shapes(recipe.model(Backend()), rows)
     block = (rows, cfg.model.n_embd, cfg.model.n_head, recipe.tokens_per_sample)
     world = Communicator(MPI.COMM_WORLD)
-    steps = model_step(recipe.model(Backend()), recipe.tokens_per_sample,
-                       recipe.model_config().vocab_size) \
-        if MODELS[cfg.model.name].task == "text" else None
+    model = recipe.model(Backend())
+    # every rank of a node trains its own copy (AdamW: 16 bytes a parameter); a model
+    # too large for that is measured by its products and a block's ops instead
+    state = 16 * model.num_parameters() * ranks_per_node(world)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    steps = model_step(model, recipe.tokens_per_sample, recipe.model_config().vocab_size) \
+        if MODELS[cfg.model.name].task == "text" and state <= memory / 4 else None
     description = calibrate(world, args.repeats, args.name, shapes, block, steps)
     if world.rank == 0:
         with open(args.output, "w") as f:

@@ -245,3 +245,25 @@ def test_ranks_sharing_a_node_slow_compute_as_calibrated_and_the_bubble_by_turns
     assert c["optimizer"] == pytest.approx(b["optimizer"] / 2 * 2.5)
     alone = predict_step(model, layout, measured, ranks_per_node=1)
     assert "shared node" not in alone.breakdown
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_busy_slowdown_is_measured_for_every_group_size_with_either_workload():
+    """``_busy_slowdown`` times a workload on 1 rank and on ``n`` at once for each group
+    size that divides the world: a model's training step (``model_step``), or, for a model
+    too large for every rank to train a copy, its products and a block's ops."""
+    from mpi4py import MPI
+
+    from mpishard.bench.calibrate import _activation_step, _busy_slowdown, _products, \
+        model_step
+    from mpishard.comm import Communicator
+    world = Communicator(MPI.COMM_WORLD)
+    sizes = {n for n in range(2, world.size + 1) if world.size % n == 0}
+    step = model_step(GPT(CFG, materialize_now=False), 16, CFG.vocab_size)
+    blocks = lambda rows: (lambda: (_products([(rows, 8, 24)])(),  # noqa: E731
+                                    _activation_step(rows, 8, 2, 16)[0]()))
+    for steps in (step, blocks):
+        slowdown = _busy_slowdown(world, steps, 64, 3, lambda text: None)
+        assert set(slowdown) == sizes
+        assert all(0.2 < f < 10 * world.size for f in slowdown.values())
