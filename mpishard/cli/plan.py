@@ -118,17 +118,27 @@ def machine_or_error(machine):
 
 
 def plan_from_args(args, say=None) -> tuple:
-    """:func:`plan_config` of ``mpishard plan``'s flags. On a GPU machine without
-    ``--precision``, bfloat16 (what GPUs train in), written into ``args`` so that the
-    config check (``--reduce-dtype``) and every later read of the flags see it."""
+    """:func:`plan_config` of ``mpishard plan``'s flags (see :func:`_config`)."""
+    machine = machine_or_error(args.machine)
+    return _plan(_config(args, machine), args, machine, say)
+
+
+def _config(args, machine):
+    """The configuration ``mpishard plan``'s flags describe. On a GPU machine without
+    ``--precision``, bfloat16 (what GPUs train in), written into ``args`` first so that
+    the config check (``--reduce-dtype``) sees it; ``--seq`` sets the block size."""
     from mpishard.config.flags import config_from_args
 
-    machine = machine_or_error(args.machine)
     if getattr(args, "precision", None) is None and machine.kind == "gpu":
         args.precision = "bfloat16"
     cfg = config_from_args(args)
     if args.seq:
         cfg.model.block_size = args.seq
+    return cfg
+
+
+def _plan(cfg, args, machine, say) -> tuple:
+    """:func:`plan_config` of ``cfg`` with the flags only ``mpishard plan`` has."""
     strategies = [cfg.parallel.strategy] if args.strategy is not None else None
     return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
                        None, strategies, say, cfg.run.memory_budget or None)
@@ -163,14 +173,14 @@ def apply_auto_layout(cfg, world_size: int) -> str:
 
 
 def _cmd_plan(args) -> int:
-    from mpishard.config.flags import config_from_args
     from mpishard.planning.search import format_table
 
     def say(text):
         print(text, file=sys.stderr, flush=True)
-    ranked, over, n, machine, precision = plan_from_args(args, say)
+    machine = machine_or_error(args.machine)
+    cfg = _config(args, machine)
+    ranked, over, n, machine, precision = _plan(cfg, args, machine, say)
     top = ranked[:args.top]
-    cfg = config_from_args(args)
     reduce = cfg.parallel.reduce_dtype
     if args.json:
         print(json.dumps({"machine": machine.name, "ranks": args.ranks,
@@ -197,7 +207,7 @@ def _cmd_plan(args) -> int:
     print("figures: " + "; ".join(f"{kind}: {', '.join(keys)}" for kind, keys in
                                   sorted(machine.provenance().items())))
     if top and args.explain:
-        print(explain(top[0], args, machine))
+        print(explain(top[0], cfg))
     return 0
 
 
@@ -222,11 +232,10 @@ def _usable(machine) -> str:
             f"less a {machine.memory_reserve_bytes / gib:.1f} GiB reserve)")
 
 
-def explain(ranked, args, machine) -> str:
+def explain(ranked, cfg) -> str:
     """One layout's breakdown beside its step total: compute by op class (with the
     recomputation in it), exposed communication per mesh group, bubble, optimizer, and
     its busiest rank's memory by category."""
-    from mpishard.config.flags import config_from_args
     from mpishard.core.backend import Backend
     from mpishard.planning.layout import estimate_layout
     from mpishard.recipes import recipe_for
@@ -243,8 +252,5 @@ def explain(ranked, args, machine) -> str:
     recompute = "full blocks" if lay.activation_checkpointing else \
         "attention's core" if lay.selective else "none"
     rows.append(f"  recomputation: {recompute} (inside the compute rows)")
-    cfg = config_from_args(args)
-    if args.seq:
-        cfg.model.block_size = args.seq
     rows.append(estimate_layout(recipe_for(cfg).model(Backend()), lay).format())
     return "\n".join(rows)
