@@ -9,14 +9,10 @@ attention's core: GPT with dropout and Llama under tensor parallelism with seque
 parallelism, under context parallelism (ring and all-to-all), and in a pipeline with
 data parallelism. Measured on a second step, as mpishard train does.
 """
-import numpy as np
 import pytest
 
-from mpishard.comm import Mesh
-from mpishard.optim import AdamW
-from mpishard.parallel import ParallelModel
 from mpishard.planning.layout import Layout, estimate_layout
-from test_layout_plan import MODELS, B, T, _close, _world
+from test_layout_plan import MODELS, B, T, _close, _run, _world, spec_id
 
 SELECTIVE = [  # model, Layout fields beyond dp x tp x pp's (dp, tp, pp default to 1)
     ("gpt-dropout", dict(dp=2, tp=2, sequence_parallel=True, strategy="zero1")),
@@ -27,40 +23,18 @@ SELECTIVE = [  # model, Layout fields beyond dp x tp x pp's (dp, tp, pp default 
 ]
 
 
-def _measure(model, layout, world) -> tuple:
-    """(pipeline stage, peak activation bytes, bus bytes by group) of two steps."""
-    mesh = Mesh(world, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp)
-    run = ParallelModel(model, mesh, layout.strategy, micro_batches=layout.micro_batches,
-                        cp_mode=layout.cp_mode, sequence_parallel=layout.sequence_parallel)
-    run.module.set_activation_checkpointing("selective")
-    opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
-    x = np.random.default_rng(mesh.dp_rank).integers(
-        0, model.config.vocab_size, (layout.batch_size * layout.micro_batches, layout.seq_len))
-    run.train_step(x, x)
-    run.step(opt)
-    run.ledger.reset_peak()
-    for comm in mesh.active_axes().values():
-        comm.stats.reset()
-    run.pipeline.measure_activations = True
-    run.train_step(x, x)
-    run.pipeline.measure_activations = False
-    run.step(opt)
-    bus = {axis: c.stats.total_bus_bytes for axis, c in mesh.active_axes().items()}
-    return mesh.pp_rank, run.ledger.peak_by_category()["activations"], bus
-
-
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("spec", SELECTIVE, ids=lambda s: s[0] + "-" + "-".join(
-    f"{k}{'' if v is True else v}" for k, v in s[1].items()))
+@pytest.mark.parametrize("spec", SELECTIVE, ids=spec_id)
 def test_selective_layout_plan_matches_the_run(spec):
     world = _world()
     name, fields = spec
     cls, cfg = MODELS[name]
     layout = Layout(**{"batch_size": B, "seq_len": T, "selective": True, **fields})
     plan = estimate_layout(cls(cfg, materialize_now=False), layout)
-    stage, activations, bus = _measure(cls(cfg, materialize_now=False), layout, world)
-    want = plan.stages[stage]
+    mesh, run, _opt, bus = _run(cls(cfg, materialize_now=False), layout, world)
+    activations = run.ledger.peak_by_category()["activations"]
+    want = plan.stages[mesh.pp_rank]
     _close(activations, want.activation_bytes, f"rank {world.rank} activations")
     for axis, n in bus.items():   # the core's exchange of keys and values runs again
         _close(n, want.bus_bytes.get(axis, 0), f"rank {world.rank} {axis} bus bytes")

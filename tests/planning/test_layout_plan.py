@@ -81,7 +81,8 @@ def _run(model, layout, world):
                         precision=layout.precision, cp_mode=layout.cp_mode,
                         sequence_parallel=layout.sequence_parallel,
                         virtual_stages=layout.virtual_stages)
-    run.module.set_activation_checkpointing(layout.activation_checkpointing)
+    run.module.set_activation_checkpointing(
+        "selective" if layout.selective else layout.activation_checkpointing)
     opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
     opt.allocate_state()
     x = np.random.default_rng(mesh.dp_rank).integers(
@@ -141,10 +142,15 @@ def test_layout_plan_matches_the_run(spec):
                         activation_checkpointing=checkpointing), world)
 
 
+def spec_id(spec) -> str:
+    """A ``(model, Layout fields)`` case's test id: ``gpt-dp2-sequence_parallel-...``."""
+    name, fields = spec
+    return name + "-" + "-".join(f"{k}{'' if v is True else v}" for k, v in fields.items())
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("spec", AXES, ids=lambda s: s[0] + "-" + "-".join(
-    f"{k}{'' if v is True else v}" for k, v in s[1].items()))
+@pytest.mark.parametrize("spec", AXES, ids=spec_id)
 def test_layout_plan_of_the_new_axes_matches_the_run(spec):
     world = _world()
     name, fields = spec
