@@ -155,24 +155,27 @@ class LossScaler:
         """Whether the scale is a device array (a dynamic scale on a device module)."""
         return self._xp is not None
 
+    def _held(self, value):
+        """``value`` as the scaler keeps its numbers: a 0-d float64 device array on a
+        device, else the Python number itself."""
+        return self._xp.full((), float(value), dtype="float64") if self.on_device else value
+
     @property
     def scale(self) -> float:
         """The current scale as a Python float (on a device: one read)."""
-        return float(self._scale) if self.on_device else self._scale
+        return float(self._scale)
 
     @scale.setter
     def scale(self, value: float) -> None:
-        self._scale = (self._xp.full((), float(value), dtype="float64") if self.on_device
-                       else float(value))
+        self._scale = self._held(float(value))
 
     @property
     def clean_steps(self) -> int:
-        return int(self._clean) if self.on_device else self._clean
+        return int(self._clean)
 
     @clean_steps.setter
     def clean_steps(self, value: int) -> None:
-        self._clean = (self._xp.full((), float(value), dtype="float64") if self.on_device
-                       else int(value))
+        self._clean = self._held(int(value))
 
     def device_scale(self, dtype):
         """The scale to multiply a loss of ``dtype`` by: a 0-d device array of that dtype
