@@ -54,9 +54,12 @@ def global_grad_norm(params: Iterable) -> float:
     return math.sqrt(float(grad_sq_sum(p.grad for p in params)))
 
 
-def clip_coefficient(norm: float, max_norm: float) -> float:
-    """Factor to scale gradients by so their norm is at most ``max_norm`` (torch's rule)."""
-    return min(1.0, max_norm / (norm + 1e-6))
+def clip_coefficient(norm, max_norm: float, xp=None):
+    """Factor to scale gradients by so their norm is at most ``max_norm`` (torch's rule):
+    a Python float, or with ``xp`` (a device array module) the same arithmetic on a 0-d
+    device array ``norm``, never read back."""
+    coefficient = max_norm / (norm + 1e-6)
+    return min(1.0, coefficient) if xp is None else xp.minimum(1.0, coefficient)
 
 
 def clip_grad_norm(params, max_norm: float) -> float:

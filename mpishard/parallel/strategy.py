@@ -442,8 +442,8 @@ class Strategy:
         if not (isinstance(scale, float) and scale == 1.0):
             norm = norm / scale
         factor = 1.0 / scale
-        if max_norm is not None:    # clip_coefficient's arithmetic, on the device
-            factor = factor * self.xp.minimum(1.0, max_norm / (norm + 1e-6))
+        if max_norm is not None:
+            factor = factor * clip_coefficient(norm, max_norm, self.xp)
         elif isinstance(factor, float):
             factor = self.xp.full((), factor, dtype=np.float64)
         return norm, factor
