@@ -16,10 +16,13 @@ thread as multi-rank runs use:
   ``device.flops[dtype]`` is the rate, with ``matmul_efficiency`` 1 (it is what
   products of these shapes reach here), and ``matmul_overhead_s`` the overhead;
 * elementwise passes (``out = a * b + c`` over 4-64 MiB arrays): bytes moved
-  per second as ``memory_bandwidth``; and a block's elementwise ops (layer norm,
-  GELU, a residual add, the causal softmax, at the model's rows and width),
-  forward and backward, as the bytes they keep for backward per second
-  (``activation_rate``: how fast the step gets through what the planner counts);
+  per second as ``memory_bandwidth``; and a block's elementwise ops (a norm, the
+  MLP's activation, a residual add, the causal softmax, at the model's rows and
+  width), forward and backward, as the bytes they keep for backward per second, for
+  each family's ops (``activation_rates``: layer norm and GELU as GPT's blocks run
+  them, RMS norm and SwiGLU as the Llama family's, whose NumPy ops get through two
+  to four times the bytes a second; ``activation_rate`` the model's own: how fast
+  the step gets through what the planner counts);
 * one small autodiff op, forward and backward: ``op_overhead_s``;
 * AdamW over one large flat target (bytes of values, gradients and states per
   second: ``optimizer_rate``) and over many small ones (``optimizer_overhead_s``
@@ -130,42 +133,56 @@ def _elementwise(repeats: int) -> float:
     return statistics.median(rates)
 
 
-def _activation_step(rows: int, width: int, heads: int, seq: int) -> tuple:
-    """``(step, bytes)``: a forward and backward of a block's elementwise ops -- layer norm,
-    GELU and a residual add on ``(rows, width)``, and the causal softmax on ``(rows / seq,
+#: the elementwise ops of a block, by the name a model family's spec gives them
+#: (``ModelSpec.elementwise``): a norm, the MLP's activation on its output, a residual add
+OP_SETS = ("layernorm-gelu", "rmsnorm-swiglu")
+
+
+def _activation_step(rows: int, width: int, heads: int, seq: int,
+                     ops: str = "layernorm-gelu") -> tuple:
+    """``(step, bytes)``: a forward and backward of a block's elementwise ops -- ``ops``:
+    layer norm, GELU and a residual add (GPT's), or RMS norm, SwiGLU and a residual add
+    (the Llama family's), on ``(rows, width)``, and the causal softmax on ``(rows / seq,
     heads, seq, seq)`` scores, float32 -- and the bytes it keeps for backward, counted as a
     device's kernels keep them."""
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.nn_ops import gelu, layer_norm
+    from mpishard.autodiff.rms_rope_swiglu import rms_norm, swiglu
     from mpishard.autodiff.softmax_ops import softmax
     from mpishard.autodiff.rows import keeps_least
     from mpishard.core.backend import MemoryLedger
+    if ops not in OP_SETS:
+        raise ValueError(f"elementwise ops {ops!r}: expected one of {', '.join(OP_SETS)}")
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((rows, width)).astype(np.float32), requires_grad=True)
     s = Tensor(rng.standard_normal((max(1, rows // seq), heads, seq, seq)).astype(np.float32),
                requires_grad=True)
 
     def forward():
-        return (gelu(layer_norm(x)) + x).sum() + softmax(s, axis=-1).sum()
+        mlp = gelu(layer_norm(x)) if ops == "layernorm-gelu" else swiglu(rms_norm(x), x)
+        return (mlp + x).sum() + softmax(s, axis=-1).sum()
     ledger = MemoryLedger()
     with ledger.measure_activations() as kept:
         out = forward()
     del out
     # counted as a device's kernels keep, the measure the planner divides by (see
     # _whole_activations in mpishard/planning/cost.py): NumPy's layer norm computes its
-    # normalised rows and 1/std again in backward, its GELU the tanh
+    # normalised rows and 1/std again in backward, its GELU the tanh (the RMS norm keeps
+    # its normalised rows and SwiGLU its inputs, as the Llama family's count does)
     streamed = kept.nbytes + ((rows * (width + 1) + rows * width) * 4
-                              if keeps_least(np) else 0)
+                              if keeps_least(np) and ops == "layernorm-gelu" else 0)
 
     def step():
         forward().backward()
     return step, streamed
 
 
-def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int) -> float:
+def _activation_rate(rows: int, width: int, heads: int, seq: int, repeats: int,
+                     ops: str = "layernorm-gelu") -> float:
     """Bytes kept for backward (as a device's kernels keep them) that the elementwise ops
-    of a block (:func:`_activation_step`) get through per second, forward and backward."""
-    step, streamed = _activation_step(rows, width, heads, seq)
+    ``ops`` of a block (:func:`_activation_step`) get through per second, forward and
+    backward."""
+    step, streamed = _activation_step(rows, width, heads, seq, ops)
     return streamed / _time(step, repeats)
 
 
@@ -326,12 +343,14 @@ def _fit_collectives(world, repeats: int, say, rounds: int = 3) -> dict:
 
 
 def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
-              shapes=None, block=(1024, 256, 4, 128), steps=None) -> dict:
+              shapes=None, block=(1024, 256, 4, 128), steps=None,
+              ops: str = "layernorm-gelu") -> dict:
     """Measure this machine (collective over ``world``) on the products ``shapes``
     (:func:`model_shapes`), a block's elementwise ops of ``block`` = (rows, width,
-    heads, sequence) and ``steps`` (:func:`model_step`'s training steps on one rank; by
-    default the products and the block's ops one after the other) run by 1 to all ranks
-    at once; returns the description (rank 0's measurements, on every rank)."""
+    heads, sequence), each set of :data:`OP_SETS` (``ops``: the model's, its rate also
+    ``activation_rate``), and ``steps`` (:func:`model_step`'s training steps on one
+    rank; by default the products and the block's ops one after the other) run by 1 to
+    all ranks at once; returns the description (rank 0's measurements, on every rank)."""
     def say(text):
         if world.rank == 0:
             print(f"calibrate: {text}", file=sys.stderr, flush=True)
@@ -346,17 +365,19 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
             f"overhead {o32 * 1e6:.1f} us")
         say("elementwise passes ...")
         bandwidth = _elementwise(repeats)
-        rate = _activation_rate(*block, repeats)
+        rates = {name: _activation_rate(*block, repeats, name) for name in OP_SETS}
+        rate = rates[ops]
         say(f"  {bandwidth / 1e9:.2f} GB/s streamed; the ops of a block get through "
-            f"{rate / 1e9:.2f} GB/s of kept activations")
+            + ", ".join(f"{r / 1e9:.2f} GB/s ({name})" for name, r in rates.items())
+            + " of kept activations")
         op = _op_overhead(repeats * 10)
         say(f"  autodiff op overhead {op * 1e6:.1f} us")
         opt_rate, opt_overhead = _optimizer(repeats)
         say(f"  AdamW: {opt_rate / 1e9:.2f} GB/s of model state, {opt_overhead * 1e6:.1f} us "
             f"per target")
-        measured = (o32, r32, r64, bandwidth, rate, op, opt_rate, opt_overhead)
+        measured = (o32, r32, r64, bandwidth, rates, op, opt_rate, opt_overhead)
         world.mpi.Ibarrier().Wait()
-    o32, r32, r64, bandwidth, rate, op, opt_rate, opt_overhead = world.broadcast_obj(
+    o32, r32, r64, bandwidth, rates, op, opt_rate, opt_overhead = world.broadcast_obj(
         measured, root=0)
     slowdown = {}
     if world.size > 1:
@@ -364,7 +385,7 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
         if steps is None:
             def steps(rows):
                 products = _products([(max(1, m * rows // block[0]), k, n) for m, k, n in shapes])
-                elementwise = _activation_step(rows, *block[1:])[0]
+                elementwise = _activation_step(rows, *block[1:], ops)[0]
                 return lambda: (products(), elementwise())
         slowdown = _busy_slowdown(world, steps, block[0], max(3, repeats // 2), say)
     say(f"collectives over groups of 2..{world.size} ranks ...")
@@ -380,7 +401,8 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
                        "memory_bytes": float(os.sysconf("SC_PAGE_SIZE")
                                              * os.sysconf("SC_PHYS_PAGES")),
                        "memory_bandwidth": bandwidth, "elementwise_efficiency": 1.0,
-                       "activation_rate": rate, "op_overhead_s": op,
+                       "activation_rate": rates[ops], "activation_rates": rates,
+                       "op_overhead_s": op,
                        "optimizer_rate": opt_rate, "optimizer_overhead_s": opt_overhead},
             "links": {"intra": intra, "inter": intra},
             "collectives": collectives,
@@ -415,7 +437,8 @@ def main(argv=None) -> None:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     steps = model_step(model, recipe.tokens_per_sample, recipe.model_config().vocab_size) \
         if MODELS[cfg.model.name].task == "text" and state <= memory / 4 else None
-    description = calibrate(world, args.repeats, args.name, shapes, block, steps)
+    description = calibrate(world, args.repeats, args.name, shapes, block, steps,
+                            MODELS[cfg.model.name].elementwise)
     if world.rank == 0:
         with open(args.output, "w") as f:
             json.dump(description, f, indent=1)

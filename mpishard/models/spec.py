@@ -104,6 +104,9 @@ class ModelSpec:
         positions_key: the ``[model]`` key holding the context the model is made for
             when a run may train at another (rotary positions; the model config checks
             how far), or ``None``: ``block_size`` is both (a learned position table).
+        elementwise: the elementwise ops of its blocks, as ``mpishard bench calibrate``
+            times them for the planner's ``activation_rates`` (``"layernorm-gelu"`` or
+            ``"rmsnorm-swiglu"``, mpishard/bench/calibrate.py).
     """
 
     name: str
@@ -121,6 +124,7 @@ class ModelSpec:
     check_split: Callable | None = None
     hf: object | None = None
     positions_key: str | None = None
+    elementwise: str = "layernorm-gelu"
 
     def key(self, name: str) -> ModelKey | None:
         """This family's :class:`ModelKey` called ``name``, or ``None``."""

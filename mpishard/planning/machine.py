@@ -32,7 +32,9 @@ it large matrix products reach, ``matmul_overhead_s`` what each product costs
 besides (launch, small shapes); ``memory_bandwidth`` times
 ``elementwise_efficiency`` is what elementwise passes stream;
 ``activation_rate`` (optional, calibrated) the bytes kept for backward the
-elementwise ops get through per second, forward and backward;
+elementwise ops get through per second, forward and backward
+(``activation_rates``: per set of a family's ops, ``ModelSpec.elementwise``, where
+calibrated; ``activation_rate`` for the rest);
 ``optimizer_rate`` and ``optimizer_overhead_s`` (optional, calibrated) what an
 optimizer step takes per byte of model state and per target array. ``links`` give the
 bus bandwidth (bytes per second of bus bytes, see [Note: bus bytes]) and
@@ -91,6 +93,7 @@ class Machine:
     intra: Link
     inter: Link
     activation_rate: float | None = None
+    activation_rates: dict = field(default_factory=dict)
     optimizer_rate: float | None = None
     optimizer_overhead_s: float = 0.0
     collectives: dict = field(default_factory=dict)
@@ -182,12 +185,14 @@ class Machine:
             return state_bytes / self.optimizer_rate + targets * self.optimizer_overhead_s
         return self.stream_seconds(2 * state_bytes)
 
-    def activation_seconds(self, kept: float) -> float:
+    def activation_seconds(self, kept: float, ops: str | None = None) -> float:
         """The elementwise work of a forward and backward that keep ``kept`` bytes: at the
-        calibrated ``activation_rate``, else three streams of them (written forward,
-        read and their gradients written backward)."""
-        if self.activation_rate:
-            return kept / self.activation_rate
+        calibrated rate of the blocks' ops ``ops`` (``activation_rates``, else
+        ``activation_rate``), else three streams of them (written forward, read and their
+        gradients written backward)."""
+        rate = self.activation_rates.get(ops) or self.activation_rate
+        if rate:
+            return kept / rate
         return self.stream_seconds(3 * kept)
 
     def link(self, kind: str, size: int, spans_nodes: bool) -> Link:
@@ -255,6 +260,8 @@ def machine_from_dict(raw: dict) -> Machine:
         op_overhead_s=float(device.get("op_overhead_s", 0.0)),
         activation_rate=float(device["activation_rate"]) if device.get("activation_rate")
         else None,
+        activation_rates={str(k): _positive(v, f"device.activation_rates.{k}")
+                          for k, v in (device.get("activation_rates") or {}).items()},
         optimizer_rate=float(device["optimizer_rate"]) if device.get("optimizer_rate")
         else None,
         optimizer_overhead_s=float(device.get("optimizer_overhead_s", 0.0)),

@@ -41,6 +41,13 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
                                                  "optimizer_rate": 2e9,
                                                  "optimizer_overhead_s": 1e-3}})
     assert rated.activation_seconds(1e9) == pytest.approx(2.5)
+    assert rated.activation_seconds(1e9, "rmsnorm-swiglu") == pytest.approx(2.5)  # not rated
+    by_ops = machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rate": 4e8,
+                                                  "activation_rates": {"rmsnorm-swiglu": 5e8}}})
+    assert by_ops.activation_seconds(1e9, "rmsnorm-swiglu") == pytest.approx(2.0)
+    assert by_ops.activation_seconds(1e9, "layernorm-gelu") == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="device.activation_rates.x=0"):
+        machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rates": {"x": 0}}})
     assert m.optimizer_seconds(1e9, 10) == pytest.approx(2.0)            # read and write
     assert rated.optimizer_seconds(1e9, 10) == pytest.approx(0.5 + 0.01)
 
@@ -213,12 +220,41 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     machine = load_machine(path)
     assert machine.kind == "cpu" and machine.peak("float32") > 1e8
     assert "all_reduce@2" in machine.collectives and machine.activation_rate > 0
+    assert set(machine.activation_rates) == {"layernorm-gelu", "rmsnorm-swiglu"}
+    assert machine.activation_rate == machine.activation_rates["layernorm-gelu"]  # GPT's
     assert set(machine.busy_slowdown) == {2} and machine.busy_slowdown[2] > 0
     plan = mpishard("plan", "--preset", "gpt-tiny", "--ranks", "2", "--machine", str(path),
                     "--vocab-size", "256", "--batch-size", "4", "--json")
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["layouts"][0]["step_s"] > 0
     assert np.isfinite(json.loads(plan.stdout)["layouts"][0]["mfu"])
+
+
+def test_each_family_s_elementwise_work_goes_at_the_rate_of_its_own_ops():
+    """A Llama's blocks (RMS norm, SwiGLU) are costed at the calibrated rate of those ops,
+    a GPT's (layer norm, GELU) at theirs: the same kept bytes, rates 2x apart, twice
+    the elementwise seconds."""
+    from mpishard.bench.calibrate import _activation_step
+    from mpishard.models import Llama, LlamaConfig, spec_of
+    cpu = {**TOY, "kind": "cpu", "overlap": False,
+           "device": {**TOY["device"], "activation_rate": 1e8,
+                      "activation_rates": {"layernorm-gelu": 1e8, "rmsnorm-swiglu": 2e8}}}
+    machine = machine_from_dict(cpu)
+    llama = LlamaConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_kv_head=1,
+                        n_embd=8, intermediate_size=24)
+    layout = Layout(seq_len=16, batch_size=2)
+    for make, ops in ((lambda: GPT(CFG, materialize_now=False), "layernorm-gelu"),
+                      (lambda: Llama(llama, materialize_now=False), "rmsnorm-swiglu")):
+        assert spec_of(make()).elementwise == ops
+        fast = predict_step(make, layout, machine).breakdown["elementwise"]
+        one = machine_from_dict({**cpu, "device": {**cpu["device"], "activation_rates": {}}})
+        slow = predict_step(make, layout, one).breakdown["elementwise"]
+        assert fast == pytest.approx(slow / (2 if ops == "rmsnorm-swiglu" else 1), rel=0.05)
+        step, kept = _activation_step(64, 8, 2, 16, ops)
+        step()
+        assert kept > 64 * 8 * 4
+    with pytest.raises(ValueError, match="expected one of layernorm-gelu, rmsnorm-swiglu"):
+        _activation_step(64, 8, 2, 16, "layernorm-relu")
 
 
 def test_ranks_sharing_a_node_slow_compute_as_calibrated_and_the_bubble_by_turns():

@@ -123,4 +123,5 @@ LLAMA_SPEC = ModelSpec(
           *MOE_KEYS),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
-    check_split=check_split, hf=LLAMA, positions_key="positions")
+    check_split=check_split, hf=LLAMA, positions_key="positions",
+    elementwise="rmsnorm-swiglu")

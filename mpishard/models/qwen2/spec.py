@@ -93,4 +93,5 @@ QWEN2_SPEC = ModelSpec(
                    shapes=True)),
     build_config=build_config, presets=PRESETS, sharding=Llama.parallel_plan,
     activations=llama_activation_bytes, attention_heads=attention_heads,
-    check_split=check_split, hf=QWEN2, positions_key="positions")
+    check_split=check_split, hf=QWEN2, positions_key="positions",
+    elementwise="rmsnorm-swiglu")
