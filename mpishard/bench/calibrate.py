@@ -25,8 +25,10 @@ thread as multi-rank runs use:
   the step gets through what the planner counts);
 * one small autodiff op, forward and backward: ``op_overhead_s``;
 * AdamW over one large flat target (bytes of values, gradients and states per
-  second: ``optimizer_rate``) and over many small ones (``optimizer_overhead_s``
-  per target).
+  second, below and at the size from which the compiled loop takes a step:
+  ``optimizer_rates``, ``optimizer_rate`` the first) and over many small ones
+  (``optimizer_overhead_s`` per target); gradient clipping's global norm
+  (``grad_norm_rate``: bytes of gradients read per second).
 
 Then ranks compute at once: a training step of the model on one rank (no
 communication; forward, backward, clipping and AdamW; ``1 / n`` of the batch, a
@@ -263,10 +265,18 @@ def _busy_slowdown(world, steps, rows: int, repeats: int, say) -> dict:
 
 
 def _optimizer(repeats: int) -> tuple:
-    """AdamW's ``(bytes of model state per second over one flat target, seconds per
-    target)``: one 4M-element float32 target (its values, gradient and two states),
-    and 64 small ones."""
+    """AdamW's ``(table, seconds per target, gradient-norm rate)``. ``table``: ``[[state
+    bytes, rate], ...]``, the bytes of model state per second (values, gradients, two
+    states) over one flat float32 target of each size the kernels treat differently: a
+    step below :data:`~mpishard.kernels.cpu.adam.COMPILED_MIN_ELEMS` elements in all
+    runs NumPy's passes, one of at least that many the compiled loop where numba is
+    installed (see mpishard/kernels/cpu/adam.py), each rate from that state size on.
+    The seconds per target from 64 small ones; the norm rate: bytes of float32
+    gradients per second that gradient clipping's global norm reads
+    (:func:`~mpishard.optim.clip.grad_sq_sum`)."""
+    from mpishard.kernels.cpu.adam import COMPILED_MIN_ELEMS
     from mpishard.optim import AdamW
+    from mpishard.optim.clip import grad_sq_sum
     from mpishard.parallel.flat import FlatShard
 
     def targets(n, size):
@@ -274,9 +284,15 @@ def _optimizer(repeats: int) -> tuple:
         for t in out:
             t.grad = np.full(size, 1e-3, np.float32)
         return out
-    big, small = targets(1, 4 << 20), targets(64, 16)
-    rate = 4 * big[0].data.nbytes / _time(AdamW(big).step, repeats)
-    return rate, _time(AdamW(small).step, repeats) / len(small)
+    table = []
+    for size in (COMPILED_MIN_ELEMS // 2, COMPILED_MIN_ELEMS):
+        big = targets(1, size)
+        table.append([0 if not table else 16 * size,
+                      4 * big[0].data.nbytes / _time(AdamW(big).step, repeats)])
+    small = targets(64, 16)
+    grad = big[0].grad
+    norm = grad.nbytes / _time(lambda: grad_sq_sum([grad]), repeats)
+    return table, _time(AdamW(small).step, repeats) / len(small), norm
 
 
 def _op_overhead(repeats: int) -> float:
@@ -372,13 +388,15 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
             + " of kept activations")
         op = _op_overhead(repeats * 10)
         say(f"  autodiff op overhead {op * 1e6:.1f} us")
-        opt_rate, opt_overhead = _optimizer(repeats)
-        say(f"  AdamW: {opt_rate / 1e9:.2f} GB/s of model state, {opt_overhead * 1e6:.1f} us "
-            f"per target")
-        measured = (o32, r32, r64, bandwidth, rates, op, opt_rate, opt_overhead)
+        opt_rates, opt_overhead, norm_rate = _optimizer(repeats)
+        say("  AdamW: " + ", ".join(f"{r / 1e9:.2f} GB/s of model state from {b / 2**20:.0f} MiB"
+                                    for b, r in opt_rates)
+            + f", {opt_overhead * 1e6:.1f} us per target; the gradient norm "
+            f"{norm_rate / 1e9:.2f} GB/s")
+        measured = (o32, r32, r64, bandwidth, rates, op, opt_rates, opt_overhead, norm_rate)
         world.mpi.Ibarrier().Wait()
-    o32, r32, r64, bandwidth, rates, op, opt_rate, opt_overhead = world.broadcast_obj(
-        measured, root=0)
+    o32, r32, r64, bandwidth, rates, op, opt_rates, opt_overhead, norm_rate = \
+        world.broadcast_obj(measured, root=0)
     slowdown = {}
     if world.size > 1:
         say(f"ranks computing at once, 1..{world.size} ...")
@@ -403,7 +421,8 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
                        "memory_bandwidth": bandwidth, "elementwise_efficiency": 1.0,
                        "activation_rate": rates[ops], "activation_rates": rates,
                        "op_overhead_s": op,
-                       "optimizer_rate": opt_rate, "optimizer_overhead_s": opt_overhead},
+                       "optimizer_rate": opt_rates[0][1], "optimizer_rates": opt_rates,
+                       "optimizer_overhead_s": opt_overhead, "grad_norm_rate": norm_rate},
             "links": {"intra": intra, "inter": intra},
             "collectives": collectives,
             "busy_slowdown": {str(n): f for n, f in slowdown.items()},

@@ -53,7 +53,10 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   gradients and AdamW states: under ZeRO-1/2 the shard, not the whole
   parameters and gradients those stages also keep) at the calibrated optimizer
   rate plus a cost per target array (every parameter under full-precision DDP,
-  one flat array per ZeRO unit), else one read and one write of it.
+  one flat array per ZeRO unit; the rate of the host kernel's path for a step of
+  that size), else one read and one write of it; and gradient clipping's global
+  norm (on by default in training), the rank's gradients at the calibrated
+  ``grad_norm_rate`` where there is one.
 
 Step time is the sum; tokens/s the global batch's tokens over it; MFU the
 model's FLOPs (forward and backward, no recomputation) over step time x ranks x
@@ -264,9 +267,10 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
             times = {"compute": micro * m, "backward": micro * 2 / 3,
                      "attention": attention_share * m}
             compute = {"matmul": matmul * m, "elementwise": elementwise * m}
-        optimizer = machine.optimizer_seconds(_updated_bytes(stage_estimate.memory.steady), cached(
-            ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout))) \
-            * slow
+        steady = stage_estimate.memory.steady
+        optimizer = (machine.optimizer_seconds(_updated_bytes(steady), cached(
+            ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout)))
+            + machine.grad_norm_seconds(steady.get("grads", 0))) * slow
         n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
         n_units = n_blocks + 1
         busy = micro * m

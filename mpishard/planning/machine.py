@@ -36,7 +36,11 @@ elementwise ops get through per second, forward and backward
 (``activation_rates``: per set of a family's ops, ``ModelSpec.elementwise``, where
 calibrated; ``activation_rate`` for the rest);
 ``optimizer_rate`` and ``optimizer_overhead_s`` (optional, calibrated) what an
-optimizer step takes per byte of model state and per target array. ``links`` give the
+optimizer step takes per byte of model state and per target array
+(``optimizer_rates``: ``[[state bytes, rate], ...]``, the rate from each size of
+step on, where the host kernel changes path with the size); ``grad_norm_rate``
+(optional, calibrated) the gradient bytes per second gradient clipping's global
+norm reads. ``links`` give the
 bus bandwidth (bytes per second of bus bytes, see [Note: bus bytes]) and
 per-call latency within a node and across nodes (``gather_bandwidth``: all-gathers'
 and reduce-scatters' where slower); ``collectives`` (from a
@@ -96,6 +100,8 @@ class Machine:
     activation_rates: dict = field(default_factory=dict)
     optimizer_rate: float | None = None
     optimizer_overhead_s: float = 0.0
+    optimizer_rates: tuple = ()
+    grad_norm_rate: float | None = None
     collectives: dict = field(default_factory=dict)
     overlap: bool = True
     cores: int | None = None
@@ -179,11 +185,20 @@ class Machine:
 
     def optimizer_seconds(self, state_bytes: float, targets: int) -> float:
         """One optimizer step over ``state_bytes`` of values, gradients and states in
-        ``targets`` arrays: at the calibrated rate and cost per target, else one read
-        and one write of the state at the elementwise bandwidth."""
-        if self.optimizer_rate:
-            return state_bytes / self.optimizer_rate + targets * self.optimizer_overhead_s
+        ``targets`` arrays: at the calibrated rate (``optimizer_rates``' for a step of that
+        size, else ``optimizer_rate``) and cost per target, else one read and one write
+        of the state at the elementwise bandwidth."""
+        rate = next((r for b, r in reversed(self.optimizer_rates) if state_bytes >= b),
+                    self.optimizer_rate)
+        if rate:
+            return state_bytes / rate + targets * self.optimizer_overhead_s
         return self.stream_seconds(2 * state_bytes)
+
+    def grad_norm_seconds(self, grad_bytes: float) -> float:
+        """Gradient clipping's global norm over ``grad_bytes`` of gradients: at the calibrated
+        ``grad_norm_rate``, else nothing counted (a device's fused norm is a read of them
+        beside the step)."""
+        return grad_bytes / self.grad_norm_rate if self.grad_norm_rate else 0.0
 
     def activation_seconds(self, kept: float, ops: str | None = None) -> float:
         """The elementwise work of a forward and backward that keep ``kept`` bytes: at the
@@ -213,6 +228,19 @@ def _positive(value, where: str) -> float:
             math.isfinite(value) or value <= 0:
         raise ValueError(f"machine description: {where}={value!r} must be a positive number")
     return float(value)
+
+
+def _rates(raw, where: str) -> tuple:
+    """``((from_bytes, rate), ...)`` of a description's ``[[bytes, rate], ...]``, ascending."""
+    if raw is None:
+        return ()
+    try:
+        rows = [(float(b), _positive(r, f"{where}[{i}] rate")) for i, (b, r) in enumerate(raw)]
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and "machine description" in str(e):
+            raise
+        raise ValueError(f"machine description: {where}={raw!r} must be [[bytes, rate], ...]")
+    return tuple(sorted(rows))
 
 
 def _link(raw: dict, where: str) -> Link:
@@ -265,6 +293,9 @@ def machine_from_dict(raw: dict) -> Machine:
         optimizer_rate=float(device["optimizer_rate"]) if device.get("optimizer_rate")
         else None,
         optimizer_overhead_s=float(device.get("optimizer_overhead_s", 0.0)),
+        optimizer_rates=_rates(device.get("optimizer_rates"), "device.optimizer_rates"),
+        grad_norm_rate=_positive(device["grad_norm_rate"], "device.grad_norm_rate")
+        if device.get("grad_norm_rate") is not None else None,
         intra=_link(links.get("intra"), "links.intra"),
         inter=_link(links.get("inter", links.get("intra")), "links.inter"),
         collectives=dict(raw.get("collectives") or {}), overlap=bool(raw.get("overlap", True)),

@@ -50,6 +50,16 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
         machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rates": {"x": 0}}})
     assert m.optimizer_seconds(1e9, 10) == pytest.approx(2.0)            # read and write
     assert rated.optimizer_seconds(1e9, 10) == pytest.approx(0.5 + 0.01)
+    assert rated.grad_norm_seconds(1e9) == 0.0                          # not calibrated
+    paths = machine_from_dict({**TOY, "device": {
+        **TOY["device"], "optimizer_rate": 1e9, "optimizer_rates": [[64e6, 4e9], [0, 1e9]],
+        "optimizer_overhead_s": 0.0, "grad_norm_rate": 5e9}})
+    assert paths.optimizer_seconds(32e6, 1) == pytest.approx(32e6 / 1e9)   # NumPy's passes
+    assert paths.optimizer_seconds(64e6, 1) == pytest.approx(64e6 / 4e9)   # compiled loop
+    assert paths.grad_norm_seconds(1e9) == pytest.approx(0.2)
+    for bad, match in (([[0, -1.0]], "optimizer_rates\\[0\\] rate=-1.0"), ([1, 2], "must be")):
+        with pytest.raises(ValueError, match=match):
+            machine_from_dict({**TOY, "device": {**TOY["device"], "optimizer_rates": bad}})
 
 
 @pytest.mark.parametrize("pp,m,want", [(1, 8, 0.0), (2, 2, 1 / 3), (4, 4, 3 / 7),
@@ -222,6 +232,8 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     assert "all_reduce@2" in machine.collectives and machine.activation_rate > 0
     assert set(machine.activation_rates) == {"layernorm-gelu", "rmsnorm-swiglu"}
     assert machine.activation_rate == machine.activation_rates["layernorm-gelu"]  # GPT's
+    assert [b for b, _ in machine.optimizer_rates] == [0, 16 * (1 << 22)]   # by kernel path
+    assert machine.optimizer_rate == machine.optimizer_rates[0][1] and machine.grad_norm_rate > 0
     assert set(machine.busy_slowdown) == {2} and machine.busy_slowdown[2] > 0
     plan = mpishard("plan", "--preset", "gpt-tiny", "--ranks", "2", "--machine", str(path),
                     "--vocab-size", "256", "--batch-size", "4", "--json")
