@@ -47,7 +47,11 @@
    (``hardware_as_published`` in the json). Target: within 10%.
 
 Figures and PASS/FAIL go to stderr, one JSON line to stdout; ``--plot PATH``
-draws measured (or published) against predicted.
+draws measured (or published) against predicted. ``--repredict RUN.json ...
+--machines MACHINE.json ...`` measures nothing: it predicts stored runs from each
+stored calibration (the machine description each run wrote with
+``--machine-out``), so a change to the model is judged on the same measurements
+from several calibrations, apart from where one launch's calibration landed.
 """
 from __future__ import annotations
 
@@ -179,7 +183,7 @@ def spearman(a, b) -> float:
 
 
 def measured_here(args, say) -> dict:
-    from mpishard.planning import load_machine, predict_step
+    from mpishard.planning import load_machine
     machine_path = Path(args.machine_out)
     say(f"calibrating on 4 ranks -> {machine_path}")
     shape = ["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", str(SEQ),
@@ -194,13 +198,25 @@ def measured_here(args, say) -> dict:
                                        "--steps", str(args.steps), "--rounds",
                                        str(args.rounds)),
                               env=_env(), check=True, cwd=ROOT, capture_output=True, text=True)
-        for row in json.loads(done.stdout.strip().splitlines()[-1]):
-            layout = _layout(row["dp"], row["tp"], row["pp"], row["strategy"],
-                             row["micro_batches"], row["how"])
-            cost = predict_step(_model(row["model"]), layout, machine, ranks_per_node=n)
-            row["predicted_s"] = cost.seconds
-            row["breakdown"] = {k: round(v, 5) for k, v in cost.breakdown.items()}
-            rows.append(row)
+        rows += [_predicted(row, machine) for row in
+                 json.loads(done.stdout.strip().splitlines()[-1])]
+    return _score(rows)
+
+
+def _predicted(row: dict, machine) -> dict:
+    """``row`` (a measured layout) with the plan's ``predicted_s`` and breakdown on
+    ``machine``."""
+    from mpishard.planning import predict_step
+    layout = _layout(row["dp"], row["tp"], row["pp"], row["strategy"], row["micro_batches"],
+                     row["how"])
+    cost = predict_step(_model(row["model"]), layout, machine, ranks_per_node=row["ranks"])
+    return {**row, "predicted_s": cost.seconds,
+            "breakdown": {k: round(v, 5) for k, v in cost.breakdown.items()}}
+
+
+def _score(rows: list) -> dict:
+    """The measured-here figures of predicted ``rows``: median |error|, Spearman, and per
+    model and rank count the predicted-fastest layout's time over the fastest measured."""
     errors = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
     rho = spearman([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
     first = {}
@@ -213,6 +229,38 @@ def measured_here(args, say) -> dict:
         top[f"{key[0]}@{key[1]}"] = pick["measured_s"] / fastest
     return {"rows": rows, "median_abs_error": statistics.median(errors), "spearman": rho,
             "top_pick_over_fastest": top}
+
+
+def repredict(results: list, machines: list, say) -> dict:
+    """Every stored measurement (``results``: this script's JSON lines) predicted from every
+    machine description (``machines``, e.g. each run's calibration): the measured-here
+    figures per pair, and over all pairs the mean median error, how many pairs meet the
+    target and the mean Spearman. One calibration lands where that launch's machine
+    state put it (on a shared 2-core machine its rates move by 10-15% between launches
+    and its collectives over 4 ranks in one of two modes): crossing them separates what
+    the model gets wrong from which launch calibrated it."""
+    from mpishard.planning import load_machine
+    data = {Path(p).name: json.loads(Path(p).read_text().strip().splitlines()[-1])
+            ["measured_here"]["rows"] for p in results}
+    pairs = []
+    for path in machines:
+        machine = load_machine(path)
+        for name, rows in data.items():
+            got = _score([_predicted(r, machine) for r in rows])
+            pairs.append({"machine": Path(path).name, "measured": name,
+                          "median_abs_error": float(got["median_abs_error"]),
+                          "spearman": float(got["spearman"])})
+            say(f"  {Path(path).name} -> {name}: median |error| "
+                f"{got['median_abs_error']:.1%}, Spearman {got['spearman']:.3f}")
+    medians = [p["median_abs_error"] for p in pairs]
+    summary = {"pairs": pairs, "mean_median_abs_error": statistics.fmean(medians),
+               "pairs_within_target": int(sum(m <= HERE_MEDIAN_TARGET for m in medians)),
+               "mean_spearman": statistics.fmean(p["spearman"] for p in pairs)}
+    say(f"re-predicted: {len(machines)} calibrations x {len(results)} measurements: mean "
+        f"median |error| {summary['mean_median_abs_error']:.2%}, "
+        f"{summary['pairs_within_target']} of {len(pairs)} pairs within "
+        f"{HERE_MEDIAN_TARGET:.0%}; mean Spearman {summary['mean_spearman']:.3f}")
+    return summary
 
 
 def _megatron_flops(run) -> float:
@@ -438,6 +486,11 @@ def main(argv=None):
     parser.add_argument("--published-only", action="store_true")
     parser.add_argument("--machine-out", default="runs/plan_accuracy_machine.json")
     parser.add_argument("--plot", help="write measured/published vs predicted here (PNG)")
+    parser.add_argument("--repredict", nargs="+", metavar="RESULT_JSON",
+                        help="measure nothing: predict these stored runs' layouts from each "
+                             "--machines description")
+    parser.add_argument("--machines", nargs="+", metavar="MACHINE_JSON", default=[],
+                        help="the calibrations --repredict predicts from")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.steps, args.rounds)
@@ -445,6 +498,11 @@ def main(argv=None):
 
     def say(text):
         print(text, file=sys.stderr, flush=True)
+    if args.repredict:
+        if not args.machines:
+            parser.error("--repredict needs --machines MACHINE_JSON ...")
+        print(json.dumps(repredict(args.repredict, args.machines, say)))
+        return
     Path(args.machine_out).parent.mkdir(parents=True, exist_ok=True)
     here = None if args.published_only else measured_here(args, say)
     pub = published(args, say)

@@ -93,3 +93,29 @@ def test_hopper_references_are_predicted_on_their_own_hardware():
     assert len(titan) == 2 and len(rows) == 5
     low, high = sorted(titan, key=lambda k: rows[k]["predicted_tokens_per_s_per_gpu"])
     assert "NVL" in low and "SXM" in high
+
+
+def test_repredict_crosses_stored_runs_with_stored_calibrations(accuracy, tmp_path):
+    """``--repredict``: every stored run predicted from every calibration, scored as a
+    measured run is (its rows' own figures, the mean over the pairs)."""
+    import json
+    module, _, _ = accuracy
+    results = Path(module.__file__).parent / "results" / "2026-12-05"
+    run = json.loads((results / "plan_accuracy_optimizer_paths.json").read_text()
+                     .strip().splitlines()[-1])["measured_here"]
+    few = {"measured_here": {"rows": run["rows"][:6]}}       # the 1-rank ones and two more
+    stored = tmp_path / "run.json"
+    stored.write_text(json.dumps(few) + "\n")
+    machines = [results / "plan_accuracy_optimizer_paths_machine.json",
+                results / "calibrate_config_s_machine.json"]
+    said = []
+    got = module.repredict([stored], machines, said.append)
+    assert len(got["pairs"]) == 2 and len(said) == 3
+    from mpishard.planning import load_machine
+    for pair, machine in zip(got["pairs"], machines):
+        rows = [module._predicted(r, load_machine(machine)) for r in few["measured_here"]["rows"]]
+        assert pair["median_abs_error"] == pytest.approx(module._score(rows)["median_abs_error"])
+        assert all(r["predicted_s"] > 0 for r in rows)
+    assert got["mean_median_abs_error"] == pytest.approx(
+        sum(p["median_abs_error"] for p in got["pairs"]) / 2)
+    assert 0 <= got["pairs_within_target"] <= 2
