@@ -86,11 +86,19 @@ if [ -n "${SHIM_RESTART_COUNT:-}" ]; then export SLURM_RESTART_COUNT=$SHIM_RESTA
 bash "$script" "$@" &
 pid=$!
 if [ -n "${SHIM_USR1_WHEN_READY:-}" ]; then  # as --signal=B:USR1@T: to the batch shell only,
-    for _ in $(seq 600); do                  # once that many ranks run (as late in a job)
-        [ "$(find "$SHIM_READY" -type f | wc -l)" -ge "$SHIM_USR1_WHEN_READY" ] && break
+    ready=0                                  # once that many ranks run (as late in a job);
+    for _ in $(seq 1100); do                 # on a loaded machine the launch takes a while,
+        if [ "$(find "$SHIM_READY" -type f | wc -l)" -ge "$SHIM_USR1_WHEN_READY" ]; then
+            ready=1                          # and a signal before the ranks' handlers
+            break                            # would kill the job, not test it
+        fi
         sleep 0.1
     done
-    kill -USR1 "$pid"
+    if [ "$ready" = 1 ]; then
+        kill -USR1 "$pid"
+    else
+        echo "sbatch shim: $SHIM_USR1_WHEN_READY ranks never started in 110 s" >&2
+    fi
 fi
 wait "$pid"
 """
