@@ -35,7 +35,8 @@ communication; forward, backward, clipping and AdamW; ``1 / n`` of the batch, a
 data-parallel rank's share; a model whose AdamW state on every rank of the node
 would take more than a quarter of its memory: its products and a block's ops
 instead) on ranks ``0 .. n - 1`` together, meeting at a barrier
-before each step as training's collectives make them, for each group size ``n`` that
+before and after each step as training's collectives make them (a step ends when its
+slowest rank does), for each group size ``n`` that
 divides the world; each rank's time over rank 0's alone as ``busy_slowdown[n]``
 (ranks beyond the cores take turns; fewer still share the memory bus and the
 last-level cache).
@@ -234,8 +235,11 @@ def _busy_slowdown(world, steps, rows: int, repeats: int, say) -> dict:
     1`` (one node's) computing at once than on rank 0 alone, for each group size ``n``
     that divides the world. As in training, the ranks meet after every step: each step
     starts as a barrier over the ``n`` (MPI's, spinning) lets them go, and is timed from
-    there to its end (the mean over the ranks of each one's median; the other ranks wait
-    asleep). See [Note: ranks sharing a node] in mpishard/planning/cost.py."""
+    there until the next barrier lets them go again, when the last of them has finished
+    (a training step's next collective waits for the slowest rank, and ranks that wait
+    spin: where ranks take turns on the cores, the last finishes milliseconds after
+    the first); the mean over the ranks of each one's median; the other ranks wait
+    asleep. See [Note: ranks sharing a node] in mpishard/planning/cost.py."""
     out = {}
     for n in [d for d in range(2, world.size + 1) if world.size % d == 0]:
         group = world.split(0 if world.rank < n else None, name=f"busy{n}")
@@ -251,6 +255,8 @@ def _busy_slowdown(world, steps, rows: int, repeats: int, say) -> dict:
                         group.barrier()
                     start = time.perf_counter()
                     step()
+                    if ranks > 1:
+                        group.barrier()          # the step ends with its slowest rank
                     samples.append(time.perf_counter() - start)
                 mine = statistics.median(samples[1:])
             _sleep_until(world.mpi.Ibarrier())      # the others finish asleep, not spinning

@@ -71,8 +71,10 @@ ranks per core); at any count they share the memory bus and the last-level cache
 and ranks that take turns refill their caches after each other's slices. The
 calibration measures what that costs: a training step of the model (a
 data-parallel rank's share of the batch) on ``n`` ranks at once, meeting at a
-barrier before each step, each rank's time over one rank's alone
-(``busy_slowdown``: 1.03-1.11x for 2 ranks and 2.01-2.17x for 4 on a 2-core machine,
+barrier before and after each step (a step ends when its slowest rank does: its
+next collective waits for it; where ranks take turns, the last to finish does so
+milliseconds after the first), each rank's time over one rank's alone
+(``busy_slowdown``: 1.02-1.13x for 2 ranks and 2.25-2.50x for 4 on a 2-core machine,
 where turns alone would be 2x). The step's compute and optimizer take that many
 times as long (the breakdown's ``shared node`` row is the extra). MPI libraries
 wait by spinning, so a rank waiting in the bubble keeps its turns: the bubble takes

@@ -315,3 +315,23 @@ def test_busy_slowdown_is_measured_for_every_group_size_with_either_workload():
         slowdown = _busy_slowdown(world, steps, 64, 3, lambda text: None)
         assert set(slowdown) == sizes
         assert all(0.2 < f < 10 * world.size for f in slowdown.values())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_busy_step_lasts_until_its_slowest_rank_finishes():
+    """A training step ends at its next collective, which waits for the slowest rank:
+    with rank 1 taking three times rank 0's time (asleep, so no core is shared), every
+    rank's step lasts rank 1's, 3x what rank 0 alone takes, not the 2x of their mean."""
+    import time as clock
+
+    from mpi4py import MPI
+
+    from mpishard.bench.calibrate import _busy_slowdown
+    from mpishard.comm import Communicator
+    world = Communicator(MPI.COMM_WORLD)
+
+    def steps(rows):
+        return lambda: clock.sleep(0.06 if world.rank == 1 else 0.02)
+    slowdown = _busy_slowdown(world, steps, 64, 3, lambda text: None)
+    assert slowdown[2] == pytest.approx(3.0, rel=0.15)
