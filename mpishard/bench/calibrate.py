@@ -20,8 +20,8 @@ thread as multi-rank runs use:
   MLP's activation, a residual add, the causal softmax, at the model's rows and
   width), forward and backward, as the bytes they keep for backward per second, for
   each family's ops (``activation_rates``: layer norm and GELU as GPT's blocks run
-  them, RMS norm and SwiGLU as the Llama family's, whose NumPy ops get through two
-  to four times the bytes a second; ``activation_rate`` the model's own: how fast
+  them, RMS norm and SwiGLU as the Llama family's, whose NumPy ops get through
+  about 1.3 times the bytes a second; ``activation_rate`` the model's own: how fast
   the step gets through what the planner counts);
 * one small autodiff op, forward and backward: ``op_overhead_s``;
 * AdamW over one large flat target (bytes of values, gradients and states per
@@ -292,7 +292,7 @@ def _optimizer(repeats: int) -> tuple:
         return out
     table = []
     for size in (COMPILED_MIN_ELEMS // 2, COMPILED_MIN_ELEMS):
-        big = targets(1, size)
+        big = targets(1, size)            # float32: 16 bytes of model state an element
         table.append([0 if not table else 16 * size,
                       4 * big[0].data.nbytes / _time(AdamW(big).step, repeats)])
     small = targets(64, 16)

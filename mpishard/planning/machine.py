@@ -234,13 +234,18 @@ def _rates(raw, where: str) -> tuple:
     """``((from_bytes, rate), ...)`` of a description's ``[[bytes, rate], ...]``, ascending."""
     if raw is None:
         return ()
-    try:
-        rows = [(float(b), _positive(r, f"{where}[{i}] rate")) for i, (b, r) in enumerate(raw)]
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "machine description" in str(e):
-            raise
+    if not isinstance(raw, list) or not all(isinstance(row, list) and len(row) == 2
+                                            for row in raw):
         raise ValueError(f"machine description: {where}={raw!r} must be [[bytes, rate], ...]")
-    return tuple(sorted(rows))
+    return tuple(sorted((_at_least_zero(b, f"{where}[{i}] bytes"),
+                         _positive(r, f"{where}[{i}] rate")) for i, (b, r) in enumerate(raw)))
+
+
+def _at_least_zero(value, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not \
+            math.isfinite(value) or value < 0:
+        raise ValueError(f"machine description: {where}={value!r} must be a number >= 0")
+    return float(value)
 
 
 def _link(raw: dict, where: str) -> Link:

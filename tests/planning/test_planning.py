@@ -57,7 +57,8 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
     assert paths.optimizer_seconds(32e6, 1) == pytest.approx(32e6 / 1e9)   # NumPy's passes
     assert paths.optimizer_seconds(64e6, 1) == pytest.approx(64e6 / 4e9)   # compiled loop
     assert paths.grad_norm_seconds(1e9) == pytest.approx(0.2)
-    for bad, match in (([[0, -1.0]], "optimizer_rates\\[0\\] rate=-1.0"), ([1, 2], "must be")):
+    for bad, match in (([[0, -1.0]], "optimizer_rates\\[0\\] rate=-1.0"), ([1, 2], "must be"),
+                       ([[-1, 1e9]], "optimizer_rates\\[0\\] bytes=-1")):
         with pytest.raises(ValueError, match=match):
             machine_from_dict({**TOY, "device": {**TOY["device"], "optimizer_rates": bad}})
 
