@@ -388,7 +388,6 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
         say("elementwise passes ...")
         bandwidth = _elementwise(repeats)
         rates = {name: _activation_rate(*block, repeats, name) for name in OP_SETS}
-        rate = rates[ops]
         say(f"  {bandwidth / 1e9:.2f} GB/s streamed; the ops of a block get through "
             + ", ".join(f"{r / 1e9:.2f} GB/s ({name})" for name, r in rates.items())
             + " of kept activations")
@@ -452,10 +451,10 @@ def main(argv=None) -> None:
     cfg = config_from_args(args)
     recipe = recipe_for(cfg)
     rows = cfg.optim.batch_size * recipe.tokens_per_sample
-    shapes = model_shapes(recipe.model(Backend()), rows)
+    model = recipe.model(Backend())
+    shapes = model_shapes(model, rows)
     block = (rows, cfg.model.n_embd, cfg.model.n_head, recipe.tokens_per_sample)
     world = Communicator(MPI.COMM_WORLD)
-    model = recipe.model(Backend())
     # every rank of a node trains its own copy (AdamW: 16 bytes a parameter); a model
     # too large for that is measured by its products and a block's ops instead
     state = 16 * model.num_parameters() * ranks_per_node(world)

@@ -14,8 +14,8 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   ``peak x matmul_efficiency`` plus ``matmul_overhead_s`` per product; the
   elementwise work, the activation bytes the forward keeps at the machine's
   ``activation_rate`` for the model's ops (calibrated per family's set: GPT's layer
-  norm and GELU, the Llama family's RMS norm and SwiGLU; else three streams of them, written forward,
-  read and their gradients written backward, at the memory's elementwise
+  norm and GELU, the Llama family's RMS norm and SwiGLU; else three streams of them,
+  written forward, read and their gradients written backward, at the memory's elementwise
   bandwidth), a third more for a checkpointed forward; ``op_overhead_s`` per op.
   On a machine with a ``matmul_efficiency_table`` (the shipped GPUs) instead
   kernel by kernel, see [Note: GPU kernel model] (``gpu_time.py``): the
@@ -261,8 +261,8 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
             recomputed = 1.0 + (1 / 3 if layout.activation_checkpointing else 0.0)
             n_ops = 10 * cached(("modules",), lambda: sum(1 for _ in stage.named_modules()))
             matmul = machine.matmul_seconds(hardware, dtype, 3 * fl["products"])
-            elementwise = machine.activation_seconds(kept, spec_of(stage).elementwise) * \
-                recomputed + \
+            family_ops = spec_of(stage).elementwise
+            elementwise = machine.activation_seconds(kept, family_ops) * recomputed + \
                 n_ops * machine.op_overhead_s
             micro = matmul + elementwise
             attention_share = micro * fl["attention"] / forward if forward else 0.0

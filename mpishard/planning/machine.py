@@ -223,10 +223,13 @@ class Machine:
         return link
 
 
-def _positive(value, where: str) -> float:
+def _positive(value, where: str, zero: bool = False) -> float:
+    """``value`` as a float: a finite number above 0 (``zero``: at least 0), else a
+    one-line ValueError naming ``where``."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not \
-            math.isfinite(value) or value <= 0:
-        raise ValueError(f"machine description: {where}={value!r} must be a positive number")
+            math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"machine description: {where}={value!r} must be a "
+                         + ("number >= 0" if zero else "positive number"))
     return float(value)
 
 
@@ -237,15 +240,8 @@ def _rates(raw, where: str) -> tuple:
     if not isinstance(raw, list) or not all(isinstance(row, list) and len(row) == 2
                                             for row in raw):
         raise ValueError(f"machine description: {where}={raw!r} must be [[bytes, rate], ...]")
-    return tuple(sorted((_at_least_zero(b, f"{where}[{i}] bytes"),
+    return tuple(sorted((_positive(b, f"{where}[{i}] bytes", zero=True),
                          _positive(r, f"{where}[{i}] rate")) for i, (b, r) in enumerate(raw)))
-
-
-def _at_least_zero(value, where: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not \
-            math.isfinite(value) or value < 0:
-        raise ValueError(f"machine description: {where}={value!r} must be a number >= 0")
-    return float(value)
 
 
 def _link(raw: dict, where: str) -> Link:
