@@ -48,6 +48,12 @@ every kind and size) and fitted as
 ``seconds = latency + bus_bytes / bandwidth`` per ``kind@n``. ``cores`` is the
 node's CPU count and ``ranks_per_node`` the ranks sharing this node. A
 progress line per step goes to stderr on rank 0.
+
+One launch lands where that launch's machine state put it; on a shared node, calibrate
+three times and plan with their median (every number the median of the three)::
+
+    for i in 1 2 3; do mpiexec -n 4 python -m mpi4py -m mpishard bench calibrate -o m$i.json; done
+    mpishard bench calibrate --merge m1.json m2.json m3.json -o machine.json
 """
 from __future__ import annotations
 
@@ -435,6 +441,32 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
                              f"{world.size} ranks, one BLAS thread per rank"}}
 
 
+def _merge(paths: list, output: str, name: str) -> None:
+    """``--merge``: the median of stored calibrations (:func:`merge_calibrations`),
+    written by rank 0; a bad or missing file is one ConfigError line."""
+    from mpishard.config.sections import ConfigError
+    from mpishard.planning.machine import merge_calibrations
+    named = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                named.append((path, json.load(f)))
+        except OSError as err:
+            raise ConfigError(f"--merge {path}: cannot read it ({err.strerror}); pass "
+                              f"files written by `mpishard bench calibrate -o`") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--merge {path}: not JSON ({err})") from None
+    try:
+        merged = merge_calibrations(named, name)
+    except ValueError as err:
+        raise ConfigError(f"--merge: {err}") from None
+    if MPI.COMM_WORLD.rank == 0:
+        with open(output, "w") as f:
+            json.dump(merged, f, indent=1)
+        print(f"calibrate: wrote {output}, the median of {len(paths)} calibrations",
+              file=sys.stderr)
+
+
 def main(argv=None) -> None:
     from mpishard.config.flags import add_config_flags, config_from_args
     from mpishard.models import MODELS
@@ -446,8 +478,14 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per point")
     parser.add_argument("--name", default="calibrated", help="the description's name")
     parser.add_argument("--config", help="TOML file with training settings (the model)")
+    parser.add_argument("--merge", nargs="+", metavar="MACHINE.json",
+                        help="measure nothing: write the median of these calibrations "
+                             "(several launches of this command) to --output")
     add_config_flags(parser, "estimate")
     args = parser.parse_args(argv)
+    if args.merge:
+        _merge(args.merge, args.output, args.name)
+        return
     cfg = config_from_args(args)
     recipe = recipe_for(cfg)
     rows = cfg.optim.batch_size * recipe.tokens_per_sample

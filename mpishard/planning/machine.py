@@ -58,10 +58,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Link", "Machine", "load_machine", "shipped_machines", "MACHINES_DIR"]
+__all__ = ["Link", "Machine", "load_machine", "merge_calibrations", "shipped_machines",
+           "MACHINES_DIR"]
 
 #: where the shipped descriptions live
 MACHINES_DIR = Path(__file__).resolve().parent.parent / "machines"
@@ -364,3 +366,69 @@ def load_machine(name_or_path) -> Machine:
     except json.JSONDecodeError as err:
         raise ValueError(f"machine description {path}: not JSON ({err})") from None
     return machine_from_dict(raw)
+
+
+def merge_calibrations(named: list, name: str = "calibrated") -> dict:
+    """One description from several calibrations of the same machine (``named``:
+    ``[(label, description dict), ...]``, e.g. the files of three launches of
+    ``mpishard bench calibrate``): every measured number the median over them. One
+    launch lands where that launch's machine state put it (rates move by 5-20% between
+    launches on a shared node, collectives by how the ranks were placed); the median
+    of three is steadier than any one. The descriptions must agree in everything but
+    their numbers (kind, cores, ranks per node, the same collectives and group sizes,
+    the optimizer's path thresholds); else a one-line ValueError naming the first
+    difference and the two labels."""
+    if len(named) < 2:
+        raise ValueError(f"merging calibrations needs two or more descriptions, got "
+                         f"{len(named)}")
+    for label, raw in named:
+        try:
+            machine_from_dict(raw)
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}") from None
+        if raw.get("kind") != "cpu":
+            raise ValueError(f"{label}: kind={raw.get('kind')!r}: only calibrations "
+                             f"(kind 'cpu', from `mpishard bench calibrate`) are merged")
+
+    first_label = named[0][0]
+
+    def merged(values: list, where: str):
+        head = values[0]
+        if isinstance(head, dict):
+            for label, value in zip((n for n, _ in named[1:]), values[1:]):
+                if set(value) != set(head):
+                    key = sorted(set(value) ^ set(head))[0]
+                    raise ValueError(f"{first_label} and {label} differ at {where}{key} "
+                                     f"(in one only): merge calibrations taken with the "
+                                     f"same ranks and mpishard version")
+            return {k: merged([v[k] for v in values], f"{where}{k}.") for k in head}
+        if isinstance(head, list):
+            for label, value in zip((n for n, _ in named[1:]), values[1:]):
+                if len(value) != len(head):
+                    raise ValueError(f"{first_label} and {label} differ at {where[:-1]} "
+                                     f"({len(head)} against {len(value)} entries)")
+            return [merged([v[i] for v in values], f"{where}{i}.") for i in range(len(head))]
+        if isinstance(head, (int, float)) and not isinstance(head, bool) and \
+                not _must_agree(where):
+            return statistics.median(values)
+        for label, value in zip((n for n, _ in named[1:]), values[1:]):
+            if value != head:
+                raise ValueError(f"{first_label} and {label} differ at {where[:-1]} "
+                                 f"({head!r} against {value!r}): merge calibrations of "
+                                 f"the same machine and ranks")
+        return head
+
+    out = merged([{k: v for k, v in raw.items() if k not in ("name", "sources")}
+                  for _, raw in named], "")
+    stamps = "; ".join(f"{label}: {(raw.get('sources') or {}).get('*', 'no source given')}"
+                       for label, raw in named)
+    return {"name": name, **out,
+            "sources": {"*": f"the median of {len(named)} calibrations ({stamps})"}}
+
+
+def _must_agree(where: str) -> bool:
+    """Whether the number at ``where`` (``"cores."``) is a fact merged calibrations must
+    agree on (the node's shape, its memory, the optimizer's path thresholds), not a
+    measurement to take the median of."""
+    return where in ("ranks_per_node.", "cores.", "device.memory_bytes.") or \
+        (where.startswith("device.optimizer_rates.") and where.endswith(".0."))

@@ -15,6 +15,7 @@ from mpishard.planning.layout import Layout
 from mpishard.planning import (Link, candidate_layouts, load_machine, machine_from_dict,
                                predict_step, shipped_machines, stage_flops)
 from mpishard.planning.cost import _exposed, group_spans_nodes
+from mpishard.planning.machine import MACHINES_DIR
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=8)
 TOY = {"name": "toy", "kind": "gpu", "ranks_per_node": 4, "overlap": True,
@@ -241,6 +242,62 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["layouts"][0]["step_s"] > 0
     assert np.isfinite(json.loads(plan.stdout)["layouts"][0]["mfu"])
+    # a second "launch" twice as fast in products: the merged description plans with
+    # the median, between the two
+    raw = json.loads(path.read_text())
+    raw["device"]["flops"] = {k: 2 * v for k, v in raw["device"]["flops"].items()}
+    faster = tmp_path / "m2.json"
+    faster.write_text(json.dumps(raw))
+    merged = tmp_path / "merged.json"
+    out = mpishard("bench", "calibrate", "--merge", str(path), str(faster), "-o", str(merged))
+    assert out.returncode == 0, out.stderr
+    assert load_machine(merged).peak("float32") == pytest.approx(1.5 * machine.peak("float32"))
+    bad = mpishard("bench", "calibrate", "--merge", str(path), str(tmp_path / "none.json"))
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1].startswith("mpishard: error: --merge ")
+    assert "none.json: cannot read it" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_merged_calibrations_take_the_median_of_each_measurement_and_agree_on_the_rest():
+    from mpishard.planning import merge_calibrations
+    raw = json.loads((MACHINES_DIR / "cpu-2core.json").read_text())
+    raw["device"]["optimizer_rates"] = [[0, 7e9], [16 << 22, 3e10]]     # as calibrate writes
+
+    def launch(scale):
+        out = json.loads(json.dumps(raw))
+        out["device"]["flops"]["float32"] *= scale
+        out["collectives"]["all_reduce@4"]["bandwidth"] *= scale
+        out["busy_slowdown"]["4"] *= scale
+        out["device"]["optimizer_rates"][1][1] *= scale
+        return out
+    merged = merge_calibrations([("a", launch(1.0)), ("b", launch(1.3)), ("c", launch(0.8))],
+                                name="median")
+    m = machine_from_dict(merged)
+    base = machine_from_dict(raw)
+    assert m.name == "median" and m.peak("float32") == pytest.approx(base.peak("float32"))
+    assert m.busy_slowdown[4] == pytest.approx(base.busy_slowdown[4])
+    assert m.optimizer_rates == base.optimizer_rates       # thresholds agree, rates median
+    assert m.collectives == base.collectives
+    assert "the median of 3 calibrations (a: " in m.sources["*"]
+    two = merge_calibrations([("a", launch(1.0)), ("b", launch(1.5))])
+    assert machine_from_dict(two).peak("float32") == pytest.approx(1.25 * base.peak("float32"))
+    other = launch(1.0)
+    del other["collectives"]["send@4"]
+    with pytest.raises(ValueError, match=r"^a and b differ at collectives\.send@4 \(in one only\)"):
+        merge_calibrations([("a", launch(1.0)), ("b", other)])
+    other = launch(1.0)
+    other["cores"] = 8
+    with pytest.raises(ValueError, match=r"^a and b differ at cores \(2 against 8\)"):
+        merge_calibrations([("a", launch(1.0)), ("b", other)])
+    other = launch(1.0)
+    other["device"]["optimizer_rates"][1][0] = 1024
+    with pytest.raises(ValueError, match=r"differ at device\.optimizer_rates\.1\.0"):
+        merge_calibrations([("a", launch(1.0)), ("b", other)])
+    with pytest.raises(ValueError, match="two or more descriptions, got 1"):
+        merge_calibrations([("a", raw)])
+    with pytest.raises(ValueError, match="^h100: kind='gpu': only calibrations"):
+        merge_calibrations([("a", raw), ("h100", json.loads(
+            (MACHINES_DIR / "h100-sxm.json").read_text()))])
 
 
 def test_each_family_s_elementwise_work_goes_at_the_rate_of_its_own_ops():
