@@ -38,10 +38,12 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   whose gradients are complete only when backward ends;
   the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
   and replica all-reduces stay exposed (``dp_overlap=False``: the data-parallel
-  reduction too). What hides still costs the compute it runs beside: the link's
-  ``processor_usage`` of its seconds (the ``overlap`` row: a collective's kernels
-  take SMs and memory bandwidth; Calculon's 0.15 over NVLink, 0.02 over
-  InfiniBand). Without overlap (a CPU: the same cores copy) everything is
+  reduction too), but for a framework that pipelines sequence parallelism's
+  collectives with the products (``KernelSet.tp_overlap``: all but the
+  reduce-scatters' last ``1 / tp`` hide). What hides still costs the compute it
+  runs beside: the link's ``processor_usage`` of its seconds (the ``overlap``
+  row: a collective's kernels take SMs and memory bandwidth; Calculon's 0.15 over
+  NVLink, 0.02 over InfiniBand). Without overlap (a CPU: the same cores copy) everything is
   exposed. Under sequence parallelism the tp group's bytes go at the link's
   all-gather and reduce-scatter bandwidth; on a kernel-costed machine a
   stage's pipeline sends and receives cross a full-duplex link at once (half
@@ -94,7 +96,7 @@ from mpishard.parallel.strategy import Sharded, strategy_entry
 from mpishard.planning.gpu_time import (MPISHARD_KERNELS, KernelSet, micro_batch_times,
                                         moe_rows, stage_ops)
 from mpishard.planning.layout import estimate_layout, memo_for, mesh_shape
-from mpishard.planning.memory import layout_itemsizes
+from mpishard.planning.memory import cp_attention_bytes, layout_itemsizes
 from mpishard.planning.offload import offload_seconds
 from mpishard.parallel.plans import matching_modules
 
@@ -183,14 +185,25 @@ def _calls(layout, group: str, n_blocks: int, n_units: int, grad_bytes: float) -
     return 2.0 * m * layout.virtual_stages      # pp: a message each way per chunk boundary
 
 
+def _kv_share(model) -> float:
+    """Key/value heads over query heads of ``model`` (1 without grouped-query attention)."""
+    cfg = getattr(model, "config", None)
+    heads, kv = getattr(cfg, "n_head", None), getattr(cfg, "n_kv_head", None)
+    return kv / heads if heads and kv else 1.0
+
+
 def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
-             overlap: bool, dp_overlap: bool = True, last: float = 0.0) -> float:
+             overlap: bool, dp_overlap: bool = True, last: float = 0.0,
+             tp_overlap: bool = False) -> float:
     """Seconds of ``group``'s communication left after overlap (see [Note: step-time
     model]); ``times``: the step's ``compute``, the ``backward`` a reduction hides behind
     (the last micro-batch's) and ``attention``; ``last``: the seconds of DDP's last
-    bucket, when more than an even share."""
+    bucket, when more than an even share; ``tp_overlap``: the framework pipelines
+    sequence parallelism's collectives with the products (``KernelSet.tp_overlap``)."""
     if not overlap or seconds == 0.0 or (not dp_overlap and group in _DP_GROUPS):
         return seconds
+    if group == "tp" and tp_overlap and layout.sequence_parallel:
+        return seconds / 2 / layout.tp         # the reduce-scatters' last chunks
     last = min(seconds, max(last, seconds / max(calls, 1.0)))
     sharded = strategy_entry(layout.strategy).keeps_sharded
     if sharded is Sharded.NOTHING and group in ("dp_cp", "dp", "edp"):
@@ -296,6 +309,12 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                 nbytes /= 2     # a stage's sends and receives cross a full-duplex link at once
             if kernels.grad_reduce_itemsize and (group in _DP_GROUPS or group == "tied"):
                 nbytes *= kernels.grad_reduce_itemsize / grad
+            if group == "cp" and kernels.cp_grouped_kv:     # grouped K/V, 16-bit gradients
+                nbytes += cached(("cp grouped", layout.batch_size, layout.seq_len, layout.cp,
+                                  layout.micro_batches, layout.selective, act.name),
+                                 lambda: cp_attention_bytes(stage, layout, plan_of(whole), act,
+                                                            _kv_share(whole), act.itemsize)
+                                 - cp_attention_bytes(stage, layout, plan_of(whole), act))
             t = link.seconds(nbytes, calls)
             comm_total[group] = t
             last = 0.0
@@ -305,8 +324,9 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                 size = _group_size(mesh, group)
                 last = link.seconds(2 * (size - 1) / size * (kernels.grad_reduce_itemsize or grad)
                                     * cached(("embeddings",), lambda: _embedding_elements(stage)))
-            breakdown[f"comm {group}"] = exposed = _exposed(layout, group, t, calls, times,
-                                                            machine.overlap, dp_overlap, last)
+            breakdown[f"comm {group}"] = exposed = _exposed(
+                layout, group, t, calls, times, machine.overlap, dp_overlap, last,
+                kernels.tp_overlap)
             if link.processor_usage and exposed < t:    # the hidden part slows the compute
                 breakdown["overlap"] = breakdown.get("overlap", 0.0) + \
                     (t - exposed) * link.processor_usage

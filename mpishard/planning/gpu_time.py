@@ -67,7 +67,7 @@ from mpishard.parallel.plans import matching_modules
 
 __all__ = ["Op", "KernelSet", "stage_ops", "micro_batch_times", "moe_rows", "OP_CLASSES",
            "MPISHARD_KERNELS", "MEGATRON_KERNELS", "FLASH2_KERNELS", "TORCHTITAN_KERNELS",
-           "LLMFOUNDRY_KERNELS", "TENSOR_CORE_ATTENTION_SHARE"]
+           "LLMFOUNDRY_KERNELS", "NEMO_KERNELS", "TENSOR_CORE_ATTENTION_SHARE"]
 
 #: the op classes of a breakdown, in the order they are printed
 OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "embedding",
@@ -100,12 +100,24 @@ class KernelSet:
     the bytes per gradient element the data-parallel and tied-weight all-reduces send
     (None: the plan's, mpishard's reduce dtype). ``selective``: what a layout's
     selective recomputation repeats, ``"core"`` (attention's core: Megatron-LM,
-    mpishard) or ``"op"`` (torchtitan's per-op policy, see [Note: GPU kernel model])."""
+    mpishard) or ``"op"`` (torchtitan's per-op policy, see [Note: GPU kernel model]).
+    ``tp_overlap``: the tensor-parallel all-gathers and reduce-scatters of sequence
+    parallelism pipelined with the products they feed and follow (Megatron-Core's
+    ``--tp-comm-overlap``, Transformer Engine's userbuffers): each collective cut in
+    ``tp`` chunks, a chunk's transfer behind the product of another, so that only a
+    reduce-scatter's last chunk waits: ``1 / tp`` of the reduce-scatters' time (half the
+    tp group's) stays exposed, the rest hides and costs the link's ``processor_usage``.
+    ``cp_grouped_kv``: context parallelism passes the key/value heads as they are
+    (grouped-query attention's fewer heads) and their gradients in the activations'
+    dtype (Transformer Engine's context-parallel attention), where mpishard's ring
+    passes them expanded to the query heads, the gradients in float32."""
 
     attention: str = "mpishard"
     loss: str = "fused"
     grad_reduce_itemsize: int | None = None
     selective: str = "core"
+    tp_overlap: bool = False
+    cp_grouped_kv: bool = False
 
     def __post_init__(self):
         if self.attention not in _ATTENTION or self.loss not in _LOSS or \
@@ -139,6 +151,15 @@ TORCHTITAN_KERNELS = KernelSet("flash2", "float32", selective="op")
 #: fused_crossentropy``, modeling_mpt.py's default; setup.py's gpu extras install
 #: ``xentropy-cuda-lib``)
 LLMFOUNDRY_KERNELS = KernelSet("flash2", "fused")
+#: NeMo 24.09 on Megatron-Core as NVIDIA's DGX Cloud benchmarks of Llama 3.1 ran it
+#: (NVIDIA/dgxc-benchmarking v24.11.1, llama3.1/llama3.1_{8b,70b,405b}.yaml):
+#: Transformer Engine's fused attention (``use_flash_attention: true``; costed at
+#: FlashAttention-2's rate, a lower bound where cuDNN's kernels run faster),
+#: ``cross_entropy_loss_fusion: true`` (no float32 copy of the logits), the distributed
+#: optimizer's gradients reduced in bfloat16 (``grad_sync_dtype: bf16``), where tp > 1
+#: ``ub_tp_comm_overlap: true``, and context parallelism by Transformer Engine's
+#: attention (grouped K/V heads)
+NEMO_KERNELS = KernelSet("flash2", "fused", 2, tp_overlap=True, cp_grouped_kv=True)
 
 
 def moe_rows(module, rows: int) -> int:

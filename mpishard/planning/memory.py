@@ -285,25 +285,32 @@ def _local_heads(stage, module) -> tuple:
     return spec_of(stage).attention_heads(module)
 
 
-def _cp_bytes(stage, layout, plan, act) -> int:
-    """Bus bytes of one step's context-parallel attention on this stage."""
+def cp_attention_bytes(stage, layout, plan, act, kv_share: float = 1.0,
+              grad_itemsize: int | None = None) -> int:
+    """Bus bytes of one step's context-parallel attention on this stage: mpishard's,
+    whose K/V blocks travel expanded to the query heads and their gradients in float32
+    under 16-bit compute; ``kv_share`` (the key/value heads over the query heads) and
+    ``grad_itemsize`` cost a framework that sends them grouped and in another dtype
+    (``KernelSet.cp_grouped_kv``)."""
     cp = layout.cp
     if cp == 1:
         return 0
-    c, g = act.itemsize, (4 if act.itemsize == 2 else act.itemsize)
+    c = act.itemsize
+    g = grad_itemsize or (4 if c == 2 else c)
     B, n = layout.batch_size, layout.local_seq_len
     total = 0.0
     for pattern in plan.attention:
         for path, module in matching_modules(stage, pattern):
             h, hs = _local_heads(stage, module)
+            kv = h * kv_share
             # the exchange is inside attention's core: selective recomputation repeats it
             again = 2 if layout.selective else _again(layout, plan, path)
             if layout.cp_mode == "ring":    # each block sent and received; a recompute
-                block = B * n * 2 * h * hs  # passes the K/V blocks around once more
-                total += 2 * (ring_kv_bytes(B, layout.seq_len, h, hs, cp, c, g)
+                block = B * n * 2 * kv * hs  # passes the K/V blocks around once more
+                total += 2 * (ring_kv_bytes(B, layout.seq_len, kv, hs, cp, c, g)
                               + (again - 1) * (cp - 1) * block * c)
             else:                           # q|k|v and the output, each way
-                total += (cp - 1) / cp * B * n * h * hs * 4 * (again + 1) * c
+                total += (cp - 1) / cp * B * n * (2 * h + 2 * kv) * hs * (again + 1) * c
     return int(round(total * layout.micro_batches))
 
 
@@ -372,6 +379,7 @@ def stage_traffic(stage, layout, plan, act, wire: int, grad: int) -> dict:
     (between the pipeline's ends) ``tied``, from :func:`layout_itemsizes`' sizes."""
     return {"tp": _tp_bytes(stage, layout, plan, wire, act)
             + _pp_gather_bytes(stage, layout, act),
-            "cp": _cp_bytes(stage, layout, plan, act), "pp": _pp_bytes(stage, layout, act),
+            "cp": cp_attention_bytes(stage, layout, plan, act),
+            "pp": _pp_bytes(stage, layout, act),
             "ep": _ep_bytes(stage, layout, plan, act),
             "tied": _tie_bytes(stage, layout, plan, grad)}

@@ -210,3 +210,58 @@ def test_hidden_communication_costs_the_links_processor_usage_of_its_time():
     with pytest.raises(ValueError, match="processor_usage=1.5 must be in"):
         machine_from_dict({**KERNEL, "links": {"intra": {"bandwidth": 1e9,
                                                          "processor_usage": 1.5}}})
+
+
+def test_a_framework_that_pipelines_sp_collectives_exposes_the_reduce_scatters_last_chunk():
+    """``KernelSet(tp_overlap=True)`` (Megatron-Core's --tp-comm-overlap): of the tp
+    group's seconds under sequence parallelism only the reduce-scatters' last chunk,
+    ``1 / (2 tp)``, stays exposed; the rest hides at the link's processor usage; without
+    sequence parallelism (all-reduces) nothing changes."""
+    machine = machine_from_dict({**KERNEL, "links": {"intra": {
+        "latency_s": 0.0, "bandwidth": 1e9, "processor_usage": 0.25}}})
+    sp = Layout(tp=2, strategy="ddp", precision="float16", batch_size=2, seq_len=16,
+                sequence_parallel=True)
+    plain = predict_step(make, sp, machine)
+    over = predict_step(make, sp, machine, kernels=KernelSet(tp_overlap=True))
+    t = plain.comm_total["tp"]
+    assert plain.breakdown["comm tp"] == pytest.approx(t) and t > 0
+    assert over.comm_total["tp"] == pytest.approx(t)
+    assert over.breakdown["comm tp"] == pytest.approx(t / 4)
+    assert over.breakdown["overlap"] - plain.breakdown.get("overlap", 0.0) == \
+        pytest.approx(0.25 * (t - t / 4))
+    no_sp = Layout(tp=2, strategy="ddp", precision="float16", batch_size=2, seq_len=16)
+    assert predict_step(make, no_sp, machine, kernels=KernelSet(tp_overlap=True)) \
+        .breakdown["comm tp"] == pytest.approx(predict_step(make, no_sp, machine)
+                                               .breakdown["comm tp"])
+
+
+def test_grouped_kv_context_parallelism_sends_the_kv_heads_and_16_bit_gradients():
+    """``KernelSet(cp_grouped_kv=True)`` (Transformer Engine's ring): the K/V blocks of
+    the key/value heads, not expanded to the query heads, and their gradients in the
+    activations' dtype (hand-computed: 2 layers of 4 query heads over 1 key/value head,
+    head size 8, at cp 2, each rank's 16 rows of 2 sequences, 16-bit; the rest of the cp
+    group's bytes, the gradients' all-reduce over dp x cp, stays)."""
+    from mpishard.models import Llama, LlamaConfig
+    cfg = LlamaConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_kv_head=1,
+                      n_embd=32, intermediate_size=64)
+
+    def llama():
+        return Llama(cfg, materialize_now=False)
+    layout = Layout(dp=1, cp=2, strategy="ddp", precision="float16", batch_size=2, seq_len=32)
+    machine = machine_from_dict(KERNEL)          # 1 GB/s, no latency
+    mine = predict_step(llama, layout, machine)
+    grouped = predict_step(llama, layout, machine, kernels=KernelSet(cp_grouped_kv=True))
+    c, rows, hs = 2, 2 * 16, 8
+    # per layer, sent and received: the K/V block once (cp - 1 = 1) each way, forward and
+    # backward, and the gradients' block cp = 2 times
+    expanded = 2 * rows * 2 * 4 * hs * (2 * c + 2 * 4)       # float32 gradients
+    kv = 2 * rows * 2 * 1 * hs * (2 * c + 2 * c)
+    assert mine.comm_total["cp"] - grouped.comm_total["cp"] == \
+        pytest.approx(2 * (expanded - kv) / 1e9)
+    plain = Layout(cp=2, strategy="ddp", precision="float16", batch_size=2, seq_len=16)
+    gpt = predict_step(make, plain, machine, kernels=KernelSet(cp_grouped_kv=True))
+    # GPT: 2 layers, 2 x 8 rows, K and V of 2 heads of size 4; no grouping, so only the
+    # gradients' dtype changes
+    ring = 2 * (2 * 8) * 2 * 2 * 4 * (2 * c + 2 * 4)
+    assert predict_step(make, plain, machine).comm_total["cp"] - gpt.comm_total["cp"] == \
+        pytest.approx(2 * ring * (2 * 4 - 2 * c) / (2 * c + 2 * 4) / 1e9)
