@@ -18,11 +18,12 @@ The core has no parameters of its own, so ZeRO-3's gathers and tensor
 parallelism's collectives around it are untouched; under context parallelism
 the core's exchange of keys and values runs again in backward, in the same order
 on every rank. A GPU's fused attention (``MPISHARD_ATTENTION=fused``) keeps no
-``T x T`` weights: there ``selective`` recomputes nothing. Llama's fused path
-(one op from the block's input through the q/k/v products, rotary embeddings and
-grouped-query attention) is recomputed whole, its three weights read inside (their
-gradients land in their buffers, their grad-ready hooks fire once): three more
-products per layer than the core alone, the same memory saved.
+``T x T`` weights: there ``selective`` recomputes nothing (a Llama's attention too,
+which then takes its per-projection path). Llama's one-op path elsewhere (one op from
+the block's input through the q/k/v products, rotary embeddings and grouped-query
+attention) is recomputed whole, its three weights read inside (their gradients land
+in their buffers, their grad-ready hooks fire once): three more products per layer
+than the core alone, the same memory saved.
 """
 from __future__ import annotations
 

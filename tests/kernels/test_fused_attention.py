@@ -9,7 +9,9 @@ no T x T weights.
   16 runs the tensor-core kernels, tests/kernels/test_tensor_core_attention.py);
 * a GPT trained on the CuPy-strict module with the fused kernels against the
   batched path, in float64, the launches they save per block, and the activation
-  bytes they keep against the plan.
+  bytes they keep against the plan; a Llama likewise (there the fused choice moves
+  its attention off the one grouped-query op, which keeps the weights, onto the
+  per-projection path).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from mpishard.autodiff.softmax_ops import causal_self_attention
 from mpishard.core.backend import Backend
 from mpishard.kernels import reference
 from mpishard.kernels.cuda import attention as gpu_attention
-from mpishard.models import GPT, GPTConfig
+from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.optim import AdamW
 
 SHAPES = [(1, 1, 1, 1), (2, 3, 5, 7), (1, 2, 33, 8), (2, 1, 70, 16), (1, 2, 17, 24)]
@@ -148,22 +150,17 @@ def test_fused_attention_takes_five_launches_fewer_per_block(monkeypatch):
     assert "mpishard_causal_softmax" not in fused_ops
 
 
-@pytest.mark.parametrize("precision", [None, "float16"])
-def test_fused_attention_keeps_what_the_plan_says(monkeypatch, precision):
-    """Activation bytes of a training step on the strict module (its memory is NumPy's,
-    measured by tracemalloc) against the plan, and the T x T weights no longer kept."""
+def _kept_by_choice(monkeypatch, cls, cfg, B: int, T: int, precision) -> dict:
+    """``{choice: (measured, planned)}``: the activation bytes one training step
+    keeps on the strict module (tracemalloc) and the model's plan of them, with batched
+    and with fused attention."""
     from mpishard.comm import Mesh
-    from mpishard.testing.fake_cupy import make_test_comm
-    from mpishard.models.gpt.activations import gpt_activation_bytes
     from mpishard.parallel import ParallelModel
-
-    B, T = 4, 64
-    cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=2, n_head=2, n_embd=32)
-    dtype = precision or "float32"
+    from mpishard.testing.fake_cupy import make_test_comm
     figures = {}
     for choice in ("batched", "fused"):
         monkeypatch.setenv("MPISHARD_ATTENTION", choice)
-        model = GPT(cfg, seed=0, backend=Backend.resolve("strict"), materialize_now=False)
+        model = cls(cfg, seed=0, backend=Backend.resolve("strict"), materialize_now=False)
         comm = make_test_comm("self")
         try:
             run = ParallelModel(model, Mesh(comm, dp=1), strategy="ddp", precision=precision)
@@ -172,9 +169,20 @@ def test_fused_attention_keeps_what_the_plan_says(monkeypatch, precision):
             run.pipeline.measure_activations = True
             run.train_step(x, y)
             figures[choice] = (run.pipeline.activation_bytes,
-                               gpt_activation_bytes(model, B, T, dtype))
+                               model.activation_bytes(B, T, precision or "float32"))
         finally:
             comm.free()
+    return figures
+
+
+@pytest.mark.parametrize("precision", [None, "float16"])
+def test_fused_attention_keeps_what_the_plan_says(monkeypatch, precision):
+    """Activation bytes of a training step on the strict module (its memory is NumPy's,
+    measured by tracemalloc) against the plan, and the T x T weights no longer kept."""
+    B, T = 4, 64
+    cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=2, n_head=2, n_embd=32)
+    dtype = precision or "float32"
+    figures = _kept_by_choice(monkeypatch, GPT, cfg, B, T, precision)
     for choice, (measured, planned) in figures.items():
         assert abs(planned - measured) <= 0.02 * measured, (choice, measured, planned)
     c = np.dtype(dtype).itemsize
@@ -214,3 +222,62 @@ def test_fused_kernels_on_each_array_module(array_backend, dtype, tol):
     np.testing.assert_allclose(host(y), want_y.astype(np.float64), rtol=tol, atol=tol)
     np.testing.assert_allclose(host(lse), want_lse, rtol=tol, atol=tol)
     np.testing.assert_allclose(host(dh), want.astype(np.float64), rtol=4 * tol, atol=4 * tol)
+
+
+LLAMA = LlamaConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                    intermediate_size=48)
+
+
+def _train_llama(monkeypatch, choice, steps=3):
+    monkeypatch.setenv("MPISHARD_ATTENTION", choice)
+    model = Llama(LLAMA, seed=0, dtype="float64", backend=Backend.resolve("strict"))
+    one_op = model.model.layers["0"].self_attn.takes_fused_path(model.backend.xp)
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, LLAMA.vocab_size, (3, LLAMA.block_size)) for _ in range(2))
+    losses = []
+    for _ in range(steps):          # one batch, so that the loss must come down
+        _, loss = model(x, y)
+        model.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+    return one_op, losses, {n: np.asarray(p.data.get()) for n, p in model.named_parameters()}
+
+
+def test_a_llama_trains_the_same_with_fused_attention(monkeypatch):
+    """The fused choice takes a Llama's attention off the one grouped-query op (which
+    keeps the softmax weights) onto the flash kernels; three AdamW steps in float64 give
+    the losses and parameters of the batched choice, to 1e-10."""
+    one_op_fused, fused_losses, fused = _train_llama(monkeypatch, "fused")
+    one_op, losses, params = _train_llama(monkeypatch, "batched")
+    assert one_op and not one_op_fused
+    np.testing.assert_allclose(fused_losses, losses, rtol=1e-10)
+    assert losses[-1] < losses[0]
+    for name, value in params.items():
+        np.testing.assert_allclose(fused[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("precision", [None, "bfloat16", "float16"])
+def test_a_llama_with_fused_attention_keeps_what_the_plan_says(monkeypatch, precision):
+    """A Llama's training step on the strict module: measured activation bytes against the
+    plan with either choice, and the fused one without the T x T weights."""
+    B, T = 2, 64
+    cfg = LlamaConfig(vocab_size=64, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                      n_embd=32, intermediate_size=48)
+    figures = _kept_by_choice(monkeypatch, Llama, cfg, B, T, precision)
+    for choice, (measured, planned) in figures.items():     # the layouts' tolerance
+        assert abs(planned - measured) <= 0.05 * measured, (choice, measured, planned)
+    # the one op's float32 softmax weights go, and its rotations' conjugates; the
+    # per-projection path's packed copy of q and of k, v per query head, its rotation
+    # tables (sines and cosines, float32 for 16-bit rows), the flash output and the
+    # log-sum-exp come (q, k and v are kept in the rows' dtype on a device either way)
+    c = np.dtype(precision or "float32").itemsize
+    f = 4 if c == 2 else c
+    N, h, h_kv, hs = B * T, cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
+    saved = cfg.n_layer * (B * h * T * T * 4 + T * hs * (h + h_kv) * f
+                           - 3 * N * h * hs * c - 2 * T * hs * (h + h_kv) * f
+                           - N * h * hs * c - B * h * T * 4)
+    assert saved > 0
+    assert figures["batched"][1] - figures["fused"][1] == saved
+    assert figures["batched"][0] - figures["fused"][0] >= 0.7 * saved   # each within 5%

@@ -23,13 +23,18 @@ its output on keeps none of it, as the GPT's. Context and
 sequence parallelism change what they change in the GPT (see its note): the
 attention term, and ``N / sp`` rows for norms, adds and reduce-scattered outputs;
 a key/value projection kept whole (tp does not divide ``n_kv_head``) keeps the
-input it all-gathered, ``N C c`` each. Where the attention takes the fused path
+input it all-gathered, ``N C c`` each. Where the attention takes the one-op path
 (whole sequences, plain projections: :func:`~mpishard.autodiff.gqa_attention.gqa_attention`),
 the q, k, v and packing rows are instead the rotated q, k and the values,
-``N hs (h + 2 h_kv) f``, and the rotations with their conjugates, ``2 T hs (h +
-h_kv) f``.
+``N hs (h + 2 h_kv)`` in the products' dtype (``f`` on NumPy, whose 16-bit products
+run in float32; ``c`` on a device), and the rotations' conjugates, ``T hs (h + h_kv)
+f``; on a device whose flash kernels take the heads (``MPISHARD_ATTENTION=fused``)
+the per-projection path runs instead, its attention keeping the head-major output and
+the log-sum-exp, not the ``T x T`` weights the one op keeps.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from mpishard.kernels import fused_attention
 from mpishard.models.activations import (attention_bytes, graph_objects, head_and_loss,
@@ -59,8 +64,9 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
         router = 2 * N * E * c if mlp.router == "softmax" else 5 * N * E * c   # sigmoid's steps
         exchanged = 4 * M * C * c if mlp.dispatch is not None else 0
         return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
-            + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + (
-                _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c if shared is not None else 0)
+            + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + _MOE_OBJECTS + (
+                _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c + _MOE_OBJECTS
+                if shared is not None else 0)
     F = width(mlp.gate_proj)
     down = (Ns if row_parallel(mlp.down_proj) else N) * C * c
     return down + 2 * N * F * c + N * F * (c + f)                         # down; gate, up, SwiGLU
@@ -68,6 +74,10 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
 
 #: the graph's Python objects per block (tensors, closures): measured, bytes
 _OBJECTS_PER_BLOCK = 14 << 10
+#: and those of a mixture of experts' routing ops (the router's softmax, top-k, the
+#: gathers, weights and scatter), and again of a shared expert and its add: measured
+#: (3-5 KiB and 4-5 KiB more, float32 and bfloat16, on CPython 3.11)
+_MOE_OBJECTS = 4 << 10
 
 
 def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
@@ -94,18 +104,21 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         total += 2 * norm
         if sp > 1:   # the whole key/value projections' gathered inputs
             total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
-        fused = not attn.takes_fused_path() and fused_attention(model.backend.xp, hs, False)
+        one_op = attn.takes_fused_path(model.backend.xp)
+        fused = not one_op and fused_attention(model.backend.xp, hs, False)
         if attn.recompute_core and not fused:   # selective: the recomputed op's output
             total += N * h * hs * c             # (and outside the one op, q, k, v, the
-            if not (cp == sp == 1 and attn.takes_fused_path()):   # packed rows it reads,
+            if not (cp == sp == 1 and one_op):                    # packed rows it reads,
                 total += N * hs * (h + 2 * h_kv) * c + 3 * N * h * hs * c \
-                    + 2 * T * hs * (h + h_kv) * c                 # tables)
+                    + 2 * T * hs * (h + h_kv) * f                 # tables)
         else:
-            if cp == sp == 1 and attn.takes_fused_path():   # rotated q, k, v; rotations,
-                total += N * hs * (h + 2 * h_kv) * f + 2 * T * hs * (h + h_kv) * f  # conjugates
+            if cp == sp == 1 and one_op:   # rotated q, k, v (in the products' dtype:
+                kd = f if model.backend.xp is np else c     # float32 on NumPy for 16-bit
+                total += N * hs * (h + 2 * h_kv) * kd + T * hs * (h + h_kv) * f   # rows);
+                # the rotations' conjugates
             else:
                 total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
-                total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * c     # packing, tables
+                total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * f     # packing, tables
             total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
         total += (Ns if row_parallel(attn.o_proj) else N) * C * c         # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)

@@ -26,7 +26,8 @@ from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope_qkv, rope_tables, s
 from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.recompute import recompute
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
-from mpishard.core.backend import Backend
+from mpishard.core.backend import Backend, xp_of
+from mpishard.kernels import fused_attention
 from mpishard.nn import Constant, CrossEntropyLoss, Embedding, Linear, Module, ModuleDict, Parameter
 from mpishard.nn.init import materialize
 from mpishard.nn.sharding import (ColumnParallel, ShardingPlan, PipelinePlan, RowParallel, VocabParallel,
@@ -172,12 +173,17 @@ class LlamaAttention(Module):
         blocks = proj.weight.spec.tp_blocks
         return blocks[0][0] // self.head_size if blocks else 0
 
-    def takes_fused_path(self) -> bool:
-        """Whether forward runs :func:`gqa_attention` (whole sequences, plain projections)."""
-        return self.sequence is None and plain_linears(self.q_proj, self.k_proj, self.v_proj)
+    def takes_fused_path(self, xp) -> bool:
+        """Whether forward on arrays of ``xp`` runs :func:`gqa_attention` (whole sequences,
+        plain projections), unless a device's flash kernels take the heads
+        (``MPISHARD_ATTENTION=fused``): that op keeps the ``T x T`` softmax weights, the
+        per-projection path's fused attention keeps none."""
+        return self.sequence is None and \
+            plain_linears(self.q_proj, self.k_proj, self.v_proj) and \
+            not fused_attention(xp, self.head_size, False)
 
     def forward(self, x, batch_size: int, cos, sin):
-        if self.takes_fused_path():
+        if self.takes_fused_path(xp_of(getattr(x, "data", x))):
             if self.recompute_core and is_grad_enabled():   # the one op, recomputed whole
                 return self.o_proj(recompute(self._fused, x, batch_size, cos, sin))
             return self.o_proj(self._fused(x, batch_size, cos, sin))
