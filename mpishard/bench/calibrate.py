@@ -443,28 +443,36 @@ def calibrate(world: Communicator, repeats: int = 7, name: str = "calibrated",
 
 def _merge(paths: list, output: str, name: str) -> None:
     """``--merge``: the median of stored calibrations (:func:`merge_calibrations`),
-    written by rank 0; a bad or missing file is one ConfigError line."""
+    written to ``output`` by rank 0 (it measures nothing: run it without mpiexec; under
+    it the other ranks do nothing); a bad or missing file is one ConfigError line."""
+    from pathlib import Path
+
     from mpishard.config.sections import ConfigError
     from mpishard.planning.machine import merge_calibrations
+    if MPI.COMM_WORLD.rank != 0:
+        return
+    if Path(output).resolve() in {Path(p).resolve() for p in paths}:
+        raise ConfigError(f"--merge: the output {output} is one of the calibrations to "
+                          f"merge; pass -o with a new file")
     named = []
     for path in paths:
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 named.append((path, json.load(f)))
         except OSError as err:
             raise ConfigError(f"--merge {path}: cannot read it ({err.strerror}); pass "
                               f"files written by `mpishard bench calibrate -o`") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"--merge {path}: not JSON ({err})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--merge {path}: not JSON ({err}); pass files written by "
+                              f"`mpishard bench calibrate -o`") from None
     try:
         merged = merge_calibrations(named, name)
     except ValueError as err:
         raise ConfigError(f"--merge: {err}") from None
-    if MPI.COMM_WORLD.rank == 0:
-        with open(output, "w") as f:
-            json.dump(merged, f, indent=1)
-        print(f"calibrate: wrote {output}, the median of {len(paths)} calibrations",
-              file=sys.stderr)
+    with open(output, "w") as f:
+        json.dump(merged, f, indent=1)
+    print(f"calibrate: wrote {output}, the median of {len(paths)} calibrations",
+          file=sys.stderr)
 
 
 def main(argv=None) -> None:
@@ -479,8 +487,9 @@ def main(argv=None) -> None:
     parser.add_argument("--name", default="calibrated", help="the description's name")
     parser.add_argument("--config", help="TOML file with training settings (the model)")
     parser.add_argument("--merge", nargs="+", metavar="MACHINE.json",
-                        help="measure nothing: write the median of these calibrations "
-                             "(several launches of this command) to --output")
+                        help="measure nothing (run it without mpiexec): write the median "
+                             "of these calibrations (several launches of this command) to "
+                             "--output")
     add_config_flags(parser, "estimate")
     args = parser.parse_args(argv)
     if args.merge:

@@ -38,9 +38,9 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   whose gradients are complete only when backward ends;
   the ring's K/V passes behind attention; tensor-parallel, all-to-all, pipeline
   and replica all-reduces stay exposed (``dp_overlap=False``: the data-parallel
-  reduction too), but for a framework that pipelines sequence parallelism's
-  collectives with the products (``KernelSet.tp_overlap``: all but the
-  reduce-scatters' last ``1 / tp`` hide). What hides still costs the compute it
+  reduction too), but for a framework that overlaps sequence parallelism's
+  collectives with the products (``KernelSet.tp_overlap``: all but the forward
+  reduce-scatters' last split hide). What hides still costs the compute it
   runs beside: the link's ``processor_usage`` of its seconds (the ``overlap``
   row: a collective's kernels take SMs and memory bandwidth; Calculon's 0.15 over
   NVLink, 0.02 over InfiniBand). Without overlap (a CPU: the same cores copy) everything is
@@ -194,16 +194,17 @@ def _kv_share(model) -> float:
 
 def _exposed(layout, group: str, seconds: float, calls: float, times: dict,
              overlap: bool, dp_overlap: bool = True, last: float = 0.0,
-             tp_overlap: bool = False) -> float:
+             tp_overlap: int = 0) -> float:
     """Seconds of ``group``'s communication left after overlap (see [Note: step-time
     model]); ``times``: the step's ``compute``, the ``backward`` a reduction hides behind
     (the last micro-batch's) and ``attention``; ``last``: the seconds of DDP's last
-    bucket, when more than an even share; ``tp_overlap``: the framework pipelines
-    sequence parallelism's collectives with the products (``KernelSet.tp_overlap``)."""
+    bucket, when more than an even share; ``tp_overlap``: the splits of the forward
+    reduce-scatters of a framework that overlaps sequence parallelism's collectives with
+    the products (``KernelSet.tp_overlap``; 0: none)."""
     if not overlap or seconds == 0.0 or (not dp_overlap and group in _DP_GROUPS):
         return seconds
     if group == "tp" and tp_overlap and layout.sequence_parallel:
-        return seconds / 2 / layout.tp         # the reduce-scatters' last chunks
+        return seconds / 4 / tp_overlap        # the forward reduce-scatters' last splits
     last = min(seconds, max(last, seconds / max(calls, 1.0)))
     sharded = strategy_entry(layout.strategy).keeps_sharded
     if sharded is Sharded.NOTHING and group in ("dp_cp", "dp", "edp"):
@@ -310,8 +311,10 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
             if kernels.grad_reduce_itemsize and (group in _DP_GROUPS or group == "tied"):
                 nbytes *= kernels.grad_reduce_itemsize / grad
             if group == "cp" and kernels.cp_grouped_kv:     # grouped K/V, 16-bit gradients
+                mode = "full" if layout.activation_checkpointing else \
+                    "selective" if layout.selective else "none"
                 nbytes += cached(("cp grouped", layout.batch_size, layout.seq_len, layout.cp,
-                                  layout.micro_batches, layout.selective, act.name),
+                                  layout.cp_mode, layout.micro_batches, mode, act.name),
                                  lambda: cp_attention_bytes(stage, layout, plan_of(whole), act,
                                                             _kv_share(whole), act.itemsize)
                                  - cp_attention_bytes(stage, layout, plan_of(whole), act))

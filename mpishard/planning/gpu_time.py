@@ -101,12 +101,15 @@ class KernelSet:
     (None: the plan's, mpishard's reduce dtype). ``selective``: what a layout's
     selective recomputation repeats, ``"core"`` (attention's core: Megatron-LM,
     mpishard) or ``"op"`` (torchtitan's per-op policy, see [Note: GPU kernel model]).
-    ``tp_overlap``: the tensor-parallel all-gathers and reduce-scatters of sequence
-    parallelism pipelined with the products they feed and follow (Megatron-Core's
-    ``--tp-comm-overlap``, Transformer Engine's userbuffers): each collective cut in
-    ``tp`` chunks, a chunk's transfer behind the product of another, so that only a
-    reduce-scatter's last chunk waits: ``1 / tp`` of the reduce-scatters' time (half the
-    tp group's) stays exposed, the rest hides and costs the link's ``processor_usage``.
+    ``tp_overlap``: sequence parallelism's collectives overlapped with the products
+    (Megatron-Core's ``--tp-comm-overlap`` on Transformer Engine's userbuffers), its
+    value the splits of the forward reduce-scatters (0: none): the all-gathers run as
+    ring exchanges behind the products they feed, backward's reduce-scatters and
+    all-gathers in bulk behind the weight-gradient products, and the forward
+    reduce-scatters (a quarter of a block's tp traffic: two of its eight collectives)
+    pipelined in ``tp_overlap`` splits, the last of which waits: ``1 / (4 tp_overlap)``
+    of the tp group's time stays exposed, the rest hides and costs the link's
+    ``processor_usage``.
     ``cp_grouped_kv``: context parallelism passes the key/value heads as they are
     (grouped-query attention's fewer heads) and their gradients in the activations'
     dtype (Transformer Engine's context-parallel attention), where mpishard's ring
@@ -116,7 +119,7 @@ class KernelSet:
     loss: str = "fused"
     grad_reduce_itemsize: int | None = None
     selective: str = "core"
-    tp_overlap: bool = False
+    tp_overlap: int = 0
     cp_grouped_kv: bool = False
 
     def __post_init__(self):
@@ -126,6 +129,10 @@ class KernelSet:
                              f"selective={self.selective!r}): attention must be one of "
                              f"{_ATTENTION}, loss one of {_LOSS}, selective one of "
                              f"{_SELECTIVE}")
+        if isinstance(self.tp_overlap, bool) or not isinstance(self.tp_overlap, int) or \
+                self.tp_overlap < 0:
+            raise ValueError(f"KernelSet(tp_overlap={self.tp_overlap!r}): the splits of the "
+                             f"forward reduce-scatters, an integer >= 0 (0: no overlap)")
 
 
 #: mpishard's CUDA backend, what ``mpishard plan`` costs
@@ -157,9 +164,12 @@ LLMFOUNDRY_KERNELS = KernelSet("flash2", "fused")
 #: FlashAttention-2's rate, a lower bound where cuDNN's kernels run faster),
 #: ``cross_entropy_loss_fusion: true`` (no float32 copy of the logits), the distributed
 #: optimizer's gradients reduced in bfloat16 (``grad_sync_dtype: bf16``), where tp > 1
-#: ``ub_tp_comm_overlap: true``, and context parallelism by Transformer Engine's
-#: attention (grouped K/V heads)
-NEMO_KERNELS = KernelSet("flash2", "fused", 2, tp_overlap=True, cp_grouped_kv=True)
+#: ``ub_tp_comm_overlap: true`` (``ub_tp_comm_overlap_cfg``: ``ring_exchange`` for the
+#: forward all-gathers and backward's gathers of the output gradient, ``bulk`` for
+#: backward's others, ``pipeline`` with ``num_splits: 4`` for the forward
+#: reduce-scatters), and context parallelism by Transformer Engine's attention (grouped
+#: K/V heads)
+NEMO_KERNELS = KernelSet("flash2", "fused", 2, tp_overlap=4, cp_grouped_kv=True)
 
 
 def moe_rows(module, rows: int) -> int:

@@ -371,49 +371,59 @@ def load_machine(name_or_path) -> Machine:
 def merge_calibrations(named: list, name: str = "calibrated") -> dict:
     """One description from several calibrations of the same machine (``named``:
     ``[(label, description dict), ...]``, e.g. the files of three launches of
-    ``mpishard bench calibrate``): every measured number the median over them. One
+    ``mpishard bench calibrate``): every measured number the median over them (each on
+    its own: a collective's latency and bandwidth may come from different launches). One
     launch lands where that launch's machine state put it (rates move by 5-20% between
     launches on a shared node, collectives by how the ranks were placed); the median
     of three is steadier than any one. The descriptions must agree in everything but
     their numbers (kind, cores, ranks per node, the same collectives and group sizes,
-    the optimizer's path thresholds); else a one-line ValueError naming the first
-    difference and the two labels."""
+    the optimizer's path thresholds, the kind of every value); else a one-line
+    ValueError naming the first difference and the two labels."""
     if len(named) < 2:
         raise ValueError(f"merging calibrations needs two or more descriptions, got "
-                         f"{len(named)}")
+                         f"{len(named)}: pass the files of two or more launches")
     for label, raw in named:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{label}: not a machine description (a JSON object); pass "
+                             f"files written by `mpishard bench calibrate -o`")
         try:
             machine_from_dict(raw)
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             raise ValueError(f"{label}: {err}") from None
         if raw.get("kind") != "cpu":
             raise ValueError(f"{label}: kind={raw.get('kind')!r}: only calibrations "
                              f"(kind 'cpu', from `mpishard bench calibrate`) are merged")
-
-    first_label = named[0][0]
+    first = named[0][0]
+    others = [label for label, _ in named[1:]]
 
     def merged(values: list, where: str):
         head = values[0]
+        for label, value in zip(others, values[1:]):
+            if _kind(value) != _kind(head):
+                raise ValueError(f"{first} and {label} differ at {where[:-1] or 'the top'} "
+                                 f"(a {_kind(head)} against a {_kind(value)}): merge "
+                                 f"calibrations of the same machine and mpishard version")
         if isinstance(head, dict):
-            for label, value in zip((n for n, _ in named[1:]), values[1:]):
+            for label, value in zip(others, values[1:]):
                 if set(value) != set(head):
                     key = sorted(set(value) ^ set(head))[0]
-                    raise ValueError(f"{first_label} and {label} differ at {where}{key} "
-                                     f"(in one only): merge calibrations taken with the "
+                    holder = first if key in head else label
+                    raise ValueError(f"{first} and {label} differ at {where}{key} (only "
+                                     f"{holder} has it): merge calibrations taken with the "
                                      f"same ranks and mpishard version")
             return {k: merged([v[k] for v in values], f"{where}{k}.") for k in head}
         if isinstance(head, list):
-            for label, value in zip((n for n, _ in named[1:]), values[1:]):
+            for label, value in zip(others, values[1:]):
                 if len(value) != len(head):
-                    raise ValueError(f"{first_label} and {label} differ at {where[:-1]} "
-                                     f"({len(head)} against {len(value)} entries)")
+                    raise ValueError(f"{first} and {label} differ at {where[:-1]} "
+                                     f"({len(head)} against {len(value)} entries): merge "
+                                     f"calibrations of the same mpishard version")
             return [merged([v[i] for v in values], f"{where}{i}.") for i in range(len(head))]
-        if isinstance(head, (int, float)) and not isinstance(head, bool) and \
-                not _must_agree(where):
+        if _kind(head) == "number" and not _must_agree(where):
             return statistics.median(values)
-        for label, value in zip((n for n, _ in named[1:]), values[1:]):
+        for label, value in zip(others, values[1:]):
             if value != head:
-                raise ValueError(f"{first_label} and {label} differ at {where[:-1]} "
+                raise ValueError(f"{first} and {label} differ at {where[:-1]} "
                                  f"({head!r} against {value!r}): merge calibrations of "
                                  f"the same machine and ranks")
         return head
@@ -424,6 +434,17 @@ def merge_calibrations(named: list, name: str = "calibrated") -> dict:
                        for label, raw in named)
     return {"name": name, **out,
             "sources": {"*": f"the median of {len(named)} calibrations ({stamps})"}}
+
+
+def _kind(value) -> str:
+    """What a description's value is, for merged calibrations to agree on."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if value is None:
+        return "null"
+    return {dict: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
 
 
 def _must_agree(where: str) -> bool:

@@ -256,12 +256,16 @@ def test_calibrate_fits_lines_and_writes_a_description_plan_reads(tmp_path):
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("mpishard: error: --merge ")
     assert "none.json: cannot read it" in bad.stderr and "Traceback" not in bad.stderr
+    same = mpishard("bench", "calibrate", "--merge", str(path), str(faster), "-o", str(path))
+    assert same.returncode != 0 and "is one of the calibrations to merge" in same.stderr
+    assert load_machine(path).peak("float32") == machine.peak("float32")     # untouched
 
 
 def test_merged_calibrations_take_the_median_of_each_measurement_and_agree_on_the_rest():
     from mpishard.planning import merge_calibrations
     raw = json.loads((MACHINES_DIR / "cpu-2core.json").read_text())
     raw["device"]["optimizer_rates"] = [[0, 7e9], [16 << 22, 3e10]]     # as calibrate writes
+    raw["device"]["grad_norm_rate"] = 7.5e9
 
     def launch(scale):
         out = json.loads(json.dumps(raw))
@@ -283,8 +287,19 @@ def test_merged_calibrations_take_the_median_of_each_measurement_and_agree_on_th
     assert machine_from_dict(two).peak("float32") == pytest.approx(1.25 * base.peak("float32"))
     other = launch(1.0)
     del other["collectives"]["send@4"]
-    with pytest.raises(ValueError, match=r"^a and b differ at collectives\.send@4 \(in one only\)"):
+    with pytest.raises(ValueError, match=r"^a and b differ at collectives\.send@4 \(only a has"):
         merge_calibrations([("a", launch(1.0)), ("b", other)])
+    other = launch(1.0)
+    other["device"]["grad_norm_rate"] = None
+    with pytest.raises(ValueError, match=r"differ at device\.grad_norm_rate \(a number "
+                                         r"against a null\)"):
+        merge_calibrations([("a", launch(1.0)), ("b", other)])
+    other = launch(1.0)
+    other["overlap"] = 1
+    with pytest.raises(ValueError, match=r"differ at overlap \(a boolean against a number\)"):
+        merge_calibrations([("a", launch(1.0)), ("b", other)])
+    with pytest.raises(ValueError, match=r"^b: not a machine description \(a JSON object\)"):
+        merge_calibrations([("a", launch(1.0)), ("b", [1, 2])])
     other = launch(1.0)
     other["cores"] = 8
     with pytest.raises(ValueError, match=r"^a and b differ at cores \(2 against 8\)"):

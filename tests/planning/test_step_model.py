@@ -212,25 +212,28 @@ def test_hidden_communication_costs_the_links_processor_usage_of_its_time():
                                                          "processor_usage": 1.5}}})
 
 
-def test_a_framework_that_pipelines_sp_collectives_exposes_the_reduce_scatters_last_chunk():
-    """``KernelSet(tp_overlap=True)`` (Megatron-Core's --tp-comm-overlap): of the tp
-    group's seconds under sequence parallelism only the reduce-scatters' last chunk,
-    ``1 / (2 tp)``, stays exposed; the rest hides at the link's processor usage; without
-    sequence parallelism (all-reduces) nothing changes."""
+def test_a_framework_that_overlaps_sp_collectives_exposes_the_forward_reduce_scatters_last_split():
+    """``KernelSet(tp_overlap=4)`` (Megatron-Core's --tp-comm-overlap, the forward
+    reduce-scatters in 4 splits): of the tp group's seconds under sequence parallelism
+    only the forward reduce-scatters' last split, ``1 / (4 * 4)``, stays exposed; the
+    rest hides at the link's processor usage; without sequence parallelism
+    (all-reduces) nothing changes."""
     machine = machine_from_dict({**KERNEL, "links": {"intra": {
         "latency_s": 0.0, "bandwidth": 1e9, "processor_usage": 0.25}}})
     sp = Layout(tp=2, strategy="ddp", precision="float16", batch_size=2, seq_len=16,
                 sequence_parallel=True)
     plain = predict_step(make, sp, machine)
-    over = predict_step(make, sp, machine, kernels=KernelSet(tp_overlap=True))
+    over = predict_step(make, sp, machine, kernels=KernelSet(tp_overlap=4))
     t = plain.comm_total["tp"]
     assert plain.breakdown["comm tp"] == pytest.approx(t) and t > 0
     assert over.comm_total["tp"] == pytest.approx(t)
-    assert over.breakdown["comm tp"] == pytest.approx(t / 4)
+    assert over.breakdown["comm tp"] == pytest.approx(t / 16)
     assert over.breakdown["overlap"] - plain.breakdown.get("overlap", 0.0) == \
-        pytest.approx(0.25 * (t - t / 4))
+        pytest.approx(0.25 * (t - t / 16))
+    with pytest.raises(ValueError, match="tp_overlap=True.*an integer >= 0"):
+        KernelSet(tp_overlap=True)
     no_sp = Layout(tp=2, strategy="ddp", precision="float16", batch_size=2, seq_len=16)
-    assert predict_step(make, no_sp, machine, kernels=KernelSet(tp_overlap=True)) \
+    assert predict_step(make, no_sp, machine, kernels=KernelSet(tp_overlap=4)) \
         .breakdown["comm tp"] == pytest.approx(predict_step(make, no_sp, machine)
                                                .breakdown["comm tp"])
 
@@ -265,3 +268,17 @@ def test_grouped_kv_context_parallelism_sends_the_kv_heads_and_16_bit_gradients(
     ring = 2 * (2 * 8) * 2 * 2 * 4 * (2 * c + 2 * 4)
     assert predict_step(make, plain, machine).comm_total["cp"] - gpt.comm_total["cp"] == \
         pytest.approx(2 * ring * (2 * 4 - 2 * c) / (2 * c + 2 * 4) / 1e9)
+    # one memo and stage cache across layouts that differ only in recomputation (as a
+    # search shares them): each as predicted alone
+    from mpishard.planning.search import StageCache
+    whole = llama()
+    cache, memo = StageCache(llama, whole), {}
+    for ckpt in (False, True, False):
+        lay = Layout(dp=1, cp=2, strategy="ddp", precision="float16", batch_size=2,
+                     seq_len=32, activation_checkpointing=ckpt)
+        alone = predict_step(llama, lay, machine, kernels=KernelSet(cp_grouped_kv=True))
+        shared = predict_step(llama, lay, machine, kernels=KernelSet(cp_grouped_kv=True),
+                              stages=cache.of(lay), memo=memo, whole=whole,
+                              plan=estimate_layout(whole, lay, stage_of=cache.of(lay),
+                                                   memo=memo))
+        assert shared.comm_total["cp"] == pytest.approx(alone.comm_total["cp"]), ckpt
