@@ -156,13 +156,13 @@ def _cmd_estimate(args) -> int:
     strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
     budget = cfg.run.memory_budget
-    from mpishard.cli.plan import machine_or_error
+    from mpishard.cli.plan import machine_or_error, plan_backend
     machine = machine_or_error(args.machine) if getattr(args, "machine", None) else None
     for strategy in strategies:
         cfg.parallel.strategy = strategy
         try:   # each plan consumes its model (layers are swapped for tensor-parallel ones)
             layout = layout_of(cfg, dp, recipe)
-            plan = estimate_layout(recipe.model(Backend()), layout)
+            plan = estimate_layout(recipe.model(plan_backend(machine)), layout)
         except ValueError as err:   # tp larger than n_head, pp than n_layer, ...
             raise ConfigError(str(err)) from None
         print(plan.format())

@@ -59,7 +59,6 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     (default: the machine's usable memory); offloaded where nothing else fits (on a
     machine with a host link), or as ``cfg.parallel.offload`` asks; gradients reduced
     in ``cfg.parallel.reduce_dtype``."""
-    from mpishard.core.backend import Backend
     from mpishard.config.sections import ConfigError
     from mpishard.recipes import recipe_for
     from mpishard.planning.search import candidate_layouts, rank_layouts
@@ -93,7 +92,8 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     def progress(i, n):
         if say and (i % max(1, n // 10) == 0):
             say(f"plan: {i}/{n} layouts")
-    ranked, over = rank_layouts(lambda: recipe.model(Backend()), layouts, machine, rpn,
+    backend = plan_backend(machine)
+    ranked, over = rank_layouts(lambda: recipe.model(backend), layouts, machine, rpn,
                                 memory_bytes, progress=progress, offloads=offloads)
     return ranked, over, len(layouts), machine, precision
 
@@ -207,7 +207,7 @@ def _cmd_plan(args) -> int:
     print("figures: " + "; ".join(f"{kind}: {', '.join(keys)}" for kind, keys in
                                   sorted(machine.provenance().items())))
     if top and args.explain:
-        print(explain(top[0], cfg))
+        print(explain(top[0], cfg, machine))
     return 0
 
 
@@ -232,11 +232,21 @@ def _usable(machine) -> str:
             f"less a {machine.memory_reserve_bytes / gib:.1f} GiB reserve)")
 
 
-def explain(ranked, cfg) -> str:
+def plan_backend(machine):
+    """The backend a plan's models are built on (unmaterialised: no memory): a GPU
+    machine's as its device runs (the CuPy-strict module's rules on the host), so that
+    the activation plan counts what a device's kernels keep (float32 normalised rows,
+    and the attention ``MPISHARD_ATTENTION`` chooses, as the step-time model costs it);
+    NumPy's on a CPU."""
+    from mpishard.core.backend import Backend
+    return Backend("strict") if machine is not None and machine.kind == "gpu" else Backend()
+
+
+def explain(ranked, cfg, machine=None) -> str:
     """One layout's breakdown beside its step total: compute by op class (with the
     recomputation in it), exposed communication per mesh group, bubble, optimizer, and
-    its busiest rank's memory by category."""
-    from mpishard.core.backend import Backend
+    its busiest rank's memory by category (planned on ``machine``'s backend, see
+    :func:`plan_backend`)."""
     from mpishard.planning.layout import estimate_layout
     from mpishard.recipes import recipe_for
 
@@ -252,5 +262,5 @@ def explain(ranked, cfg) -> str:
     recompute = "full blocks" if lay.activation_checkpointing else \
         "attention's core" if lay.selective else "none"
     rows.append(f"  recomputation: {recompute} (inside the compute rows)")
-    rows.append(estimate_layout(recipe_for(cfg).model(Backend()), lay).format())
+    rows.append(estimate_layout(recipe_for(cfg).model(plan_backend(machine)), lay).format())
     return "\n".join(rows)

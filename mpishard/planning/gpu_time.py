@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mpishard.kernels import attention_choice
 from mpishard.kernels.cuda.attention_tc_src import tensor_cores
 from mpishard.models import spec_of
 from mpishard.nn.sharding import plan_of
@@ -314,8 +315,8 @@ def _flash(kernels, s, hs, p) -> tuple:
     """``(share of the flash rate, backward kernels)`` of a fused attention, else None."""
     if kernels.attention == "flash2":
         return 1.0, 1
-    if kernels.attention == "mpishard" and p == 0 and tensor_cores("__half" if s == 2 else
-                                                                  "", hs):
+    if kernels.attention == "mpishard" and p == 0 and attention_choice() == "fused" and \
+            tensor_cores("__half" if s == 2 else "", hs):
         return TENSOR_CORE_ATTENTION_SHARE, 2                 # dq, then dk and dv
     return None
 

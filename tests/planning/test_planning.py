@@ -408,3 +408,30 @@ def test_a_busy_step_lasts_until_its_slowest_rank_finishes():
         return lambda: clock.sleep(0.06 if world.rank == 1 else 0.02)
     slowdown = _busy_slowdown(world, steps, 64, 3, lambda text: None)
     assert slowdown[2] == pytest.approx(3.0, rel=0.15)
+
+
+def test_a_gpu_plan_follows_the_attention_choice_in_time_and_memory():
+    """On a GPU machine the plan builds its models as the device runs them (the strict
+    module's rules): with ``MPISHARD_ATTENTION=fused`` attention is costed as the flash
+    kernels and keeps no T x T weights; with the default batched choice both the time
+    and the memory count the weights, as that run would."""
+    from ckpt_scripts.common import run_mpishard as mpishard
+    from mpishard.cli.plan import plan_backend
+    figures = {}
+    for choice in ("batched", "fused"):
+        out = mpishard("plan", "--preset", "gpt2", "--ranks", "8", "--machine", "h100-sxm",
+                       "--global-batch", "32", "--strategy", "zero3",
+                       "--top", "1000", "--json", env={"MPISHARD_ATTENTION": choice},
+                       timeout=300)
+        assert out.returncode == 0, out.stderr
+        mine = [lay for lay in json.loads(out.stdout)["layouts"]
+                if (lay["dp"], lay["dp_replicate"], lay["micro_batch"], lay["micro_batches"],
+                    lay["activation_checkpointing"], lay["virtual_stages"]) ==
+                (8, 1, 4, 1, False, 1)]
+        assert len(mine) == 1, choice
+        figures[choice] = (mine[0]["breakdown"]["compute attention"], mine[0]["peak_bytes"])
+    assert figures["fused"][0] < 0.8 * figures["batched"][0]
+    weights = 12 * 4 * 12 * 1024 * 1024 * 4          # layers x batch x heads x T^2 float32
+    assert figures["batched"][1] - figures["fused"][1] > 0.9 * weights
+    assert plan_backend(load_machine("h100-sxm")).name == "strict"
+    assert plan_backend(load_machine("cpu-2core")).name == "numpy"

@@ -124,10 +124,12 @@ def test_shipped_gpus_are_costed_by_kernels_with_every_figure_sourced():
                                                 "matmul_efficiency_table": [[0, 1], [1, 1]]}})
 
 
-def test_mpishards_kernels_fuse_attention_where_the_tensor_core_kernel_takes_it():
-    """16-bit rows, a head size a multiple of 16 and no dropout of the weights: one fused
-    kernel forward, two backward (dq; dk and dv) at the tensor-core share of the flash
-    rate; with dropout (or 4-byte rows) the batched path's products and softmax."""
+def test_mpishards_kernels_fuse_attention_where_the_tensor_core_kernel_takes_it(monkeypatch):
+    """With ``MPISHARD_ATTENTION=fused``, 16-bit rows, a head size a multiple of 16 and no
+    dropout of the weights: one fused kernel forward, two backward (dq; dk and dv) at the
+    tensor-core share of the flash rate; with dropout (or 4-byte rows), or the default
+    batched choice, the batched path's products and softmax, as the run would do."""
+    monkeypatch.setenv("MPISHARD_ATTENTION", "fused")
     lay = Layout(batch_size=2, seq_len=16)
     wide = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -141,6 +143,9 @@ def test_mpishards_kernels_fuse_attention_where_the_tensor_core_kernel_takes_it(
     assert all(not op.flash for op in attention(CFG, 2))            # dropout 0.1, head size 4
     assert {op.flash for op in attention(wide, 2, KernelSet("flash2"))} == {1.0}
     assert all(not op.flash for op in attention(wide, 2, MEGATRON_KERNELS))
+    monkeypatch.setenv("MPISHARD_ATTENTION", "batched")
+    assert all(not op.flash for op in attention(wide, 2))
+    assert {op.flash for op in attention(wide, 2, KernelSet("flash2"))} == {1.0}
     with pytest.raises(ValueError, match="attention must be one of"):
         KernelSet("sdpa")
 
