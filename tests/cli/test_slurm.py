@@ -266,6 +266,44 @@ def test_shellcheck(template):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+# A job that exits 0 as soon as USR1 reaches it, and a trap that forwards USR1 to it and
+# returns only once it has exited: the batch shell's wait is interrupted (128 + 10) and
+# the job is already gone when the script looks again, as under load.
+WAIT_HARNESS = r"""
+job() { trap 'exit 0' USR1; touch "$READY"; while :; do sleep 0.05; done; }
+on_usr1() {
+    time_up=1 interrupted=1
+    kill -USR1 "$job_pid"
+    while kill -0 "$job_pid" 2> /dev/null && [ "$(ps -o stat= -p "$job_pid")" != Z ]; do
+        sleep 0.05
+    done
+}
+time_up=0 interrupted=0
+job &
+job_pid=$!
+trap on_usr1 USR1
+( while [ ! -f "$READY" ]; do sleep 0.05; done; kill -USR1 $$ ) &
+@WAIT@
+echo "status=$status time_up=$time_up"
+"""
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_job_that_ends_before_the_trap_returns_keeps_its_own_status(template, tmp_path):
+    """The template's wait for the job, run with a job that exits 0 on USR1 before the
+    trap returns: the status is the job's (0, so the job requeues), not the interrupted
+    wait's 138."""
+    text = (SLURM / template).read_text()
+    start = text.index('status=0\nwait "$job_pid"')
+    end = text.index("\ndone\n", start) + len("\ndone\n")
+    script = tmp_path / "wait.sh"
+    script.write_text(WAIT_HARNESS.replace("@WAIT@", text[start:end]))
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, READY=str(tmp_path / "ready")))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "status=0 time_up=1", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_no_site_specific_paths(template):
     text = (SLURM / template).read_text()
