@@ -416,8 +416,8 @@ def hopper(say=lambda text: None) -> list:
                          "usable_gib": machine.usable_memory_bytes / 2**30,
                          # what each of the framework's switches is worth: the step
                          # predicted without it, over the published one
-                         "without": {switch: predict_step(make, layout, machine, kernels=(
-                             dataclasses.replace(kernels, **{switch: off}))).seconds
+                         "without": {switch: predict_step(make, layout, machine, plan=plan,
+                             kernels=dataclasses.replace(kernels, **{switch: off})).seconds
                              / cost.seconds * published_tps / predicted_tps - 1
                              for switch, off in (("tp_overlap", 0), ("cp_grouped_kv", False))
                              if getattr(kernels, switch) and _matters(switch, layout)},

@@ -311,10 +311,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
             if kernels.grad_reduce_itemsize and (group in _DP_GROUPS or group == "tied"):
                 nbytes *= kernels.grad_reduce_itemsize / grad
             if group == "cp" and kernels.cp_grouped_kv:     # grouped K/V, 16-bit gradients
-                mode = "full" if layout.activation_checkpointing else \
-                    "selective" if layout.selective else "none"
-                nbytes += cached(("cp grouped", layout.batch_size, layout.seq_len, layout.cp,
-                                  layout.cp_mode, layout.micro_batches, mode, act.name),
+                nbytes += cached(("cp grouped", layout, act.name),
                                  lambda: cp_attention_bytes(stage, layout, plan_of(whole), act,
                                                             _kv_share(whole), act.itemsize)
                                  - cp_attention_bytes(stage, layout, plan_of(whole), act))

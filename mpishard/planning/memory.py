@@ -286,7 +286,7 @@ def _local_heads(stage, module) -> tuple:
 
 
 def cp_attention_bytes(stage, layout, plan, act, kv_share: float = 1.0,
-              grad_itemsize: int | None = None) -> int:
+                       grad_itemsize: int | None = None) -> int:
     """Bus bytes of one step's context-parallel attention on this stage: mpishard's,
     whose K/V blocks travel expanded to the query heads and their gradients in float32
     under 16-bit compute; ``kv_share`` (the key/value heads over the query heads) and
