@@ -40,7 +40,7 @@ from mpishard.core.dtypes import is_low_precision, matmul_dtype
 from mpishard.kernels import kernels_for
 from mpishard.kernels.cuda.gemm import batched_matmul
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
-from mpishard.autodiff.rows import cast, check_last_dim, up
+from mpishard.autodiff.rows import cast, check_last_dim, keeps_least, up
 from mpishard.autodiff.tensor import Tensor
 
 __all__ = ["gqa_attention"]
@@ -135,8 +135,13 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
     rd = np.dtype(np.float32) if is_low_precision(dtype) else np.dtype(dtype)  # rotations
     zd = _complex_of(rd)
     cos, sin = xp.asarray(cos), xp.asarray(sin)         # tables made on the host: copied
-    q_turn, q_back = _turns(cos, sin, H, 1.0 / math.sqrt(hs), rd)
-    k_turn, k_back = _turns(cos, sin, Hkv, 1.0, rd)
+    def turns():       # (q's, k's) rotations and their conjugates
+        return _turns(cos, sin, H, 1.0 / math.sqrt(hs), rd), _turns(cos, sin, Hkv, 1.0, rd)
+    (q_turn, q_back), (k_turn, k_back) = turns()
+    # backward's conjugates kept on a device; on NumPy made again (as rope_qkv's
+    # tables: see [Note: what ops keep] in rows.py)
+    backs = None if keeps_least(xp) else (q_back, k_back)
+    del q_back, k_back
     orders = (_pair_order(H, hs), _pair_order(Hkv, hs), None)
     kernels = kernels_for(xp)
     step = 1 if xp is np else B
@@ -167,6 +172,7 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
         out[b] = y.reshape(nb, H, T, hs).transpose(0, 2, 1, 3)
 
     def backward(g):
+        q_back, k_back = backs or tuple(t[1] for t in turns())
         gy = cast(g, cd).reshape(B, T, H, hs)
         dqkv = xp.empty((N, (H + 2 * Hkv) * hs), dtype=rd)
         dz = dqkv.view(zd)

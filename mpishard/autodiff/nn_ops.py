@@ -33,8 +33,7 @@ from mpishard.kernels.cuda.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_
 from mpishard.kernels.rows import col_sum_dtype
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
 from mpishard.autodiff.rows import (bias_grad, cast, check_last_dim, draw_uniform,
-                                    keeps_least, kept_mask, native_float16, scatter_add_rows,
-                                    up)
+                                    kept_mask, native_float16, scatter_add_rows, up)
 from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = ["linear", "layer_norm", "gelu", "embedding", "dropout", "dropout_add"]
@@ -107,13 +106,10 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
         return kernels.layer_norm_forward(
             lift(x.data.reshape(-1, n)), lift(weight.data) if weight is not None else None,
             lift(bias.data) if bias is not None else None, eps)
-    y, kept_xhat, kept_rstd = normalise()
-    if keeps_least(xp):              # see [Note: what ops keep] in rows.py
-        kept_xhat = kept_rstd = None
+    y = normalise()[0]
 
-    def backward(g):      # else xhat and rstd again from the input, which the graph
-        xhat, rstd = (kept_xhat, kept_rstd) if kept_xhat is not None else \
-            normalise()[1:]          # keeps: the same bits
+    def backward(g):      # xhat and rstd again from the input, which the graph keeps: the
+        xhat, rstd = normalise()[1:]     # same bits (see [Note: what ops keep] in rows.py)
         g2 = lift(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
         need_b = bias is not None and bias.requires_grad
@@ -153,15 +149,12 @@ def gelu(x, bias=None) -> Tensor:
                              f"{x.data.dtype}")
     if native_float16(kernels, x.data.dtype):
         return _gelu16(x, bias, a2, kernels)              # one kernel each way
-    y2, kept_t2 = kernels.gelu_forward(up(a2), None if bias is None else up(bias.data))
+    y2 = kernels.gelu_forward(up(a2), None if bias is None else up(bias.data))[0]
     shape2 = a2.shape                                   # see [Note: 16-bit inputs]
-    if keeps_least(xp):              # see [Note: what ops keep] in rows.py
-        kept_t2 = None
 
-    def backward(g):     # else tanh again from the input, which the graph keeps
-        a2 = up(x.data.reshape(shape2))
-        t2 = kept_t2 if kept_t2 is not None else \
-            kernels.gelu_forward(a2, None if bias is None else up(bias.data))[1]
+    def backward(g):     # tanh again from the input, which the graph keeps (see [Note:
+        a2 = up(x.data.reshape(shape2))                 # what ops keep] in rows.py)
+        t2 = kernels.gelu_forward(a2, None if bias is None else up(bias.data))[1]
         g2 = up(g.reshape(shape2))
         if bias is None:
             return (cast(kernels.gelu_backward(a2, t2, g2), x.dtype).reshape(x.shape),)
@@ -173,10 +166,14 @@ def gelu(x, bias=None) -> Tensor:
 
 def _gelu16(x, bias, a2, kernels) -> Tensor:
     """:func:`gelu` of float16 ``x`` on a GPU: float16 in and out, float32 inside (the
-    same values as casting up, computing and casting down), its tanh kept in float32."""
-    y2, t2 = kernels.gelu16_forward(a2, None if bias is None else bias.data)
+    same values as casting up, computing and casting down), its float32 tanh computed
+    again in backward (one launch), not kept."""
+    y2 = kernels.gelu16_forward(a2, None if bias is None else bias.data)[0]
+    shape2 = a2.shape
 
     def backward(g):
+        t2 = kernels.gelu16_forward(x.data.reshape(shape2),
+                                    None if bias is None else bias.data)[1]
         need_b = bias is not None and bias.requires_grad
         gx, gb = kernels.gelu16_backward(                   # see [Note: gradient buffers]
             x.data.reshape(t2.shape), None if bias is None else bias.data, t2,

@@ -17,7 +17,7 @@ from mpishard.core.backend import xp_of
 from mpishard.core.dtypes import is_low_precision
 from mpishard.kernels import kernels_for
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
-from mpishard.autodiff.rows import cast, check_last_dim, native_float16, up
+from mpishard.autodiff.rows import cast, check_last_dim, keeps_least, native_float16, up
 from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
 
 __all__ = ["rms_norm", "rope", "rope_qkv", "swiglu", "rope_tables"]
@@ -37,12 +37,12 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
     # mpishard/kernels/cuda/norms.py), else cast up (float32 for 16-bit)
     native = native_float16(kernels, dtype) and (weight is None or weight.dtype == dtype)
     lift = (lambda a: a) if native else up
-    x2 = lift(x.data.reshape(-1, n))                    # (N, n)
-    y, xhat, rstd = kernels.rms_norm_forward(           # xhat, rstd kept for backward
-        x2, lift(weight.data) if weight is not None else None, eps)
+    y, _, rstd = kernels.rms_norm_forward(              # rstd kept for backward
+        lift(x.data.reshape(-1, n)), lift(weight.data) if weight is not None else None, eps)
 
-    def backward(g):
-        g2 = lift(g.reshape(-1, n))
+    def backward(g):   # xhat again from the input, which the graph keeps: the same bits
+        xhat = kernels.rms_norm_forward(lift(x.data.reshape(-1, n)), None, eps)[1]  # (see
+        g2 = lift(g.reshape(-1, n))             # [Note: what ops keep] in rows.py)
         need_w = weight is not None and weight.requires_grad
         gw, _ = kernels.norm_param_grads(                  # see [Note: gradient buffers]
             g2, xhat, need_w, False, grad_buffer(weight, xhat.dtype) if need_w else None)
@@ -88,13 +88,18 @@ def rope_tables(seq_len: int, head_size: int, theta: float = 10000.0, scaling=No
 
 def _rotation(cos, sin, n_heads: int, dtype):
     """The tables for :func:`_rotate` over ``n_heads`` heads: ``cos`` and ``[-sin, sin]``
-    (the sign of ``rotate_half``), each ``(T, n_heads, hs)`` and contiguous, so the
-    passes below run over whole sequences instead of 32-wide half rows (2.4x faster
-    on the 64-wide heads measured)."""
+    (the sign of ``rotate_half``). On NumPy each ``(T, n_heads, hs)`` and contiguous,
+    so the passes below run over whole sequences instead of 32-wide half rows (2.4x
+    faster on the 64-wide heads measured); on a device ``(T, 1, hs)``, which its
+    kernels broadcast over the heads. A backward keeps a device's (one ``(T, hs)``
+    pair per op); on NumPy it builds them again from the model's ``(cos, sin)`` (kept,
+    they would be ``2 T hs`` elements per head per block; see [Note: what ops keep]
+    in rows.py)."""
     xp = xp_of(cos)
     T, hs = cos.shape
-    c = xp.broadcast_to(cos.astype(dtype)[:, None, :], (T, n_heads, hs)).copy()
-    signed = xp.broadcast_to(sin.astype(dtype)[:, None, :], (T, n_heads, hs)).copy()
+    heads = n_heads if xp is np else 1
+    c = xp.broadcast_to(cos.astype(dtype)[:, None, :], (T, heads, hs)).copy()
+    signed = xp.broadcast_to(sin.astype(dtype)[:, None, :], (T, heads, hs)).copy()
     signed[..., :hs // 2] *= -1
     return c, signed
 
@@ -135,13 +140,18 @@ def rope(x, cos, sin) -> Tensor:
     x = as_tensor(x)
     _check_rope("rope", x, cos)
     xd = up(x.data)
-    xp = xp_of(xd)
-    tables = _rotation(cos, sin, x.shape[2], xd.dtype)
-    y = _rotate(xd, tables, xp.empty_like(xd))
+    xp, rd = xp_of(xd), xd.dtype
+
+    def tables():                      # (reads no array backward must not keep)
+        return _rotation(cos, sin, x.shape[2], rd)
+    made = tables()
+    y = _rotate(xd, made, xp.empty_like(xd))
+    kept = None if keeps_least(xp) else made          # see _rotation
 
     def backward(g):
         gd = up(g)
-        return (cast(_rotate(gd, tables, xp.empty_like(gd), inverse=True), x.dtype),)
+        return (cast(_rotate(gd, kept or tables(), xp.empty_like(gd), inverse=True),
+                     x.dtype),)
     return make_result(cast(y, x.dtype), (x,), backward, "rope")
 
 
@@ -168,12 +178,16 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
                          f"{heads.tolist()} (one non-decreasing key/value head per query head)")
     dtype = q.dtype
     qd = up(q.data)
-    xp = xp_of(qd)
-    q_tables = _rotation(cos, sin, H, qd.dtype)
-    k_tables = _rotation(cos, sin, H_kv, qd.dtype)
+    xp, rd = xp_of(qd), qd.dtype
+
+    def tables():      # q's and k's (on a device one pair, broadcast over the heads)
+        qt = _rotation(cos, sin, H, rd)
+        return qt, (_rotation(cos, sin, H_kv, rd) if xp is np else qt)
+    q_tables, k_tables = tables()
     packed = xp.empty((B, T, 3, H, hs), dtype=qd.dtype)
     _rotate(qd, q_tables, packed[:, :, 0])
     k_rot = _rotate(up(k.data), k_tables, xp.empty((B, T, H_kv, hs), dtype=qd.dtype))
+    kept = None if keeps_least(xp) else (q_tables, k_tables)       # see _rotation
     vd = up(v.data)
     for j, kv in enumerate(heads.tolist()):
         packed[:, :, 1, j] = k_rot[:, :, kv]
@@ -194,12 +208,13 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
 
     def backward(g):
         d = up(g).reshape(B, T, 3, H, hs)
-        gq = _rotate(d[:, :, 0], q_tables, xp.empty((B, T, H, hs), dtype=d.dtype),
+        qt, kt = kept or tables()
+        gq = _rotate(d[:, :, 0], qt, xp.empty((B, T, H, hs), dtype=d.dtype),
                      inverse=True) if q.requires_grad else None
         gk = None
         if k.requires_grad:
             summed = group_sum(d[:, :, 1])
-            gk = _rotate(summed, k_tables, xp.empty_like(summed), inverse=True)
+            gk = _rotate(summed, kt, xp.empty_like(summed), inverse=True)
         gv = group_sum(d[:, :, 2]) if v.requires_grad else None
         return cast(gq, dtype), cast(gk, dtype), cast(gv, dtype)
     return make_result(cast(packed, dtype).reshape(B * T, 3 * H * hs), (q, k, v), backward,
@@ -219,10 +234,10 @@ def swiglu(gate, up_proj) -> Tensor:
     xp = xp_of(g2)
     cd = np.float32 if is_low_precision(dtype) else dtype
     kernels = kernels_for(xp)
-    y, sig = kernels.swiglu_forward(cast(g2, cd), cast(u2, cd))   # sig kept for backward
+    y = kernels.swiglu_forward(cast(g2, cd), cast(u2, cd))   # backward: the sigmoid again
 
     def backward(grad):
-        g_gate, g_up = kernels.swiglu_backward(cast(g2, cd), cast(u2, cd), sig,
+        g_gate, g_up = kernels.swiglu_backward(cast(g2, cd), cast(u2, cd),
                                                cast(grad.reshape(-1, n), cd),
                                                gate.requires_grad, up_proj.requires_grad)
         return (None if g_gate is None else cast(g_gate, dtype).reshape(shape),

@@ -110,16 +110,22 @@ def kept_mask(u, p: float):
 
 
 # [Note: what ops keep]
-# On NumPy the ops keep for backward only what cannot be computed again from the
-# graph's own tensors: a dropout which elements it kept, a byte each (as Megatron-LM's
-# masks: Korthikanti et al. 2022, arXiv:2205.05198, section 4.1), not its float32
-# draws; a layer norm nothing (backward normalises its input again), a GELU nothing
-# (backward computes its tanh again), each the same bits as forward's. A pass more in
-# backward costs no launch there. A device's fused kernels read float32 draws, the
-# normalised rows and the tanh, and every pass is a launch (the fusion budget of
-# tests/testing/test_strict_launches.py): there the ops keep them, until the kernels
-# take masks and compute the rest inline. The activation plans follow
-# (:func:`mpishard.models.activations.micro_batch`).
+# The ops keep for backward only what cannot be computed again cheaply from the graph's
+# own tensors, each recomputation the same bits as forward's:
+# - a layer norm and an RMS norm keep no normalised rows (backward normalises its
+#   input again: on a device one launch of the forward kernel), a GELU no tanh (one
+#   launch again), a SwiGLU no sigmoid (its backward kernel computes it inline);
+#   float32 rows of the model's width, or of the MLP's, would otherwise be kept per
+#   norm and per block, the largest share of a 16-bit block's activations after the
+#   products' inputs;
+# - on NumPy a dropout keeps which elements it kept, a byte each (as Megatron-LM's
+#   masks: Korthikanti et al. 2022, arXiv:2205.05198, section 4.1), not its float32
+#   draws, and the rotary embeddings build their per-head tables again (a pass more
+#   in backward costs no launch there). A device's fused dropout kernels read float32
+#   draws, and its rotations run over one (T, head size) table pair broadcast over the
+#   heads, both kept (the fusion budget of tests/testing/test_strict_launches.py),
+#   until the kernels take masks.
+# The activation plans follow (:func:`mpishard.models.activations.micro_batch`).
 
 
 def release_values(tensor) -> None:

@@ -158,7 +158,6 @@ def _activation_step(rows: int, width: int, heads: int, seq: int,
     from mpishard.autodiff.nn_ops import gelu, layer_norm
     from mpishard.autodiff.rms_rope_swiglu import rms_norm, swiglu
     from mpishard.autodiff.softmax_ops import softmax
-    from mpishard.autodiff.rows import keeps_least
     from mpishard.core.backend import MemoryLedger
     if ops not in OP_SETS:
         raise ValueError(f"elementwise ops {ops!r}: expected one of {', '.join(OP_SETS)}")
@@ -174,12 +173,10 @@ def _activation_step(rows: int, width: int, heads: int, seq: int,
     with ledger.measure_activations() as kept:
         out = forward()
     del out
-    # counted as a device's kernels keep, the measure the planner divides by (see
-    # _whole_activations in mpishard/planning/cost.py): NumPy's layer norm computes its
-    # normalised rows and 1/std again in backward, its GELU the tanh (the RMS norm keeps
-    # its normalised rows and SwiGLU its inputs, as the Llama family's count does)
-    streamed = kept.nbytes + ((rows * (width + 1) + rows * width) * 4
-                              if keeps_least(np) and ops == "layernorm-gelu" else 0)
+    # the measure the planner divides by (see _whole_activations in
+    # mpishard/planning/cost.py): these ops keep on NumPy what a device's kernels keep
+    # (norms, GELU and SwiGLU compute the rest again in backward on both)
+    streamed = kept.nbytes
 
     def step():
         forward().backward()

@@ -74,9 +74,10 @@ class KernelSet(Protocol):
         / ``out_bias`` (``(C,)``: gradient buckets' views) when given."""
 
     def swiglu_forward(self, gate, up):
-        """``(y, s)``: ``s = sigmoid(gate)`` kept for backward, ``y = gate s up``."""
+        """``y = gate s up`` with ``s = sigmoid(gate)`` (nothing kept: backward computes
+        ``s`` again from ``gate``, the same bits)."""
 
-    def swiglu_backward(self, gate, up, s, grad, need_gate: bool = True, need_up: bool = True):
+    def swiglu_backward(self, gate, up, grad, need_gate: bool = True, need_up: bool = True):
         """``(d gate, d up)`` of :meth:`swiglu_forward` (None where not needed)."""
 
     def dropout_add(self, x, y, u, p: float, bias=None):

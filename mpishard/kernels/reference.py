@@ -111,13 +111,16 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
     return gw, gb
 
 
+def _sigmoid(gate):
+    return 1.0 / (1.0 + xp_of(gate).exp(-gate))
+
+
 def swiglu_forward(gate, up):
-    xp = xp_of(gate)
-    s = 1.0 / (1.0 + xp.exp(-gate))
-    return gate * s * up, s
+    return gate * _sigmoid(gate) * up
 
 
-def swiglu_backward(gate, up, s, grad, need_gate: bool = True, need_up: bool = True):
+def swiglu_backward(gate, up, grad, need_gate: bool = True, need_up: bool = True):
+    s = _sigmoid(gate)
     g_up = grad * gate * s if need_up else None
     g_gate = grad * up * s * (1.0 + gate * (1.0 - s)) if need_gate else None
     return g_gate, g_up

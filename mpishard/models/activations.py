@@ -73,7 +73,7 @@ def attention_bytes(B: int, h: int, T: int, hs: int, c: int, f: int, cp: int = 1
     if cp == 1:
         return B * h * T * T * f + N * A * c
     if cp_mode == "ring":                                   # output, log-sum-exp
-        return N * A * f + B * h * T * f + N * A * c
+        return B * h * T * f + N * A * c
     return 3 * N * A * c + B * h * cp * T * T * f + 2 * N * A * c   # all-to-all
 
 
@@ -129,9 +129,8 @@ class MicroBatch:
         return 1 if self.lean else 4
 
     def norm(self, rows: int) -> int:
-        """What a layer norm of ``rows`` keeps: its output (a device's kernels also the
-        normalised rows and 1/std)."""
-        return rows * self.C * self.c + (0 if self.lean else rows * (self.C + 1) * self.f)
+        """What a layer norm of ``rows`` keeps: its output (backward normalises again)."""
+        return rows * self.C * self.c
 
 
 def micro_batch(model, blocks, batch_size: int, seq_len: int, dtype, checkpointing=None,

@@ -236,12 +236,15 @@ def test_bfloat16_takes_the_launches_of_float16():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_a_gpt_block_takes_at_most_40_launches(strategy):
+def test_a_gpt_block_takes_at_most_43_launches(strategy):
     """The fusion budget (benchmarks/syncs.py reports the same figure at a larger size):
-    a block's forward, backward and gradient reduction in float32 with dropout on, 40
-    launches at most, each of the block's fused kernels among them once or twice."""
+    a block's forward, backward and gradient reduction in float32 with dropout on, 43
+    launches at most (40 before its two layer norms and its GELU ran their forward
+    kernels again in backward instead of keeping float32 normalised rows and tanh: see
+    [Note: what ops keep] in mpishard/autodiff/rows.py), each of the block's fused
+    kernels among them once or twice."""
     per_block, by_op = _block_launches(strategy)
-    assert per_block <= 40, (per_block, by_op)
+    assert per_block <= 43, (per_block, by_op)
     for kernel in ("mpishard_causal_softmax", "mpishard_softmax_backward",
                    "mpishard_unpack_heads", "mpishard_bias_gelu_backward"):
         assert by_op.get(kernel) == 2, (kernel, by_op)           # 2 blocks, once each

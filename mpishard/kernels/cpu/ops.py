@@ -177,27 +177,34 @@ def norm_param_grads(g, xhat, need_weight: bool, need_bias: bool, out_weight=Non
     return gw, gb
 
 
+def _sigmoid(g, out):
+    """``1 / (1 + exp(-g))`` into ``out``, forward's and backward's same passes."""
+    np.negative(g, out=out)
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(1.0, out, out=out)
+    return out
+
+
 def swiglu_forward(gate, up):
-    s2, y2 = np.empty_like(gate), np.empty_like(gate)
+    y2 = np.empty_like(gate)
 
     def block(rows):
-        g, s, y = gate[rows], s2[rows], y2[rows]
-        np.negative(g, out=s)
-        np.exp(s, out=s)
-        s += 1.0
-        np.divide(1.0, s, out=s)
-        np.multiply(g, s, out=y)
+        g, y = gate[rows], y2[rows]
+        np.multiply(g, _sigmoid(g, y), out=y)
         y *= up[rows]
     for_rows(block, *gate.shape)
-    return y2, s2
+    return y2
 
 
-def swiglu_backward(gate, up, s, grad, need_gate: bool = True, need_up: bool = True):
+def swiglu_backward(gate, up, grad, need_gate: bool = True, need_up: bool = True):
+    """The sigmoid computed again block by block (in cache), not kept from forward."""
     g_gate = np.empty_like(gate) if need_gate else None
     g_up = np.empty_like(gate) if need_up else None
 
     def block(rows):
-        g, sb, gd = gate[rows], s[rows], grad[rows]
+        g, gd = gate[rows], grad[rows]
+        sb = _sigmoid(g, np.empty_like(g))
         gu = g_up[rows] if g_up is not None else np.empty_like(sb)
         np.multiply(gd, g, out=gu)                      # grad * silu(gate)
         gu *= sb

@@ -261,11 +261,11 @@ def swiglu_forward(gate, up):
     return _elementwise(xp, "mpishard_swiglu_forward", gate, up)
 
 
-def swiglu_backward(gate, up, s, grad, need_gate: bool = True, need_up: bool = True):
+def swiglu_backward(gate, up, grad, need_gate: bool = True, need_up: bool = True):
     xp = xp_of(gate)
     if is_strict_module(xp):
         with xp.syncs.fused("mpishard_swiglu_backward"):
-            g_gate, g_up = reference.swiglu_backward(gate, up, s, grad)
+            g_gate, g_up = reference.swiglu_backward(gate, up, grad)
     else:
-        g_gate, g_up = _elementwise(xp, "mpishard_swiglu_backward", gate, up, s, grad)
+        g_gate, g_up = _elementwise(xp, "mpishard_swiglu_backward", gate, up, grad)
     return (g_gate if need_gate else None), (g_up if need_up else None)

@@ -42,12 +42,14 @@ SOURCES = {
         "T a, T t, T g", "T gx",
         f"gx = g * ((T)0.5 * ((T)1 + t) + (T)0.5 * a * ((T)1 - t * t) * (T){GELU_C!r}"
         f" * ((T)1 + (T)3 * (T){GELU_K!r} * a * a));"),
+    # the sigmoid computed inline each way, not kept between them
     "mpishard_swiglu_forward": (
-        "T g, T u", "T y, T s",
-        "s = (T)1 / ((T)1 + exp(-g)); y = g * s * u;"),
+        "T g, T u", "T y",
+        "T s = (T)1 / ((T)1 + exp(-g)); y = g * s * u;"),
     "mpishard_swiglu_backward": (
-        "T g, T u, T s, T d", "T dg, T du",
-        "T gu = d * g * s; du = gu; dg = u * (gu + s * (d - gu));"),
+        "T g, T u, T d", "T dg, T du",
+        "T s = (T)1 / ((T)1 + exp(-g)); T gu = d * g * s; du = gu;"
+        " dg = u * (gu + s * (d - gu));"),
     # kept where u >= p (compared in float32, as NumPy does), times the scale in T
     "mpishard_dropout": (
         "T y, float32 u, float64 p, float64 scale", "T z",

@@ -7,9 +7,8 @@ mpishard/autodiff (what each output is, and what each backward closure holds;
 float32 for 16-bit activations, else ``c``):
 
 ===================  ===============================================================
-layer norm (width W) output ``N W c`` (backward normalises its input again; a
-                     device's kernels keep the normalised input ``N W f`` and 1/std
-                     ``N f``, see [Note: what ops keep] in mpishard/autodiff/rows.py)
+layer norm (width W) output ``N W c`` (backward normalises its input again, see
+                     [Note: what ops keep] in mpishard/autodiff/rows.py)
 linear (out O)       output ``N O c`` (its input is the previous op's output); the
                      last of a residual branch (attention's and the MLP's ``c_proj``)
                      none: the residual add lets go of it (``Dropout.add_to``), and a
@@ -21,8 +20,7 @@ attention            weights ``B h T^2 f`` (``h`` this rank's heads), output ``N
                      byte each; a device: its float32 draws, four); a GPU's fused kernels (``MPISHARD_ATTENTION=fused``,
                      no dropout): instead of the weights the head-major output ``N A c``
                      and a log-sum-exp per row ``B h T f``
-GELU (width F)       output ``N F c`` (backward computes its tanh again; a device
-                     keeps it, ``N F f``)
+GELU (width F)       output ``N F c`` (backward computes its tanh again)
 residual add         ``N C c``; with its branch's dropout (``p > 0``, one fused op)
                      the mask, ``N C`` (a byte each); a dropout alone: mask and output
 embeddings           ids ``8 T`` of the positions (tp > 1: the tokens' local ids and
@@ -39,9 +37,10 @@ a stage's output     none where a later stage takes it: sent there and let go of
 ===================  ===============================================================
 
 Under context parallelism ``T`` is this rank's rows of each sequence (``T_global
-/ cp``) and attention keeps, instead of its ``T x T`` weights: ring attention its
-output and per-row log-sum-exp, ``N A f + B h T f`` (backward recomputes the
-scores block by block); all-to-all (Ulysses) the head-split copy of q, k and v,
+/ cp``) and attention keeps, instead of its ``T x T`` weights: ring attention a
+per-row log-sum-exp, ``B h T f``, beside its output (backward recomputes the scores
+block by block, and reads the output for FlashAttention's ``rowsum(dO * O)``);
+all-to-all (Ulysses) the head-split copy of q, k and v,
 ``3 N A c``, the weights of its ``h / cp`` heads over the whole sequence, ``B h
 cp T^2 f``, and the output back in the sequence split, ``N A c`` more. Under
 sequence parallelism (``sp`` = tp ranks) the rows outside the tensor-parallel
@@ -123,11 +122,11 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
                 linears += 4 * M * C * c                    # (see models/llama/activations.py)
             linears += routing_indices(N, E, k, c) + _OBJECTS_MOE_PER_BLOCK
             if "shared_expert" in mlp._modules:             # a GPT MLP every row goes
-                linears += 2 * N * C * c + N * H * c + N * H * (c if m.lean else c + f)
+                linears += 2 * N * C * c + 2 * N * H * c
             gelu = M * H * c
         else:
             linears = N * qkv * c + N * width(mlp.c_fc) * c
-            gelu = N * width(mlp.c_fc) * (c if m.lean else c + f)   # a device: its tanh
+            gelu = N * width(mlp.c_fc) * c
         fused = fused_attention(model.backend.xp, attn.head_size, cfg.dropout > 0)
         selective = attn.recompute_core and not fused     # the core kept as its output only
         attention = N * heads * attn.head_size * c if selective else \

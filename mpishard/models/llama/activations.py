@@ -6,14 +6,17 @@ and ``h_kv`` this rank's query and key/value heads, ``hs`` the head size and
 ``F`` this rank's share of the MLP width:
 
 ==========================  =========================================================
-RMS norm                    output ``N C c``, normalised input ``N C f``, 1/rms ``N f``
-q, k, v projections         ``N hs (h + 2 h_kv) c``
-rotary q, k and packing     packed q|k|v for attention ``3 N h hs c``; the rotation tables
-                            (cos and signed sin per head) ``2 T hs (h + h_kv) c``
+RMS norm                    output ``N C c``, 1/rms ``N f`` (backward normalises again)
+q, k, v projections         none: read by the packing alone, let go of once packed
+rotary q, k and packing     packed q|k|v for attention ``3 N h hs c``; on a device the
+                            rotation tables (cos and signed sin, broadcast over the
+                            heads) ``2 T hs f`` (NumPy's backward builds them again)
 attention                   weights ``B h T^2 f``, output ``N h hs c``
-o / down projections        ``N C c`` each (tp > 1: the summed rows, this rank's partial
-                            products let go, see the GPT's table)
-gate, up; SwiGLU            ``2 N F c``; output ``N F c`` and sigmoid ``N F f``
+o / down projections        none: the residual add lets go of them (tp > 1: of the summed
+                            rows too, this rank's partial products let go, see the GPT's
+                            table)
+gate, up; SwiGLU            ``2 N F c``; output ``N F c`` (backward computes the sigmoid
+                            again)
 residual adds               ``2 N C c``
 ==========================  =========================================================
 
@@ -23,12 +26,14 @@ its output on keeps none of it, as the GPT's. Context and
 sequence parallelism change what they change in the GPT (see its note): the
 attention term, and ``N / sp`` rows for norms, adds and reduce-scattered outputs;
 a key/value projection kept whole (tp does not divide ``n_kv_head``) keeps the
-input it all-gathered, ``N C c`` each. Where the attention takes the one-op path
-(whole sequences, plain projections: :func:`~mpishard.autodiff.gqa_attention.gqa_attention`),
+input it all-gathered, ``N C c`` each (without sequence parallelism its output, ``N
+h_kv hs c``, which the op summing its gradient over tp holds). Where the attention
+takes the one-op path (whole sequences, plain projections:
+:func:`~mpishard.autodiff.gqa_attention.gqa_attention`),
 the q, k, v and packing rows are instead the rotated q, k and the values,
 ``N hs (h + 2 h_kv)`` in the products' dtype (``f`` on NumPy, whose 16-bit products
-run in float32; ``c`` on a device), and the rotations' conjugates, ``T hs (h + h_kv)
-f``; on a device whose flash kernels take the heads (``MPISHARD_ATTENTION=fused``)
+run in float32; ``c`` on a device), and on a device the rotations' conjugates, ``T hs
+(h + h_kv) f`` (NumPy's backward makes them again); on a device whose flash kernels take the heads (``MPISHARD_ATTENTION=fused``)
 the per-projection path runs instead, its attention keeping the head-major output and
 the log-sum-exp, not the ``T x T`` weights the one op keeps.
 """
@@ -63,17 +68,23 @@ def _mlp_bytes(mlp, N: int, Ns: int, C: int, c: int, f: int) -> int:
         shared = mlp._modules.get("shared_expert")
         router = 2 * N * E * c if mlp.router == "softmax" else 5 * N * E * c   # sigmoid's steps
         exchanged = 4 * M * C * c if mlp.dispatch is not None else 0
+        # the combined rows are the block's residual branch (let go of) unless a shared
+        # expert's output is added to them; then they and its down projection's output
+        # are kept by that add, and the sum let go of
         return router + 2 * N * k * c + M * C * c + 2 * M * F * c + 2 * M * C * c \
-            + M * c + N * C * c + exchanged + routing_indices(N, E, k, c) + _MOE_OBJECTS + (
-                _mlp_bytes(shared, N, Ns, C, c, f) + N * C * c + _MOE_OBJECTS
+            + M * c + exchanged + routing_indices(N, E, k, c) + _MOE_OBJECTS + (
+                N * C * c + _mlp_bytes(shared, N, Ns, C, c, f) + _MOE_OBJECTS
+                + (Ns if row_parallel(shared.down_proj) else N) * C * c
                 if shared is not None else 0)
     F = width(mlp.gate_proj)
-    down = (Ns if row_parallel(mlp.down_proj) else N) * C * c
-    return down + 2 * N * F * c + N * F * (c + f)                         # down; gate, up, SwiGLU
+    return 2 * N * F * c + N * F * c                                      # gate, up; SwiGLU
 
 
-#: the graph's Python objects per block (tensors, closures): measured, bytes
+#: the graph's Python objects per block (tensors, closures): measured, bytes; and those
+#: the per-projection path's attention adds (three products, reshapes and the packing
+#: in place of one op): measured, 7-8 KiB on CPython 3.11
 _OBJECTS_PER_BLOCK = 14 << 10
+_OBJECTS_PER_PROJECTION_PATH = 7 << 10
 #: and those of a mixture of experts' routing ops (the router's softmax, top-k, the
 #: gathers, weights and scatter), and again of a shared expert and its add: measured
 #: (3-5 KiB and 4-5 KiB more, float32 and bfloat16, on CPython 3.11)
@@ -94,7 +105,8 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
     hs = cfg.head_size
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode, _OBJECTS_PER_BLOCK)
     total += stage_input(model.model.embed_tokens if model.first_stage else None, m)
-    norm = Ns * C * (c + f) + Ns * f
+    norm = Ns * C * c + Ns * f
+    tables = 0 if m.lean else 2 * T * hs * f            # one (T, hs) pair, on a device
     for block in blocks:
         if m.checkpointing:
             total += Ns * C * c
@@ -102,25 +114,26 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         attn, mlp = block.self_attn, block.mlp
         h, h_kv = width(attn.q_proj) // hs, width(attn.k_proj) // hs
         total += 2 * norm
+        whole = sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
         if sp > 1:   # the whole key/value projections' gathered inputs
-            total += N * C * c * sum(not _row_split(p) for p in (attn.k_proj, attn.v_proj))
+            total += N * C * c * whole
+        elif _row_split(attn.q_proj):   # tp > 1: their outputs, read by the summing op
+            total += N * hs * h_kv * c * whole        # (copy_to_tp) the packing lets go of
         one_op = attn.takes_fused_path(model.backend.xp)
+        total += 0 if cp == sp == 1 and one_op else _OBJECTS_PER_PROJECTION_PATH
         fused = not one_op and fused_attention(model.backend.xp, hs, False)
         if attn.recompute_core and not fused:   # selective: the recomputed op's output
-            total += N * h * hs * c             # (and outside the one op, q, k, v, the
-            if not (cp == sp == 1 and one_op):                    # packed rows it reads,
-                total += N * hs * (h + 2 * h_kv) * c + 3 * N * h * hs * c \
-                    + 2 * T * hs * (h + h_kv) * f                 # tables)
+            total += N * h * hs * c             # (and outside the one op, the packed
+            if not (cp == sp == 1 and one_op):                    # rows it reads, the
+                total += 3 * N * h * hs * c + tables                      # tables)
         else:
             if cp == sp == 1 and one_op:   # rotated q, k, v (in the products' dtype:
                 kd = f if model.backend.xp is np else c     # float32 on NumPy for 16-bit
-                total += N * hs * (h + 2 * h_kv) * kd + T * hs * (h + h_kv) * f   # rows);
-                # the rotations' conjugates
+                total += N * hs * (h + 2 * h_kv) * kd + (      # rows); on a device
+                    0 if m.lean else T * hs * (h + h_kv) * f)    # the rotations' conjugates
             else:
-                total += N * hs * (h + 2 * h_kv) * c                          # q, k, v
-                total += 3 * N * h * hs * c + 2 * T * hs * (h + h_kv) * f     # packing, tables
+                total += 3 * N * h * hs * c + tables                          # packing, tables
             total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
-        total += (Ns if row_parallel(attn.o_proj) else N) * C * c         # o
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds
     if model.last_stage:

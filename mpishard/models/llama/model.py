@@ -25,6 +25,7 @@ from mpishard.autodiff.gqa_attention import gqa_attention
 from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope_qkv, rope_tables, swiglu
 from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.recompute import recompute
+from mpishard.autodiff.rows import release_values
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend, xp_of
 from mpishard.kernels import fused_attention
@@ -195,8 +196,10 @@ class LlamaAttention(Module):
         # this rank's first one on (all of them when tp keeps them whole)
         first_q, first_kv = self._first_head(self.q_proj), self._first_head(self.k_proj)
         heads = [(first_q + j) // self.group - first_kv for j in range(hq)]
-        packed = rope_qkv(reshape(q, (B, T, hq, hs)), reshape(k, (B, T, hkv, hs)),
-                          reshape(v, (B, T, hkv, hs)), cos, sin, heads)   # (N, 3 hq hs)
+        heads4 = [reshape(t, (B, T, t.shape[-1] // hs, hs)) for t in (q, k, v)]
+        packed = rope_qkv(*heads4, cos, sin, heads)                    # (N, 3 hq hs)
+        for t in (q, k, v, *heads4):   # read by rope_qkv alone, whose backward (as the
+            release_values(t)          # projections' and the reshapes') reads none
         attend = softmax_ops.causal_self_attention if self.sequence is None else \
             self.sequence.attention
         y = attend_core(attend, packed, hq, B, selective=self.recompute_core)
@@ -247,8 +250,19 @@ class LlamaBlock(Module):
 
     def compute(self, x, batch_size: int, cos, sin):
         """The block's math without its own hooks (see GPT's Block.compute)."""
-        x = x + self.self_attn(self.input_layernorm(x), batch_size, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = _add_branch(x, self.self_attn(self.input_layernorm(x), batch_size, cos, sin))
+        return _add_branch(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+def _add_branch(x, branch):
+    """``x + branch``, letting go of the residual branch's output: the add reads it alone
+    and no backward reads it (the add's nor its maker's: the output projection, the
+    MLP's down projection, a mixture of experts' scatter or sum), as a GPT's
+    ``Dropout.add_to`` lets go of its branch."""
+    out = x + branch
+    if isinstance(branch, Tensor) and branch._backward is not None:
+        release_values(branch)
+    return out
 
 
 class Llama(Module):

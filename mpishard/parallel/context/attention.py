@@ -17,7 +17,10 @@ every sequence (see [Note: zigzag layout]) and computes their attention output:
 
 At ``cp.size == 1`` both are plain :func:`causal_self_attention`. 16-bit inputs
 are multiplied as that op does, with softmax, log-sum-exp and accumulators in
-float32 and the output in the input dtype.
+float32 and the output in the input dtype. The ring keeps for backward its output
+(the rows returned, which the output projection keeps anyway) and the log-sum-exp,
+and computes FlashAttention's ``rowsum(dO * O)`` from that output, in its dtype as
+FlashAttention-2 does: no float32 copy of the output is kept.
 
 [Note: zigzag layout]
 Under a causal mask late rows see more keys than early ones, so ``cp`` contiguous
@@ -247,11 +250,15 @@ def ring_attention(qkv, n_head: int, batch_size: int, cp, layout: str = "zigzag"
         else:
             _merge(out, lse, queries, o_b, lse_b)
     del q, kv
+    y = cast(out.transpose(0, 2, 1, 3), qkv.dtype).reshape(N, C)    # (the rows returned)
+    del out
 
     def backward(g):
         q, kv = _queries_and_kv(qkv.data, B, n, n_head, hs, cd)
         do = cast(g, sd).reshape(B, n, n_head, hs).transpose(0, 2, 1, 3)
-        dsum = (do * out).sum(axis=-1)                   # FlashAttention's D = rowsum(dO * O)
+        o = cast(y.reshape(B, n, n_head, hs).transpose(0, 2, 1, 3), sd)
+        dsum = (do * o).sum(axis=-1)                     # FlashAttention's D = rowsum(dO * O)
+        del o
         do = cast(do, cd)
         dq = xp.zeros(q.shape, sd)
         acc = [xp.zeros(kv.shape, sd), xp.empty(kv.shape, sd)]   # dK/dV, in turns
@@ -279,8 +286,7 @@ def ring_attention(qkv, n_head: int, batch_size: int, cp, layout: str = "zigzag"
         dqkv[:, :, 0] = cast(dq.transpose(0, 2, 1, 3), qkv.dtype)
         dqkv[:, :, 1:] = cast(acc[P % 2], qkv.dtype)
         return (dqkv.reshape(N, 3 * C),)
-    return make_result(cast(out.transpose(0, 2, 1, 3), qkv.dtype).reshape(N, C), (qkv,),
-                       backward, "ring_attention")
+    return make_result(y, (qkv,), backward, "ring_attention")
 
 
 def ring_kv_bytes(batch_size: int, seq_len: int, n_head: int, head_size: int, cp,
