@@ -331,10 +331,14 @@ def _published_tokens_per_gpu(run) -> float:
 def hopper_layout(run):
     """``(layout, make_model)`` of a published Hopper run: a Llama preset (torchtitan's,
     NVIDIA's; with ``config`` overrides of its shapes) or a GPT of given shapes
-    (llm-foundry's MPT)."""
+    (llm-foundry's MPT), built as ``mpishard plan`` builds them for a GPU (its memory
+    plan counts what a device's kernels keep)."""
+    from mpishard.cli.plan import plan_backend
     from mpishard.models import GPT, MODELS, GPTConfig, Llama
     from mpishard.models.llama.spec import PRESETS
+    from mpishard.planning import load_machine
     from mpishard.planning.layout import Layout
+    backend = plan_backend(load_machine(run["machine"]))
     m, p = run["model"], run["parallel"]
     cp, vp = p.get("context_parallel", 1), p.get("virtual_pipeline")
     dp = p["num_gpus"] // (p["tensor_parallel"] * p["pipeline_parallel"] * cp)
@@ -350,12 +354,12 @@ def hopper_layout(run):
         cfg = GPTConfig(vocab_size=m["vocab_size"], block_size=m["seq_length"],
                         n_layer=m["n_layers"], n_head=m["n_heads"], n_embd=m["d_model"],
                         bias=m["bias"], dropout=0.0)
-        return layout, lambda: GPT(cfg, materialize_now=False)
+        return layout, lambda: GPT(cfg, materialize_now=False, backend=backend)
     spec = MODELS["llama"]
     keys = {"dropout": 0.0, "bias": False, **spec.defaults(), **PRESETS[m["preset"]],
             **m.get("config", {}), "block_size": m["seq_length"]}
     cfg = spec.build_config(keys)
-    return layout, lambda: Llama(cfg, materialize_now=False)
+    return layout, lambda: Llama(cfg, materialize_now=False, backend=backend)
 
 
 #: the kernels each Hopper reference's framework runs (see gpu_time.py)
