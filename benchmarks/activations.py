@@ -7,11 +7,14 @@ for whole blocks and for attention's core alone (selective recomputation).
     python benchmarks/activations.py --block-size 1024 --batch-size 2 --dropout 0.1 \
         --precision bfloat16        # Megatron's accounting: 16-bit rows, 1-byte masks
     python benchmarks/activations.py ... --n-layer 12     # GPT-2 small's depth
+    python benchmarks/activations.py --model llama        # Llama config S
 
 GPT config S (vocab 256, block 128, 4 layers, 4 heads, width 256, float32),
 batch 16 x 128 tokens, as in ``benchmarks/step.py`` (``--block-size`` and
 ``--batch-size`` change the sequence length and batch), built three times from the
-same seed: plain, with ``set_activation_checkpointing(True)`` (each block
+same seed (``--model llama``: Llama config S of ``benchmarks/step.py``, grouped-query
+attention with 2 key/value heads and a SwiGLU MLP of width 768, no dropout):
+plain, with ``set_activation_checkpointing(True)`` (each block
 recomputed) and with ``set_activation_checkpointing("selective")`` (attention's
 ``T x T`` core recomputed). For each,
 the memory ledger measures the bytes one training forward leaves alive for
@@ -44,21 +47,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import numpy as np  # noqa: E402
 
-from mpishard.models import GPT, GPTConfig  # noqa: E402
+from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
 
 CONFIG_S = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
+#: Llama config S (as benchmarks/step.py's)
+LLAMA_S = dict(CONFIG_S, n_kv_head=2, intermediate_size=768)
 BATCH = 16
 MIB = 2**20
 MODES = ("plain", "checkpointed", "selective")
 _SETTING = {"plain": "none", "checkpointed": "full", "selective": "selective"}
 
 
+def _make(config: dict, dropout: float, **kw):
+    """A GPT or (``config`` with key/value heads) a Llama of ``config``."""
+    if "n_kv_head" in config:
+        return Llama(LlamaConfig(**config), **kw)
+    return GPT(GPTConfig(**config, dropout=dropout), **kw)
+
+
 def _build(mode: str, dropout: float, config: dict, precision: str):
     """``(model or its wrapper, ledger, optimizer)``: float32 as it is; 16-bit through data
     parallelism on this rank alone (the mixed-precision path a run takes)."""
     if precision == "float32":
-        model = GPT(GPTConfig(**config, dropout=dropout), seed=0)
+        model = _make(config, dropout, seed=0)
         model.set_activation_checkpointing(_SETTING[mode])
         return model, model.backend.ledger, AdamW(model.parameters(), lr=3e-4,
                                                   weight_decay=0.1)
@@ -66,7 +78,7 @@ def _build(mode: str, dropout: float, config: dict, precision: str):
 
     from mpishard.comm import Communicator, Mesh  # noqa: PLC0415
     from mpishard.parallel import wrap_model  # noqa: PLC0415
-    model = GPT(GPTConfig(**config, dropout=dropout), seed=0, materialize_now=False)
+    model = _make(config, dropout, seed=0, materialize_now=False)
     model.set_activation_checkpointing(_SETTING[mode])
     run = wrap_model(model, Mesh(Communicator(MPI.COMM_SELF)), "ddp", precision=precision)
     opt = AdamW(run.parameters(), lr=3e-4, weight_decay=0.1, ledger=run.ledger)
@@ -76,8 +88,8 @@ def _build(mode: str, dropout: float, config: dict, precision: str):
 def _setup(mode: str, dropout: float, config: dict, batch: int, precision: str = "float32"):
     """``(measure, step, planned bytes)`` of one mode."""
     model, ledger, opt = _build(mode, dropout, config, precision)
-    gpt = getattr(model, "module", model)
-    planned = gpt.activation_bytes(batch, config["block_size"], precision)
+    inner = getattr(model, "module", model)
+    planned = inner.activation_bytes(batch, config["block_size"], precision)
     r = np.random.default_rng(0)
     x = r.integers(0, config["vocab_size"], (batch, config["block_size"]))
     y = r.integers(0, config["vocab_size"], (batch, config["block_size"]))
@@ -105,6 +117,8 @@ def _setup(mode: str, dropout: float, config: dict, batch: int, precision: str =
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="GPT config S, or Llama config S (no dropout)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode")
     parser.add_argument("--dropout", type=float, default=0.0, help="GPT dropout (config S: 0)")
@@ -121,7 +135,10 @@ def main(argv=None) -> dict:
 
     if args.n_layer < 2:
         parser.error(f"--n-layer {args.n_layer}: the per-block figures need at least 2 blocks")
-    config = {**CONFIG_S, "block_size": args.block_size, "n_layer": args.n_layer}
+    if args.model == "llama" and args.dropout:
+        parser.error(f"--dropout {args.dropout}: the Llama has no dropout")
+    config = {**(LLAMA_S if args.model == "llama" else CONFIG_S),
+              "block_size": args.block_size, "n_layer": args.n_layer}
     runs = {mode: _setup(mode, args.dropout, config, args.batch_size, args.precision)
             for mode in MODES}
     nbytes = {mode: runs[mode][0]() for mode in MODES}
@@ -136,7 +153,8 @@ def main(argv=None) -> dict:
             if i >= args.warmup:
                 times[mode].append(seconds)
     median = {mode: statistics.median(times[mode]) for mode in MODES}
-    result = {"benchmark": "activations", "config": "S", **config, "batch": args.batch_size,
+    result = {"benchmark": "activations", "model": args.model, "config": "S", **config,
+              "batch": args.batch_size,
               "dtype": args.precision, "dropout": args.dropout,
               "activation_bytes": nbytes,
               "planned_activation_bytes": {m: runs[m][2] for m in MODES},

@@ -41,6 +41,8 @@ BENCHMARKS = {  # name -> (command, environment overrides)
                         THREADS),
     "precision": (_mpi(4, "benchmarks/precision.py", "--steps", "8"), THREADS),
     "activations": ([sys.executable, "benchmarks/activations.py"], THREADS),
+    "activations_llama": ([sys.executable, "benchmarks/activations.py", "--model", "llama"],
+                          THREADS),
     "long_context": (_mpi(4, "benchmarks/long_context.py"), THREADS),
     "moe": (_mpi(4, "benchmarks/moe.py"), THREADS),
 }
@@ -155,6 +157,11 @@ SECTIONS = [
      "(`MemoryLedger.measure_activations`) and step time, without and with "
      "`set_activation_checkpointing(True)` (`benchmarks/activations.py`).",
      "activations", _everything),
+    ("Activation checkpointing: a Llama",
+     "Llama config S (grouped-query attention with 2 key/value heads, SwiGLU width 768), "
+     "one process, float32: the same figures, with selective recomputation (on NumPy the "
+     "one-op grouped-query attention recomputed whole) (`benchmarks/activations.py "
+     "--model llama`).", "activations_llama", _everything),
     ("Long sequences and many nodes: context, sequence and hybrid sharding",
      "4 ranks, GPT config S widths at sequence 2048 (2 blocks), one measured step per "
      "layout: activation bytes per rank (cp4 ring vs dp4, tp4 with sequence parallelism "

@@ -41,8 +41,10 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
         lift(x.data.reshape(-1, n)), lift(weight.data) if weight is not None else None, eps)
 
     def backward(g):   # xhat again from the input, which the graph keeps: the same bits
-        xhat = kernels.rms_norm_forward(lift(x.data.reshape(-1, n)), None, eps)[1]  # (see
-        g2 = lift(g.reshape(-1, n))             # [Note: what ops keep] in rows.py)
+        xhat = kernels.rms_norm_forward(     # (see [Note: what ops keep] in rows.py;
+            lift(x.data.reshape(-1, n)),        # the weight too, so that the same kernel
+            lift(weight.data) if weight is not None else None, eps)[1]   # runs)
+        g2 = lift(g.reshape(-1, n))
         need_w = weight is not None and weight.requires_grad
         gw, _ = kernels.norm_param_grads(                  # see [Note: gradient buffers]
             g2, xhat, need_w, False, grad_buffer(weight, xhat.dtype) if need_w else None)

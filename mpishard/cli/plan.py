@@ -235,8 +235,9 @@ def _usable(machine) -> str:
 def plan_backend(machine):
     """The backend a plan's models are built on (unmaterialised: no memory): a GPU
     machine's as its device runs (the CuPy-strict module's rules on the host), so that
-    the activation plan counts what a device's kernels keep (float32 normalised rows,
-    and the attention ``MPISHARD_ATTENTION`` chooses, as the step-time model costs it);
+    the activation plan counts what a device's kernels keep (the dropouts' float32
+    draws, the rotary tables, and the attention ``MPISHARD_ATTENTION`` chooses, as the
+    step-time model costs it);
     NumPy's on a CPU."""
     from mpishard.core.backend import Backend
     return Backend("strict") if machine is not None and machine.kind == "gpu" else Backend()

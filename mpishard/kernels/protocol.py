@@ -44,8 +44,9 @@ class KernelSet(Protocol):
     NATIVE_FLOAT16: bool
 
     def gelu_forward(self, a, bias=None):
-        """GELU, tanh approximation: ``(y, t)`` with ``t = tanh(c (a + k a^3))`` kept for
-        backward and ``y = 0.5 a (1 + t)``; with ``bias`` (a row of ``a``'s width), of
+        """GELU, tanh approximation: ``(y, t)`` with ``t = tanh(c (a + k a^3))`` (what the
+        backward kernels read; the op runs this again in backward for it rather than
+        keep it) and ``y = 0.5 a (1 + t)``; with ``bias`` (a row of ``a``'s width), of
         ``a + bias`` (a linear layer's output and its bias, added here)."""
 
     def gelu_backward(self, a, t, g):

@@ -114,7 +114,11 @@ class KernelSet:
     ``cp_grouped_kv``: context parallelism passes the key/value heads as they are
     (grouped-query attention's fewer heads) and their gradients in the activations'
     dtype (Transformer Engine's context-parallel attention), where mpishard's ring
-    passes them expanded to the query heads, the gradients in float32."""
+    passes them expanded to the query heads, the gradients in float32.
+    ``rows_again``: the norms and GELU keep no float32 normalised rows or tanh for
+    backward, where their backward runs the forward kernel again first (mpishard's, see
+    [Note: what ops keep] in mpishard/autodiff/rows.py): one launch and a forward's
+    passes (reading the rows, writing the output and the float32 rows) more each."""
 
     attention: str = "mpishard"
     loss: str = "fused"
@@ -122,6 +126,7 @@ class KernelSet:
     selective: str = "core"
     tp_overlap: int = 0
     cp_grouped_kv: bool = False
+    rows_again: bool = False
 
     def __post_init__(self):
         if self.attention not in _ATTENTION or self.loss not in _LOSS or \
@@ -137,7 +142,7 @@ class KernelSet:
 
 
 #: mpishard's CUDA backend, what ``mpishard plan`` costs
-MPISHARD_KERNELS = KernelSet()
+MPISHARD_KERNELS = KernelSet(rows_again=True)
 #: Megatron-LM as the 2021-2022 papers ran it (NVIDIA/Megatron-LM at commit de7dc40f,
 #: 'scripts for sc21': megatron/model/transformer.py, gpt_model.py, arguments.py): the
 #: gradients all-reduced in 16 bits (torch DDP's .grad, or local DDP's main_grad buffer
@@ -209,12 +214,16 @@ def _gemm(cls, m, n, k, s, block, core=False, batch=1) -> Op:
 
 
 def _vector(cls, elements, s, fw_flops, bw_flops, fw_passes, bw_passes, block,
-            core=False, extra_bytes=0.0) -> Op:
+            core=False, extra_bytes=0.0, again=False) -> Op:
     """A memory-bound kernel over ``elements`` of ``s`` bytes: ``fw_passes`` reads and
-    writes of them forward, ``bw_passes`` backward (``extra_bytes``: a dropout mask)."""
-    return Op(cls, fw_flops * elements, fw_passes * elements * s + extra_bytes,
-              bw_flops * elements, bw_passes * elements * s + extra_bytes,
-              False, block, core, 1, 1)
+    writes of them forward, ``bw_passes`` backward (``extra_bytes``: a dropout mask);
+    ``again``: backward runs the forward kernel first, writing float32 rows too (see
+    :class:`KernelSet`'s ``rows_again``)."""
+    fw_bytes = fw_passes * elements * s + extra_bytes
+    return Op(cls, fw_flops * elements, fw_bytes,
+              (bw_flops + again * fw_flops) * elements,
+              bw_passes * elements * s + extra_bytes + again * (fw_bytes + 4 * elements),
+              False, block, core, 1, 1 + again)
 
 
 def _dropout(stage) -> float:
@@ -262,7 +271,8 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
                 ops.append(_loss(rows * out, s, kernels))   # the head's logits
         elif weight is not None and len(weight.shape) == 1 and "Norm" in name:
             n = split_rows * weight.shape[0]
-            ops.append(_vector("norm", n, s, 9, 21, 2, 3, in_block))
+            ops.append(_vector("norm", n, s, 9, 21, 2, 3, in_block,
+                               again=kernels.rows_again))
             if in_block:         # each norm opens a residual branch: dropout + add closes it
                 ops.append(_vector("dropout+residual", n, s, 1 + mask, mask + 1, 3, 2,
                                    in_block, extra_bytes=mask * n))
@@ -275,7 +285,7 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
                 inputs = len(linears) - 1                    # GELU: 1, SwiGLU: gate and up
                 n = rows * linears[0].weight.shape[0]
                 ops.append(_vector("activation", n, s, 8, 13, inputs + 1, 2 * inputs + 1,
-                                   in_block))
+                                   in_block, again=kernels.rows_again and inputs == 1))
         if hasattr(m, "n_experts") and "experts" in m._modules:
             routed = moe_rows(m, rows)
             for w in m.experts._parameters.values():

@@ -71,7 +71,7 @@ SOURCES = {
     "mpishard_bias_add": ("T x, T y, T b", "T z", "z = x + (T)(y + b);"),
     "mpishard_add_bias": ("T y, T b", "T z", "z = y + b;"),
     # GELU on float16 rows, computed in float32 term for term as the kernels above with
-    # T = float (the tanh kept in float32; y and gx rounded to float16 once, as a cast
+    # T = float (the tanh written in float32; y and gx rounded to float16 once, as a cast
     # would), so no float32 copies of a, b, g and gx around them
     "mpishard_gelu16_forward": (
         "T a", "T y, float32 t",
