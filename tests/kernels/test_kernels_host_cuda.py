@@ -182,3 +182,30 @@ def test_the_emulation_checks_argument_dtypes():
            (a, np.int32(4), np.float32(0.5), np.int32(0), a.astype(np.float64), np.float32(0),
             np.float32(1), a))
     assert kernel.null_pointers == ["du"]             # absent (flag 0): passed as NULL
+
+
+def _typed(spec: str, ctype: str) -> str:
+    """An ElementwiseKernel's ``T`` spelled as ``ctype`` (host_elementwise takes no ``T``)."""
+    import re
+    return re.sub(r"\bT\b", ctype, spec)
+
+
+def test_swiglu_kernels_compute_the_sigmoid_inline():
+    """SwiGLU's ElementwiseKernels, their ``T`` spelled float and compiled for the host (the
+    harness takes float64 parameters as CuPy's Python-float scalars, so float32 rows):
+    the forward writes only ``y`` and the backward computes the sigmoid from the gate
+    itself, as the references do (nothing passes between them)."""
+    from cuda_host import host_elementwise
+    from mpishard.kernels.cuda.ops_src import SOURCES
+    dtype = np.float32
+    kernels = {}
+    for name in ("mpishard_swiglu_forward", "mpishard_swiglu_backward"):
+        inputs, outputs, body = SOURCES[name]
+        kernels[name] = host_elementwise(name, _typed(inputs, "float32"),
+                                         _typed(outputs, "float32"), _typed(body, "float"))
+    gate, up, g = (_rand((7, 300), dtype, seed) for seed in range(3))
+    _close(kernels["mpishard_swiglu_forward"](gate, up), reference.swiglu_forward(gate, up),
+           dtype)
+    for got, want in zip(kernels["mpishard_swiglu_backward"](gate, up, g),
+                         reference.swiglu_backward(gate, up, g)):
+        _close(got, want, dtype)
