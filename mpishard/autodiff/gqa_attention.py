@@ -121,7 +121,8 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
     :func:`~.rms_rope_swiglu.rope_qkv` and :func:`~.softmax_ops.causal_self_attention`,
     with the ``1/sqrt(hs)`` scale in the query's rotation. Keeps the rotated,
     scaled queries, the rotated keys, the values and the softmax weights for
-    backward (and on a device the rotations' conjugates; NumPy makes them again). On NumPy one sequence at a time (see [Note: cache blocking] in
+    backward (and on a device the rotations' conjugates; NumPy makes them again). On
+    NumPy one sequence at a time (see [Note: cache blocking] in
     mpishard/kernels/cpu/threads.py); on CuPy all at once.
     """
     x, weights = as_tensor(x), [as_tensor(w) for w in (wq, wk, wv)]

@@ -143,6 +143,13 @@ def release_values(tensor) -> None:
     tensor.data = xp.broadcast_to(xp.empty((), dtype=data.dtype), data.shape)
 
 
+def release_branch(branch) -> None:
+    """:func:`release_values` of a residual branch's last output once added in, where it is
+    an op's output in the graph (a leaf, or a plain array, is left alone)."""
+    if isinstance(branch, Tensor) and branch._backward is not None:
+        release_values(branch)
+
+
 def native_float16(kernels, dtype) -> bool:
     """Whether ``kernels`` take 16-bit (float16 or bfloat16) rows of ``dtype`` themselves
     (a GPU's GELU, layer norm and RMS norm; see [Note: float16 rows] in

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.autodiff import nn_ops, softmax_ops
-from mpishard.autodiff.rows import release_values
-from mpishard.autodiff.tensor import Tensor
+from mpishard.autodiff.rows import release_branch
 from mpishard.nn.module import Module
 from mpishard.nn.parameter import Constant, Normal, Parameter
 
@@ -98,8 +97,8 @@ class Dropout(Module):
         the mask), so pass an op's fresh output that nothing reads afterwards."""
         out = self(x) if residual is None and bias is None else \
             nn_ops.dropout_add(residual, x, self.p, self.rng, self.training, bias=bias)
-        if out is not x and isinstance(x, Tensor) and x._backward is not None:
-            release_values(x)          # an op's output in the graph: nothing else reads it
+        if out is not x:
+            release_branch(x)          # an op's output in the graph: nothing else reads it
         return out
 
     def extra_repr(self) -> str:

@@ -156,7 +156,7 @@ def test_llama_bit_identical_with_and_without(mode):
     runs = []
     for checkpointing in ("none", mode):
         model = Llama(LLAMA, seed=0, dtype="float64").set_activation_checkpointing(checkpointing)
-        assert model.model.layers["0"].self_attn.takes_fused_path(model.backend.xp)
+        assert model.model.layers["0"].self_attn.takes_one_op_path(model.backend.xp)
         opt = AdamW(model.parameters(), lr=1e-2)
         record = []
         for step in range(2):

@@ -232,7 +232,7 @@ LLAMA = LlamaConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_kv_head
 def _train_llama(monkeypatch, choice, steps=3):
     monkeypatch.setenv("MPISHARD_ATTENTION", choice)
     model = Llama(LLAMA, seed=0, dtype="float64", backend=Backend.resolve("strict"))
-    one_op = model.model.layers["0"].self_attn.takes_fused_path(model.backend.xp)
+    one_op = model.model.layers["0"].self_attn.takes_one_op_path(model.backend.xp)
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, LLAMA.vocab_size, (3, LLAMA.block_size)) for _ in range(2))

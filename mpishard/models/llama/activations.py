@@ -33,9 +33,10 @@ takes the one-op path (whole sequences, plain projections:
 the q, k, v and packing rows are instead the rotated q, k and the values,
 ``N hs (h + 2 h_kv)`` in the products' dtype (``f`` on NumPy, whose 16-bit products
 run in float32; ``c`` on a device), and on a device the rotations' conjugates, ``T hs
-(h + h_kv) f`` (NumPy's backward makes them again); on a device whose flash kernels take the heads (``MPISHARD_ATTENTION=fused``)
-the per-projection path runs instead, its attention keeping the head-major output and
-the log-sum-exp, not the ``T x T`` weights the one op keeps.
+(h + h_kv) f`` (NumPy's backward makes them again); on a device whose flash kernels
+take the heads (``MPISHARD_ATTENTION=fused``) the per-projection path runs instead,
+its attention keeping the head-major output and the log-sum-exp, not the ``T x T``
+weights the one op keeps.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
     hs = cfg.head_size
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode, _OBJECTS_PER_BLOCK)
     total += stage_input(model.model.embed_tokens if model.first_stage else None, m)
-    norm = Ns * C * c + Ns * f
+    norm = m.norm(Ns) + Ns * f                        # and 1/rms
     tables = 0 if m.lean else 2 * T * hs * f            # one (T, hs) pair, on a device
     for block in blocks:
         if m.checkpointing:
@@ -119,7 +120,7 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
             total += N * C * c * whole
         elif _row_split(attn.q_proj):   # tp > 1: their outputs, read by the summing op
             total += N * hs * h_kv * c * whole        # (copy_to_tp) the packing lets go of
-        one_op = attn.takes_fused_path(model.backend.xp)
+        one_op = attn.takes_one_op_path(model.backend.xp)
         total += 0 if cp == sp == 1 and one_op else _OBJECTS_PER_PROJECTION_PATH
         fused = not one_op and fused_attention(model.backend.xp, hs, False)
         if attn.recompute_core and not fused:   # selective: the recomputed op's output

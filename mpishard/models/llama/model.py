@@ -25,7 +25,7 @@ from mpishard.autodiff.gqa_attention import gqa_attention
 from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope_qkv, rope_tables, swiglu
 from mpishard.autodiff.shape_ops import reshape
 from mpishard.autodiff.recompute import recompute
-from mpishard.autodiff.rows import release_values
+from mpishard.autodiff.rows import release_branch, release_values
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend, xp_of
 from mpishard.kernels import fused_attention
@@ -135,7 +135,7 @@ class LlamaConfig:
 
 def plain_linears(*modules) -> bool:
     """Whether ``modules`` are all bias-free :class:`Linear` layers with no hooks: what
-    the fused attention path (mpishard/autodiff/gqa_attention.py) can stand in for. Tensor
+    the one-op attention path (mpishard/autodiff/gqa_attention.py) can stand in for. Tensor
     parallelism swaps them for its own layers or hooks them, and takes the
     per-projection path."""
     return all(type(m) is Linear and m.bias is None and not m._forward_pre_hooks
@@ -174,7 +174,7 @@ class LlamaAttention(Module):
         blocks = proj.weight.spec.tp_blocks
         return blocks[0][0] // self.head_size if blocks else 0
 
-    def takes_fused_path(self, xp) -> bool:
+    def takes_one_op_path(self, xp) -> bool:
         """Whether forward on arrays of ``xp`` runs :func:`gqa_attention` (whole sequences,
         plain projections), unless a device's flash kernels take the heads
         (``MPISHARD_ATTENTION=fused``): that op keeps the ``T x T`` softmax weights, the
@@ -184,10 +184,10 @@ class LlamaAttention(Module):
             not fused_attention(xp, self.head_size, False)
 
     def forward(self, x, batch_size: int, cos, sin):
-        if self.takes_fused_path(xp_of(getattr(x, "data", x))):
+        if self.takes_one_op_path(xp_of(getattr(x, "data", x))):
             if self.recompute_core and is_grad_enabled():   # the one op, recomputed whole
-                return self.o_proj(recompute(self._fused, x, batch_size, cos, sin))
-            return self.o_proj(self._fused(x, batch_size, cos, sin))
+                return self.o_proj(recompute(self._one_op, x, batch_size, cos, sin))
+            return self.o_proj(self._one_op(x, batch_size, cos, sin))
         hs, B = self.head_size, batch_size
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)        # (N, h hs), (N, h_kv hs)
         T = q.shape[0] // B       # all rows of the micro-batch (x may hold 1/tp of them)
@@ -205,7 +205,7 @@ class LlamaAttention(Module):
         y = attend_core(attend, packed, hq, B, selective=self.recompute_core)
         return self.o_proj(y)                                           # (N, C)
 
-    def _fused(self, x, batch_size: int, cos, sin):
+    def _one_op(self, x, batch_size: int, cos, sin):
         """The heads' outputs ``(N, h hs)`` from one op: the q/k/v projections as one
         product, rotary embeddings and grouped-query attention (the arithmetic of
         ``forward``'s per-projection path)."""
@@ -258,10 +258,9 @@ def _add_branch(x, branch):
     """``x + branch``, letting go of the residual branch's output: the add reads it alone
     and no backward reads it (the add's nor its maker's: the output projection, the
     MLP's down projection, a mixture of experts' scatter or sum), as a GPT's
-    ``Dropout.add_to`` lets go of its branch."""
+    ``Dropout.add_to`` does."""
     out = x + branch
-    if isinstance(branch, Tensor) and branch._backward is not None:
-        release_values(branch)
+    release_branch(branch)
     return out
 
 
