@@ -370,15 +370,16 @@ HOPPER_KERNELS = {"torchtitan": "TORCHTITAN_KERNELS", "llm-foundry": "LLMFOUNDRY
 def hopper_machines(run) -> list:
     """``[(label, machine)]`` a Hopper reference is predicted on: the shipped description,
     or, where the run's json gives its GPUs' own figures (``hardware_as_published``:
-    memory bandwidth, and a bfloat16 peak known only as a range), that description with
-    them, once per end of the range."""
+    memory and its bandwidth, and a bfloat16 peak known only as a range), that
+    description with them, once per end of the range."""
     import dataclasses
     from mpishard.planning import load_machine
     machine = load_machine(run["machine"])
     hw = run.get("hardware_as_published")
     if not hw:
         return [("", machine)]
-    machine = dataclasses.replace(machine, memory_bandwidth=hw["memory_bandwidth"])
+    machine = dataclasses.replace(machine, memory_bandwidth=hw["memory_bandwidth"],
+                                  memory_bytes=hw.get("memory_bytes", machine.memory_bytes))
     return [(label, dataclasses.replace(machine, flops={**machine.flops, "bfloat16": peak}))
             for label, peak in hw["peak_bfloat16"].items()]
 

@@ -70,8 +70,8 @@ from mpishard.parallel.offload import check_offload
 from mpishard.parallel.precision import Precision
 from mpishard.parallel.strategy import strategy_entry
 from mpishard.parallel.pipeline.order import peak_in_flight, schedule_order
-from mpishard.planning.memory import (MemoryEstimate, layout_itemsizes, estimate_memory,
-                                     host_rows, stage_traffic)
+from mpishard.planning.memory import (MemoryEstimate, at_step_rows, layout_itemsizes,
+                                     estimate_memory, host_rows, stage_traffic)
 from mpishard.parallel.plans import split_range
 
 __all__ = ["Layout", "StageEstimate", "LayoutEstimate", "estimate_layout", "mesh_shape"]
@@ -195,7 +195,7 @@ class StageEstimate:
 
     @property
     def total_peak_bytes(self) -> int:
-        return self.memory.total_peak_bytes + self.activation_bytes
+        return self.memory.peak_over(self.activation_bytes)
 
 
 @dataclass
@@ -241,6 +241,7 @@ class LayoutEstimate:
         rows += [f"  {k:<12}{mib(v)}" for k, v in m.steady.items()]
         labels = {"gathered": "gathered", "comm": "comm buffers"}
         rows += [f"  {labels.get(k, k):<12}{mib(v)}  (peak, transient)" for k, v in m.peak.items()]
+        rows += at_step_rows(m.at_step, 12)
         if self.activations_known:
             seq = f"{lay.seq_len}" if lay.cp == 1 else f"{lay.local_seq_len} (of {lay.seq_len})"
             kept = f"{stage.micro_batches_alive} micro-batch(es)" if lay.virtual_stages == 1 \

@@ -60,6 +60,14 @@ class MemoryEstimate:
     bus_bytes_by_group: dict = field(default_factory=dict)   # mesh group -> bytes per step
     host: dict = field(default_factory=dict)     # offloaded: params, grads, optim, comm in host memory
     host_traffic: HostTraffic | None = None      # offloaded: what a step copies and updates there
+    at_step: dict = field(default_factory=dict)  # made at the optimizer step, gone by the next
+    # forward (ZeRO-1's float32 gradient shard): alive with no activations or ``peak``
+
+    def peak_over(self, activation_bytes: int = 0) -> int:
+        """The most bytes held at once: model state plus the larger of what forward and
+        backward add (``peak`` and ``activation_bytes``) and what the step adds."""
+        return self.model_state_bytes + max(sum(self.peak.values()) + activation_bytes,
+                                            sum(self.at_step.values()))
 
     @property
     def model_state_bytes(self) -> int:
@@ -68,7 +76,7 @@ class MemoryEstimate:
 
     @property
     def total_peak_bytes(self) -> int:
-        return self.model_state_bytes + sum(self.peak.values())
+        return self.peak_over()
 
     def format(self) -> str:
         def mib(n):
@@ -80,6 +88,7 @@ class MemoryEstimate:
             rows.append(f"  {k:<10}{mib(v)}")
         for k, v in self.peak.items():
             rows.append(f"  {k:<10}{mib(v)}  (peak, transient)")
+        rows += at_step_rows(self.at_step, 10)
         rows += host_rows(self.host, 10)
         rows.append(f"  {'total':<10}{mib(self.total_peak_bytes)}  (model state "
                     f"{self.model_state_bytes / 2**20:.2f} MiB)")
@@ -194,6 +203,13 @@ def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw"
         return replicated_state(model, sizes)
     return sharded_state(model, sizes, entry.keeps_sharded,
                          entry.cls.max_inflight_reductions)
+
+
+def at_step_rows(at_step: dict, width: int) -> list:
+    """The plan's lines for what exists at the optimizer step alone (see
+    ``MemoryEstimate.at_step``)."""
+    return [f"  {k + ' (step)':<{width}}{v / 2**20:10.2f} MiB  (at the optimizer step only, "
+            f"with no activations)" for k, v in at_step.items() if v]
 
 
 def host_rows(host: dict, width: int) -> list:

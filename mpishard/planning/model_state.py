@@ -73,15 +73,21 @@ def sharded_state(model, sizes, sharded: Sharded, max_inflight: int | None):
             u.name not in experts
     order = [u for u in units if u.module is not None][::-1] + [
         u for u in units if u.module is None]
-    # offloaded, a reduction lands in a device buffer of its own, then in the host shard
+    # offloaded, a reduction lands in a device buffer of its own, then in the host shard;
+    # stage 1's lands in one and goes back into the full buffer, and its shard is made at
+    # the step (see [Note: stage 1's gradient shard] in parallel/zero/base.py)
+    at_step = whole_grads and not offloaded
     in_flight = [(0 if whole_grads else u.padded * rb) + (u.shard_size * rb if rb != b or (
-        offloaded and not aliased(u)) else 0) for u in order]
+        (offloaded or at_step) and not aliased(u)) else 0) for u in order]
     plan = s.new_plan()
     copy = padded_n * cb if whole_params else (shards_n * cb if s.mixed else 0)
+    shard_grads = sum(0 if aliased(u) else u.shard_size * b for u in units)
     plan.steady = {"params": (shards_n * b if not whole_params or s.mixed else 0) + copy,
-                   "grads": sum(0 if aliased(u) else u.shard_size * b for u in units)
+                   "grads": (0 if at_step else shard_grads)
                    + (padded_n * rb if whole_grads else 0),
                    "optim": s.n_states * shards_n * b}
+    if at_step and rb != b:   # the masters' dtype: a cast copy, from the step to zero_grad
+        plan.at_step = {"grads": shard_grads}
     root = sum(u.padded * cb for u in units if u.module is None)
     gathered = 0 if whole_params else root + _gathered_peak(units, experts, cb)
     window = len(in_flight) if max_inflight is None else max_inflight + 1

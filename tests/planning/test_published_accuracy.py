@@ -100,12 +100,13 @@ def test_hopper_references_are_predicted_on_their_own_hardware():
         {r["id"]: round(r["error"], 3) for r in nemo}
     assert "nemo: 6 of 6 within 10%" in "; ".join(
         f"{k}: {v}" for k, v in module.hopper_summary(list(rows.values())).items())
-    # as mpishard would run them (its flash kernels, a device's memory): all but the 405B
-    # layout on 576 GPUs fit the 70.5 GiB an H100 leaves; that one plans 72.3 GiB (its
-    # attention reads a copy of k and v per query head: 16 query heads a rank, one k/v)
+    # as mpishard would run them (its flash kernels, a device's memory): every layout fits
+    # the 70.5 GiB an H100 leaves; the tightest, 405B on 576 GPUs (ZeRO-1, bfloat16
+    # gradients), only because its float32 gradient shard exists at the step alone (see
+    # [Note: stage 1's gradient shard]): 69.7 GiB, 72.3 with that shard held always
     fits = {r["id"]: r["peak_gib"] <= r["usable_gib"] for r in nemo}
-    assert [k for k, ok in fits.items() if not ok] == \
-        ["dgxc_nemo2409_h100_bf16_llama3.1_405b_576gpu"], fits
+    assert all(fits.values()), fits
+    assert rows["dgxc_nemo2409_h100_bf16_llama3.1_405b_576gpu"]["peak_gib"] > 69
     assert all(rows[k]["peak_gib"] <= rows[k]["usable_gib"] for k in rows
                if k.startswith("llmfoundry")), {k: rows[k]["peak_gib"] for k in rows}
 

@@ -44,7 +44,7 @@ from mpishard.nn.parameter import init_array
 from mpishard.nn.sharding import plan_of
 from mpishard.optim.clip import grad_sq_sum
 from mpishard.parallel.flat import stage_grad
-from mpishard.parallel.offload import HostMasters, check_offload, host_zeros
+from mpishard.parallel.offload import HostMasters, check_offload, copy_into, host_zeros
 from mpishard.parallel.pieces import unit_pieces
 from mpishard.parallel.precision import MasterCopies
 from mpishard.parallel.replicas import check_replicas_equal, is_expert_param
@@ -96,8 +96,12 @@ class ZeroUnit:
         target: the :class:`FlatShard` the optimizer updates (set by the stage).
         full: the unit's whole flat parameters where this rank holds them (stages 1
             and 2 always, stage 3 while unsharded), else ``None``.
-        grad_shard: this rank's averaged gradient slice.
+        grad_shard: this rank's averaged gradient slice (at stage 1 made at the step,
+            see [Note: stage 1's gradient shard]).
         grad_full: the full flat gradients (stage 1 only, else ``None``).
+        shard_at_step: stage 1 (not aliased, not offloaded): the reduced slice waits in
+            this rank's block of ``grad_full``, and ``grad_shard`` exists from the step
+            to :meth:`release_step_shard` only.
         aliased: stage 1 on one rank, gradients reduced in the shard's dtype: the
             shard *is* the full gradient buffer (no second copy, nothing to send).
         ready: parameters whose gradient is final so far in this backward.
@@ -120,6 +124,10 @@ class ZeroUnit:
         self.grad_shard = self.grad_full = None
         self.grad_views: list = []      # stage 1: the parameters' views of grad_full
         self.aliased = False
+        self.shard_at_step = False
+        self._waiting = False     # a reduced slice in grad_full's block, not in the shard
+        self._summed = False      # the shard holds this step's earlier reductions
+        self._owned = False       # the shard is an array of its own (else grad_full's block)
         self.ready = 0
         self.reductions = 0
         self.grads_reduced = False
@@ -148,6 +156,9 @@ class ZeroUnit:
                 return
         if host_shard is not None:
             self.grad_shard = host_shard
+            return
+        if self.keep_full_grads:
+            self.shard_at_step = True   # see [Note: stage 1's gradient shard]
             return
         self.grad_shard = self.ledger.zeros("grads", (layout.shard_size,), layout.dtype,
                                             f"grad shard {layout.label}", xp=self.xp)
@@ -185,7 +196,8 @@ class ZeroUnit:
         if self.aliased:  # the full buffer is the shard: nothing to reduce or send
             self.reductions += 1
             return Reduction(self, None, flat, self.grad_shard, first)
-        if first and rd == self.grad_shard.dtype and not self.ledger.on_host(self.grad_shard):
+        if first and not self.shard_at_step and rd == self.grad_shard.dtype and \
+                not self.ledger.on_host(self.grad_shard):
             recv = self.grad_shard
         else:
             recv = self.ledger.empty("comm", (layout.shard_size,), rd,
@@ -204,8 +216,68 @@ class ZeroUnit:
         """All of this step's reductions are done: hand the shard to the optimizer."""
         self.ready = 0
         self.reductions = 0
+        if self.shard_at_step:
+            block = self._block()
+            if self.grad_shard is None and block.dtype == self.layout.dtype:
+                self.grad_shard, self._waiting = block, False   # the block itself
+            else:
+                self.settle()
         self.target.grad = self.grad_shard
         self.grads_reduced = True
+
+    # [Note: stage 1's gradient shard]
+    # Stage 1 keeps every gradient whole (``grad_full``, in reduce_dtype) and reduces
+    # once per step where the loop accumulates under ``no_sync`` (as ``mpishard
+    # train`` and the pipeline schedules do). The reduced slice then lands back in
+    # this rank's own block of ``grad_full``, whose local values the reduce-scatter
+    # has consumed, and the optimizer's gradient shard is made at the step: that
+    # block itself when reduce_dtype is the masters' dtype, else a cast copy (the
+    # float32 shard of bfloat16 gradients), released by ``zero_grad``. So between
+    # steps, and under the activations of forward and backward, the rank keeps the
+    # gradients once, as Megatron-LM's distributed optimizer does (its float32
+    # gradient shard is made from the bfloat16 buffer at the step); the plan counts
+    # the copy in ``at_step`` (planning/model_state.py). A loop that reduces on
+    # every micro-step (no ``no_sync``) zeroes ``grad_full`` before the next
+    # forward, so the slice moves into a shard made then, and later reductions add
+    # to it: the same sums, in the same dtype and order, as a shard kept always.
+
+    def _block(self):
+        return self.grad_full[self.layout.shard_start:self.layout.shard_stop]
+
+    def keep_reduced(self, recv, first: bool) -> None:
+        """Stage 1: a reduction's averaged slice, into this rank's block of ``grad_full``."""
+        if first:
+            self._summed = False
+        self._block()[...] = recv
+        self._waiting = True
+
+    def settle(self) -> None:
+        """Stage 1: move a reduced slice waiting in ``grad_full`` into the gradient shard
+        (made now if there is none), before ``grad_full`` is cleared or at the step."""
+        if not self._waiting:
+            return
+        block = self._block()
+        if self.grad_shard is None:
+            self.grad_shard = self.ledger.empty("grads", (self.layout.shard_size,),
+                                                self.layout.dtype,
+                                                f"grad shard {self.layout.label} (at the step)",
+                                                xp=self.xp)
+            self._owned = True
+        if self._summed:
+            self.grad_shard += block
+        else:
+            copy_into(self.grad_shard, block)
+        self._waiting, self._summed = False, True
+
+    def release_step_shard(self) -> None:
+        """Stage 1, after the step: let the gradient shard go (a view of ``grad_full``,
+        or the copy :meth:`settle` made)."""
+        if not self.shard_at_step or self.grad_shard is None:
+            return
+        if self._owned:
+            self.ledger.release(self.grad_shard)
+        self.grad_shard = None
+        self._waiting = self._summed = self._owned = False
 
 
 class ZeroStrategy(Strategy):
@@ -324,6 +396,7 @@ class ZeroStrategy(Strategy):
         super().zero_grad()
         for unit in self.units:
             unit.grads_reduced = False
+            unit.release_step_shard()
 
     def local_grad_sq(self) -> float:
         """Sum of squares of this rank's gradient shards, each element counted once overall."""

@@ -35,7 +35,10 @@ class Reduction:
             unit.replicate.all_reduce(self.recv, op="avg")
         if unit.scale != 1.0:     # expert gradients: 1 / ep (see parallel/expert/layers.py)
             self.recv *= unit.scale
-        if self.recv is not unit.grad_shard:
+        if unit.shard_at_step:   # stage 1: back into grad_full (see [Note: stage 1's
+            unit.keep_reduced(self.recv, self.first)           # gradient shard] in base.py)
+            ledger.release(self.recv)
+        elif self.recv is not unit.grad_shard:
             if self.first:  # reduced in another dtype, or into the device: into the shard
                 copy_into(unit.grad_shard, self.recv)
             elif ledger.on_host(unit.grad_shard) and not ledger.on_host(self.recv):

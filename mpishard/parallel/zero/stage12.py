@@ -56,6 +56,7 @@ class ShardedStateZeRO(ZeroStrategy):
         if self.stage == 1:
             for unit in self.units:
                 if unit.reductions and not unit.aliased:  # aliased: the sum stays in place
+                    unit.settle()     # the reduced slice into the shard, before clearing
                     unit.grad_full[...] = 0
 
     def after_update(self) -> None:
