@@ -15,8 +15,10 @@ batch 16 x 128 tokens, as in ``benchmarks/step.py`` (``--block-size`` and
 same seed (``--model llama``: Llama config S of ``benchmarks/step.py``, grouped-query
 attention with 2 key/value heads and a SwiGLU MLP of width 768, no dropout):
 plain, with ``set_activation_checkpointing(True)`` (each block
-recomputed) and with ``set_activation_checkpointing("selective")`` (attention's
-``T x T`` core recomputed). For each,
+recomputed), with ``set_activation_checkpointing("selective")`` (attention's
+``T x T`` core recomputed) and with ``set_activation_checkpointing("op")`` (each
+block recomputed but for every second matrix product, whose output it keeps:
+torchtitan's selective recomputation by op). For each,
 the memory ledger measures the bytes one training forward leaves alive for
 backward (printed beside the plan's figure, ``GPT.activation_bytes``) (:meth:`mpishard.core.backend.MemoryLedger.measure_activations`: NumPy
 allocations traced by tracemalloc, minus what the ledger counts elsewhere).
@@ -55,8 +57,8 @@ CONFIG_S = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256)
 LLAMA_S = dict(CONFIG_S, n_kv_head=2, intermediate_size=768)
 BATCH = 16
 MIB = 2**20
-MODES = ("plain", "checkpointed", "selective")
-_SETTING = {"plain": "none", "checkpointed": "full", "selective": "selective"}
+MODES = ("plain", "checkpointed", "selective", "by op")
+_SETTING = {"plain": "none", "checkpointed": "full", "selective": "selective", "by op": "op"}
 
 
 def _make(config: dict, dropout: float, **kw):
@@ -166,7 +168,9 @@ def main(argv=None) -> dict:
               "step_time_ratio": round(median["checkpointed"] / median["plain"], 3),
               "selective_activation_ratio": round(nbytes["plain"] / nbytes["selective"], 2),
               "selective_kept_fraction": round(nbytes["selective"] / nbytes["plain"], 3),
-              "selective_step_time_ratio": round(median["selective"] / median["plain"], 3)}
+              "selective_step_time_ratio": round(median["selective"] / median["plain"], 3),
+              "op_kept_fraction": round(nbytes["by op"] / nbytes["plain"], 3),
+              "op_step_time_ratio": round(median["by op"] / median["plain"], 3)}
     for mode in MODES:
         print(f"{mode:13s} activations {nbytes[mode] / MIB:8.2f} MiB "
               f"({per_block[mode] / MIB:7.2f} MiB a block; planned "
@@ -179,6 +183,9 @@ def main(argv=None) -> dict:
           f"{result['selective_step_time_ratio']}x; a block keeps "
           f"{result['selective_kept_fraction_per_block']} of its bytes; T = "
           f"{config['block_size']}, batch {args.batch_size}, {args.precision}", file=sys.stderr)
+    print(f"recomputation by op (every second product's output kept) keeps "
+          f"{result['op_kept_fraction']} of them for {result['op_step_time_ratio']}x the "
+          f"step time", file=sys.stderr)
     print(json.dumps(result))
     return result
 

@@ -367,6 +367,17 @@ HOPPER_KERNELS = {"torchtitan": "TORCHTITAN_KERNELS", "llm-foundry": "LLMFOUNDRY
                   "nemo": "NEMO_KERNELS"}
 
 
+def memory_layout(run, layout):
+    """The layout a Hopper reference's memory is planned with: ``layout``, or where the
+    run's recomputation is one mpishard has under another name (``memory_planned_as``:
+    torchtitan's selective recomputation by op is mpishard's ``"op"``), that one."""
+    import dataclasses
+    if run["parallel"].get("memory_planned_as") == "op":
+        return dataclasses.replace(layout, selective=False, activation_checkpointing=True,
+                                   keep_products=True)
+    return layout
+
+
 def hopper_machines(run) -> list:
     """``[(label, machine)]`` a Hopper reference is predicted on: the shipped description,
     or, where the run's json gives its GPUs' own figures (``hardware_as_published``:
@@ -421,6 +432,7 @@ def _hopper_rows(say) -> list:
         layout, make = hopper_layout(run)
         kernels = getattr(gpu_time, HOPPER_KERNELS[run["framework"]])
         plan = estimate_layout(make(), layout)
+        memory = estimate_layout(make(), memory_layout(run, layout))
         for label, machine in hopper_machines(run):
             cost = predict_step(make, layout, machine, kernels=kernels, plan=plan)
             published_tps = _published_tokens_per_gpu(run)
@@ -431,7 +443,7 @@ def _hopper_rows(say) -> list:
                          "predicted_tokens_per_s_per_gpu": round(predicted_tps),
                          "error": (published_tps / predicted_tps) - 1, "mfu": cost.mfu,
                          "mfu_of_989": cost.mfu * machine.peak("bfloat16") / 989e12,
-                         "peak_gib": plan.total_peak_bytes / 2**30,
+                         "peak_gib": memory.total_peak_bytes / 2**30,
                          "usable_gib": machine.usable_memory_bytes / 2**30,
                          # what each of the framework's switches is worth: the step
                          # predicted without it, over the published one

@@ -32,6 +32,7 @@ from mpishard.kernels import kernels_for
 from mpishard.kernels.cuda.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
 from mpishard.kernels.rows import col_sum_dtype
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
+from mpishard.autodiff.recompute import kept_product
 from mpishard.autodiff.rows import (bias_grad, cast, check_last_dim, draw_uniform,
                                     kept_mask, native_float16, scatter_add_rows, up)
 from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
@@ -51,12 +52,16 @@ def linear(x, weight, bias=None) -> Tensor:
         raise ValueError(f"linear: dtype mismatch {x.data.dtype} (input {tuple(x.shape)}) vs "
                          f"{weight.data.dtype} (weight {tuple(weight.shape)})")
     dtype, cd = x.dtype, matmul_dtype(x.data)           # see [Note: 16-bit inputs]
-    x2 = cast(x.data.reshape(-1, n_in), cd)               # (N, in)
-    y = matmul(x2, cast(weight.data, cd).T)                # (N, out)
+    out_shape = x.shape[:-1] + (n_out,)
     if bias is not None:
         bias = as_tensor(bias)
-        y += bias.data
-    out_shape = x.shape[:-1] + (n_out,)
+
+    def product():                       # (N, out), or kept (see [Note: kept products])
+        y = matmul(cast(x.data.reshape(-1, n_in), cd), cast(weight.data, cd).T)
+        if bias is not None:
+            y += bias.data
+        return cast(y, dtype).reshape(out_shape)
+    y = kept_product(product)
 
     def backward(g):
         g2 = cast(g.reshape(-1, n_out), cd)               # (N, out)
@@ -70,7 +75,7 @@ def linear(x, weight, bias=None) -> Tensor:
         if bias is not None:
             gb = bias_grad(bias, g2)
         return gx, gw, gb
-    return make_result(cast(y, dtype).reshape(out_shape), (x, weight, bias), backward, "linear")
+    return make_result(y, (x, weight, bias), backward, "linear")
 
 
 def _product_grad_dtype(weight, cd) -> np.dtype:

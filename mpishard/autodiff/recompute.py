@@ -33,16 +33,87 @@ arXiv:1604.06174).
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Sequence
 
 import numpy as np
 
 from mpishard.autodiff.tensor import Tensor, enable_grad, is_grad_enabled, no_grad
 
-__all__ = ["recompute", "device_state_array"]
+__all__ = ["recompute", "device_state_array", "kept_product", "every_second"]
 
 
-def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = ()) -> Tensor:
+# [Note: kept products]
+# ``recompute(fn, ..., keep=every_second)`` recomputes ``fn`` as usual but for some of
+# its matrix products: torchtitan's selective recomputation by op
+# (``selective_ac_option = "op"``: the outputs of every second ``mm`` of a block kept,
+# the rest of the block recomputed). The product ops (``linear``, ``gathered_linear``)
+# hand their output computation to :func:`kept_product`. Inside a recomputed call with
+# a ``keep`` policy, the first run numbers the products in the order they run and holds
+# the outputs of those ``keep(i)`` selects; the recompute runs the same code, so the
+# same products come in the same order, and each kept one takes its held output
+# instead of multiplying again (the same bits), then the holds are let go. A product
+# whose output is kept skips what the op did to make it, on every rank alike (under
+# sequence parallelism the input's all-gather: backward gathers it again anyway).
+# Calls nested inside (a recomputed call of their own) keep nothing and are not
+# counted, in both runs alike. The kept outputs are plain arrays an op made and
+# handed on; an op that writes into its input in place would change a kept one (none
+# of the model's readers of a kept product do: tests/autodiff hold the gradients
+# bit-identical).
+
+def every_second(i: int) -> bool:
+    """Keep products 0, 2, 4, ... of a block (torchtitan's "op" policy keeps every
+    second matrix product's output, the first included)."""
+    return i % 2 == 0
+
+
+class _Products(threading.local):
+    held = None     # the list of the call being recorded or replayed, or None
+    keep = None     # its policy
+    replay = False
+    count = 0
+
+
+_products = _Products()
+
+
+def kept_product(compute: Callable[[], object]):
+    """A product op's output, ``compute()``, or inside a recomputed call with a ``keep``
+    policy the held one (see [Note: kept products])."""
+    p = _products
+    if p.keep is None:
+        return compute()
+    i = p.count
+    p.count += 1
+    if not p.keep(i):
+        return compute()
+    if p.replay:
+        if i not in p.held:
+            raise RuntimeError(f"recompute: product {i} was not kept in the first run; the "
+                               f"recomputed function ran other products the second time")
+        return p.held[i]
+    out = compute()
+    p.held[i] = out
+    return out
+
+
+class _counting:
+    """Run a block of code as one recorded (or replayed) call: ``held`` its kept outputs."""
+
+    def __init__(self, keep, held: dict, replay: bool):
+        self.state = (keep, held, replay, 0)
+
+    def __enter__(self):
+        p = _products
+        self.before = (p.keep, p.held, p.replay, p.count)
+        p.keep, p.held, p.replay, p.count = self.state
+
+    def __exit__(self, *exc):
+        p = _products
+        p.keep, p.held, p.replay, p.count = self.before
+
+
+def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = (), keep=None) -> Tensor:
     """``fn(*args)``, keeping only ``args``; ``fn`` runs again when backward needs it.
 
     Args:
@@ -53,6 +124,9 @@ def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = ()) -> Tensor:
         rngs: random generators ``fn`` draws from (NumPy ``Generator`` or
             ``RandomState``, CuPy ``Generator``); their states are saved so
             the recompute draws the same numbers. See [Note: recompute].
+        keep: ``None``, or a policy ``keep(i) -> bool`` over the matrix products ``fn``
+            runs, numbered from 0: the outputs it selects are kept from the first run
+            and not computed again (see [Note: kept products]; :func:`every_second`).
 
     Returns:
         A Tensor with ``fn``'s values whose backward recomputes ``fn``.
@@ -63,7 +137,8 @@ def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = ()) -> Tensor:
     """
     rngs = tuple(rngs)
     saved_states = [_get_state(rng) for rng in rngs]
-    with no_grad():
+    held: dict = {}
+    with no_grad(), _counting(keep, held, False):
         out = fn(*args)
     if not isinstance(out, Tensor):
         raise TypeError(f"recompute: {getattr(fn, '__name__', fn)!r} returned "
@@ -79,11 +154,12 @@ def recompute(fn: Callable[..., Tensor], *args, rngs: Sequence = ()) -> Tensor:
             # Fresh leaves on the same arrays: the inner backward stops at them.
             leaves = {id(a): Tensor(a.data, requires_grad=a.requires_grad)
                       for a in tensor_args}
-            with enable_grad():
+            with enable_grad(), _counting(keep, held, True):
                 again = fn(*[leaves[id(a)] if isinstance(a, Tensor) else a for a in args])
         finally:
             for rng, state in zip(rngs, states_now):
                 _set_state(rng, state)
+            held.clear()      # the graph just built holds what backward reads
         if again.requires_grad:
             again.backward(g)
         return tuple(leaves[id(a)].grad if a.requires_grad else None for a in tensor_args)

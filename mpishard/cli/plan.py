@@ -161,7 +161,8 @@ def apply_auto_layout(cfg, world_size: int) -> str:
     p.pipeline_schedule, p.virtual_stages = (lay.schedule, lay.virtual_stages) if \
         lay.virtual_stages > 1 else (p.pipeline_schedule, 1)
     o.batch_size, o.micro_steps, o.global_batch = lay.batch_size, lay.micro_batches, 0
-    cfg.model.activation_checkpointing = "full" if lay.activation_checkpointing else "none"
+    cfg.model.activation_checkpointing = "op" if lay.keep_products else \
+        "full" if lay.activation_checkpointing else "selective" if lay.selective else "none"
     return (f"layout auto ({machine.name}, {n} layouts): dp={lay.dp} (dp_replicate="
             f"{lay.dp_replicate}) x cp={lay.cp} x tp={lay.tp} x pp={lay.pp}"
             f"{f' ({lay.virtual_stages} chunks each, interleaved)' if lay.virtual_stages > 1 else ''}"
@@ -260,7 +261,8 @@ def explain(ranked, cfg, machine=None) -> str:
             before = cost.comm_total.get(part[5:]) if part.startswith("comm ") else None
             hidden = f" (of {before:.4f} s before overlap)" if before is not None else ""
             rows.append(f"  {part:<26}{seconds:10.4f} s {seconds / total:6.1%}{hidden}")
-    recompute = "full blocks" if lay.activation_checkpointing else \
+    recompute = "blocks but for every second product" if lay.keep_products else \
+        "full blocks" if lay.activation_checkpointing else \
         "attention's core" if lay.selective else "none"
     rows.append(f"  recomputation: {recompute} (inside the compute rows)")
     rows.append(estimate_layout(recipe_for(cfg).model(plan_backend(machine)), lay).format())

@@ -39,9 +39,12 @@ class ModelKeys:
                      choices=("float32", "float64"), estimate=True,
                      aliases={"fp32": "float32", "fp64": "float64"})
     activation_checkpointing: str = opt("none", "recompute activations in backward instead "
-                                        "of keeping them: none, full (each block) or "
-                                        "selective (attention's T x T core only)",
-                                        choices=("none", "full", "selective"), estimate=True,
+                                        "of keeping them: none, full (each block), "
+                                        "selective (attention's T x T core only) or op "
+                                        "(each block, keeping every second matrix "
+                                        "product's output)",
+                                        choices=("none", "full", "selective", "op"),
+                                        estimate=True,
                                         aliases={"true": "full", "false": "none"})
 
     def __post_init__(self):

@@ -31,6 +31,7 @@ from __future__ import annotations
 from mpishard.core.errors import ConfigError
 from mpishard.data.corpus import VOCAB_SIZE
 from mpishard.models import MODELS, AxisSizes
+from mpishard.models.checkpointing import check_op_mode
 
 __all__ = ["check_supported"]
 
@@ -79,9 +80,10 @@ def check_supported(cfg) -> list:
     _check_sequence(cfg)
     sizes = AxisSizes(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                       sequence_parallel=asked["sp"],
-                      activation_checkpointing=m.activation_checkpointing == "full")
+                      activation_checkpointing=m.activation_checkpointing in ("full", "op"))
     try:
         config = spec.config_of(m, vocab_size=m.vocab_size or VOCAB_SIZE)
+        check_op_mode(config, m.activation_checkpointing)
         return list(spec.check_split(config, sizes)) if spec.check_split else []
     except ValueError as err:     # the model config's refusals, and the family's
         raise ConfigError(str(err)) from None

@@ -1,5 +1,6 @@
-"""Activation checkpointing modes: none, a whole block (``full``), or attention's core
-(``selective``), as the models' ``set_activation_checkpointing`` takes them.
+"""Activation checkpointing modes: none, a whole block (``full``), attention's core
+(``selective``), or a whole block keeping every second matrix product's output
+(``op``), as the models' ``set_activation_checkpointing`` takes them.
 
 [Note: selective recomputation]
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -24,6 +25,18 @@ the block's input through the q/k/v products, rotary embeddings and grouped-quer
 attention) is recomputed whole, its three weights read inside (their gradients land
 in their buffers, their grad-ready hooks fire once): three more products per layer
 than the core alone, the same memory saved.
+
+[Note: recomputation by op]
+``op`` is torchtitan's selective recomputation by op (its ``selective_ac_option =
+"op"``): each block is recomputed as under ``full``, except that the outputs of its
+1st, 3rd, 5th, ... matrix products (``linear``, in the order they run: a GPT's
+q/k/v product and first MLP product; a Llama's q, v, gate and down projections) are
+kept from forward and not multiplied again (see [Note: kept products] in
+mpishard/autodiff/recompute.py). A block then keeps its input and those outputs;
+backward repeats its norms, activations, attention and the other half of its
+products. Gradients are bit-identical. A Llama's attention takes its per-projection
+path (its q/k/v products are then ``linear``s of their own). Mixtures of experts with
+auxiliary losses refuse it as they refuse ``full``.
 """
 from __future__ import annotations
 
@@ -32,14 +45,15 @@ from mpishard.autodiff.tensor import is_grad_enabled
 from mpishard.core.backend import xp_of
 from mpishard.kernels import fused_attention
 
-__all__ = ["MODES", "checkpointing_mode", "attend_core"]
+__all__ = ["MODES", "checkpointing_mode", "check_op_mode", "attend_core"]
 
 #: what ``set_activation_checkpointing`` (and ``--activation-checkpointing``) takes
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "op")
 
 
 def checkpointing_mode(enabled) -> str:
-    """``"none"``, ``"full"`` or ``"selective"`` from a mode or a bool (True: full)."""
+    """``"none"``, ``"full"``, ``"selective"`` or ``"op"`` from a mode or a bool (True:
+    full)."""
     if enabled is True:
         return "full"
     if enabled is False or enabled is None:
@@ -48,6 +62,15 @@ def checkpointing_mode(enabled) -> str:
         return enabled
     raise ValueError(f"activation checkpointing {enabled!r} is not one of "
                      f"{', '.join(MODES)} (or True / False)")
+
+
+def check_op_mode(config, mode: str) -> None:
+    """Refuse ``"op"`` for a mixture of experts: its expert products are not ``linear``s
+    (only dense blocks' products are numbered, see [Note: recomputation by op])."""
+    if mode == "op" and getattr(config, "moe_experts", 0):
+        raise ValueError(f"activation checkpointing 'op' keeps the products of dense blocks; "
+                         f"this model has moe_experts = {config.moe_experts}: use 'full' "
+                         f"or 'selective'")
 
 
 def attend_core(attend, qkv, n_head: int, batch_size: int, dropout_p: float = 0.0, rng=None,

@@ -122,12 +122,14 @@ class StepCost:
 
 def stage_flops(stage, layout) -> dict:
     """Forward FLOPs of one micro-batch on this rank: ``{"blocks": ..., "rest": ...,
-    "products": count, "attention": ...}`` (blocks: what activation checkpointing
-    recomputes; attention: its share of both, what selective recomputation does)."""
+    "products": count, "attention": ..., "kept": ...}`` (blocks: what activation
+    checkpointing recomputes; attention: its share of both, what selective recomputation
+    does; kept: the blocks' 1st, 3rd, ... products, what recomputation by op does not)."""
     plan = plan_of(stage)
     rows = layout.batch_size * layout.local_seq_len
     blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
-    out = {"blocks": 0.0, "rest": 0.0, "products": 0, "attention": 0.0}
+    out = {"blocks": 0.0, "rest": 0.0, "products": 0, "attention": 0.0, "kept": 0.0}
+    seen: dict = {}      # a block -> its products so far (the 1st, 3rd, ... kept by op)
 
     def add(path, flops, products):
         key = "blocks" if blocks and path.startswith(blocks) else "rest"
@@ -136,7 +138,12 @@ def stage_flops(stage, layout) -> dict:
     for path, m in stage.named_modules():
         w = m._parameters.get("weight")
         if w is not None and len(w.shape) == 2 and type(m).__name__.endswith("Linear"):
-            add(path, 2.0 * rows * w.shape[0] * w.shape[1], 1)
+            flops = 2.0 * rows * w.shape[0] * w.shape[1]
+            add(path, flops, 1)
+            if blocks and path.startswith(blocks):
+                block = path[len(blocks):].split(".", 1)[0]
+                seen[block] = seen.get(block, 0) + 1
+                out["kept"] += flops if seen[block] % 2 else 0.0
         if hasattr(m, "n_experts") and "experts" in m._modules:
             routed = moe_rows(m, rows)
             weights = [p for p in m.experts._parameters.values() if p is not None
@@ -257,8 +264,10 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         fl = cached(("flops", layout.batch_size, layout.seq_len, layout.cp),
                     lambda: stage_flops(stage, layout))
         forward = fl["blocks"] + fl["rest"]
-        hardware = 3 * forward + (fl["blocks"] if layout.activation_checkpointing else
-                                  fl["attention"] if layout.selective else 0.0)
+        hardware = 3 * forward + (
+            fl["blocks"] - (fl["kept"] if layout.keep_products else 0.0)
+            if layout.activation_checkpointing else
+            fl["attention"] if layout.selective else 0.0)
         activation = getattr(stage, "activation_bytes", None) and not machine.kernel_model
         kept = cached(("whole activations", layout.batch_size, layout.local_seq_len, act.name),
                       lambda: _whole_activations(stage, layout, act)) if activation else 0
@@ -386,7 +395,7 @@ def _whole_activations(stage, layout, act) -> int:
                                       lean=False)
     finally:
         if checkpointed:
-            stage.set_activation_checkpointing(True)
+            stage.set_activation_checkpointing("op" if layout.keep_products else "full")
 
 
 def _embedding_elements(stage) -> int:

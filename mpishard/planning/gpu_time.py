@@ -205,6 +205,8 @@ class Op:
     bw_kernels: int = 2
     flash: float = 0.0           # a fused attention kernel: its share of the flash rate
     selective: bool = False      # repeated by selective recomputation (see KernelSet)
+    kept: bool = False           # a block's 1st, 3rd, ... product: its output kept under
+    # mpishard's recomputation by op (see [Note: recomputation by op])
 
 
 def _gemm(cls, m, n, k, s, block, core=False, batch=1) -> Op:
@@ -306,9 +308,12 @@ def _mark_selective(ops, block_of, policy) -> list:
     ``policy`` (see :class:`KernelSet`): ``"core"``, attention's core; ``"op"``, the blocks'
     kernels other than the matrix products and the fused attention, and the 2nd, 4th, ...
     matrix product of each block (torchtitan counts ``aten.mm`` calls per checkpointed
-    block; the products run in module order: q, k, v, o, then the MLP's)."""
+    block; the products run in module order: q, k, v, o, then the MLP's). ``kept`` is
+    set on the 1st, 3rd, ... product of each block under either policy: what
+    mpishard's recomputation by op (``Layout.keep_products``) does not repeat."""
     if policy == "core":
-        return [replace(op, selective=op.core) for op in ops]
+        return [replace(op, selective=op.core, kept=by_op.kept)
+                for op, by_op in zip(ops, _mark_selective(ops, block_of, "op"))]
     count: dict = {}
     out = []
     for i, op in enumerate(ops):
@@ -317,7 +322,7 @@ def _mark_selective(ops, block_of, policy) -> list:
             again = count[block_of[i]] % 2 == 0
         else:
             again = op.block and not op.matrix and not op.flash
-        out.append(replace(op, selective=again))
+        out.append(replace(op, selective=again, kept=i in block_of and not again))
     return out
 
 
@@ -388,8 +393,8 @@ def micro_batch_times(ops: list, machine, dtype: str, layout) -> dict:
     by_class = dict.fromkeys(OP_CLASSES, 0.0)
     for op in ops:
         fw, bw = op_seconds(op, machine, dtype)
-        again = fw if (layout.activation_checkpointing and op.block) or \
-            (layout.selective and op.selective) else 0.0
+        again = fw if (layout.activation_checkpointing and op.block and not (
+            layout.keep_products and op.kept)) or (layout.selective and op.selective) else 0.0
         forward, backward, recompute = forward + fw, backward + bw, recompute + again
         if op.core:
             attention += fw + bw

@@ -90,7 +90,10 @@ class Layout:
     layers over tp; ``ep`` splits each mixture of experts' experts over that many
     ranks of ``dp_shard x cp``. ``activation_checkpointing`` recomputes whole blocks,
     ``selective`` only attention's core (the activation plan then keeps no ``T x T``
-    weights; the step-time model adds the core's products once more).
+    weights; the step-time model adds the core's products once more);
+    ``keep_products`` (with ``activation_checkpointing``) keeps the outputs of every
+    block's 1st, 3rd, ... product and repeats the rest of the block (see [Note:
+    recomputation by op] in mpishard/models/checkpointing.py).
     ``schedule`` is ``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` with
     ``virtual_stages`` model chunks per pipeline rank. ``offload`` is ``"none"``,
     ``"optimizer"`` (DDP, ZeRO) or ``"params"`` (ZeRO-3): what the run keeps in host
@@ -122,6 +125,7 @@ class Layout:
     sequence_parallel: bool = False
     ep: int = 1
     selective: bool = False
+    keep_products: bool = False
     virtual_stages: int = 1
     offload: str = "none"
     reduce_dtype: str = "float32"
@@ -130,6 +134,9 @@ class Layout:
         if self.selective and self.activation_checkpointing:
             raise ValueError("Layout: selective=True recomputes attention's core and "
                              "activation_checkpointing=True whole blocks; pass one of them")
+        if self.keep_products and not self.activation_checkpointing:
+            raise ValueError("Layout: keep_products=True (recomputation by op) keeps products "
+                             "of recomputed blocks; pass activation_checkpointing=True too")
         for name in ("dp", "tp", "pp", "cp", "dp_replicate", "batch_size", "seq_len",
                      "micro_batches", "ep", "virtual_stages"):
             n = getattr(self, name)
@@ -249,6 +256,7 @@ class LayoutEstimate:
             rows.append(f"  {'activations':<12}{mib(stage.activation_bytes)}  (peak: "
                         f"{kept} of {lay.batch_size} x {seq} kept for backward"
                         + (", checkpointed" if lay.activation_checkpointing else "")
+                        + (" keeping every second product" if lay.keep_products else "")
                         + (", attention recomputed" if lay.selective else "") + ")")
         else:
             rows.append(f"  {'activations':<12}{'(not estimated for this model)':>14}")
@@ -359,8 +367,8 @@ def estimate_layout(model, layout: Layout, stage_estimate=None, stage_of=None,
         stage = stage_of(s) if stage_of is not None else \
             build_stage(model, mesh, stage_estimate, layout.cp_mode, layout.sequence_parallel,
                         layout.virtual_stages)
-        mode = "full" if layout.activation_checkpointing else \
-            "selective" if layout.selective else "none"
+        mode = "op" if layout.keep_products else "full" if layout.activation_checkpointing \
+            else "selective" if layout.selective else "none"
         if hasattr(stage, "set_activation_checkpointing") and \
                 (mode != "none" or stage_of is not None):
             stage.set_activation_checkpointing(mode)

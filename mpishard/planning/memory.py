@@ -208,7 +208,7 @@ def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw"
 def at_step_rows(at_step: dict, width: int) -> list:
     """The plan's lines for what exists at the optimizer step alone (see
     ``MemoryEstimate.at_step``)."""
-    return [f"  {k + ' (step)':<{width}}{v / 2**20:10.2f} MiB  (at the optimizer step only, "
+    return [f"  {'step ' + k:<{width}}{v / 2**20:10.2f} MiB  (at the optimizer step only, "
             f"with no activations)" for k, v in at_step.items() if v]
 
 
@@ -243,11 +243,30 @@ def _again(layout, plan, path: str) -> int:
     return 2 if layout.activation_checkpointing and blocks and path.startswith(blocks) else 1
 
 
+def kept_products(stage, plan) -> set:
+    """Paths of the products recomputation by op keeps: each block's 1st, 3rd, ...
+    linear layer in the order they run (see [Note: recomputation by op])."""
+    blocks = plan.pipeline.blocks + "." if plan.pipeline is not None else None
+    seen: dict = {}
+    kept = set()
+    for path, m in stage.named_modules():
+        w = m._parameters.get("weight")
+        if blocks and path.startswith(blocks) and w is not None and len(w.shape) == 2 \
+                and type(m).__name__.endswith("Linear"):
+            block = path[len(blocks):].split(".", 1)[0]
+            seen[block] = seen.get(block, 0) + 1
+            if seen[block] % 2:
+                kept.add(path)
+    return kept
+
+
 def _tp_bytes(stage, layout, plan, wire: int, act) -> int:
     """Bus bytes of one step's tensor-parallel collectives on this stage."""
     tp = layout.tp
     if tp == 1:
         return 0
+    # a kept product's output is not made again, nor (sequence parallel) its input gathered
+    kept = kept_products(stage, plan) if layout.keep_products else set()
     sp, c = layout.sequence_parallel, act.itemsize
     rows = layout.batch_size * layout.local_seq_len
     loss_item = 4 if c == 2 else c                         # 16-bit logits: float32 rows
@@ -266,7 +285,8 @@ def _tp_bytes(stage, layout, plan, wire: int, act) -> int:
             elif isinstance(style, ColumnParallel) and isinstance(module, ColumnParallelLinear):
                 inp = rows * module.in_features         # the input's gradient; under sp the
                 # input gathered (again in backward) and its gradient reduce-scattered
-                ring += (again + 1) * inp * c + inp * wire if sp else 2 * inp * wire
+                gathers = 1 if path in kept else again
+                ring += (gathers + 1) * inp * c + inp * wire if sp else 2 * inp * wire
             elif isinstance(style, ColumnParallel) and sp:  # kept whole, from gathered rows
                 inp = rows * module.in_features
                 ring += again * inp * c + inp * wire

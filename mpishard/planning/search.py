@@ -50,6 +50,7 @@ class Ranked:
                 "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "strategy": lay.strategy,
                 "micro_batch": lay.batch_size, "micro_batches": lay.micro_batches,
                 "activation_checkpointing": lay.activation_checkpointing,
+                "keep_products": lay.keep_products,
                 "sequence_parallel": lay.sequence_parallel, "peak_bytes": self.peak_bytes,
                 "step_s": self.cost.seconds, "tokens_per_s": self.cost.tokens_per_s,
                 "mfu": self.cost.mfu, "exposed_comm_s": self.cost.exposed_comm,

@@ -34,7 +34,8 @@ def describe_plan(trainer) -> str:
              f"{mesh.dp.size} dp ranks, {o.steps} steps, {cfg.model.dtype}"
              + (f", computing in {p.precision}" if p.precision != "float32" else "")
              + ({"full": ", activation checkpointing",
-                 "selective": ", selective recomputation"}.get(cfg.model.activation_checkpointing, ""))
+                 "selective": ", selective recomputation",
+                 "op": ", recomputation by op"}.get(cfg.model.activation_checkpointing, ""))
              + (f", context parallel {p.cp_mode}" if mesh.cp.size > 1 else "")
              + (", sequence parallel" if p.sequence_parallel and mesh.tp.size > 1 else ""),
              trainer.plan.format()]

@@ -39,7 +39,8 @@ from mpishard.run.report import MetricsFile, describe_plan, expert_load, progres
 
 __all__ = ["Trainer", "run", "make_optimizer"]
 
-_CHECKPOINTED = {"none": "", "full": ", checkpointed", "selective": ", attention recomputed"}
+_CHECKPOINTED = {"none": "", "full": ", checkpointed", "selective": ", attention recomputed",
+                 "op": ", recomputed by op"}
 
 
 def make_optimizer(name: str, params, cfg, ledger):
@@ -304,7 +305,8 @@ def layout_of(cfg: TrainConfig, dp: int, recipe) -> Layout:
                   batch_size=o.batch_size, seq_len=recipe.tokens_per_sample,
                   micro_batches=o.micro_steps, schedule=p.pipeline_schedule,
                   virtual_stages=p.virtual_stages,
-                  activation_checkpointing=cfg.model.activation_checkpointing == "full",
+                  activation_checkpointing=cfg.model.activation_checkpointing in ("full", "op"),
+                  keep_products=cfg.model.activation_checkpointing == "op",
                   cp=p.cp, dp_replicate=p.dp_replicate, cp_mode=p.cp_mode,
                   sequence_parallel=p.sequence_parallel, ep=p.ep,
                   selective=cfg.model.activation_checkpointing == "selective",

@@ -1,5 +1,6 @@
 """Activation checkpointing (``recompute``, ``GPT.set_activation_checkpointing``): whole
-blocks ("full") and attention's core ("selective").
+blocks ("full"), attention's core ("selective") and whole blocks keeping every second
+product's output ("op").
 
     python -m pytest -q tests/autodiff/test_activation_checkpointing.py
     OMP_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py -m pytest -q --with-mpi \
@@ -120,6 +121,34 @@ def test_clear_errors():
         recompute(lambda a: a * 2.0, x, rngs=[object()])
 
 
+def test_kept_products_are_taken_not_computed_again():
+    """Under ``keep=every_second`` the 1st, 3rd and 5th products are kept from the first
+    run; the recompute computes the 2nd and 4th alone, and the gradient is the same."""
+    from mpishard.autodiff.graph import make_result
+    from mpishard.autodiff.recompute import every_second, kept_product
+    made = []
+
+    def scale(t, k):
+        data = kept_product(lambda: (made.append(k), t.data * k)[1])
+        return make_result(data, (t,), lambda g: (g * k,), "scale")
+
+    def chain(t):
+        for k in (2.0, 3.0, 5.0, 7.0, 11.0):
+            t = scale(t, k)
+        return t
+    x = Tensor(np.arange(1.0, 4.0), requires_grad=True)
+    out = recompute(chain, x, keep=every_second)
+    assert made == [2.0, 3.0, 5.0, 7.0, 11.0]
+    ops.sum(out).backward()
+    assert made[5:] == [3.0, 7.0]
+    np.testing.assert_array_equal(x.grad, np.full(3, 2.0 * 3 * 5 * 7 * 11))
+    made.clear()                       # outside a recomputed call nothing is kept
+    again = Tensor(np.arange(1.0, 4.0), requires_grad=True)
+    ops.sum(chain(again)).backward()
+    assert made == [2.0, 3.0, 5.0, 7.0, 11.0]
+    np.testing.assert_array_equal(again.grad, x.grad)
+
+
 # -- the GPT --------------------------------------------------------------------------
 
 def _train_gpt(checkpointing: bool, dtype: str, steps: int = 3, micro: int = 2):
@@ -138,7 +167,7 @@ def _train_gpt(checkpointing: bool, dtype: str, steps: int = 3, micro: int = 2):
     return record + [[p.data for p in model.parameters()]]
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gpt_bit_identical_with_and_without(dtype, mode):
     plain, again = _train_gpt(False, dtype), _train_gpt(mode, dtype)
@@ -149,24 +178,47 @@ def test_gpt_bit_identical_with_and_without(dtype, mode):
 LLAMA = LlamaConfig(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=16)
 
 
+def _train_llama(checkpointing, per_projection: bool = False) -> list:
+    """Two steps of a float64 Llama: losses and gradients; ``per_projection``: its
+    attention's per-projection path (q/k/v products of their own) in every mode."""
+    model = Llama(LLAMA, seed=0, dtype="float64").set_activation_checkpointing(checkpointing)
+    for block in model.model.layers.values():
+        block.self_attn.per_projection |= per_projection
+        assert block.self_attn.takes_one_op_path(model.backend.xp) != (
+            per_projection or checkpointing == "op")
+    opt = AdamW(model.parameters(), lr=1e-2)
+    record = []
+    for step in range(2):
+        _, loss = model(*batch(step, 0, 0, LLAMA))
+        loss.backward()
+        record += [loss.data] + [p.grad.copy() for p in model.parameters()]
+        opt.step()
+        model.zero_grad()
+    return record
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_llama_bit_identical_with_and_without(mode):
     """Llama's fused attention op (projections, rotations, grouped-query attention) is
     recomputed whole under selective: the same bits."""
-    runs = []
-    for checkpointing in ("none", mode):
-        model = Llama(LLAMA, seed=0, dtype="float64").set_activation_checkpointing(checkpointing)
-        assert model.model.layers["0"].self_attn.takes_one_op_path(model.backend.xp)
-        opt = AdamW(model.parameters(), lr=1e-2)
-        record = []
-        for step in range(2):
-            _, loss = model(*batch(step, 0, 0, LLAMA))
-            loss.backward()
-            record += [loss.data] + [p.grad.copy() for p in model.parameters()]
-            opt.step()
-            model.zero_grad()
-        runs.append(record)
+    runs = [_train_llama("none"), _train_llama(mode)]
     assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_llama_by_op_bit_identical_to_its_per_projection_path():
+    """Recomputed by op, a Llama's attention takes its per-projection path (q, k and v
+    products of their own: q and v kept, k computed again): the same bits as that path
+    without recomputation."""
+    runs = [_train_llama("none", per_projection=True), _train_llama("op")]
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_by_op_is_refused_for_a_mixture_of_experts():
+    moe = GPTConfig(**{**TINY.__dict__, "moe_experts": 4, "moe_top_k": 2, "moe_aux_coef": 0.0,
+                       "moe_z_coef": 0.0})
+    with pytest.raises(ValueError, match="'op' keeps the products of dense blocks; this "
+                                         "model has moe_experts = 4: use 'full' or"):
+        GPT(moe, seed=0).set_activation_checkpointing("op")
 
 
 def test_an_unknown_mode_is_refused():
@@ -174,7 +226,7 @@ def test_an_unknown_mode_is_refused():
         GPT(TINY, seed=0).set_activation_checkpointing("some")
 
 
-@pytest.mark.parametrize("mode", [True, "selective"])
+@pytest.mark.parametrize("mode", [True, "selective", "op"])
 def test_pipeline_stages_bit_identical(mode):
     """Two stages of one GPT in one process, activations handed over by hand."""
     x, y = batch(0, 0, 0, TINY)
@@ -343,7 +395,7 @@ def _zero3_params(comm, checkpointing, steps: int = 3, accum: int = 2):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_zero3_bit_identical_with_and_without(size, mode):
     if size > MPI.COMM_WORLD.size:
@@ -378,7 +430,7 @@ def _parallel_run(comm, checkpointing, family: str = "gpt", steps: int = 3, sp: 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 @pytest.mark.parametrize("dp,tp,pp,cp,sp,precision", [
     (2, 2, 1, 1, False, "float32"), (1, 2, 2, 1, False, "float32"),
     (2, 1, 1, 2, False, "float32"),                   # context parallel (ring)
@@ -388,6 +440,20 @@ def test_tensor_and_pipeline_parallel_bit_identical(dp, tp, pp, cp, sp, precisio
         sizes = dict(dp=dp, tp=tp, pp=pp, cp=cp, sp=sp, precision=precision)
         plain_losses, plain = _parallel_run(comm, False, **sizes)
         losses, again = _parallel_run(comm, mode, **sizes)
+        assert plain_losses == losses
+        for name in plain:
+            assert np.array_equal(plain[name], again[name]), name
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True])
+def test_llama_by_op_under_zero3_and_tensor_parallel_bit_identical(sp):
+    """tp 2 (the per-projection path either way), with and without sequence
+    parallelism: the kept q, v and gate products, and down's partial sums."""
+    with sub_world(4) as comm:
+        plain_losses, plain = _parallel_run(comm, "none", "llama", dp=2, tp=2, sp=sp)
+        losses, again = _parallel_run(comm, "op", "llama", dp=2, tp=2, sp=sp)
         assert plain_losses == losses
         for name in plain:
             assert np.array_equal(plain[name], again[name]), name

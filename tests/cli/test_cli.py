@@ -116,9 +116,10 @@ def test_bench_commands_run():
 
 def test_train_measures_activations_and_checkpointing_shrinks_them():
     """The first step's activations are measured and logged; checkpointing keeps fewer,
-    selective recomputation fewer than none and more than whole blocks."""
+    selective recomputation and recomputation by op fewer than none and more than whole
+    blocks."""
     mib = {}
-    for on in ("false", "true", "selective"):
+    for on in ("false", "true", "selective", "op"):
         out = mpishard("train", *FAST, "--n-layer", "3", "--n-embd", "64", "--block-size", "64",
                        "--steps", "2", "--micro-steps", "2",
                        "--precision", "bfloat16", "--activation-checkpointing", on)
@@ -128,6 +129,16 @@ def test_train_measures_activations_and_checkpointing_shrinks_them():
         mib[on] = float(line.split("backward: ")[1].split(" MiB")[0])
     assert mib["true"] > 0 and mib["false"] >= 2 * mib["true"], mib
     assert mib["true"] < mib["selective"] < mib["false"], mib
+    assert mib["true"] < mib["op"] < mib["false"], mib
+
+
+def test_train_refuses_recomputation_by_op_for_a_mixture_of_experts():
+    out = mpishard("train", *FAST, "--moe-experts", "4", "--moe-aux-coef", "0",
+                   "--moe-z-coef", "0", "--activation-checkpointing", "op")
+    assert out.returncode != 0
+    assert "activation checkpointing 'op' keeps the products of dense blocks; this model " \
+        "has moe_experts = 4: use 'full' or 'selective'" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_train_refuses_a_bad_kernel_switch_before_building_anything(tmp_path):

@@ -82,7 +82,8 @@ def _run(model, layout, world):
                         sequence_parallel=layout.sequence_parallel,
                         virtual_stages=layout.virtual_stages)
     run.module.set_activation_checkpointing(
-        "selective" if layout.selective else layout.activation_checkpointing)
+        "selective" if layout.selective else "op" if layout.keep_products else
+        layout.activation_checkpointing)
     opt = AdamW(run.parameters(), lr=1e-3, ledger=run.ledger)
     opt.allocate_state()
     x = np.random.default_rng(mesh.dp_rank).integers(

@@ -107,8 +107,12 @@ def test_hopper_references_are_predicted_on_their_own_hardware():
     fits = {r["id"]: r["peak_gib"] <= r["usable_gib"] for r in nemo}
     assert all(fits.values()), fits
     assert rows["dgxc_nemo2409_h100_bf16_llama3.1_405b_576gpu"]["peak_gib"] > 69
-    assert all(rows[k]["peak_gib"] <= rows[k]["usable_gib"] for k in rows
-               if k.startswith("llmfoundry")), {k: rows[k]["peak_gib"] for k in rows}
+    # and the other stacks' layouts too: llm-foundry's; torchtitan's recomputed by op
+    # (mpishard's "op": every second product's output kept), on its 96 GB parts
+    assert all(r["peak_gib"] <= r["usable_gib"] for r in rows.values()), \
+        {k: (round(r["peak_gib"], 1), round(r["usable_gib"], 1)) for k, r in rows.items()}
+    titan = rows[low]
+    assert 85 < titan["usable_gib"] < 86 and titan["peak_gib"] < 60
 
 
 def test_repredict_crosses_stored_runs_with_stored_calibrations(accuracy, tmp_path):

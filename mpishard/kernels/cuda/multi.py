@@ -75,7 +75,8 @@ def chunk_table(sizes, decay_ranges=None) -> tuple:
 # key (the chunk table walks every target in Python), they are kept, with a host copy
 # of the addresses the device table holds. A later call compares its addresses with
 # that copy: the same (a gradient kept in a persistent buffer, as data parallelism's
-# buckets and ZeRO's flat gradients are), nothing is copied; else one host-to-device
+# buckets and ZeRO's flat gradients are, but for ZeRO-1's float32 shard of 16-bit
+# gradients, made at each step), nothing is copied; else one host-to-device
 # copy of the span that changed, the gradients' column (the table is laid out by
 # column: every target's parameter, then every gradient, every m, every v). The copy
 # is queued on the stream after the launches that read the old addresses, so they are

@@ -52,7 +52,9 @@ column-parallel layer keeps only its own rows of the input it all-gathers
 input, ``N C c``.
 
 With activation checkpointing a block keeps only its output, ``N C c`` (its
-input is the previous block's output). The graph's own Python objects (tensors,
+input is the previous block's output); recomputed by op (``"op"``, see [Note:
+recomputation by op] in mpishard/models/checkpointing.py) also the outputs of its
+q/k/v and first MLP products, ``N (3A + F) c`` (this rank's widths). The graph's own Python objects (tensors,
 closures) add a few KiB per block (more under sequence and context parallelism),
 counted as measured on CPython 3.11. The ledger measures the same quantity
 (``MemoryLedger.measure_activations``); tests/planning/test_layout_plan.py holds the two
@@ -106,6 +108,8 @@ def gpt_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32",
     for block in blocks:
         if m.checkpointing:
             total += Ns * C * c
+            if getattr(block, "keep_products", False):   # "op": the q/k/v and first MLP
+                total += N * (width(block.attn.c_attn) + width(block.mlp.c_fc)) * c  # products
             continue
         attn, mlp = block.attn, block.mlp
         qkv = width(attn.c_attn)

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpishard.autodiff import nn_ops, softmax_ops
-from mpishard.autodiff.recompute import recompute
+from mpishard.autodiff.recompute import every_second, recompute
 from mpishard.autodiff.rows import release_values
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend, xp_of
 from mpishard.nn import (CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict,
                   unbiased)
 from mpishard.nn.init import materialize
-from mpishard.models.checkpointing import attend_core, checkpointing_mode
+from mpishard.models.checkpointing import attend_core, check_op_mode, checkpointing_mode
 from mpishard.models.generate import generate
 from mpishard.models.gpt.activations import gpt_activation_bytes
 from mpishard.models.moe import (GELUExperts, MoE, check_moe_checkpointing, check_moe_fields,
@@ -151,10 +151,12 @@ class Block(Module):
         else:
             self.mlp = MLP(config, dtype)
         self.activation_checkpointing = False
+        self.keep_products = False    # "op": see [Note: recomputation by op]
 
     def forward(self, x, batch_size: int):
         if self.activation_checkpointing and is_grad_enabled():
-            return recompute(self.compute, x, batch_size, rngs=self._dropout_rngs())
+            return recompute(self.compute, x, batch_size, rngs=self._dropout_rngs(),
+                             keep=every_second if self.keep_products else None)
         return self.compute(x, batch_size)
 
     def compute(self, x, batch_size: int):
@@ -230,15 +232,19 @@ class GPT(Module):
         input), for about one extra forward per step. ``"selective"``: only
         attention's core, the ``T x T`` scores, softmax, dropout and product
         with v (see [Note: selective recomputation] in
-        mpishard/models/checkpointing.py). ``False`` / ``"none"``: neither.
+        mpishard/models/checkpointing.py). ``"op"``: each block, keeping the outputs
+        of its q/k/v and first MLP products (see [Note: recomputation by op]).
+        ``False`` / ``"none"``: none of them.
         Gradients are bit-identical either way. Works with tensor parallelism,
         pipeline stages and ZeRO (see [Note: recompute] in
         mpishard/autodiff/recompute.py). Returns the model.
         """
         mode = checkpointing_mode(enabled)
-        check_moe_checkpointing(self.config, mode == "full")
+        check_moe_checkpointing(self.config, mode in ("full", "op"))
+        check_op_mode(self.config, mode)
         for block in self.transformer.h.values():
-            block.activation_checkpointing = mode == "full"
+            block.activation_checkpointing = mode in ("full", "op")
+            block.keep_products = mode == "op"
             block.attn.recompute_core = mode == "selective"
         return self
 

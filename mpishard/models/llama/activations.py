@@ -111,6 +111,10 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
     for block in blocks:
         if m.checkpointing:
             total += Ns * C * c
+            if getattr(block, "keep_products", False):   # "op": q, v, gate and down
+                attn, mlp = block.self_attn, block.mlp    # (its partial sums over tp)
+                total += N * (width(attn.q_proj) + width(attn.v_proj)
+                              + width(mlp.gate_proj) + C) * c
             continue
         attn, mlp = block.self_attn, block.mlp
         h, h_kv = width(attn.q_proj) // hs, width(attn.k_proj) // hs

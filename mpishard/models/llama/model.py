@@ -24,7 +24,7 @@ from mpishard.autodiff import softmax_ops
 from mpishard.autodiff.gqa_attention import gqa_attention
 from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope_qkv, rope_tables, swiglu
 from mpishard.autodiff.shape_ops import reshape
-from mpishard.autodiff.recompute import recompute
+from mpishard.autodiff.recompute import every_second, recompute
 from mpishard.autodiff.rows import release_branch, release_values
 from mpishard.autodiff.tensor import Tensor, is_grad_enabled
 from mpishard.core.backend import Backend, xp_of
@@ -33,7 +33,7 @@ from mpishard.nn import Constant, CrossEntropyLoss, Embedding, Linear, Module, M
 from mpishard.nn.init import materialize
 from mpishard.nn.sharding import (ColumnParallel, ShardingPlan, PipelinePlan, RowParallel, VocabParallel,
                        VocabParallelLoss)
-from mpishard.models.checkpointing import attend_core, checkpointing_mode
+from mpishard.models.checkpointing import attend_core, check_op_mode, checkpointing_mode
 from mpishard.models.generate import generate
 from mpishard.models.llama.activations import llama_activation_bytes
 from mpishard.models.moe import (MoE, check_moe_checkpointing, check_moe_fields, check_moe_layout,
@@ -168,6 +168,7 @@ class LlamaAttention(Module):
         self.head_size, self.group = hs, config.n_head // config.n_kv_head
         self.sequence = None   # set under context parallelism (the plan's ``attention``)
         self.recompute_core = False   # selective recomputation (models/checkpointing.py)
+        self.per_projection = False   # "op" recomputation: q/k/v as products of their own
 
     def _first_head(self, proj) -> int:
         """The global index of this rank's first head of ``proj`` (0 unless tp split it)."""
@@ -179,7 +180,7 @@ class LlamaAttention(Module):
         plain projections), unless a device's flash kernels take the heads
         (``MPISHARD_ATTENTION=fused``): that op keeps the ``T x T`` softmax weights, the
         per-projection path's fused attention keeps none."""
-        return self.sequence is None and \
+        return self.sequence is None and not self.per_projection and \
             plain_linears(self.q_proj, self.k_proj, self.v_proj) and \
             not fused_attention(xp, self.head_size, False)
 
@@ -242,10 +243,12 @@ class LlamaBlock(Module):
                        shared=LlamaMLP(config, dtype) if c.moe_shared_expert else None) \
             if c.is_moe_block(index) else LlamaMLP(config, dtype)
         self.activation_checkpointing = False
+        self.keep_products = False    # "op": see [Note: recomputation by op]
 
     def forward(self, x, batch_size: int, cos, sin):
         if self.activation_checkpointing and is_grad_enabled():
-            return recompute(self.compute, x, batch_size, cos, sin)
+            return recompute(self.compute, x, batch_size, cos, sin,
+                             keep=every_second if self.keep_products else None)
         return self.compute(x, batch_size, cos, sin)
 
     def compute(self, x, batch_size: int, cos, sin):
@@ -348,12 +351,15 @@ class Llama(Module):
 
     def set_activation_checkpointing(self, enabled: bool | str = True) -> "Llama":
         """Recompute in backward instead of keeping activations: each block (``True`` /
-        ``"full"``), attention's core (``"selective"``), or nothing (``False`` /
-        ``"none"``); see GPT's."""
+        ``"full"``), attention's core (``"selective"``), each block keeping its q, v,
+        gate and down products' outputs (``"op"``), or nothing (``False`` / ``"none"``);
+        see GPT's."""
         mode = checkpointing_mode(enabled)
-        check_moe_checkpointing(self.config, mode == "full")
+        check_moe_checkpointing(self.config, mode in ("full", "op"))
+        check_op_mode(self.config, mode)
         for block in self.model.layers.values():
-            block.activation_checkpointing = mode == "full"
+            block.activation_checkpointing = mode in ("full", "op")
+            block.keep_products = block.self_attn.per_projection = mode == "op"
             block.self_attn.recompute_core = mode == "selective"
         return self
 

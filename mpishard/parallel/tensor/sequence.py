@@ -33,6 +33,7 @@ collectively).
 from __future__ import annotations
 
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
+from mpishard.autodiff.recompute import kept_product
 from mpishard.autodiff.rows import cast, check_last_dim
 from mpishard.kernels.rows import col_sum
 from mpishard.autodiff.tensor import Tensor, grad_buffer
@@ -173,12 +174,17 @@ def gathered_linear(x, weight, bias, tp) -> Tensor:
     check_last_dim("gathered_linear", x, n_in, f"weight {tuple(weight.shape)} in_features")
     _rows_of(x.data, "gathered_linear")
     dtype, cd = x.dtype, matmul_dtype(x.data)
-    full = _gathered(x.data, tp) if tp.size > 1 else x.data
-    y = cast(full.reshape(-1, n_in), cd) @ cast(weight.data, cd).T
-    del full
     if bias is not None:
         bias = as_tensor(bias)
-        y += bias.data
+
+    def product():       # or kept, the gather skipped (see [Note: kept products])
+        full = _gathered(x.data, tp) if tp.size > 1 else x.data
+        y = cast(full.reshape(-1, n_in), cd) @ cast(weight.data, cd).T
+        del full
+        if bias is not None:
+            y += bias.data
+        return cast(y, dtype)
+    y = kept_product(product)
 
     def backward(g):
         full = _gathered(x.data, tp) if tp.size > 1 else x.data
@@ -194,4 +200,4 @@ def gathered_linear(x, weight, bias, tp) -> Tensor:
         if bias is not None and bias.requires_grad:
             gb = col_sum(g2, out=grad_buffer(bias, cd))
         return gx, gw, gb
-    return make_result(cast(y, dtype), (x, weight, bias), backward, "gathered_linear")
+    return make_result(y, (x, weight, bias), backward, "gathered_linear")

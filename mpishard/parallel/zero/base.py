@@ -193,6 +193,8 @@ class ZeroUnit:
             for p in layout.params:
                 p.grad = None
         first = self.reductions == 0
+        if first and self.shard_at_step:
+            self.release_step_shard()   # one from an earlier step (no zero_grad since)
         if self.aliased:  # the full buffer is the shard: nothing to reduce or send
             self.reductions += 1
             return Reduction(self, None, flat, self.grad_shard, first)
@@ -239,7 +241,12 @@ class ZeroUnit:
     # the copy in ``at_step`` (planning/model_state.py). A loop that reduces on
     # every micro-step (no ``no_sync``) zeroes ``grad_full`` before the next
     # forward, so the slice moves into a shard made then, and later reductions add
-    # to it: the same sums, in the same dtype and order, as a shard kept always.
+    # to it: the same sums, in the same dtype and order, as a shard kept always (that
+    # shard then lives under the later micro-batches' activations, which the plan,
+    # reading ``no_sync`` loops, does not count). The parameters' gradients are views
+    # of ``grad_full``: between the reduction and the step, this rank's block of them
+    # holds the averaged slice the optimizer reads, so scale or clip through the
+    # strategy (``step(max_norm=...)``), not through the module's parameters.
 
     def _block(self):
         return self.grad_full[self.layout.shard_start:self.layout.shard_stop]
@@ -272,11 +279,10 @@ class ZeroUnit:
     def release_step_shard(self) -> None:
         """Stage 1, after the step: let the gradient shard go (a view of ``grad_full``,
         or the copy :meth:`settle` made)."""
-        if not self.shard_at_step or self.grad_shard is None:
-            return
         if self._owned:
             self.ledger.release(self.grad_shard)
-        self.grad_shard = None
+        if self.shard_at_step:
+            self.grad_shard = None
         self._waiting = self._summed = self._owned = False
 
 
@@ -393,9 +399,14 @@ class ZeroStrategy(Strategy):
                 self.masters.grad_to_host(unit.target, unit.grad_shard)
 
     def zero_grad(self) -> None:
+        """Drop this step's gradients, also those reduced or being reduced (a backward
+        whose gradients are not stepped with: its reductions finish and count for
+        nothing)."""
         super().zero_grad()
+        self.reduction_queue.finish()
         for unit in self.units:
             unit.grads_reduced = False
+            unit.reductions = unit.ready = 0
             unit.release_step_shard()
 
     def local_grad_sq(self) -> float:
