@@ -61,7 +61,7 @@ def linear(x, weight, bias=None) -> Tensor:
         if bias is not None:
             y += bias.data
         return cast(y, dtype).reshape(out_shape)
-    y = kept_product(product)
+    y = kept_product(product, (tuple(weight.shape), out_shape))
 
     def backward(g):
         g2 = cast(g.reshape(-1, n_out), cd)               # (N, out)

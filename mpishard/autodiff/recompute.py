@@ -68,7 +68,7 @@ def every_second(i: int) -> bool:
 
 
 class _Products(threading.local):
-    held = None     # the list of the call being recorded or replayed, or None
+    held = None     # the dict of the call being recorded or replayed, or None
     keep = None     # its policy
     replay = False
     count = 0
@@ -77,20 +77,27 @@ class _Products(threading.local):
 _products = _Products()
 
 
-def kept_product(compute: Callable[[], object]):
+def kept_product(compute: Callable[[], object], signature=None):
     """A product op's output, ``compute()``, or inside a recomputed call with a ``keep``
-    policy the held one (see [Note: kept products])."""
+    policy the held one (see [Note: kept products]). ``signature``: what identifies the
+    product (its weight's and its input's or output's shapes); the recompute must meet
+    the same ones in the same order, else it raises instead of handing one product's
+    output to another."""
     p = _products
     if p.keep is None:
         return compute()
     i = p.count
     p.count += 1
+    seen = p.held.setdefault("signatures", {})
+    if not p.replay:
+        seen[i] = signature
+    elif seen.get(i, signature) != signature or i not in seen:
+        raise RuntimeError(f"recompute: product {i} of the recompute is not the one the first "
+                           f"run made ({signature} against {seen.get(i)}): the recomputed "
+                           f"function must run the same products in the same order")
     if not p.keep(i):
         return compute()
     if p.replay:
-        if i not in p.held:
-            raise RuntimeError(f"recompute: product {i} was not kept in the first run; the "
-                               f"recomputed function ran other products the second time")
         return p.held[i]
     out = compute()
     p.held[i] = out

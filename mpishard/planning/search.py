@@ -14,7 +14,9 @@ pipeline); with ``virtual_stages`` beyond 1, also each interleaved pipeline of
 that many chunks per rank that the blocks, micro-batches and strategy allow;
 activation checkpointing off and on; sequence parallelism whenever ``tp > 1``. Each is planned exactly for memory first (the layout planner) and
 dropped when its busiest rank exceeds the device memory (a checkpointed one
-when its plain twin fits: recomputing only costs time), unless it fits with
+when its plain twin fits: recomputing only costs time; a checkpointed one that fits
+is also tried recomputed by op, ``ckpt`` ``op`` in the table, which keeps every
+second product's output and repeats the rest), unless it fits with
 one of the offloads asked for (``offloads``: optimizer offload first, then
 ZeRO-3's parameter offload; see [Note: offload plan] in offload.py): then that
 offloaded layout takes its place, its step paying the copies and the host
@@ -168,11 +170,29 @@ def rank_layouts(make_model, layouts, machine, ranks_per_node: int | None = None
                 continue
         if not layout.activation_checkpointing and layout.offload == "none":
             plain_fits.add(layout)
-        fits.append(Ranked(layout, plan.total_peak_bytes, predict_step(
-            make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo, whole),
-            sum(plan.busiest.memory.host.values())))
+        tried = [(layout, plan)]
+        if layout.activation_checkpointing and layout.offload == "none":
+            tried += _by_op(whole, layout, cache, memo, limit)
+        for layout, plan in tried:
+            fits.append(Ranked(layout, plan.total_peak_bytes, predict_step(
+                make_model, layout, machine, ranks_per_node, plan, cache.of(layout), memo,
+                whole), sum(plan.busiest.memory.host.values())))
     fits.sort(key=lambda r: r.cost.seconds)
     return fits, over
+
+
+def _by_op(whole, layout, cache, memo, limit: float) -> list:
+    """``[(layout recomputed by op, its plan)]`` where that fits too (it repeats half the
+    products fewer than whole blocks), else ``[]`` (or a model that refuses it)."""
+    if layout.keep_products:
+        return []
+    by_op = dataclasses.replace(layout, keep_products=True)
+    try:
+        plan = estimate_layout(whole, by_op, stage_of=cache.of(by_op), memo=memo,
+                               representative=True)
+    except ValueError:
+        return []
+    return [(by_op, plan)] if plan.total_peak_bytes <= limit else []
 
 
 def _offloaded(whole, layout, cache, memo, limit: float, offloads: tuple) -> tuple:
@@ -211,7 +231,7 @@ def format_table(ranked: list) -> str:
         pp = f"{lay.pp}x{lay.virtual_stages}" if lay.virtual_stages > 1 else str(lay.pp)
         rows.append(f"{i:>3} {dp:>11} {lay.cp:>3} {lay.tp:>3} {pp:>6} {lay.strategy:<8} "
                     f"{f'{lay.batch_size}x{lay.micro_batches}':>7} "
-                    f"{'yes' if lay.activation_checkpointing else 'no':>4} "
+                    f"{'op' if lay.keep_products else 'yes' if lay.activation_checkpointing else 'no':>4} "
                     f"{r.peak_bytes / 2**30:>9.2f} {c.seconds:>9.4f} {c.tokens_per_s:>10.0f} "
                     f"{c.mfu:>6.1%} {c.exposed_comm:>8.4f} "
                     f"{bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages):>6.1%} "

@@ -149,6 +149,28 @@ def test_kept_products_are_taken_not_computed_again():
     np.testing.assert_array_equal(again.grad, x.grad)
 
 
+def test_a_recompute_meeting_other_products_raises():
+    """A recomputed function that runs other products the second time (here one fewer)
+    is stopped at the first that differs, not handed another product's output."""
+    from mpishard.autodiff.graph import make_result
+    from mpishard.autodiff.recompute import every_second, kept_product
+    runs = []
+
+    def chain(t):
+        runs.append(1)
+        factors = (2.0, 3.0, 5.0) if len(runs) == 1 else (3.0, 5.0)
+        for k in factors:
+            data = kept_product(lambda t=t, k=k: t.data * k, ("scale", k))
+            t = make_result(data, (t,), lambda g, k=k: (g * k,), "scale")
+        return t
+    x = Tensor(np.ones(3), requires_grad=True)
+    out = recompute(chain, x, keep=every_second)
+    with pytest.raises(RuntimeError, match=r"product 0 of the recompute is not the one the "
+                                           r"first run made \(\('scale', 3.0\) against "
+                                           r"\('scale', 2.0\)\)"):
+        ops.sum(out).backward()
+
+
 # -- the GPT --------------------------------------------------------------------------
 
 def _train_gpt(checkpointing: bool, dtype: str, steps: int = 3, micro: int = 2):

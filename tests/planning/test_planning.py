@@ -435,3 +435,31 @@ def test_a_gpu_plan_follows_the_attention_choice_in_time_and_memory():
     assert figures["batched"][1] - figures["fused"][1] > 0.9 * weights
     assert plan_backend(load_machine("h100-sxm")).name == "strict"
     assert plan_backend(load_machine("cpu-2core")).name == "numpy"
+
+
+def test_the_search_also_ranks_layouts_recomputed_by_op():
+    """A checkpointed layout that fits is tried recomputed by op too (every second
+    product's output kept): between plain and full in memory, ranked before full where
+    it fits, left out where it does not."""
+    import dataclasses
+    from mpishard.planning.layout import estimate_layout
+    from mpishard.planning.search import format_table, rank_layouts
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=128)
+
+    def make():
+        return GPT(cfg, materialize_now=False)
+    layouts = [Layout(1, 1, 1, "ddp", "bfloat16", batch_size=8, seq_len=256,
+                      activation_checkpointing=ac) for ac in (False, True)]
+    plain, full = (estimate_layout(make(), lay).total_peak_bytes for lay in layouts)
+    op = estimate_layout(make(), dataclasses.replace(layouts[1], keep_products=True))
+    assert full < op.total_peak_bytes < plain
+    machine = load_machine("h100-sxm")
+    ranked, over = rank_layouts(make, layouts, machine,
+                                memory_bytes=(op.total_peak_bytes + plain) // 2)
+    assert over == 1
+    assert [r.layout.keep_products for r in ranked] == [True, False]
+    assert ranked[0].cost.seconds < ranked[1].cost.seconds
+    assert "  op " in format_table(ranked).splitlines()[2]
+    ranked, _ = rank_layouts(make, layouts, machine,
+                             memory_bytes=(full + op.total_peak_bytes) // 2)
+    assert [r.layout.keep_products for r in ranked] == [False]

@@ -245,6 +245,17 @@ class LlamaBlock(Module):
         self.activation_checkpointing = False
         self.keep_products = False    # "op": see [Note: recomputation by op]
 
+    @property
+    def keep_products(self) -> bool:
+        """Recomputed by op (see [Note: recomputation by op]): the attention then takes
+        its per-projection path, whose q/k/v products are the ones numbered."""
+        return self.__dict__["_keep_products"]
+
+    @keep_products.setter
+    def keep_products(self, on: bool) -> None:
+        self.__dict__["_keep_products"] = bool(on)
+        self.self_attn.per_projection = bool(on)
+
     def forward(self, x, batch_size: int, cos, sin):
         if self.activation_checkpointing and is_grad_enabled():
             return recompute(self.compute, x, batch_size, cos, sin,
@@ -359,7 +370,7 @@ class Llama(Module):
         check_op_mode(self.config, mode)
         for block in self.model.layers.values():
             block.activation_checkpointing = mode in ("full", "op")
-            block.keep_products = block.self_attn.per_projection = mode == "op"
+            block.keep_products = mode == "op"
             block.self_attn.recompute_core = mode == "selective"
         return self
 

@@ -184,7 +184,7 @@ def gathered_linear(x, weight, bias, tp) -> Tensor:
         if bias is not None:
             y += bias.data
         return cast(y, dtype)
-    y = kept_product(product)
+    y = kept_product(product, (tuple(weight.shape), tuple(x.shape)))
 
     def backward(g):
         full = _gathered(x.data, tp) if tp.size > 1 else x.data

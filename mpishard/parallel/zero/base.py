@@ -399,14 +399,9 @@ class ZeroStrategy(Strategy):
                 self.masters.grad_to_host(unit.target, unit.grad_shard)
 
     def zero_grad(self) -> None:
-        """Drop this step's gradients, also those reduced or being reduced (a backward
-        whose gradients are not stepped with: its reductions finish and count for
-        nothing)."""
         super().zero_grad()
-        self.reduction_queue.finish()
         for unit in self.units:
             unit.grads_reduced = False
-            unit.reductions = unit.ready = 0
             unit.release_step_shard()
 
     def local_grad_sq(self) -> float:
