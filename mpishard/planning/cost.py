@@ -57,7 +57,8 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
   rate plus a cost per target array (every parameter under full-precision DDP,
   one flat array per ZeRO unit; the rate of the host kernel's path for a step of
   that size), else one read and one write of it; and gradient clipping's global
-  norm (on by default in training), the rank's gradients at the calibrated
+  norm (on by default in training), over the gradients the rank's optimizer steps
+  (ZeRO's shard, not the whole buffer ZeRO-1 also keeps) at the calibrated
   ``grad_norm_rate`` where there is one.
 
 Step time is the sum; tokens/s the global batch's tokens over it; MFU the
@@ -295,7 +296,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
         steady = stage_estimate.memory.steady
         optimizer = (machine.optimizer_seconds(_updated_bytes(steady), cached(
             ("targets", layout.strategy, layout.precision), lambda: _targets(stage, layout)))
-            + machine.grad_norm_seconds(steady.get("grads", 0))) * slow
+            + machine.grad_norm_seconds(stage_estimate.memory.clipped_grad_bytes)) * slow
         n_blocks = cached(("blocks",), lambda: _count_blocks(stage))
         n_units = n_blocks + 1
         busy = micro * m

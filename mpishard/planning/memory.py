@@ -62,6 +62,15 @@ class MemoryEstimate:
     host_traffic: HostTraffic | None = None      # offloaded: what a step copies and updates there
     at_step: dict = field(default_factory=dict)  # made at the optimizer step, gone by the next
     # forward (ZeRO-1's float32 gradient shard): alive with no activations or ``peak``
+    norm_grad_bytes: int | None = None   # the gradients clipping's norm reads (the optimizer's:
+    # ZeRO's shards, not stage 1's whole buffer); ``None``: ``steady["grads"]``
+
+    @property
+    def clipped_grad_bytes(self) -> int:
+        """The gradient bytes a step's global norm reads on this rank."""
+        if self.norm_grad_bytes is not None:
+            return self.norm_grad_bytes
+        return self.steady.get("grads", 0)
 
     def peak_over(self, activation_bytes: int = 0) -> int:
         """The most bytes held at once: model state plus the larger of what forward and

@@ -88,6 +88,9 @@ def sharded_state(model, sizes, sharded: Sharded, max_inflight: int | None):
                    "optim": s.n_states * shards_n * b}
     if at_step and rb != b:   # the masters' dtype: a cast copy, from the step to zero_grad
         plan.at_step = {"grads": shard_grads}
+    # clipping's norm sums the shards (ZeroStrategy.local_grad_sq), never stage 1's whole
+    # buffer (at one rank, the same bytes)
+    plan.norm_grad_bytes = shards_n * b
     root = sum(u.padded * cb for u in units if u.module is None)
     gathered = 0 if whole_params else root + _gathered_peak(units, experts, cb)
     window = len(in_flight) if max_inflight is None else max_inflight + 1

@@ -149,21 +149,30 @@ def test_recomputation_adds_its_forward_products_to_the_predicted_compute():
 def test_the_optimizer_term_is_the_state_the_update_touches():
     """ZeRO-1/2 keep whole parameters (and gradients) but update only their shard: the
     optimizer reads and writes that shard's values, gradients and two AdamW states, as
-    much as ZeRO-3's; DDP updates everything."""
+    much as ZeRO-3's, and clipping's norm reads the shard's gradients (ZeRO-1's whole
+    buffer is not read); DDP updates and clips everything."""
     from mpishard.planning.layout import estimate_layout
+    norm_rate = 5e8
     machine = machine_from_dict({**TOY, "device": {**TOY["device"], "optimizer_rate": 1e9,
-                                                   "optimizer_overhead_s": 0.0}})
+                                                   "optimizer_overhead_s": 0.0,
+                                                   "grad_norm_rate": norm_rate}})
     make = lambda: GPT(CFG, materialize_now=False)        # noqa: E731
     got = {}
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
         lay = Layout(dp=4, strategy=strategy, batch_size=1, seq_len=16)
-        steady = estimate_layout(make(), lay).stages[0].memory.steady
+        memory = estimate_layout(make(), lay).stages[0].memory
         got[strategy] = predict_step(make, lay, machine).breakdown["optimizer"]
-        assert got[strategy] == pytest.approx(2 * steady["optim"] / 1e9)
+        shard_grads = memory.steady["optim"] / 2           # float32, one per AdamW state pair
+        clipped = memory.steady["grads"] if strategy == "ddp" else shard_grads
+        assert memory.clipped_grad_bytes == clipped
+        assert got[strategy] == pytest.approx(2 * memory.steady["optim"] / 1e9
+                                              + clipped / norm_rate)
+    zero1 = estimate_layout(make(), Layout(dp=4, strategy="zero1", batch_size=1, seq_len=16))
+    assert zero1.stages[0].memory.steady["grads"] > 3 * zero1.stages[0].memory.clipped_grad_bytes
     assert got["zero1"] == got["zero2"] == got["zero3"]
     n = sum(int(np.prod(p.shape)) for p in make().parameters())
-    assert got["ddp"] == pytest.approx(16 * n / 1e9)      # value, gradient, 2 states
-    assert got["zero3"] < got["ddp"] / 3                   # a quarter, plus padding
+    assert got["ddp"] == pytest.approx(16 * n / 1e9 + 4 * n / norm_rate)   # value, gradient,
+    assert got["zero3"] < got["ddp"] / 3                   # 2 states; a quarter, plus padding
 
 
 def test_shipped_machines_load_and_name_their_sources():
