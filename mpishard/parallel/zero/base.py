@@ -399,8 +399,16 @@ class ZeroStrategy(Strategy):
                 self.masters.grad_to_host(unit.target, unit.grad_shard)
 
     def zero_grad(self) -> None:
+        """Drop this step's gradients, also those a backward reduced, or is reducing,
+        with no step since (a backward the loop throws away): its reductions finish
+        and count for nothing, and the next backward's reductions start the sums
+        again. After a step there is nothing in flight and this only lets go."""
         super().zero_grad()
+        self.reduction_queue.finish()
         for unit in self.units:
+            if unit.reductions and unit.grad_full is not None and not unit.aliased:
+                unit.grad_full[...] = 0    # stage 1: what the thrown backward left there
+            unit.reductions = unit.ready = 0
             unit.grads_reduced = False
             unit.release_step_shard()
 
