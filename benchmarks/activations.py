@@ -171,6 +171,14 @@ def main(argv=None) -> dict:
               "selective_step_time_ratio": round(median["selective"] / median["plain"], 3),
               "op_kept_fraction": round(nbytes["by op"] / nbytes["plain"], 3),
               "op_step_time_ratio": round(median["by op"] / median["plain"], 3)}
+    if args.model == "gpt":   # Korthikanti et al. 2022, Table 2: s b h (34 + 5 a s / h) a layer
+        a, h = config["n_head"], config["n_embd"]
+        result["paper_selective_fraction_per_block"] = round(
+            34 / (34 + 5 * a * config["block_size"] / h), 3)
+        paper = (f" (Korthikanti et al.'s 34 / (34 + 5 a s / h): "
+                 f"{result['paper_selective_fraction_per_block']})")
+    else:
+        paper = ""
     for mode in MODES:
         print(f"{mode:13s} activations {nbytes[mode] / MIB:8.2f} MiB "
               f"({per_block[mode] / MIB:7.2f} MiB a block; planned "
@@ -181,7 +189,7 @@ def main(argv=None) -> dict:
           f"{result['selective_activation_ratio']}x fewer (keeps "
           f"{result['selective_kept_fraction']} of them) for "
           f"{result['selective_step_time_ratio']}x; a block keeps "
-          f"{result['selective_kept_fraction_per_block']} of its bytes; T = "
+          f"{result['selective_kept_fraction_per_block']} of its bytes{paper}; T = "
           f"{config['block_size']}, batch {args.batch_size}, {args.precision}", file=sys.stderr)
     print(f"recomputation by op (every second product's output kept) keeps "
           f"{result['op_kept_fraction']} of them for {result['op_step_time_ratio']}x the "
