@@ -286,6 +286,11 @@ class ParallelModel:
         """Reduce gradients over dp, clip over the whole mesh, update; see Strategy.step."""
         return self.strategy.step(optimizer, max_norm)
 
+    def zero_grad(self) -> None:
+        """Drop the gradients of a :meth:`train_step` no :meth:`step` took (``step``
+        drops its own); see Strategy.zero_grad."""
+        self.strategy.zero_grad()
+
     def gather_full_params(self) -> dict:
         """Name -> whole parameter on every rank (collective over the world; small models)."""
         return self.strategy.gather_full_params()

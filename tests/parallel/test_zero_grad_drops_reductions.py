@@ -11,7 +11,7 @@ from mpi4py import MPI
 from mpishard.comm import Communicator, Mesh
 from mpishard.models import GPT, GPTConfig
 from mpishard.optim import AdamW
-from mpishard.parallel import DataParallel, ZeRO
+from mpishard.parallel import DataParallel, ParallelModel, ZeRO
 from mpishard.parallel.precision import Precision
 
 # a width of 14 does not divide 4 ranks: the units' shards are padded
@@ -54,5 +54,35 @@ def test_a_backward_zero_grad_drops_counts_for_nothing(kind, reduce_dtype):
     precision = Precision("bfloat16", reduce_dtype=reduce_dtype)
     want = _train(kind, world, precision, thrown=False)
     got = _train(kind, world, precision, thrown=True)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def _train_parallel(strategy: str, world, thrown: bool):
+    """:func:`_train` through :class:`ParallelModel`: a thrown ``train_step`` of 2
+    micro-batches, then ``zero_grad``."""
+    mesh = Mesh(world, dp=world.size)
+    run = ParallelModel(GPT(CONFIG, seed=0), mesh, strategy=strategy, micro_batches=2,
+                        precision=Precision("bfloat16", reduce_dtype="float32"))
+    opt = AdamW(run.parameters(), lr=1e-2, weight_decay=0.1, ledger=run.ledger)
+    rng = np.random.default_rng(100 + world.rank)
+    for _ in range(2):
+        x, bad = (rng.integers(0, CONFIG.vocab_size, (4, CONFIG.block_size))
+                  for _ in range(2))
+        if thrown:
+            run.train_step(bad, np.roll(bad, 1, axis=1))
+            run.zero_grad()
+        run.train_step(x, np.roll(x, 1, axis=1))
+        run.step(opt, max_norm=1.0)
+    return run.gather_full_params()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_a_train_step_zero_grad_drops_counts_for_nothing(strategy):
+    world = Communicator(MPI.COMM_WORLD)
+    want = _train_parallel(strategy, world, thrown=False)
+    got = _train_parallel(strategy, world, thrown=True)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
