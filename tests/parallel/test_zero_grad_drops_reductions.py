@@ -25,24 +25,38 @@ def _strategy(kind: str, world, precision):
     return ZeRO(GPT(CONFIG, seed=0), mesh, stage=int(kind[-1]), precision=precision)
 
 
-def _train(kind: str, world, precision, thrown: bool):
-    """Full parameters after 2 steps, different tokens on every rank; ``thrown``: before
-    each step's kept backward, a backward on other tokens that ``zero_grad`` drops."""
-    strategy = _strategy(kind, world, precision)
-    opt = AdamW(strategy.parameters(), lr=1e-2, weight_decay=0.1, ledger=strategy.ledger)
+def _two_steps(world, rows: int, train, step, zero_grad, thrown: bool) -> None:
+    """Two steps of ``rows`` sequences, different tokens on every rank (``train(x)``:
+    forward and backward, ``step()``); ``thrown``: before each step's kept backward, a
+    backward on other tokens that ``zero_grad()`` drops."""
     rng = np.random.default_rng(100 + world.rank)
     for _ in range(2):
-        x, bad = (rng.integers(0, CONFIG.vocab_size, (2, CONFIG.block_size))
+        x, bad = (rng.integers(0, CONFIG.vocab_size, (rows, CONFIG.block_size))
                   for _ in range(2))
         if thrown:
-            _, loss = strategy(bad, np.roll(bad, 1, axis=1))
-            strategy.scale_loss(loss).backward()
-            strategy.zero_grad()
+            train(bad)
+            zero_grad()
+        train(x)
+        step()
+
+
+def _train(kind: str, world, precision, thrown: bool):
+    """Full parameters after :func:`_two_steps` of a strategy's own loop."""
+    strategy = _strategy(kind, world, precision)
+    opt = AdamW(strategy.parameters(), lr=1e-2, weight_decay=0.1, ledger=strategy.ledger)
+
+    def train(x):
         _, loss = strategy(x, np.roll(x, 1, axis=1))
         strategy.scale_loss(loss).backward()
-        strategy.step(opt, max_norm=1.0)
-        strategy.zero_grad()
+
+    _two_steps(world, 2, train, lambda: strategy.step(opt, max_norm=1.0),  # (its zero_grad
+               strategy.zero_grad, thrown)                                  # after, too)
     return strategy.gather_full_params()
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 @pytest.mark.mpi
@@ -54,26 +68,18 @@ def test_a_backward_zero_grad_drops_counts_for_nothing(kind, reduce_dtype):
     precision = Precision("bfloat16", reduce_dtype=reduce_dtype)
     want = _train(kind, world, precision, thrown=False)
     got = _train(kind, world, precision, thrown=True)
-    for name, value in want.items():
-        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    _assert_same(got, want)
 
 
 def _train_parallel(strategy: str, world, thrown: bool):
-    """:func:`_train` through :class:`ParallelModel`: a thrown ``train_step`` of 2
-    micro-batches, then ``zero_grad``."""
+    """:func:`_train` through :class:`ParallelModel`: ``train_step`` over 2 micro-batches,
+    a thrown one dropped by ``zero_grad``."""
     mesh = Mesh(world, dp=world.size)
     run = ParallelModel(GPT(CONFIG, seed=0), mesh, strategy=strategy, micro_batches=2,
                         precision=Precision("bfloat16", reduce_dtype="float32"))
     opt = AdamW(run.parameters(), lr=1e-2, weight_decay=0.1, ledger=run.ledger)
-    rng = np.random.default_rng(100 + world.rank)
-    for _ in range(2):
-        x, bad = (rng.integers(0, CONFIG.vocab_size, (4, CONFIG.block_size))
-                  for _ in range(2))
-        if thrown:
-            run.train_step(bad, np.roll(bad, 1, axis=1))
-            run.zero_grad()
-        run.train_step(x, np.roll(x, 1, axis=1))
-        run.step(opt, max_norm=1.0)
+    _two_steps(world, 4, lambda x: run.train_step(x, np.roll(x, 1, axis=1)),
+               lambda: run.step(opt, max_norm=1.0), run.zero_grad, thrown)
     return run.gather_full_params()
 
 
@@ -84,5 +90,4 @@ def test_a_train_step_zero_grad_drops_counts_for_nothing(strategy):
     world = Communicator(MPI.COMM_WORLD)
     want = _train_parallel(strategy, world, thrown=False)
     got = _train_parallel(strategy, world, thrown=True)
-    for name, value in want.items():
-        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    _assert_same(got, want)

@@ -157,18 +157,17 @@ def test_the_optimizer_term_is_the_state_the_update_touches():
                                                    "optimizer_overhead_s": 0.0,
                                                    "grad_norm_rate": norm_rate}})
     make = lambda: GPT(CFG, materialize_now=False)        # noqa: E731
-    got = {}
+    got, memory = {}, {}
     for strategy in ("ddp", "zero1", "zero2", "zero3"):
         lay = Layout(dp=4, strategy=strategy, batch_size=1, seq_len=16)
-        memory = estimate_layout(make(), lay).stages[0].memory
+        memory[strategy] = mem = estimate_layout(make(), lay).stages[0].memory
         got[strategy] = predict_step(make, lay, machine).breakdown["optimizer"]
-        shard_grads = memory.steady["optim"] / 2           # float32, one per AdamW state pair
-        clipped = memory.steady["grads"] if strategy == "ddp" else shard_grads
-        assert memory.clipped_grad_bytes == clipped
-        assert got[strategy] == pytest.approx(2 * memory.steady["optim"] / 1e9
+        shard_grads = mem.steady["optim"] / 2              # float32, one per AdamW state pair
+        clipped = mem.steady["grads"] if strategy == "ddp" else shard_grads
+        assert mem.clipped_grad_bytes == clipped
+        assert got[strategy] == pytest.approx(2 * mem.steady["optim"] / 1e9
                                               + clipped / norm_rate)
-    zero1 = estimate_layout(make(), Layout(dp=4, strategy="zero1", batch_size=1, seq_len=16))
-    assert zero1.stages[0].memory.steady["grads"] > 3 * zero1.stages[0].memory.clipped_grad_bytes
+    assert memory["zero1"].steady["grads"] > 3 * memory["zero1"].clipped_grad_bytes
     assert got["zero1"] == got["zero2"] == got["zero3"]
     n = sum(int(np.prod(p.shape)) for p in make().parameters())
     assert got["ddp"] == pytest.approx(16 * n / 1e9 + 4 * n / norm_rate)   # value, gradient,
