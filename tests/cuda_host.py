@@ -470,6 +470,9 @@ def use_host_kernels(monkeypatch) -> None:
         pytest.skip("no g++ to compile CUDA C for the host")
     for launcher in (ops, norms, attention, multi, loss):   # each launcher's raw_function
         monkeypatch.setattr(launcher, "raw_function", host_raw_function)
+    # the host modules bring their own <mma.h> (tests/cuda_wmma.py), whatever CUDA
+    # headers this machine has
+    monkeypatch.setattr(attention, "tensor_core_headers", lambda: True)
 
 
 #: an ElementwiseKernel parameter's CuPy type -> its C type (``T`` is not emulated)

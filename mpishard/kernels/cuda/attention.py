@@ -10,8 +10,9 @@ the scores whole; on the CuPy-strict module the reference runs as the one launch
 kernel it is on a GPU (backward: two, the query rows' and the key rows').
 
 float16 and bfloat16 rows at a head size that is a multiple of 16 run the tensor-core
-kernels (:data:`.attention_tc_src.TC_FLASH_KERNELS`, blocks of 64 rows over four warps);
-other rows the kernels of a thread per row. Both take the same arguments and keep the
+kernels (:data:`.attention_tc_src.TC_FLASH_KERNELS`, blocks of 64 rows over four warps)
+where their CUDA headers are found (:mod:`.headers`); other rows the kernels of a
+thread per row. Both take the same arguments and keep the
 same: the output and the rows' float log-sum-exp.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
 from mpishard.kernels.cuda.attention_src import flash_source, flash_suffix, flash_tile
 from mpishard.kernels.cuda.attention_tc_src import TC_ROWS, TC_WARPS, tensor_cores
+from mpishard.kernels.cuda.headers import tensor_core_headers
 from mpishard.kernels.cuda.ops_src import ROWS16
 from mpishard.kernels.cuda.launch import is_strict_module, raw_function
 
@@ -50,11 +52,19 @@ def fused_attention_takes(hm) -> bool:
             and -(-hm.shape[-2] // flash_tile(_compute(hm.dtype)[0])) <= 65535)  # grid's y
 
 
+def _tensor_cores(S: str, hs: int) -> bool:
+    """Whether rows stored as ``S`` at head size ``hs`` run the tensor-core kernels: the
+    shapes they take, and their headers found (else the kernels of a thread per row)."""
+    return tensor_cores(S, hs) and tensor_core_headers()
+
+
 def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
     S = _STORAGE[np.dtype(dtype).name]
     T = _compute(dtype)[0]
-    return raw_function(xp, f"{name}_{flash_suffix(S, hs)}", lambda: flash_source(T, S, hs))
+    tc = _tensor_cores(S, hs)
+    return raw_function(xp, f"{name}_{flash_suffix(S, hs)}",
+                        lambda: flash_source(T, S, hs, tensor_core_kernels=tc))
 
 
 def _launch(hm):
@@ -63,7 +73,7 @@ def _launch(hm):
     take, else a thread a row."""
     _, B, heads, T, hs = hm.shape
     ctype, fd = _compute(hm.dtype)
-    if tensor_cores(_STORAGE[hm.dtype.name], hs):
+    if _tensor_cores(_STORAGE[hm.dtype.name], hs):
         return (B * heads, -(-T // TC_ROWS)), (TC_WARPS * 32,), B * heads, T, fd
     return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
 

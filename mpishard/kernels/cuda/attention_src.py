@@ -214,15 +214,16 @@ def flash_tile(T: str) -> int:
     return 16 if T == "double" else 32
 
 
-def flash_source(T: str, S: str, hs: int) -> str:
+def flash_source(T: str, S: str, hs: int, tensor_core_kernels: bool = True) -> str:
     """:data:`FLASH_KERNELS` for compute type ``T`` (``"float"`` or ``"double"``), row
     storage ``S`` (``T``, or ``"__half"`` or ``"__nv_bfloat16"`` with float) and head
     size ``hs``; each kernel named ``<name>_<S>_<hs>`` (:func:`flash_suffix`). Rows the
-    tensor-core kernels take (:func:`tensor_cores`) get those, by the same names."""
+    tensor-core kernels take (:func:`tensor_cores`) get those, by the same names, unless
+    ``tensor_core_kernels`` is false (their headers are missing: :mod:`.headers`)."""
     sixteen = {c: name for name, (c, _, _) in ROWS16.items()}
     if S in sixteen and T != "float":
         raise ValueError(f"{sixteen[S]} rows are computed in float")
-    if tensor_cores(S, hs):
+    if tensor_core_kernels and tensor_cores(S, hs):
         return tc_flash_source(S, hs)
     code = (FLASH_KERNELS.replace("{T}", T).replace("{S}", S).replace("{HS}", str(hs))
             .replace("{TILE}", str(flash_tile(T))).replace("{N}", flash_suffix(S, hs)))
