@@ -194,6 +194,11 @@ def _nccl_consumer_race(comm, group, cp, fill, n) -> dict:
 
     found = {}
     with cp.cuda.Stream(non_blocking=True) as stream:
+        # the consumer kernel loaded first: CUDA loads a kernel at its first launch
+        # (CUDA_MODULE_LOADING=LAZY, the default), which waits for the work in flight
+        # on the device, the held-up NCCL stream included, and so hid the race
+        cp.asnumpy(cp.full(n * comm.size, -1.0, cp.float32) + 0)
+        stream.synchronize()
         for mode in ("control", "blocking", "handle"):
             x = cp.full(n, 3.0 + comm.rank, cp.float32)
             recv = cp.full(n * comm.size, -1.0, cp.float32)
