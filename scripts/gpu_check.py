@@ -81,7 +81,7 @@ DEVICE_OPS = ("cross_entropy", "softmax", "log_softmax", "causal_self_attention"
 #: finite-difference evaluations, two per input element, of DEVICE_OPS' gradcheck
 #: cases), and what it is expected to cost: start-up, each test's set-up and
 #: compare, each evaluation (the op on the device, a host read)
-TESTS_1RANK = {"collected": 89, "tests": 59, "fd_evaluations": 2576}
+TESTS_1RANK = {"collected": 93, "tests": 63, "fd_evaluations": 2576}
 TEST_START_S, TEST_EACH_S, FD_EVALUATION_S = 10, 0.5, 0.002
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",
                 "--timeout-method=thread"]

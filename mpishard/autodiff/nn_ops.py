@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.core.backend import xp_of
-from mpishard.core.dtypes import matmul_dtype
+from mpishard.core.dtypes import matmul_dtype, where_kept
 from mpishard.kernels import kernels_for
 from mpishard.kernels.cuda.gemm import SUPPORTED as SUPPORTED_PRODUCTS, batched_matmul, matmul
 from mpishard.kernels.rows import col_sum_dtype
@@ -218,7 +218,7 @@ def embedding(indices, weight) -> Tensor:
         flat = xp.clip(flat, 0, n_rows - 1)
         out = weight.data[flat]
         # a scalar of out's dtype, a kernel argument (asarray would copy it from the host)
-        out = xp.where(bad, out.dtype.type(float("nan")), out)
+        out = where_kept(xp, bad, out.dtype.type(float("nan")), out)
     out = out.reshape(idx.shape + (width,))
 
     def backward(g):

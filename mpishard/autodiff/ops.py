@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.core.backend import xp_of
+from mpishard.core.dtypes import where_kept
 from mpishard.autodiff.graph import as_tensor, as_tensors, make_result, register_op, unbroadcast
 from mpishard.autodiff.tensor import Tensor, is_python_number
 
@@ -314,11 +315,11 @@ def where(cond, a, b) -> Tensor:
     a, b = as_tensors(a, b)
     cond = as_tensor(cond, a).data
     xp = xp_of(a.data)
-    out = xp.where(cond, a.data, b.data)
+    out = where_kept(xp, cond, a.data, b.data)
 
     def backward(g):
-        ga = unbroadcast(xp.where(cond, g, 0), a.shape) if a.requires_grad else None
-        gb = unbroadcast(xp.where(cond, 0, g), b.shape) if b.requires_grad else None
+        ga = unbroadcast(where_kept(xp, cond, g, 0), a.shape) if a.requires_grad else None
+        gb = unbroadcast(where_kept(xp, cond, 0, g), b.shape) if b.requires_grad else None
         return ga, gb
     return make_result(out, (a, b), backward, "where")
 
@@ -329,6 +330,6 @@ def masked_fill(a, mask, value: float) -> Tensor:
     a = as_tensor(a)
     mask = mask.data if isinstance(mask, Tensor) else mask
     xp = xp_of(a.data)
-    out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
-    return make_result(out, (a,), lambda g: (xp.where(mask, 0, g).astype(g.dtype),),
+    out = where_kept(xp, mask, a.data.dtype.type(value), a.data)
+    return make_result(out, (a,), lambda g: (where_kept(xp, mask, 0, g).astype(g.dtype),),
                        "masked_fill")

@@ -17,7 +17,12 @@ What CuPy 14 lacks for bfloat16 runs elsewhere: batched matrix products go to
 cuBLAS with ``CUDA_R_16BF`` inputs and float32 compute
 (mpishard/kernels/cuda/gemm.py), ``cupyx.scatter_add`` (no bfloat16) is fed
 float32, MPI (no bfloat16 datatype) moves the words and reduces in float32,
-NCCL reduces ``ncclBfloat16`` itself.
+NCCL reduces ``ncclBfloat16`` itself. Two CuPy 14 results differ from NumPy's
+(seen on an H100): ``where`` has no bfloat16 loop, so bfloat16 choices come out
+float32 (:func:`where_kept` picks their words instead), and a Python float meets a
+bfloat16 array as a float16, so ``a * 0.5`` is float32 (a scalar of the array's
+dtype, ``a.dtype.type(0.5)``, keeps bfloat16). The CuPy-strict module types both
+as CuPy does, so the CPU suite catches them.
 
     >>> resolve_dtype("bfloat16").itemsize
     2
@@ -29,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["LOW_PRECISION", "FLOAT_DTYPES", "resolve_dtype", "is_low_precision",
-           "matmul_dtype", "bfloat16_words"]
+           "matmul_dtype", "bfloat16_words", "where_kept"]
 
 #: 16-bit floating dtypes: stored and communicated in 16 bits, accumulated in float32.
 LOW_PRECISION = ("float16", "bfloat16")
@@ -87,6 +92,23 @@ def bfloat16_words(a):
     """The 16-bit words of bfloat16 array ``a`` (a view, as ``uint16``), as kernels that
     convert them themselves take them (see [Note: bfloat16 on devices])."""
     return a.view(np.uint16)
+
+
+def where_kept(xp, condition, x, y):
+    """``xp.where(condition, x, y)`` typed as NumPy types it, on every array module:
+    bfloat16 choices (arrays, or a bfloat16 array and a scalar) stay bfloat16. CuPy
+    14's ``where`` makes them float32 (see [Note: bfloat16 on devices]); their 16-bit
+    words are picked instead, which is exact."""
+    is_array = [not isinstance(v, (int, float, np.generic)) for v in (x, y)]
+    if not any(is_array) or any(isinstance(v, np.generic) or a
+                                for v, a in zip((x, y), is_array)
+                                if getattr(v, "dtype", None) is not None
+                                and v.dtype.name != "bfloat16"):
+        return xp.where(condition, x, y)        # not bfloat16 choices: NumPy's types
+    bf16 = (x if is_array[0] else y).dtype
+    x, y = (v.view(np.uint16) if a else np.asarray(v, dtype=bf16).view(np.uint16)[()]
+            for v, a in zip((x, y), is_array))             # a scalar's word
+    return xp.where(condition, x, y).view(bf16)
 
 
 def is_low_precision(dtype) -> bool:

@@ -346,3 +346,63 @@ def test_strategy_on_the_module_matches_numpy_reference(array_backend, size, kin
         assert loss_err <= tol, f"{where}: loss error {loss_err:.2e}"
         assert param_err <= tol, f"{where}: parameter error {param_err:.2e}"
         assert strategy.skipped_steps == 0
+
+
+# -- bfloat16 typed as on NumPy ---------------------------------------------
+
+def _bf16_models():
+    from mpishard.models import GPTConfig, LlamaConfig
+    from mpishard.models.qwen2.spec import Qwen2Config
+    common = dict(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    llama = dict(common, n_kv_head=2, intermediate_size=24, rope_theta=500.0)
+    return {"gpt_dropout": GPTConfig(**common, dropout=0.1),
+            "llama": LlamaConfig(**llama),
+            "llama_moe": LlamaConfig(**llama, moe_experts=4, moe_top_k=2),
+            "qwen2": Qwen2Config(**llama)}
+
+
+def _graph_dtypes(loss) -> list:
+    """Each op of the graph behind ``loss`` as ``(op, output dtype, parents' dtypes)``,
+    depth first from the loss (the same order for the same model and batch)."""
+    seen, order, stack = set(), [], [loss]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        parents = [p for p in t._parents if p is not None]
+        order.append((getattr(t, "_op", None), t.data.dtype.name,
+                      tuple(p.data.dtype.name for p in parents)))
+        stack.extend(parents)
+    return order
+
+
+@pytest.mark.parametrize("family", ["gpt_dropout", "llama", "llama_moe", "qwen2"])
+def test_bfloat16_ops_are_typed_as_on_numpy(array_backend, comm_self, family):
+    """Every op of a bfloat16 step types its output and its gradients as on NumPy.
+
+    CuPy 14 makes float32 of ``where`` on bfloat16 and of a bfloat16 array times a Python
+    float (seen on an H100, where the first bfloat16 step stopped at a float32 input
+    meeting a bfloat16 weight); the strict module types both the same way.
+    """
+    from mpishard.models import Llama
+
+    cfg = _bf16_models()[family]
+    family_class = GPT if family.startswith("gpt") else Llama
+
+    def step(backend):
+        model = DataParallel(family_class(cfg, seed=0, backend=backend),
+                             Mesh(comm_self, dp=1), precision="bfloat16")
+        x, y = (backend.asarray(a) for a in batch(0, 0, 0, cfg))
+        logits, loss = model(x, y)
+        loss.backward()
+        grads = [None if p.grad is None else p.grad.dtype.name for p in model.parameters()]
+        return _graph_dtypes(loss), grads, logits.data.dtype.name
+
+    from mpishard.core.backend import Backend
+    want = step(Backend.resolve("numpy"))
+    got = step(array_backend)
+    assert got[2] == want[2] == "bfloat16"
+    differ = [(w, g) for w, g in zip(want[0], got[0]) if w != g]
+    assert not differ and len(got[0]) == len(want[0]), differ[:5]
+    assert got[1] == want[1]

@@ -19,7 +19,7 @@ import pytest
 from parity import batch, make_optimizer
 from mpishard.comm import Mesh
 from mpishard.core.backend import Backend, to_numpy, xp_of
-from mpishard.core.dtypes import resolve_dtype
+from mpishard.core.dtypes import resolve_dtype, where_kept
 from mpishard.models import GPT, GPTConfig, Llama, LlamaConfig
 from mpishard.parallel import DataParallel, ZeRO
 from mpishard.testing import strict
@@ -98,6 +98,30 @@ def test_the_strict_module_does_with_bfloat16_what_cupy_14_does():
                            strict.ones(2, dtype=BF16))
 
 
+def test_the_strict_module_promotes_bfloat16_where_cupy_14_does():
+    """Seen on an H100 with CuPy 14.2: ``where`` on bfloat16 choices and a bfloat16 array
+    met with a Python float (or a float32 scalar) come out float32; integers and
+    scalars of the array's own dtype keep bfloat16. ``where_kept`` picks the words:
+    bfloat16 on every module, bit for bit NumPy's ``where``."""
+    a = strict.asarray(np.arange(6, dtype=np.float32).astype(BF16) - 2)
+    for promoted in (a * 2.0, 2.0 * a, a + np.float32(1), strict.multiply(a, 0.5),
+                     strict.where(a > 0, a, 0), strict.where(a > 0, a, a)):
+        assert promoted.dtype == np.float32
+    for kept in (a * a, a + 1, a * BF16.type(2.0), -a, strict.exp(a), strict.maximum(a, 0)):
+        assert kept.dtype == BF16
+    host = a.get()
+    for xp, x in ((np, host), (strict, a)):
+        for choices in ((x, 0), (0, x), (x, x[::-1].copy()), (x, BF16.type(np.nan))):
+            got = where_kept(xp, x > 0, *choices)
+            assert got.dtype == BF16
+            want = np.where(host > 0, *(c.get() if c is not None and hasattr(c, "get")
+                                        and not isinstance(c, np.generic) else c
+                                        for c in choices))
+            np.testing.assert_array_equal(to_numpy(got).view(np.uint16),
+                                          want.astype(BF16).view(np.uint16))
+    assert where_kept(strict, a > 0, a.astype(np.float32), 0).dtype == np.float32
+
+
 def test_a_cupy_without_bfloat16_is_refused_with_the_fix():
     old_cupy = types.ModuleType("cupy")         # CuPy 13 refuses the dtype
     old_cupy.__version__ = "13.6.0"
@@ -127,3 +151,17 @@ def test_bfloat16_scatter_adds_in_float32_on_a_device():
         results[name] = np.asarray(a.grad.get() if xp is strict else a.grad, np.float32)
     assert results["strict"].ravel().tolist() == [260.0, 0.0]
     assert results["numpy"].ravel().tolist() == [256.0, 0.0]   # NumPy adds in bfloat16
+
+
+def test_where_kept_takes_0d_bfloat16_arrays_on_the_module():
+    """A 0-d array is an array (its words are viewed on the module, never copied to
+    the host); a float32 scalar with bfloat16 choices follows NumPy (float32)."""
+    zero_d = strict.asarray(np.asarray(3.0, dtype=BF16))
+    got = where_kept(strict, strict.asarray(np.array([True, False])), zero_d,
+                     strict.asarray(np.array([1.0, 2.0]).astype(BF16)))
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(got.get().astype(np.float32), [3.0, 2.0])
+    bf = np.array([1.0, 2.0]).astype(BF16)
+    for xp, a in ((np, bf), (strict, strict.asarray(bf))):
+        assert where_kept(xp, a > 1, a, np.float32(0)).dtype == np.float32
+        assert where_kept(xp, a > 1, a, BF16.type(0)).dtype == BF16

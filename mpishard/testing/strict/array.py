@@ -33,7 +33,7 @@ from mpishard.testing.strict.copies import hidden_copies
 from mpishard.testing.strict.indexing import advanced as _advanced, data_dependent as _data_dependent
 from mpishard.testing.strict.syncs import syncs
 
-__all__ = ["ndarray", "wrap", "unwrap", "SCALAR_TYPES"]
+__all__ = ["ndarray", "wrap", "unwrap", "promoted", "SCALAR_TYPES"]
 
 #: ``launch(name)`` counts one kernel launch (``syncs.launch``, bound once: it is on
 #: every operation's path)
@@ -140,6 +140,20 @@ def quiet():
     return np.errstate(all="ignore")
 
 
+def promoted(result, *operands):
+    """``result`` as CuPy 14 types it: a bfloat16 array met with a Python float (or a
+    NumPy scalar of another float type) gives float32 there, where NumPy keeps
+    bfloat16 (CuPy takes the Python float as float16 at least, and bfloat16 with
+    float16 is float32); ``result`` as is otherwise (see [Note: bfloat16 on devices]
+    in mpishard/core/dtypes.py)."""
+    if (isinstance(result, np.ndarray) and result.dtype.name == "bfloat16"
+            and any(isinstance(o, float) and not (isinstance(o, np.generic)
+                                                  and o.dtype.name == "bfloat16")
+                    for o in operands)):
+        return result.astype(np.float32)
+    return result
+
+
 def _binary(ufunc, reflected=False):
     name = ufunc.__name__
 
@@ -149,7 +163,7 @@ def _binary(ufunc, reflected=False):
             return NotImplemented
         launch(name)
         with quiet():
-            return wrap(ufunc(o, self._a) if reflected else ufunc(self._a, o))
+            return wrap(promoted(ufunc(o, self._a) if reflected else ufunc(self._a, o), o))
     return op
 
 

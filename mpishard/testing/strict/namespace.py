@@ -28,7 +28,8 @@ import functools
 import numpy as np
 
 from mpishard.testing.strict.array import (PROTOCOLS, SCALAR_TYPES, SIXTEEN_BIT, launch,
-                                           matmul as _matmul, ndarray, quiet, unwrap, wrap)
+                                           matmul as _matmul, ndarray, promoted, quiet, unwrap,
+                                           wrap)
 from mpishard.testing.strict.syncs import syncs
 
 __all__ = ["CUPY_NAMES", "lookup", "ufunc", "ufunc_call", "function_for", "asarray", "array",
@@ -125,9 +126,10 @@ class ufunc:
         if isinstance(out, tuple):
             out = out[0] if len(out) == 1 else out
         launch(self.__name__)
+        operands = [_elementwise(a) for a in args]
         with quiet():
-            result = self._u(*[_elementwise(a) for a in args], out=_out(out), **kwargs)
-        return out if out is not None else wrap(result)
+            result = self._u(*operands, out=_out(out), **kwargs)
+        return out if out is not None else wrap(promoted(result, *operands))
 
     def at(self, a, indices, b=None):
         if type(a) is not ndarray:
@@ -292,7 +294,9 @@ def where(condition, x=None, y=None):
         launch("nonzero")
         return wrap(np.nonzero(_elementwise(condition)))
     launch("where")
-    return wrap(np.where(_elementwise(condition), _elementwise(x), _elementwise(y)))
+    result = np.where(_elementwise(condition), _elementwise(x), _elementwise(y))
+    # CuPy 14's where has no bfloat16 loop: bfloat16 choices come out float32
+    return wrap(result.astype(np.float32) if result.dtype.name == "bfloat16" else result)
 
 
 _OWN = {"asarray": asarray, "array": array, "asanyarray": asanyarray, "matmul": matmul,
