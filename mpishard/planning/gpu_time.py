@@ -76,11 +76,15 @@ OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "
 
 
 #: mpishard's tensor-core attention (kernels/cuda/attention_tc_src.py) at this share of the
-#: machine's FlashAttention-2 rate. An estimate, never measured (the kernel has not yet run on
-#: a GPU): FlashAttention-2's abstract (Dao 2023, arXiv:2307.08691) puts FlashAttention-1 at
-#: 25-40% of the A100's peak against its own 50-73%; mpishard's kernel (WMMA 16 x 16 x 16
-#: fragments, the softmax through shared memory, no asynchronous copies) is counted as the
-#: first kind, at the ratio of the two ranges' low ends, 25 / 50.
+#: machine's FlashAttention-2 rate. An estimate: FlashAttention-2's abstract (Dao 2023,
+#: arXiv:2307.08691) puts FlashAttention-1 at 25-40% of the A100's peak against its own
+#: 50-73%; mpishard's kernel (WMMA 16 x 16 x 16 fragments, the softmax through shared
+#: memory, no asynchronous copies) is counted as the first kind, at the ratio of the two
+#: ranges' low ends, 25 / 50. Not yet timed alone: on one H100 (docs/gpu.md, "First runs
+#: on an H100") the attention benchmark's whole float16 backward at batch 8, 12 heads,
+#: T = 1024, head size 64 (these kernels with the heads' unpacking around them) took
+#: 2.28 ms, where this share plans the kernels at 0.25 ms; so the share is likely
+#: high, by how much the kernels' own time will say.
 TENSOR_CORE_ATTENTION_SHARE = 0.5
 _ATTENTION = ("mpishard", "unfused", "flash2")
 _LOSS = ("fused", "float32")
