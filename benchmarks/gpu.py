@@ -5,6 +5,7 @@
     mpiexec -n 4 python -m mpi4py benchmarks/gpu.py --part zero3 --json runs/gpu_zero3_4.json
     python benchmarks/gpu.py --part dtypes --json runs/gpu_dtypes.json
     python benchmarks/gpu.py --part loss --json runs/gpu_loss.json      # fused cross-entropy
+    MPISHARD_ATTENTION=fused python benchmarks/gpu.py --part scaling   # host- or device-bound
     python benchmarks/gpu.py --backend numpy --tiny --json /tmp/gpu.json   # CPU smoke test
 
 ``single`` (one rank): the model wrapped at size 1 (``--strategy``, default
@@ -37,6 +38,14 @@ CuPy one fused launch each way, mpishard/kernels/cuda/loss.py) against the
 reference set's whole-array math (float32 copies of the logits, a launch per
 operation), milliseconds each way (median, the device synchronised around each),
 and that the two agree. Not in the GPU check's plan; run it by hand.
+
+``scaling`` (one rank): whether a step waits on the GPU or on the host that issues
+its kernels. The ``single`` model (``--precisions``, default float16 and bfloat16)
+at batch 1, 2, 4 and 8 (``--batch-sizes``): per batch the step's seconds and the
+seconds the host took to issue it (until the step's last call returned, before the
+closing synchronisation). A step the host bounds takes about as long at every
+batch, and about as long as it took to issue; one the device bounds grows with the
+batch. The planner's GPU kernel model counts the device alone.
 
 Prints readable lines and, with ``--json``, writes everything to one file
 (rank 0). scripts/gpu_check.py runs ``single`` and ``zero3`` at 2 ranks (and
@@ -71,6 +80,7 @@ from mpishard.autodiff.profile import op_profile  # noqa: E402
 from mpishard.core.backend import Backend, cupy_or_none  # noqa: E402
 from mpishard.comm import Communicator, Mesh, node_local_rank  # noqa: E402
 from mpishard.models import GPT, GPTConfig  # noqa: E402
+from mpishard.kernels import attention_choice  # noqa: E402
 from mpishard.optim import AdamW  # noqa: E402
 from mpishard.parallel import ZeRO, wrap_model
 from mpishard.planning.memory import estimate_memory  # noqa: E402
@@ -145,20 +155,25 @@ def make_batch(backend: Backend, cfg: GPTConfig, batch_size: int, seq_len: int, 
 
 
 def train_steps(strategy, opt, backend, x, y, warmup: int, steps: int) -> dict:
-    """Run ``warmup + steps`` steps; time the last ``steps`` with the device synchronised."""
-    times, losses = [], []
+    """Run ``warmup + steps`` steps; time the last ``steps`` with the device synchronised,
+    and the host's seconds to issue each (until its last call returned, before the
+    closing synchronisation)."""
+    times, issued, losses = [], [], []
     for i in range(warmup + steps):
         synchronize(backend)
         start = time.perf_counter()
         _, loss = strategy(x, y)
         strategy.scale_loss(loss).backward()
         strategy.step(opt, max_norm=1.0)
+        issue = time.perf_counter() - start
         synchronize(backend)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            issued.append(issue)
         losses.append(loss.item())
     return {"step_s_median": statistics.median(times), "step_s_mean": statistics.fmean(times),
-            "step_s": times, "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
+            "step_s": times, "issue_s_median": statistics.median(issued),
+            "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
             "skipped_steps": strategy.skipped_steps, "loss_scale": strategy.scaler.scale}
 
 
@@ -234,12 +249,28 @@ def activation_bytes(strategy, backend, x, y) -> int:
     return measured.nbytes
 
 
-def run_single(args, cfg: GPTConfig) -> dict:
+def single_rank_model(args, cfg: GPTConfig, self_comm, precision: str) -> tuple:
+    """``(backend, strategy, opt)``: GPT ``cfg`` on a fresh backend, wrapped at size 1 by
+    ``--strategy`` in ``precision``, and its AdamW."""
+    backend = fresh_backend(args.backend, 0)
+    strategy = wrap_model(GPT(cfg, seed=0, backend=backend, materialize_now=False),
+                          Mesh(self_comm, dp=1), args.strategy, precision=precision)
+    opt = AdamW(strategy.parameters(), lr=3e-4, weight_decay=0.1, ledger=strategy.ledger)
+    return backend, strategy, opt
+
+
+def single_rank_setup(args, cfg: GPTConfig) -> tuple:
+    """``(self communicator, backend, device facts, sequence length, FLOPs per token,
+    parameters without the position embedding)`` of a one-rank part."""
     self_comm = Communicator(MPI.COMM_SELF.Dup(), "self", _owned=True)
     backend = fresh_backend(args.backend, 0)
-    device = device_facts(backend, args.peak_tflops)
     seq_len = args.seq_len or cfg.block_size
-    fpt, n_params = flops_per_token(cfg, seq_len)
+    return (self_comm, backend, device_facts(backend, args.peak_tflops), seq_len,
+            *flops_per_token(cfg, seq_len))
+
+
+def run_single(args, cfg: GPTConfig) -> dict:
+    self_comm, backend, device, seq_len, fpt, n_params = single_rank_setup(args, cfg)
     tokens = args.batch_size * seq_len
     report = {"part": "single", "backend": args.backend, "device": device,
               "config": vars(cfg), "n_params_non_embedding": n_params,
@@ -253,10 +284,7 @@ def run_single(args, cfg: GPTConfig) -> dict:
           f"{device['peak_source']})", flush=True)
     for precision in args.precisions:
         strategy = opt = None  # the last run's model goes before the next is built
-        backend = fresh_backend(args.backend, 0)
-        strategy = wrap_model(GPT(cfg, seed=0, backend=backend, materialize_now=False),
-                              Mesh(self_comm, dp=1), args.strategy, precision=precision)
-        opt = AdamW(strategy.parameters(), lr=3e-4, weight_decay=0.1, ledger=strategy.ledger)
+        backend, strategy, opt = single_rank_model(args, cfg, self_comm, precision)
         x, y = make_batch(backend, cfg, args.batch_size, seq_len, args.seed)
         run = {"precision": precision, **train_steps(strategy, opt, backend, x, y,
                                                      args.warmup, args.steps)}
@@ -291,6 +319,39 @@ def run_single(args, cfg: GPTConfig) -> dict:
                                  "ratio": without / with_ckpt if with_ckpt else None}
         print(f"  activations kept by one forward ({precision}): {_mib(without)} without, "
               f"{_mib(with_ckpt)} with activation checkpointing", flush=True)
+    self_comm.free()
+    return report
+
+
+def run_scaling(args, cfg: GPTConfig) -> dict:
+    self_comm, _, device, seq_len, fpt, _ = single_rank_setup(args, cfg)
+    report = {"part": "scaling", "backend": args.backend, "device": device,
+              "config": vars(cfg), "strategy": args.strategy, "seq_len": seq_len,
+              "batch_sizes": args.batch_sizes, "warmup": args.warmup, "steps": args.steps,
+              "attention": attention_choice(), "runs": [], "failures": []}
+    print(f"scaling: step and issue seconds by batch on {device['name']} "
+          f"(MPISHARD_ATTENTION={report['attention']})", flush=True)
+    for precision in args.precisions:
+        strategy = opt = None  # the last run's model goes before the next is built
+        backend, strategy, opt = single_rank_model(args, cfg, self_comm, precision)
+        for batch in args.batch_sizes:
+            x, y = make_batch(backend, cfg, batch, seq_len, args.seed)
+            timed = train_steps(strategy, opt, backend, x, y, args.warmup, args.steps)
+            run = {"precision": precision, "batch_size": batch, "step_s": timed["step_s_median"],
+                   "issue_s": timed["issue_s_median"], "losses": timed["losses"]}
+            tokens_per_s = batch * seq_len / run["step_s"]
+            peak16 = device["peak_flops_16bit"]
+            run.update(tokens_per_s=tokens_per_s,
+                       mfu=fpt * tokens_per_s / peak16 if peak16 else None,
+                       issue_share=run["issue_s"] / run["step_s"])
+            report["runs"].append(run)
+            if not all(math.isfinite(v) for v in run["losses"]):
+                report["failures"].append(f"scaling {precision} batch {batch}: a loss is "
+                                          f"not finite: {run['losses']}")
+            mfu = "" if run["mfu"] is None else f"  {100 * run['mfu']:.1f}% MFU"
+            print(f"  {precision:<8} batch {batch:<3} {run['step_s'] * 1e3:9.1f} ms/step, "
+                  f"issued in {run['issue_s'] * 1e3:8.1f} ms ({run['issue_share']:.0%})"
+                  f"{mfu}", flush=True)
     self_comm.free()
     return report
 
@@ -484,7 +545,7 @@ def _mib(n) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("single", "zero3", "dtypes", "loss"),
+    parser.add_argument("--part", choices=("single", "zero3", "dtypes", "loss", "scaling"),
                         default="single")
     parser.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
     parser.add_argument("--tiny", action="store_true",
@@ -497,6 +558,8 @@ def main(argv=None) -> int:
                         help="comma-separated (default float32,float16)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="sequences per step per rank (default: single 8, zero3 4; tiny 2)")
+    parser.add_argument("--batch-sizes", default="1,2,4,8",
+                        help="scaling: the batches, comma-separated (tiny: 1,2)")
     parser.add_argument("--seq-len", type=int, default=None, help="default: block size")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
     parser.add_argument("--steps", type=int, default=None,
@@ -509,7 +572,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
     args = parser.parse_args(argv)
     cfg = TINY if args.tiny else GPT2_SMALL
-    args.precisions = (args.precisions or "float32,float16").split(",")
+    args.precisions = (args.precisions or ("float16,bfloat16" if args.part == "scaling"
+                                           else "float32,float16")).split(",")
+    args.batch_sizes = [int(b) for b in ("1,2" if args.tiny and args.batch_sizes == "1,2,4,8"
+                                         else args.batch_sizes).split(",")]
     args.batch_size = args.batch_size or (2 if args.tiny else 8 if args.part == "single" else 4)
     args.warmup = 1 if args.tiny and args.warmup is None else (
         2 if args.warmup is None else args.warmup)
@@ -529,7 +595,8 @@ def main(argv=None) -> int:
         _write(args.json, report)
         return 0
     parts = {"single": lambda: run_single(args, cfg), "zero3": lambda: run_zero3(args, cfg),
-             "dtypes": lambda: run_dtypes(args), "loss": lambda: run_loss(args)}
+             "dtypes": lambda: run_dtypes(args), "loss": lambda: run_loss(args),
+             "scaling": lambda: run_scaling(args, cfg)}
     report = parts[args.part]()
     report["tiny"] = args.tiny
     failures = report.get("failures", [])

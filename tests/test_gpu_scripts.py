@@ -43,7 +43,7 @@ gpu_parts = _load("scripts/gpu_parts.py", "gpu_parts")
 gpu_bench = _load("benchmarks/gpu.py", "gpu_bench")
 PLAN_ORDER = ["env", "collectives_1rank", "warm_kernels", "gpt_vs_numpy", "float16_vs_float32",
               "tests_1rank", "staging_2ranks", "train_check", "bench_single", "attention",
-              "bench_zero3_2ranks"]
+              "bench_zero3_2ranks", "bench_scaling"]
 
 
 def _check(tmp_path, *args, timeout=100):
@@ -312,6 +312,20 @@ def test_benchmark_tiny_on_numpy_writes_every_field(tmp_path):
     assert report["status"] == "passed" and report["failures"] == []
     activations = report["activations"]
     assert activations["bytes_with_checkpointing"] < activations["bytes_without_checkpointing"]
+
+
+def test_benchmark_scaling_times_each_batch_and_its_issue(tmp_path):
+    report = _tiny_benchmark(tmp_path, "--part", "scaling", "--batch-sizes", "1,3",
+                             "--peak-tflops", "1")
+    assert report["part"] == "scaling" and report["batch_sizes"] == [1, 3]
+    assert [(r["precision"], r["batch_size"]) for r in report["runs"]] == [
+        ("float16", 1), ("float16", 3), ("bfloat16", 1), ("bfloat16", 3)]
+    for run in report["runs"]:
+        assert 0 < run["issue_s"] <= run["step_s"] and 0 < run["issue_share"] <= 1
+        assert run["tokens_per_s"] == pytest.approx(
+            run["batch_size"] * report["seq_len"] / run["step_s"])
+        assert len(run["losses"]) == report["warmup"] + report["steps"]
+    assert report["status"] == "passed" and report["attention"] in ("batched", "fused")
 
 
 def test_benchmark_checks_losses_skips_and_memory():
