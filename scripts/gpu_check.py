@@ -67,7 +67,9 @@ TEST_FILES = ["tests/testing/test_array_modules.py", "tests/kernels/test_kernels
               "tests/kernels/test_gemm.py", "tests/kernels/test_cross_entropy_kernel.py",
               "tests/parallel/test_mixed_precision.py",
               "tests/kernels/test_fused_attention.py::test_fused_kernels_on_each_array_module",
-              "tests/kernels/test_multi_tensor.py::test_multi_tensor_kernels_on_each_array_module"]
+              "tests/kernels/test_multi_tensor.py::test_multi_tensor_kernels_on_each_array_module",
+              "tests/kernels/test_kernels_bfloat16.py::"
+              "test_the_bfloat16_kernels_on_each_array_module"]
 #: the autodiff ops whose float64 gradcheck and agreement with NumPy ``tests_1rank``
 #: runs on CuPy: those with a device path of their own (a RawKernel, cuBLAS, a
 #: scatter-add, the device attention). The others run the same array expressions
@@ -81,7 +83,7 @@ DEVICE_OPS = ("cross_entropy", "softmax", "log_softmax", "causal_self_attention"
 #: finite-difference evaluations, two per input element, of DEVICE_OPS' gradcheck
 #: cases), and what it is expected to cost: start-up, each test's set-up and
 #: compare, each evaluation (the op on the device, a host read)
-TESTS_1RANK = {"collected": 93, "tests": 63, "fd_evaluations": 2576}
+TESTS_1RANK = {"collected": 94, "tests": 64, "fd_evaluations": 2576}
 TEST_START_S, TEST_EACH_S, FD_EVALUATION_S = 10, 0.5, 0.002
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",
                 "--timeout-method=thread"]
