@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="float32,float16")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1 timed run per path")
     if args.backend == "cupy":
         try:
             backend = Backend.resolve("cupy")

@@ -332,28 +332,37 @@ def run_scaling(args, cfg: GPTConfig) -> dict:
     print(f"scaling: step and issue seconds by batch on {device['name']} "
           f"(MPISHARD_ATTENTION={report['attention']})", flush=True)
     for precision in args.precisions:
-        strategy = opt = None  # the last run's model goes before the next is built
-        backend, strategy, opt = single_rank_model(args, cfg, self_comm, precision)
-        for batch in args.batch_sizes:
-            x, y = make_batch(backend, cfg, batch, seq_len, args.seed)
-            timed = train_steps(strategy, opt, backend, x, y, args.warmup, args.steps)
-            run = {"precision": precision, "batch_size": batch, "step_s": timed["step_s_median"],
-                   "issue_s": timed["issue_s_median"], "losses": timed["losses"]}
-            tokens_per_s = batch * seq_len / run["step_s"]
-            peak16 = device["peak_flops_16bit"]
-            run.update(tokens_per_s=tokens_per_s,
-                       mfu=fpt * tokens_per_s / peak16 if peak16 else None,
-                       issue_share=run["issue_s"] / run["step_s"])
-            report["runs"].append(run)
-            if not all(math.isfinite(v) for v in run["losses"]):
-                report["failures"].append(f"scaling {precision} batch {batch}: a loss is "
-                                          f"not finite: {run['losses']}")
-            mfu = "" if run["mfu"] is None else f"  {100 * run['mfu']:.1f}% MFU"
-            print(f"  {precision:<8} batch {batch:<3} {run['step_s'] * 1e3:9.1f} ms/step, "
-                  f"issued in {run['issue_s'] * 1e3:8.1f} ms ({run['issue_share']:.0%})"
-                  f"{mfu}", flush=True)
+        try:
+            scaling_runs(args, cfg, self_comm, precision, fpt, device, seq_len, report)
+        except Exception as err:  # noqa: BLE001 (one precision's fault, kept in the report)
+            report["failures"].append(f"scaling {precision}: {type(err).__name__}: {err}")
+            print(f"  {precision:<8} FAILED: {type(err).__name__}: {err}", flush=True)
     self_comm.free()
     return report
+
+
+def scaling_runs(args, cfg, self_comm, precision, fpt, device, seq_len, report) -> None:
+    """``run_scaling``'s runs of one precision, appended to ``report`` (the model is
+    dropped on return, before the next precision's is built)."""
+    backend, strategy, opt = single_rank_model(args, cfg, self_comm, precision)
+    for batch in args.batch_sizes:
+        x, y = make_batch(backend, cfg, batch, seq_len, args.seed)
+        timed = train_steps(strategy, opt, backend, x, y, args.warmup, args.steps)
+        run = {"precision": precision, "batch_size": batch, "step_s": timed["step_s_median"],
+               "issue_s": timed["issue_s_median"], "losses": timed["losses"]}
+        tokens_per_s = batch * seq_len / run["step_s"]
+        peak16 = device["peak_flops_16bit"]
+        run.update(tokens_per_s=tokens_per_s,
+                   mfu=fpt * tokens_per_s / peak16 if peak16 else None,
+                   issue_share=run["issue_s"] / run["step_s"])
+        report["runs"].append(run)
+        if not all(math.isfinite(v) for v in run["losses"]):
+            report["failures"].append(f"scaling {precision} batch {batch}: a loss is "
+                                      f"not finite: {run['losses']}")
+        mfu = "" if run["mfu"] is None else f"  {100 * run['mfu']:.1f}% MFU"
+        print(f"  {precision:<8} batch {batch:<3} {run['step_s'] * 1e3:9.1f} ms/step, "
+              f"issued in {run['issue_s'] * 1e3:8.1f} ms ({run['issue_share']:.0%})"
+              f"{mfu}", flush=True)
 
 
 def run_zero3(args, cfg: GPTConfig) -> dict:

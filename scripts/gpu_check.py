@@ -83,7 +83,7 @@ DEVICE_OPS = ("cross_entropy", "softmax", "log_softmax", "causal_self_attention"
 #: finite-difference evaluations, two per input element, of DEVICE_OPS' gradcheck
 #: cases), and what it is expected to cost: start-up, each test's set-up and
 #: compare, each evaluation (the op on the device, a host read)
-TESTS_1RANK = {"collected": 94, "tests": 64, "fd_evaluations": 2576}
+TESTS_1RANK = {"collected": 95, "tests": 65, "fd_evaluations": 2576}
 TEST_START_S, TEST_EACH_S, FD_EVALUATION_S = 10, 0.5, 0.002
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",
                 "--timeout-method=thread"]
@@ -153,7 +153,7 @@ def plan_parts(backend: str = "cupy") -> list:
         Part("warm_kernels", "the later parts' code on tiny models, side by side on the "
              "CPU cores: CuPy compiles their kernels once into CUPY_CACHE_DIR",
              [me, "--part", "warm", "--backend", backend, "--ops", ",".join(DEVICE_OPS)],
-             50, expect_s=35,
+             49, expect_s=35,
              sizing="6 processes at once (GPT float32 against NumPy, float16 against "
              "float32, training, the benchmark's steps, the test ops in float64, fused "
              "attention at head size 64); the longest, the benchmark's float32 and float16 "
@@ -170,7 +170,7 @@ def plan_parts(backend: str = "cupy") -> list:
              sizing=f"{start}; three GPTs built on the device, one float32 and one bfloat16 "
              "forward-backward and up to three float16 ones (< 4 s), kernels loaded"),
         Part("tests_1rank", f"the tests on {backend} of a subset of the suite, 1 rank",
-             [*test_selection(backend), *TEST_FILES], 60, env=tests, pytest=True,
+             [*test_selection(backend), *TEST_FILES], 61, env=tests, pytest=True,
              result=False, expect_s=tests_1rank_expect_s(),
              sizing=f"{TESTS_1RANK['tests']} tests that run at 1 rank (of "
              f"{TESTS_1RANK['collected']}) x {TEST_EACH_S} s and "
@@ -361,6 +361,7 @@ def highlights(parts: list) -> dict:
         name = part["name"]
         if name == "env":
             found["mpi_float16_datatype"] = result.get("mpi_float16_datatype")
+            found["tensor_core_attention"] = result.get("tensor_core_attention")
         elif name == "collectives_1rank":
             found["paths"] = {k: v.get("how") for k, v in result.get("paths", {}).items()}
             found["paths_skipped"] = result.get("skipped")

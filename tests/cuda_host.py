@@ -450,7 +450,7 @@ class HostModule:
 _host_modules: dict = {}
 
 
-def host_raw_function(xp, key: str, source):
+def host_raw_function(xp, key: str, source, options: tuple = ()):
     """A stand-in for the GPU kernel set's ``raw_function`` (mpishard/kernels/cuda/launch.py):
     the same module source and kernel name, compiled for the host (one module per source)."""
     code = source()
@@ -472,7 +472,7 @@ def use_host_kernels(monkeypatch) -> None:
         monkeypatch.setattr(launcher, "raw_function", host_raw_function)
     # the host modules bring their own <mma.h> (tests/cuda_wmma.py), whatever CUDA
     # headers this machine has
-    monkeypatch.setattr(attention, "tensor_core_headers", lambda: True)
+    monkeypatch.setattr(attention, "tensor_core_options", lambda xp: ())
 
 
 #: an ElementwiseKernel parameter's CuPy type -> its C type (``T`` is not emulated)

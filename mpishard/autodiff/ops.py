@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.core.backend import xp_of
-from mpishard.core.dtypes import where_kept
+from mpishard.core.dtypes import weak_scalar, where_kept
 from mpishard.autodiff.graph import as_tensor, as_tensors, make_result, register_op, unbroadcast
 from mpishard.autodiff.tensor import Tensor, is_python_number
 
@@ -47,7 +47,10 @@ def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
 
 
 def _scalar_op(name, a: Tensor, s, forward, backward_scale):
-    """Tensor (op) Python scalar: the scalar stays a Python number (no float64)."""
+    """Tensor (op) Python scalar: the scalar stays a Python number (no float64), a
+    float meeting bfloat16 data a bfloat16 one (:func:`~mpishard.core.dtypes.weak_scalar`:
+    on CuPy 14 a bare float would make the result float32)."""
+    s = weak_scalar(s, a.data)
     data = forward(a.data, s)
 
     def backward(g):
@@ -140,8 +143,8 @@ def pow(a, p) -> Tensor:
         def backward(g):
             if p == 0:
                 return (g * 0,)
-            return (g * (p * _power(a.data, p - 1)),)
-        return make_result(_power(a.data, p), (a,), backward, "pow")
+            return (g * (weak_scalar(p, a.data) * _power(a.data, p - 1)),)
+        return make_result(_power(a.data, weak_scalar(p, a.data)), (a,), backward, "pow")
     p = as_tensor(p, a)
     _check_binary("pow", a, p)
     xp = xp_of(a.data)
@@ -288,7 +291,7 @@ def tanh(a) -> Tensor:
     out = xp_of(a.data).tanh(a.data)
 
     def backward(g):
-        return (g * (1.0 - out * out),)
+        return (g * (weak_scalar(1.0, out) - out * out),)
     return make_result(out, (a,), backward, "tanh")
 
 
@@ -297,7 +300,7 @@ def sqrt(a) -> Tensor:
     """Square root."""
     a = as_tensor(a)
     out = xp_of(a.data).sqrt(a.data)
-    return make_result(out, (a,), lambda g: (g * 0.5 / out,), "sqrt")
+    return make_result(out, (a,), lambda g: (g * weak_scalar(0.5, g) / out,), "sqrt")
 
 
 @register_op

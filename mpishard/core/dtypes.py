@@ -21,8 +21,8 @@ NCCL reduces ``ncclBfloat16`` itself. Two CuPy 14 results differ from NumPy's
 (seen on an H100): ``where`` has no bfloat16 loop, so bfloat16 choices come out
 float32 (:func:`where_kept` picks their words instead), and a Python float meets a
 bfloat16 array as a float16, so ``a * 0.5`` is float32 (a scalar of the array's
-dtype, ``a.dtype.type(0.5)``, keeps bfloat16). The CuPy-strict module types both
-as CuPy does, so the CPU suite catches them.
+dtype, ``a.dtype.type(0.5)``, keeps bfloat16: :func:`weak_scalar`). The CuPy-strict
+module types both as CuPy does, so the CPU suite catches them.
 
     >>> resolve_dtype("bfloat16").itemsize
     2
@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["LOW_PRECISION", "FLOAT_DTYPES", "resolve_dtype", "is_low_precision",
-           "matmul_dtype", "bfloat16_words", "where_kept"]
+           "matmul_dtype", "bfloat16_words", "where_kept", "weak_scalar"]
 
 #: 16-bit floating dtypes: stored and communicated in 16 bits, accumulated in float32.
 LOW_PRECISION = ("float16", "bfloat16")
@@ -92,6 +92,16 @@ def bfloat16_words(a):
     """The 16-bit words of bfloat16 array ``a`` (a view, as ``uint16``), as kernels that
     convert them themselves take them (see [Note: bfloat16 on devices])."""
     return a.view(np.uint16)
+
+
+def weak_scalar(value, like):
+    """Python float ``value`` as it meets array ``like`` in NumPy (NEP 50: in ``like``'s
+    dtype): for a bfloat16 ``like``, a bfloat16 scalar, which CuPy 14 also keeps
+    bfloat16 (it takes a bare Python float as float16 and computes in float32; see
+    [Note: bfloat16 on devices]); anything else as it is."""
+    if isinstance(value, float) and like.dtype.name == "bfloat16":
+        return like.dtype.type(value)
+    return value
 
 
 def where_kept(xp, condition, x, y):

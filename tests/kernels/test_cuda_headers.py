@@ -10,6 +10,8 @@ first 16-bit fused attention with "cannot open source file crt/mma.h".
 from __future__ import annotations
 
 import os
+import types
+import warnings
 
 import numpy as np
 import pytest
@@ -21,50 +23,84 @@ from mpishard.kernels.cuda import headers, launch
 from mpishard.kernels.cuda.attention_src import flash_tile
 from mpishard.kernels.cuda.attention_tc_src import TC_WARPS
 
-MMA_CODE = "#include <mma.h>\nextern \"C\" __global__ void k() {}\n"
-
-
 @pytest.fixture
 def fresh_headers(monkeypatch, tmp_path):
-    """headers' caches emptied before and after, its search limited to ``tmp_path``'s
-    ``include`` (returned) and a scratch temp folder for the link."""
-    for cached in (headers.crt_directory, headers.tensor_core_headers,
-                   headers._crt_only_include):
-        cached.cache_clear()
+    """headers' caches emptied before and after; its search limited to ``tmp_path``'s
+    ``include`` (returned) and its links made under ``tmp_path``'s ``cache``."""
+    def clear():
+        headers.crt_directory.cache_clear()
+        headers.tensor_core_options.cache_clear()
+    clear()
     include = tmp_path / "include"
     monkeypatch.setattr(headers, "_candidates", lambda: [str(tmp_path / "none"), str(include)])
-    monkeypatch.setattr(headers.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     yield include
-    for cached in (headers.crt_directory, headers.tensor_core_headers,
-                   headers._crt_only_include):
-        cached.cache_clear()
+    clear()
+
+
+class FakeNvrtc:
+    """An array module whose RawModule compiles ``<mma.h>`` only with an ``-I`` folder
+    holding ``crt/mma.h`` (or, ``own_crt``, always: CuPy's own headers have it)."""
+
+    def __init__(self, own_crt: bool = False):
+        self.own_crt, self.tried = own_crt, []
+
+    def RawModule(self, code, options=()):            # noqa: N802 (CuPy's name)
+        self.tried.append(options)
+        found = self.own_crt or any(
+            os.path.isfile(os.path.join(o[2:], "crt", "mma.h")) for o in options)
+        if "<mma.h>" in code and not found:
+            raise RuntimeError('cannot open source file "crt/mma.h"')
+        return types.SimpleNamespace(get_function=lambda name: name)
+
+
+def _crt(include):
+    crt = include / "crt"
+    crt.mkdir(parents=True)
+    (crt / "mma.h").write_text("/* crt */\n")
+    (include / "cuda_fp16.h").write_text("/* not to be offered */\n")
+    return crt
+
+
+def test_cupys_own_headers_need_no_options(fresh_headers):
+    nvrtc = FakeNvrtc(own_crt=True)
+    assert headers.tensor_core_options(nvrtc) == () and nvrtc.tried == [()]
 
 
 def test_a_found_crt_is_offered_alone(fresh_headers):
-    crt = fresh_headers / "crt"
-    crt.mkdir(parents=True)
-    (crt / "mma.h").write_text("/* crt */\n")
-    (fresh_headers / "cuda_fp16.h").write_text("/* not to be offered */\n")
-    assert headers.crt_directory() == os.path.realpath(crt)
-    options = headers.header_options(MMA_CODE)
-    assert len(options) == 1 and options[0].startswith("-I")
+    crt = _crt(fresh_headers)
+    nvrtc = FakeNvrtc()
+    options = headers.tensor_core_options(nvrtc)
+    assert len(options) == 1 and options[0].startswith("-I") and nvrtc.tried == [(), options]
     folder = options[0][2:]
     assert os.listdir(folder) == ["crt"]                     # nothing else shadows CuPy's
-    assert os.path.realpath(os.path.join(folder, "crt", "mma.h")) == str(crt / "mma.h")
-    assert headers.header_options(MMA_CODE) == options       # the same folder each time
-    assert headers.header_options("extern \"C\" __global__ void k() {}") == ()
-    assert headers.tensor_core_headers() is True
+    assert os.path.samefile(os.path.join(folder, "crt", "mma.h"), crt / "mma.h")
+    assert headers.tensor_core_options(nvrtc) == options and len(nvrtc.tried) == 2  # once
+    assert headers.crt_only_include(headers.crt_directory()) == folder   # the same folder
+
+
+def test_a_stale_link_is_replaced(fresh_headers, tmp_path):
+    crt = str(_crt(fresh_headers))
+    wrong = tmp_path / "elsewhere"
+    wrong.mkdir()
+    made = headers.crt_only_include(crt)
+    os.remove(os.path.join(made, "crt"))
+    os.symlink(wrong, os.path.join(made, "crt"))
+    assert headers.crt_only_include(crt) == made
+    assert os.readlink(os.path.join(made, "crt")) == crt
 
 
 def test_no_crt_turns_the_tensor_cores_off_once_with_the_fix(fresh_headers):
-    assert headers.crt_directory() is None
-    assert headers.header_options(MMA_CODE) == ()
+    nvrtc = FakeNvrtc()
     with pytest.warns(RuntimeWarning, match="pip install nvidia-cuda-crt"):
-        assert headers.tensor_core_headers() is False
-    assert headers.tensor_core_headers() is False             # cached: warned once
+        assert headers.tensor_core_options(nvrtc) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # cached: no second warning
+        assert headers.tensor_core_options(nvrtc) is None
+    assert nvrtc.tried == [()]
 
 
-def test_raw_function_compiles_with_the_header_options(monkeypatch):
+def test_raw_function_compiles_with_the_options_given(monkeypatch):
     made = []
 
     class FakeModule:
@@ -77,19 +113,17 @@ def test_raw_function_compiles_with_the_header_options(monkeypatch):
     class FakeXp:
         RawModule = FakeModule
 
-    monkeypatch.setattr(launch, "header_options", lambda code: ("-I/x",) if "mma" in code
-                        else ())
     monkeypatch.setattr(launch, "_compiled", {})
-    assert launch.raw_function(FakeXp, "k_tc", lambda: MMA_CODE) == "k_tc"
+    assert launch.raw_function(FakeXp, "k_tc", lambda: "tc", ("-I/x",)) == "k_tc"
     assert launch.raw_function(FakeXp, "k", lambda: "plain") == "k"
-    assert made == [(MMA_CODE, ("-I/x",)), ("plain", ())]
+    assert made == [("tc", ("-I/x",)), ("plain", ())]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_without_the_headers_16_bit_rows_run_the_thread_a_row_kernels(monkeypatch, dtype):
     import ml_dtypes
     use_host_kernels(monkeypatch)
-    monkeypatch.setattr(gpu_attention, "tensor_core_headers", lambda: False)
+    monkeypatch.setattr(gpu_attention, "tensor_core_options", lambda xp: None)
     monkeypatch.setattr(launch, "_compiled", {})
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     r = np.random.default_rng(5)

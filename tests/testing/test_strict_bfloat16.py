@@ -104,10 +104,12 @@ def test_the_strict_module_promotes_bfloat16_where_cupy_14_does():
     scalars of the array's own dtype keep bfloat16. ``where_kept`` picks the words:
     bfloat16 on every module, bit for bit NumPy's ``where``."""
     a = strict.asarray(np.arange(6, dtype=np.float32).astype(BF16) - 2)
+    total = a.sum()                                  # a 0-d array: typed as arrays are
     for promoted in (a * 2.0, 2.0 * a, a + np.float32(1), strict.multiply(a, 0.5),
-                     strict.where(a > 0, a, 0), strict.where(a > 0, a, a)):
+                     strict.where(a > 0, a, 0), strict.where(a > 0, a, a), total * 0.5):
         assert promoted.dtype == np.float32
-    for kept in (a * a, a + 1, a * BF16.type(2.0), -a, strict.exp(a), strict.maximum(a, 0)):
+    for kept in (a * a, a + 1, a * BF16.type(2.0), -a, strict.exp(a), strict.maximum(a, 0),
+                 total * BF16.type(0.5), strict.multiply(a, 0.5, dtype=BF16)):
         assert kept.dtype == BF16
     host = a.get()
     for xp, x in ((np, host), (strict, a)):

@@ -11,7 +11,7 @@ kernel it is on a GPU (backward: two, the query rows' and the key rows').
 
 float16 and bfloat16 rows at a head size that is a multiple of 16 run the tensor-core
 kernels (:data:`.attention_tc_src.TC_FLASH_KERNELS`, blocks of 64 rows over four warps)
-where their CUDA headers are found (:mod:`.headers`); other rows the kernels of a
+where they compile (their CUDA headers: :mod:`.headers`); other rows the kernels of a
 thread per row. Both take the same arguments and keep the
 same: the output and the rows' float log-sum-exp.
 """
@@ -23,7 +23,7 @@ from mpishard.core.backend import xp_of
 from mpishard.kernels import reference
 from mpishard.kernels.cuda.attention_src import flash_source, flash_suffix, flash_tile
 from mpishard.kernels.cuda.attention_tc_src import TC_ROWS, TC_WARPS, tensor_cores
-from mpishard.kernels.cuda.headers import tensor_core_headers
+from mpishard.kernels.cuda.headers import tensor_core_options
 from mpishard.kernels.cuda.ops_src import ROWS16
 from mpishard.kernels.cuda.launch import is_strict_module, raw_function
 
@@ -52,19 +52,21 @@ def fused_attention_takes(hm) -> bool:
             and -(-hm.shape[-2] // flash_tile(_compute(hm.dtype)[0])) <= 65535)  # grid's y
 
 
-def _tensor_cores(S: str, hs: int) -> bool:
-    """Whether rows stored as ``S`` at head size ``hs`` run the tensor-core kernels: the
-    shapes they take, and their headers found (else the kernels of a thread per row)."""
-    return tensor_cores(S, hs) and tensor_core_headers()
+def _tensor_cores(xp, S: str, hs: int):
+    """The NVRTC options of the tensor-core kernels when rows stored as ``S`` at head
+    size ``hs`` run them on ``xp`` (the shapes they take, and they compile there: see
+    :mod:`.headers`), else None (the kernels of a thread per row)."""
+    return tensor_core_options(xp) if tensor_cores(S, hs) else None
 
 
 def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
     S = _STORAGE[np.dtype(dtype).name]
     T = _compute(dtype)[0]
-    tc = _tensor_cores(S, hs)
+    options = _tensor_cores(xp, S, hs)
     return raw_function(xp, f"{name}_{flash_suffix(S, hs)}",
-                        lambda: flash_source(T, S, hs, tensor_core_kernels=tc))
+                        lambda: flash_source(T, S, hs, tensor_core_kernels=options is not None),
+                        options or ())
 
 
 def _launch(hm):
@@ -73,7 +75,7 @@ def _launch(hm):
     take, else a thread a row."""
     _, B, heads, T, hs = hm.shape
     ctype, fd = _compute(hm.dtype)
-    if _tensor_cores(_STORAGE[hm.dtype.name], hs):
+    if _tensor_cores(xp_of(hm), _STORAGE[hm.dtype.name], hs) is not None:
         return (B * heads, -(-T // TC_ROWS)), (TC_WARPS * 32,), B * heads, T, fd
     return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpishard.kernels.cuda.headers import header_options
-
 __all__ = ["ROW_THREADS", "PARAM_ROW_THREADS", "is_strict_module", "elementwise_kernel",
            "reduction_kernel", "raw_function", "raw_kernels_take", "presence_flag",
            "dropout_arguments", "copy_to_device", "COLUMN_BLOCKS_WANTED", "MIN_GROUP_ROWS",
@@ -58,14 +56,12 @@ def reduction_kernel(xp, name: str, reductions: dict):
     return kernel
 
 
-def raw_function(xp, key: str, source):
-    """The RawKernel ``key`` of the module ``source()`` builds, compiled once and kept
-    (with the include folders it needs beyond CuPy's: :func:`.headers.header_options`)."""
+def raw_function(xp, key: str, source, options: tuple = ()):
+    """The RawKernel ``key`` of the module ``source()`` builds, compiled once (with NVRTC
+    ``options``) and kept."""
     kernel = _compiled.get(key)
     if kernel is None:
-        code = source()
-        module = xp.RawModule(code=code, options=header_options(code))
-        kernel = _compiled[key] = module.get_function(key)
+        kernel = _compiled[key] = xp.RawModule(code=source(), options=options).get_function(key)
     return kernel
 
 

@@ -141,16 +141,14 @@ def quiet():
 
 
 def promoted(result, *operands):
-    """``result`` as CuPy 14 types it: a bfloat16 array met with a Python float (or a
-    NumPy scalar of another float type) gives float32 there, where NumPy keeps
-    bfloat16 (CuPy takes the Python float as float16 at least, and bfloat16 with
-    float16 is float32); ``result`` as is otherwise (see [Note: bfloat16 on devices]
-    in mpishard/core/dtypes.py)."""
-    if (isinstance(result, np.ndarray) and result.dtype.name == "bfloat16"
-            and any(isinstance(o, float) and not (isinstance(o, np.generic)
-                                                  and o.dtype.name == "bfloat16")
-                    for o in operands)):
-        return result.astype(np.float32)
+    """``result`` as CuPy 14 types it: a bfloat16 array (0-d ones too: CuPy types them
+    as arrays) met with a bare Python float gives float32 there, where NumPy keeps
+    bfloat16 (seen on an H100 for ``a * 2.0``, ``2.0 * a`` and ``a + np.float32(1)``,
+    the last NumPy's typing too); ``result`` as is otherwise (see [Note: bfloat16 on
+    devices] in mpishard/core/dtypes.py)."""
+    if (getattr(result, "dtype", None) is not None and result.dtype.name == "bfloat16"
+            and any(type(o) is float for o in operands)):
+        return np.asarray(result, dtype=np.float32)
     return result
 
 

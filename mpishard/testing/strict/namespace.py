@@ -129,7 +129,9 @@ class ufunc:
         operands = [_elementwise(a) for a in args]
         with quiet():
             result = self._u(*operands, out=_out(out), **kwargs)
-        return out if out is not None else wrap(promoted(result, *operands))
+        if out is not None:
+            return out
+        return wrap(result if "dtype" in kwargs else promoted(result, *operands))
 
     def at(self, a, indices, b=None):
         if type(a) is not ndarray:
