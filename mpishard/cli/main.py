@@ -44,6 +44,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _sees_gpu(cupy) -> bool:
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # noqa: BLE001 (no driver)
+        return False
+
+
 def _cmd_info(args) -> int:
     import numpy as np
 
@@ -69,6 +76,9 @@ def _cmd_info(args) -> int:
     print(f"MPI        {MPI.Get_library_version().strip().splitlines()[0]}")
     print(f"libmpi     {loaded_libmpi() or 'unknown'}")
     print(f"kernels    {describe_kernels()}")
+    if cupy is not None and _sees_gpu(cupy):
+        from mpishard.kernels.cuda.headers import describe as describe_tensor_cores
+        print(f"tensor-core attention {describe_tensor_cores(cupy)}")
     print(f"CPU BLAS   {describe_blas()}")
     print(f"world size {world.size}")
     print(format_rank_reports(reports))

@@ -100,6 +100,20 @@ def test_no_crt_turns_the_tensor_cores_off_once_with_the_fix(fresh_headers):
     assert nvrtc.tried == [()]
 
 
+def test_mpishard_info_says_whether_the_tensor_cores_run(fresh_headers):
+    assert headers.describe(FakeNvrtc(own_crt=True)) == "on"
+    headers.tensor_core_options.cache_clear()
+    crt = _crt(fresh_headers)
+    assert headers.describe(FakeNvrtc()) == f"on (crt/ from {os.path.realpath(crt)})"
+    for cached in (headers.tensor_core_options, headers.crt_directory):
+        cached.cache_clear()
+    (crt / "mma.h").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # the line, not a warning
+        line = headers.describe(FakeNvrtc())
+    assert line.startswith("off") and "pip install nvidia-cuda-crt" in line
+
+
 def test_raw_function_compiles_with_the_options_given(monkeypatch):
     made = []
 

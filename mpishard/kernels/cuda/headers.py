@@ -24,7 +24,7 @@ import shutil
 import sys
 import warnings
 
-__all__ = ["crt_directory", "crt_only_include", "tensor_core_options", "CRT_FIX"]
+__all__ = ["crt_directory", "crt_only_include", "tensor_core_options", "describe", "CRT_FIX"]
 
 #: what a user does when the tensor-core kernels do not compile for want of crt/mma.h
 CRT_FIX = ("pip install nvidia-cuda-crt (the version of your CUDA 13 runtime wheels), "
@@ -111,3 +111,14 @@ def tensor_core_options(xp):
                   f"slower kernels of a thread per row; to turn them on: {CRT_FIX}",
                   RuntimeWarning, stacklevel=2)
     return None
+
+
+def describe(xp) -> str:
+    """One line for ``mpishard info``: whether 16-bit fused attention runs on tensor
+    cores on ``xp`` (CuPy), and with which include folder."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)    # the line says it instead
+        options = tensor_core_options(xp)
+    if options is None:
+        return f"off: <mma.h> does not compile (needs crt/mma.h; {CRT_FIX})"
+    return "on" + (f" (crt/ from {crt_directory()})" if options else "")
