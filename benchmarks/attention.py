@@ -20,6 +20,10 @@ that exceeds 1e-4 in float32, 2e-2 in float16 or 8e-2 in bfloat16 (``--dtypes
 float32,float16,bfloat16``; the two paths compute the same thing in another order),
 or when the fused path keeps no less; it prints what and writes ``failures`` in the
 JSON. float16 and bfloat16 at a head size of 64 run the fused kernels on tensor cores.
+Then the fused kernels alone, forward and backward on head-major q, k and v (no
+unpacking around them), beside the milliseconds the planner's GPU kernel model plans
+for them on an H100 or H200 (``tensor_core_attention_seconds``): the measurement of
+its ``TENSOR_CORE_ATTENTION_SHARE``.
 """
 from __future__ import annotations
 
@@ -85,6 +89,55 @@ def run_path(backend, choice: str, qkv, bias, g, heads: int, B: int, repeats: in
             "kept_bytes": int(kept), "out": out, "grad": grad}
 
 
+def kernel_times(backend, qkv, B: int, heads: int, T: int, hs: int, repeats: int) -> dict:
+    """The fused kernels alone on head-major q, k, v (``(3, B, heads, T, hs)``): median
+    milliseconds forward and backward (the device synchronised around each call), and
+    whether the tensor-core kernels ran; with the milliseconds the GPU kernel model
+    plans for them where the device is one it describes."""
+    from mpishard.kernels.cuda import attention as fused
+    from mpishard.kernels.cuda.ops_src import ROWS16
+    xp = backend.xp
+    hm = xp.ascontiguousarray(qkv.reshape(B, T, 3, heads, hs).transpose(2, 0, 3, 1, 4))
+    scale = 1.0 / float(np.sqrt(hs))
+    y, lse = fused.flash_attention_forward(hm, scale)          # compiles
+    gy = xp.ascontiguousarray(y[::-1])                         # any gradient of y's shape
+    fused.flash_attention_backward(hm, y, gy, lse, scale)
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        _sync(backend)
+        t0 = time.perf_counter()
+        y, lse = fused.flash_attention_forward(hm, scale)
+        _sync(backend)
+        t1 = time.perf_counter()
+        fused.flash_attention_backward(hm, y, gy, lse, scale)
+        _sync(backend)
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+    name = hm.dtype.name
+    tc = (backend.name == "cupy" and name in ROWS16
+          and fused._tensor_cores(xp, ROWS16[name][0], hs) is not None)
+    found = {"forward_ms": 1e3 * statistics.median(fwd),
+             "backward_ms": 1e3 * statistics.median(bwd), "tensor_cores": tc}
+    machine = _machine_of(backend) if tc else None
+    if machine is not None:
+        from mpishard.planning.gpu_time import tensor_core_attention_seconds
+        planned = tensor_core_attention_seconds(machine, B * heads, T, hs, name)
+        found.update(planned_forward_ms=1e3 * planned[0], planned_backward_ms=1e3 * planned[1],
+                     machine=machine.name)
+    return found
+
+
+def _machine_of(backend):
+    """The machine description of this GPU (H100 SXM, H200), or None."""
+    from mpishard.planning.machine import load_machine
+    name = backend.xp.cuda.runtime.getDeviceProperties(backend.device)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    for part, machine in (("H200", "h200"), ("H100 PCIe", None), ("H100", "h100-sxm")):
+        if part in name:
+            return load_machine(machine) if machine else None
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("cupy", "strict"), default="cupy")
@@ -133,12 +186,22 @@ def main(argv=None) -> int:
         for what in ("out", "grad"):
             want, got = _host(a[what]), _host(f[what])
             diff[what] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-        report["runs"].append({"dtype": dtype, **runs, "max_rel_diff": diff})
+        kernels = kernel_times(backend, qkv, B, heads, T, hs, args.repeats)
+        report["runs"].append({"dtype": dtype, **runs, "max_rel_diff": diff,
+                               "kernels": kernels})
         print(f"{dtype}: " + "; ".join(
             f"{c} fwd {v['forward_ms']:.2f} ms ({v['forward_tflops']:.1f} TFLOP/s), bwd "
             f"{v['backward_ms']:.2f} ms ({v['backward_tflops']:.1f} TFLOP/s), keeps "
             f"{_size(v['kept_bytes'])}" for c, v in runs.items())
             + f"; fused vs batched: out {diff['out']:.1e}, grad {diff['grad']:.1e}", flush=True)
+        planned = ("" if "planned_forward_ms" not in kernels else
+                   f" (the GPU kernel model plans {kernels['planned_forward_ms']:.2f} and "
+                   f"{kernels['planned_backward_ms']:.2f} ms on {kernels['machine']})")
+        how = ("tensor cores" if kernels["tensor_cores"] else "a thread a row"
+               if backend.name == "cupy" else "the reference on the strict module")
+        print(f"{dtype}: the fused kernels alone ({how}): "
+              f"fwd {kernels['forward_ms']:.2f} ms, bwd {kernels['backward_ms']:.2f} ms"
+              f"{planned}", flush=True)
         if max(diff.values()) > TOLERANCE[dtype]:
             report["failures"].append(f"{dtype}: fused and batched differ by {diff} (more "
                                       f"than {TOLERANCE[dtype]})")

@@ -328,6 +328,24 @@ def test_benchmark_scaling_times_each_batch_and_its_issue(tmp_path):
     assert report["status"] == "passed" and report["attention"] in ("batched", "fused")
 
 
+def test_attention_benchmark_times_both_paths_and_the_kernels_alone(tmp_path):
+    out = tmp_path / "attention.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/attention.py"), "--backend",
+                    "strict", "--tiny", "--repeats", "2", "--dtypes", "float32,bfloat16",
+                    "--json", str(out)], check=True, env=clean_env(), timeout=60,
+                   capture_output=True)
+    report = json.loads(out.read_text())
+    assert [r["dtype"] for r in report["runs"]] == ["float32", "bfloat16"]
+    for run in report["runs"]:
+        for path in ("batched", "fused"):
+            assert run[path]["forward_ms"] > 0 and run[path]["backward_ms"] > 0
+        assert run["fused"]["kept_bytes"] < run["batched"]["kept_bytes"]
+        kernels = run["kernels"]
+        assert kernels["forward_ms"] > 0 and kernels["backward_ms"] > 0
+        assert kernels["tensor_cores"] is False and "planned_forward_ms" not in kernels
+    assert report["failures"] == []
+
+
 def test_benchmark_checks_losses_skips_and_memory():
     good = {"precision": "float16", "losses": [4.0, 3.5, 3.0], "loss_first": 4.0,
             "loss_last": 3.0, "skipped_steps": 1}

@@ -68,7 +68,8 @@ from mpishard.parallel.plans import matching_modules
 
 __all__ = ["Op", "KernelSet", "stage_ops", "micro_batch_times", "moe_rows", "OP_CLASSES",
            "MPISHARD_KERNELS", "MEGATRON_KERNELS", "FLASH2_KERNELS", "TORCHTITAN_KERNELS",
-           "LLMFOUNDRY_KERNELS", "NEMO_KERNELS", "TENSOR_CORE_ATTENTION_SHARE"]
+           "LLMFOUNDRY_KERNELS", "NEMO_KERNELS", "TENSOR_CORE_ATTENTION_SHARE",
+           "tensor_core_attention_seconds"]
 
 #: the op classes of a breakdown, in the order they are printed
 OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "embedding",
@@ -84,7 +85,8 @@ OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "
 #: on an H100") the attention benchmark's whole float16 backward at batch 8, 12 heads,
 #: T = 1024, head size 64 (these kernels with the heads' unpacking around them) took
 #: 2.28 ms, where this share plans the kernels at 0.25 ms; so the share is likely
-#: high, by how much the kernels' own time will say.
+#: high, by how much the kernels' own time will say (benchmarks/attention.py times them
+#: alone beside :func:`tensor_core_attention_seconds`).
 TENSOR_CORE_ATTENTION_SHARE = 0.5
 _ATTENTION = ("mpishard", "unfused", "flash2")
 _LOSS = ("fused", "float32")
@@ -357,6 +359,16 @@ def _attention(bh, Tl, T, hs, s, p, block, flash) -> list:
         ops.append(_vector("attention", scores, s, 1, 1, 2, 2, block, True, extra_bytes=mask))
     ops.append(_gemm("attention", Tl, hs, T, s, block, True, batch=bh))      # probs v
     return ops
+
+
+def tensor_core_attention_seconds(machine, bh: int, T: int, hs: int, dtype: str) -> tuple:
+    """``(forward, backward)`` seconds this model plans for mpishard's tensor-core
+    attention kernels over ``bh`` (batch x heads) causal sequences of ``T`` at head size
+    ``hs`` in 16-bit ``dtype``: what ``benchmarks/attention.py`` times the kernels
+    against, to measure :data:`TENSOR_CORE_ATTENTION_SHARE`."""
+    s = 2 if dtype in ("float16", "bfloat16") else 4
+    op, = _attention(bh, T, T, hs, s, 0.0, True, (TENSOR_CORE_ATTENTION_SHARE, 2))
+    return op_seconds(op, machine, dtype)
 
 
 def _table(table, size: float) -> float:

@@ -10,7 +10,7 @@ from mpishard.parallel.compose import build_stage
 from mpishard.planning import load_machine, machine_from_dict, predict_step, stage_flops
 from mpishard.planning.gpu_time import (MEGATRON_KERNELS, TENSOR_CORE_ATTENTION_SHARE,
                                         KernelSet, Op, micro_batch_times, op_seconds,
-                                        stage_ops)
+                                        stage_ops, tensor_core_attention_seconds)
 from mpishard.planning.layout import Layout, estimate_layout, mesh_shape
 from mpishard.planning.search import candidate_layouts, rank_layouts
 
@@ -148,6 +148,22 @@ def test_mpishards_kernels_fuse_attention_where_the_tensor_core_kernel_takes_it(
     assert {op.flash for op in attention(wide, 2, KernelSet("flash2"))} == {1.0}
     with pytest.raises(ValueError, match="attention must be one of"):
         KernelSet("sdpa")
+
+
+def test_the_tensor_core_kernels_alone_are_the_fused_attention_a_step_plans(monkeypatch):
+    """``tensor_core_attention_seconds`` (what benchmarks/attention.py times the kernels
+    against) is the fused attention op of a 16-bit step at the same shape; at GPT-2
+    small's (batch 8, 12 heads, T = 1024, head size 64) on an H100 its backward is the
+    0.25 ms docs/gpu.md quotes beside the 2.28 ms measured around it."""
+    monkeypatch.setenv("MPISHARD_ATTENTION", "fused")
+    h100 = load_machine("h100-sxm")
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=64, dropout=0.0)
+    op, = [op for op in stage_ops(GPT(cfg, materialize_now=False),
+                                  Layout(batch_size=3, seq_len=64), 2) if op.core]
+    assert tensor_core_attention_seconds(h100, 3 * 2, 64, 32, "float16") == \
+        op_seconds(op, h100, "float16")
+    forward, backward = tensor_core_attention_seconds(h100, 8 * 12, 1024, 64, "float16")
+    assert round(backward * 1e3, 2) == 0.25 and forward < backward
 
 
 def test_the_loss_reads_16_bit_logits_once_fused_or_streams_float32_copies():
