@@ -27,6 +27,7 @@ from typing import Iterable
 import numpy as np
 
 from mpishard.core.backend import MemoryLedger, to_numpy, xp_of
+from mpishard.core.dtypes import weak_scalar
 from mpishard.kernels import kernels_for
 from mpishard.kernels.cpu.threads import for_rows
 
@@ -185,10 +186,12 @@ def _in_blocks(update, size: int, host: bool) -> None:
 
 
 def _scaled(grad, grad_scale):
-    """``grad * grad_scale``: a Python float (``grad`` itself for 1.0), or a 0-d device
-    array cast to the gradient's dtype first, as a Python float would be."""
+    """``grad * grad_scale``: a Python float (``grad`` itself for 1.0) in the gradient's
+    dtype as NumPy takes it (bfloat16 too, which CuPy 14 would make float32:
+    :func:`~mpishard.core.dtypes.weak_scalar`), or a 0-d device array cast to the
+    gradient's dtype first, as a Python float would be."""
     if not hasattr(grad_scale, "astype"):
-        return grad if grad_scale == 1.0 else grad * grad_scale
+        return grad if grad_scale == 1.0 else grad * weak_scalar(grad_scale, grad)
     return grad * grad_scale.astype(grad.dtype)
 
 

@@ -167,3 +167,15 @@ def test_where_kept_takes_0d_bfloat16_arrays_on_the_module():
     for xp, a in ((np, bf), (strict, strict.asarray(bf))):
         assert where_kept(xp, a > 1, a, np.float32(0)).dtype == np.float32
         assert where_kept(xp, a > 1, a, BF16.type(0)).dtype == BF16
+
+
+def test_a_gradient_scale_keeps_bfloat16_gradients_bfloat16_on_the_module():
+    """The optimizer's unscaling of a bfloat16 gradient by a Python float is typed as on
+    NumPy (bfloat16), not as CuPy 14 types a bare float (float32)."""
+    from mpishard.optim.optimizers import _scaled
+    grad = np.array([1.0, -3.0, 0.375]).astype(BF16)
+    for g in (grad, strict.asarray(grad)):
+        got = _scaled(g, 0.3)
+        assert got.dtype == BF16
+        np.testing.assert_array_equal(to_numpy(got).view(np.uint16),
+                                      (grad * 0.3).view(np.uint16))
