@@ -472,9 +472,7 @@ def part_env() -> dict:
         facts["gpu_error"] = f"{type(exc).__name__}: {exc}"
         return facts
     from mpishard.kernels.cuda import headers
-    options = headers.tensor_core_options(cupy)     # compiles <mma.h> once (a warning if not)
-    facts["tensor_core_attention"] = ("off: <mma.h> does not compile" if options is None
-                                      else f"on, NVRTC options {list(options)}")
+    facts["tensor_core_attention"] = headers.describe(cupy)   # compiles <mma.h> once
     facts["crt_directory"] = headers.crt_directory()
     return facts
 

@@ -44,20 +44,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _sees_gpu(cupy) -> bool:
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:  # noqa: BLE001 (no driver)
-        return False
-
-
 def _cmd_info(args) -> int:
     import numpy as np
 
     import mpi4py
     from mpi4py import MPI
 
-    from mpishard.core.backend import cupy_or_none
+    from mpishard.core.backend import cupy_or_none, visible_gpu_count
     from mpishard.comm import Communicator, format_rank_reports, rank_report
     from mpishard.comm.gpu import loaded_libmpi
     from mpishard.kernels import describe as describe_kernels
@@ -76,7 +69,7 @@ def _cmd_info(args) -> int:
     print(f"MPI        {MPI.Get_library_version().strip().splitlines()[0]}")
     print(f"libmpi     {loaded_libmpi() or 'unknown'}")
     print(f"kernels    {describe_kernels()}")
-    if cupy is not None and _sees_gpu(cupy):
+    if cupy is not None and visible_gpu_count(cupy):
         from mpishard.kernels.cuda.headers import describe as describe_tensor_cores
         print(f"tensor-core attention {describe_tensor_cores(cupy)}")
     print(f"CPU BLAS   {describe_blas()}")

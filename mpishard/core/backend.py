@@ -95,7 +95,8 @@ def to_numpy(array) -> np.ndarray:
     return np.asarray(array)
 
 
-def _visible_gpu_count(cupy) -> int:
+def visible_gpu_count(cupy) -> int:
+    """GPUs ``cupy`` sees (0 without a driver)."""
     try:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
@@ -158,7 +159,7 @@ class Backend:
         if name in ("numpy", "strict"):
             return cls(name, None, ledger)
         cupy = cupy_or_none()
-        gpus = _visible_gpu_count(cupy) if cupy is not None else 0
+        gpus = visible_gpu_count(cupy) if cupy is not None else 0
         if cupy is None or gpus == 0:
             if name == "auto":
                 return cls("numpy", None, ledger)

@@ -109,16 +109,14 @@ def where_kept(xp, condition, x, y):
     bfloat16 choices (arrays, or a bfloat16 array and a scalar) stay bfloat16. CuPy
     14's ``where`` makes them float32 (see [Note: bfloat16 on devices]); their 16-bit
     words are picked instead, which is exact."""
-    is_array = [not isinstance(v, (int, float, np.generic)) for v in (x, y)]
-    if not any(is_array) or any(isinstance(v, np.generic) or a
-                                for v, a in zip((x, y), is_array)
-                                if getattr(v, "dtype", None) is not None
-                                and v.dtype.name != "bfloat16"):
-        return xp.where(condition, x, y)        # not bfloat16 choices: NumPy's types
-    bf16 = (x if is_array[0] else y).dtype
-    x, y = (v.view(np.uint16) if a else np.asarray(v, dtype=bf16).view(np.uint16)[()]
-            for v, a in zip((x, y), is_array))             # a scalar's word
-    return xp.where(condition, x, y).view(bf16)
+    bf16 = [getattr(v, "dtype", None) is not None and v.dtype.name == "bfloat16"
+            for v in (x, y)]
+    if not any(bf16) or not all(b or type(v) in (int, float, bool) for v, b in zip((x, y), bf16)):
+        return xp.where(condition, x, y)       # not bfloat16 choices: NumPy's types
+    dtype = (x if bf16[0] else y).dtype
+    x, y = (v.view(np.uint16) if b else np.asarray(v, dtype=dtype).view(np.uint16)[()]
+            for v, b in zip((x, y), bf16))     # a Python number's word
+    return xp.where(condition, x, y).view(dtype)
 
 
 def is_low_precision(dtype) -> bool:
