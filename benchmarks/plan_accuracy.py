@@ -46,11 +46,13 @@
    v24.11.1: Megatron-Core with Transformer Engine, context parallelism, the
    distributed optimizer, tensor-parallel overlap and the interleaved schedule;
    ``NEMO_KERNELS``); llm-foundry's MPT on 8 SXM parts (its 2023 PyTorch 2.1 FSDP
-   stack, ``LLMFOUNDRY_KERNELS``); torchtitan's Llama 3.1 8B on 8 GPUs whose peak the
-   benchmark puts between the H100 NVL's and the SXM's (500 W HBM2e parts: predicted
-   with their 2.4 TB/s at each end of that range, ``hardware_as_published`` in the
-   json; ``TORCHTITAN_KERNELS``: attention, loss, its per-op selective recomputation).
-   Target: within 10%, printed per run and per framework.
+   stack and FlashAttention's Triton kernels, ``LLMFOUNDRY_KERNELS``); torchtitan's Llama
+   3.1 8B on 8 and 128 GPUs whose peak the benchmark puts between the H100 NVL's and the
+   SXM's (500 W HBM2e parts: predicted with their 2.4 TB/s at each end of that range,
+   ``hardware_as_published`` in the json), without torch.compile (``TORCHTITAN_KERNELS``:
+   its eager ops kernel by kernel, attention, loss, its per-op selective recomputation)
+   and with it (``TORCHTITAN_COMPILED_KERNELS``: the blocks' ops fused). Target: within
+   10%, printed per run and per framework.
 
 Figures and PASS/FAIL go to stderr, one JSON line to stdout; ``--plot PATH``
 draws measured (or published) against predicted. ``--repredict RUN.json ...
@@ -363,8 +365,9 @@ def hopper_layout(run):
 
 
 #: the kernels each Hopper reference's framework runs (see gpu_time.py)
-HOPPER_KERNELS = {"torchtitan": "TORCHTITAN_KERNELS", "llm-foundry": "LLMFOUNDRY_KERNELS",
-                  "nemo": "NEMO_KERNELS"}
+HOPPER_KERNELS = {"torchtitan": "TORCHTITAN_KERNELS",
+                  "torchtitan+compile": "TORCHTITAN_COMPILED_KERNELS",
+                  "llm-foundry": "LLMFOUNDRY_KERNELS", "nemo": "NEMO_KERNELS"}
 
 
 def memory_layout(run, layout):

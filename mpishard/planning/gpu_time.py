@@ -35,12 +35,18 @@ processing mode, calculon-ai/calculon ``calculon/system.py``), plus one launch:
 * the loss over the head's logits: mpishard's fused cross-entropy (a launch
   each way, the 16-bit logits read once forward, read and their gradient
   written backward), or the logits cast to float32 and the vocabulary-parallel
-  cross-entropy's passes over them (Megatron-LM, torchtitan).
+  cross-entropy's passes over them (Megatron-LM, torchtitan);
+* a Llama's rotary embeddings on q and k (and, for frameworks that copy them,
+  grouped-query attention's keys and values out to the query heads), memory-bound,
+  as the framework runs them; and where a framework runs PyTorch's eager ops
+  (torchtitan without torch.compile) its RMS norms and SwiGLU as one kernel per op,
+  each a pass over the rows.
 
 Which of these a step runs is its :class:`KernelSet`, the framework's: mpishard's
 CUDA backend (:data:`MPISHARD_KERNELS`, what ``mpishard plan`` costs), Megatron-LM
-(:data:`MEGATRON_KERNELS`) or FlashAttention-2 with a float32 loss
-(:data:`FLASH2_KERNELS`, torchtitan).
+(:data:`MEGATRON_KERNELS`), FlashAttention-2 with a float32 loss
+(:data:`FLASH2_KERNELS`), or the published Hopper runs' stacks (torchtitan's with and
+without torch.compile, llm-foundry's, NeMo's).
 
 Recomputation adds forward kernels: the blocks' (full) or, under selective
 recomputation, those the framework's policy drops (the op's ``selective`` flag):
@@ -68,12 +74,13 @@ from mpishard.parallel.plans import matching_modules
 
 __all__ = ["Op", "KernelSet", "stage_ops", "micro_batch_times", "moe_rows", "OP_CLASSES",
            "MPISHARD_KERNELS", "MEGATRON_KERNELS", "FLASH2_KERNELS", "TORCHTITAN_KERNELS",
-           "LLMFOUNDRY_KERNELS", "NEMO_KERNELS", "TENSOR_CORE_ATTENTION_SHARE",
+           "TORCHTITAN_COMPILED_KERNELS", "LLMFOUNDRY_KERNELS", "NEMO_KERNELS",
+           "TENSOR_CORE_ATTENTION_SHARE", "FLASH1_ATTENTION_SHARE",
            "tensor_core_attention_seconds"]
 
 #: the op classes of a breakdown, in the order they are printed
-OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "embedding",
-              "loss")
+OP_CLASSES = ("matmul", "attention", "rotary", "norm", "activation", "dropout+residual",
+              "embedding", "loss")
 
 
 #: mpishard's tensor-core attention (kernels/cuda/attention_tc_src.py) at this share of the
@@ -88,9 +95,17 @@ OP_CLASSES = ("matmul", "attention", "norm", "activation", "dropout+residual", "
 #: high, by how much the kernels' own time will say (benchmarks/attention.py times them
 #: alone beside :func:`tensor_core_attention_seconds`).
 TENSOR_CORE_ATTENTION_SHARE = 0.5
-_ATTENTION = ("mpishard", "unfused", "flash2")
+#: FlashAttention's Triton kernels (flash_attn/flash_attn_triton.py, Dao-AILab/flash-attention:
+#: "Overall Triton forward + backward is slightly slower than CUDA forward + backward", the
+#: CUDA kernels of FlashAttention-1 then) at this share of the FlashAttention-2 rate: the
+#: ratio of the two generations' A100 ranges' low ends in FlashAttention-2's abstract
+#: (25-40% of the peak against 50-73%), 25 / 50
+FLASH1_ATTENTION_SHARE = 0.5
+_ATTENTION = ("mpishard", "unfused", "flash2", "flash1")
 _LOSS = ("fused", "float32")
 _SELECTIVE = ("core", "op")
+_EAGER = ("none", "all", "outside blocks")
+_ROTARY = ("fused", "complex", "packed")
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,22 @@ class KernelSet:
     ``rows_again``: the norms and GELU keep no float32 normalised rows or tanh for
     backward, where their backward runs the forward kernel again first (mpishard's, see
     [Note: what ops keep] in mpishard/autodiff/rows.py): one launch and a forward's
-    passes (reading the rows, writing the output and the float32 rows) more each."""
+    passes (reading the rows, writing the output and the float32 rows) more each.
+    ``eager``: where RMS norms and SwiGLU run as PyTorch's eager ops, one kernel per op
+    (torchtitan's ``RMSNorm``: ``x.float()``, ``pow``, ``mean``, ``+ eps``, ``rsqrt``, the
+    product, ``type_as`` and the weight's product, 8 kernels forward and 14 backward, in
+    float32 between the casts; ``silu`` then the product): ``"none"`` (fused kernels),
+    ``"all"`` (torchtitan without ``torch.compile``) or ``"outside blocks"`` (torchtitan's
+    ``torch.compile``, which compiles each block: the final norm stays eager).
+    ``rotary``: how rotary embeddings run on q and k: ``"fused"`` (a kernel each for q
+    and k each way, reading and writing them once: Transformer Engine's fused RoPE,
+    torch.compile's), ``"complex"`` (torchtitan's eager ``apply_rotary_emb``: to float32,
+    a complex product, back, three kernels each way for each) or ``"packed"``
+    (mpishard's ``rope_qkv`` on a device: q, k and v to float32, the rotations' four
+    passes, a copy of k and v per query head into the packed rows, the cast back; see
+    mpishard/autodiff/rms_rope_swiglu.py). ``kv_copies``: grouped-query attention's keys
+    and values copied out to the query heads before attention (torchtitan's
+    ``repeat_kv``, an ``expand`` then ``reshape``), their gradients summed back."""
 
     attention: str = "mpishard"
     loss: str = "fused"
@@ -133,14 +163,19 @@ class KernelSet:
     tp_overlap: int = 0
     cp_grouped_kv: bool = False
     rows_again: bool = False
+    eager: str = "none"
+    rotary: str = "fused"
+    kv_copies: bool = False
 
     def __post_init__(self):
         if self.attention not in _ATTENTION or self.loss not in _LOSS or \
-                self.selective not in _SELECTIVE:
+                self.selective not in _SELECTIVE or self.eager not in _EAGER or \
+                self.rotary not in _ROTARY:
             raise ValueError(f"KernelSet(attention={self.attention!r}, loss={self.loss!r}, "
-                             f"selective={self.selective!r}): attention must be one of "
+                             f"selective={self.selective!r}, eager={self.eager!r}, "
+                             f"rotary={self.rotary!r}): attention must be one of "
                              f"{_ATTENTION}, loss one of {_LOSS}, selective one of "
-                             f"{_SELECTIVE}")
+                             f"{_SELECTIVE}, eager one of {_EAGER}, rotary one of {_ROTARY}")
         if isinstance(self.tp_overlap, bool) or not isinstance(self.tp_overlap, int) or \
                 self.tp_overlap < 0:
             raise ValueError(f"KernelSet(tp_overlap={self.tp_overlap!r}): the splits of the "
@@ -148,7 +183,7 @@ class KernelSet:
 
 
 #: mpishard's CUDA backend, what ``mpishard plan`` costs
-MPISHARD_KERNELS = KernelSet(rows_again=True)
+MPISHARD_KERNELS = KernelSet(rows_again=True, rotary="packed")
 #: Megatron-LM as the 2021-2022 papers ran it (NVIDIA/Megatron-LM at commit de7dc40f,
 #: 'scripts for sc21': megatron/model/transformer.py, gpt_model.py, arguments.py): the
 #: gradients all-reduced in 16 bits (torch DDP's .grad, or local DDP's main_grad buffer
@@ -160,16 +195,26 @@ FLASH2_KERNELS = KernelSet("flash2", "float32")
 #: torchtitan (pytorch/torchtitan at 9dec370, 2024-12, the commit its H100 benchmark names):
 #: SDPA's FlashAttention-2 kernels, the loss over float32 logits (``pred.flatten(0, 1).float()``
 #: in ``cross_entropy_loss``), selective recomputation by op ("op", the default of its
-#: llama3_8b.toml: ``mode = 'selective'``, ``selective_ac_option = 'op'``)
-TORCHTITAN_KERNELS = KernelSet("flash2", "float32", selective="op")
+#: llama3_8b.toml: ``mode = 'selective'``, ``selective_ac_option = 'op'``), without
+#: ``torch.compile`` (the toml's ``compile = false``): its model code's eager ops
+#: (torchtitan/models/norms.py ``RMSNorm``, torchtitan/models/llama/model.py
+#: ``apply_rotary_emb``, ``repeat_kv``, ``FeedForward``)
+TORCHTITAN_KERNELS = KernelSet("flash2", "float32", selective="op", eager="all",
+                               rotary="complex", kv_copies=True)
+#: the same with ``torch.compile`` (``training.compile = true``: each block compiled,
+#: torchtitan/parallelisms/parallelize_llama.py ``apply_compile``): the blocks' norms,
+#: rotary embeddings and SwiGLU as fused kernels; the final norm and the loss stay eager,
+#: ``repeat_kv``'s copies stay (the attention kernel reads whole heads)
+TORCHTITAN_COMPILED_KERNELS = KernelSet("flash2", "float32", selective="op",
+                                        eager="outside blocks", kv_copies=True)
 #: llm-foundry v0.3.0 (the release its 2023 H100 benchmarks ran: sweep.sh, submit_benchmarks.py
 #: at mosaicml/llm-foundry b2a43a1): ``attn_impl: triton`` (submit_benchmarks.py's default;
 #: FlashAttention's Triton kernels on the ``triton-pre-mlir`` sm90 build, costed at
-#: FlashAttention-2's rate: no published H100 rate of those kernels was found, so an upper
-#: bound on their speed) and flash-attn 1.0.9's fused cross-entropy (``loss_fn:
-#: fused_crossentropy``, modeling_mpt.py's default; setup.py's gpu extras install
-#: ``xentropy-cuda-lib``)
-LLMFOUNDRY_KERNELS = KernelSet("flash2", "fused")
+#: :data:`FLASH1_ATTENTION_SHARE` of FlashAttention-2's rate: their own notes put them
+#: level with FlashAttention-1 on the A100; no published H100 rate of them was found) and
+#: flash-attn 1.0.9's fused cross-entropy (``loss_fn: fused_crossentropy``,
+#: modeling_mpt.py's default; setup.py's gpu extras install ``xentropy-cuda-lib``)
+LLMFOUNDRY_KERNELS = KernelSet("flash1", "fused")
 #: NeMo 24.09 on Megatron-Core as NVIDIA's DGX Cloud benchmarks of Llama 3.1 ran it
 #: (NVIDIA/dgxc-benchmarking v24.11.1, llama3.1/llama3.1_{8b,70b,405b}.yaml):
 #: Transformer Engine's fused attention (``use_flash_attention: true``; costed at
@@ -234,6 +279,69 @@ def _vector(cls, elements, s, fw_flops, bw_flops, fw_passes, bw_passes, block,
               False, block, core, 1, 1 + again)
 
 
+def _eager(kernels, in_block: bool) -> bool:
+    """Whether ``kernels`` runs an op here as PyTorch's eager ops (see :class:`KernelSet`)."""
+    return kernels.eager == "all" or (kernels.eager == "outside blocks" and not in_block)
+
+
+def _eager_rms_norm(elements, s, block) -> Op:
+    """torchtitan's eager ``RMSNorm`` over ``elements`` of ``s`` bytes: forward ``x.float()``
+    (``s`` in, 4 out), ``pow`` (8), ``mean`` (4), the product by the row's ``rsqrt`` (8),
+    ``type_as`` (4 + ``s``) and the weight's product (``2 s``); backward the autograd
+    of each: the weight's products and sum (``6 s``), the casts (``2 (4 + s)``), the
+    rsqrt product's two (``8 + 12``) and its row sum (4), ``mean``'s expansion (4),
+    ``pow``'s three passes (28) and the two gradients' sum (12)."""
+    return Op("norm", 4.0 * elements, (28.0 + 4 * s) * elements, 10.0 * elements,
+              (76.0 + 8 * s) * elements, False, block, False, 8, 14)
+
+
+def _eager_swiglu(elements, s, block) -> Op:
+    """``silu(gate) * up`` as two eager ops (``silu``: ``2 s``, the product: ``3 s``);
+    backward the product's two gradients (``6 s``) and ``silu``'s (``3 s``)."""
+    return Op("activation", 8.0 * elements, 5.0 * s * elements, 13.0 * elements,
+              9.0 * s * elements, False, block, False, 2, 3)
+
+
+def _rotary_kv_heads(stage, tp: int) -> int:
+    """This tp rank's key/value heads where ``stage``'s model rotates q and k (a
+    ``rope_theta`` in its config; tp splits them where it divides them, else every rank
+    keeps them all), else 0."""
+    cfg = getattr(stage, "config", None)
+    if getattr(cfg, "rope_theta", None) is None:
+        return 0
+    kv = getattr(cfg, "n_kv_head", 0) or cfg.n_head
+    return kv // tp if kv % tp == 0 else kv
+
+
+def _rotary(rows, hq, hkv, hs, s, kernels, block) -> list:
+    """Rotary embeddings (and torchtitan's key/value copies) for ``rows`` rows of ``hq``
+    query and ``hkv`` key/value heads of size ``hs`` (this rank's), as ``kernels`` runs
+    them (see :class:`KernelSet`)."""
+    eq, ekv = float(rows) * hq * hs, float(rows) * hkv * hs
+    ops = []
+    if kernels.rotary == "fused":            # q and k each read and written once
+        ops.append(Op("rotary", 3.0 * (eq + ekv), 2.0 * s * (eq + ekv), 3.0 * (eq + ekv),
+                      2.0 * s * (eq + ekv), False, block, False, 2, 2))
+    elif kernels.rotary == "complex":        # float(), the complex product, type_as
+        ops.append(Op("rotary", 3.0 * (eq + ekv), (2.0 * s + 16) * (eq + ekv),
+                      3.0 * (eq + ekv), (2.0 * s + 16) * (eq + ekv), False, block, False,
+                      6, 6))
+    else:   # rope_qkv: q, k, v up to float32; q's and k's rotations (multiply, swap the
+        # halves, scale them, add: 36 bytes an element); k and v copied per query head
+        # into the float32 packed rows; the packed rows cast back. Backward: the gradient
+        # up, q's rotation, the per-head sums of k's and v's (an add each), k's rotation,
+        # the three casts down.
+        up = (s + 4.0) * (eq + 2 * ekv)
+        fw = up + 36.0 * (eq + ekv) + 16.0 * eq + (4.0 + s) * 3 * eq
+        bw = (s + 4.0) * 3 * eq + 36.0 * (eq + ekv) + 24.0 * eq + up
+        ops.append(Op("rotary", 6.0 * (eq + ekv), fw, 6.0 * (eq + ekv), bw, False, block,
+                      False, 2 * hq + 12, 2 * hq + 12))
+    if kernels.kv_copies and hkv < hq:       # repeat_kv: k and v out to the query heads
+        nbytes = 2.0 * s * (eq + ekv)
+        ops.append(Op("attention", 0.0, nbytes, 2.0 * eq, nbytes, False, block, False, 2, 2))
+    return ops
+
+
 def _dropout(stage) -> float:
     return float(getattr(getattr(stage, "config", None), "dropout", 0.0) or 0.0)
 
@@ -279,8 +387,11 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
                 ops.append(_loss(rows * out, s, kernels))   # the head's logits
         elif weight is not None and len(weight.shape) == 1 and "Norm" in name:
             n = split_rows * weight.shape[0]
-            ops.append(_vector("norm", n, s, 9, 21, 2, 3, in_block,
-                               again=kernels.rows_again))
+            if "RMS" in name and _eager(kernels, in_block):
+                ops.append(_eager_rms_norm(n, s, in_block))
+            else:
+                ops.append(_vector("norm", n, s, 9, 21, 2, 3, in_block,
+                                   again=kernels.rows_again))
             if in_block:         # each norm opens a residual branch: dropout + add closes it
                 ops.append(_vector("dropout+residual", n, s, 1 + mask, mask + 1, 3, 2,
                                    in_block, extra_bytes=mask * n))
@@ -292,8 +403,11 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             if len(linears) >= 2:
                 inputs = len(linears) - 1                    # GELU: 1, SwiGLU: gate and up
                 n = rows * linears[0].weight.shape[0]
-                ops.append(_vector("activation", n, s, 8, 13, inputs + 1, 2 * inputs + 1,
-                                   in_block, again=kernels.rows_again and inputs == 1))
+                if inputs == 2 and _eager(kernels, in_block):
+                    ops.append(_eager_swiglu(n, s, in_block))
+                else:
+                    ops.append(_vector("activation", n, s, 8, 13, inputs + 1, 2 * inputs + 1,
+                                       in_block, again=kernels.rows_again and inputs == 1))
         if hasattr(m, "n_experts") and "experts" in m._modules:
             routed = moe_rows(m, rows)
             for w in m.experts._parameters.values():
@@ -306,6 +420,9 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             heads, hs = spec_of(stage).attention_heads(m)
             B, Tl, T = layout.batch_size, layout.local_seq_len, layout.seq_len
             ops += _attention(B * heads, Tl, T, hs, s, p, in_block, _flash(kernels, s, hs, p))
+            hkv = _rotary_kv_heads(stage, layout.tp)
+            if hkv:
+                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block)
     return _mark_selective(ops, block_of, kernels.selective)
 
 
@@ -336,6 +453,8 @@ def _flash(kernels, s, hs, p) -> tuple:
     """``(share of the flash rate, backward kernels)`` of a fused attention, else None."""
     if kernels.attention == "flash2":
         return 1.0, 1
+    if kernels.attention == "flash1":                 # the Triton kernels: the do.o
+        return FLASH1_ATTENTION_SHARE, 2              # row sums, then dq, dk and dv
     if kernels.attention == "mpishard" and p == 0 and attention_choice() == "fused" and \
             tensor_cores("__half" if s == 2 else "", hs):
         return TENSOR_CORE_ATTENTION_SHARE, 2                 # dq, then dk and dv

@@ -303,3 +303,97 @@ def test_grouped_kv_context_parallelism_sends_the_kv_heads_and_16_bit_gradients(
                               plan=estimate_layout(whole, lay, stage_of=cache.of(lay),
                                                    memo=memo))
         assert shared.comm_total["cp"] == pytest.approx(alone.comm_total["cp"]), ckpt
+
+
+LLAMA = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+             intermediate_size=48)
+
+
+def test_torchtitans_eager_ops_are_counted_kernel_by_kernel():
+    """``eager``: torchtitan's RMSNorm as 8 kernels forward (36 bytes an element in 16 bits:
+    the casts, pow, mean, the two products) and 14 backward (92), SwiGLU as silu then the
+    product (10 bytes forward, 18 backward); ``"outside blocks"`` (torch.compile of each
+    block) leaves the blocks' fused and the final norm eager."""
+    from mpishard.models import Llama, LlamaConfig
+    from mpishard.planning.gpu_time import TORCHTITAN_COMPILED_KERNELS, TORCHTITAN_KERNELS
+    lay = Layout(batch_size=2, seq_len=16)
+    model = Llama(LlamaConfig(**LLAMA), materialize_now=False)
+    rows, C, F = 2 * 16, LLAMA["n_embd"], LLAMA["intermediate_size"]
+
+    def of(kernels, cls):
+        return [op for op in stage_ops(model, lay, 2, kernels) if op.cls == cls]
+    norms = of(TORCHTITAN_KERNELS, "norm")
+    assert len(norms) == 5                                          # 2 a block, the final
+    assert {(op.fw_kernels, op.bw_kernels, op.fw_bytes, op.bw_bytes) for op in norms} == \
+        {(8, 14, 36.0 * rows * C, 92.0 * rows * C)}
+    swiglu, = {(op.fw_bytes, op.bw_bytes, op.fw_kernels, op.bw_kernels)
+               for op in of(TORCHTITAN_KERNELS, "activation")}
+    assert swiglu == (10.0 * rows * F, 18.0 * rows * F, 2, 3)
+    compiled = of(TORCHTITAN_COMPILED_KERNELS, "norm")
+    assert [op.fw_kernels for op in compiled] == [1, 1, 1, 1, 8]       # the final norm eager
+    assert [op.block for op in compiled] == [True] * 4 + [False]
+    assert {op.fw_bytes for op in of(TORCHTITAN_COMPILED_KERNELS, "activation")} == \
+        {3.0 * 2 * rows * F}                                        # fused: two in, one out
+    with pytest.raises(ValueError, match="eager one of"):
+        KernelSet(eager="some")
+
+
+def test_rotary_embeddings_and_key_value_copies_by_framework():
+    """A Llama's rotary embeddings cost q's and k's elements once each way fused, 20 bytes
+    an element each way as torchtitan's complex product, and mpishard's packed rows
+    (k and v copied per query head: 2 x 4 + 12 kernels); torchtitan's ``repeat_kv``
+    copies k and v out to the query heads, only where they are fewer. A GPT has none."""
+    from mpishard.models import Llama, LlamaConfig
+    from mpishard.planning.gpu_time import (MPISHARD_KERNELS, NEMO_KERNELS,
+                                            TORCHTITAN_KERNELS)
+    lay = Layout(batch_size=2, seq_len=16)
+    rows, hs = 2 * 16, LLAMA["n_embd"] // LLAMA["n_head"]
+    eq, ekv = rows * 4 * hs, rows * 2 * hs
+
+    def rotary(kernels, **extra):
+        model = Llama(LlamaConfig(**{**LLAMA, **extra}), materialize_now=False)
+        return [op for op in stage_ops(model, lay, 2, kernels) if op.cls == "rotary"]
+    fused = rotary(NEMO_KERNELS)
+    assert len(fused) == 2 and fused[0].fw_bytes == fused[0].bw_bytes == 2.0 * 2 * (eq + ekv)
+    complex_ = rotary(TORCHTITAN_KERNELS)
+    assert complex_[0].fw_bytes == (2 * 2 + 16.0) * (eq + ekv)
+    assert (complex_[0].fw_kernels, complex_[0].bw_kernels) == (6, 6)
+    packed = rotary(MPISHARD_KERNELS)[0]
+    assert (packed.fw_kernels, packed.bw_kernels) == (2 * 4 + 12, 2 * 4 + 12)
+    assert packed.fw_bytes > complex_[0].fw_bytes > fused[0].fw_bytes
+
+    def copies(kernels, **extra):
+        model = Llama(LlamaConfig(**{**LLAMA, **extra}), materialize_now=False)
+        return [op for op in stage_ops(model, lay, 2, kernels)
+                if op.cls == "attention" and not op.matrix and not op.core]
+    grouped = copies(TORCHTITAN_KERNELS)
+    assert len(grouped) == 2 and grouped[0].fw_bytes == 2.0 * 2 * (eq + ekv)
+    assert copies(TORCHTITAN_KERNELS, n_kv_head=4) == []             # as many heads: none
+    assert copies(NEMO_KERNELS) == []
+    assert not [op for op in stage_ops(make(), lay, 2, TORCHTITAN_KERNELS)
+                if op.cls == "rotary"]
+    for tp, kv in ((2, 1), (4, 2)):         # tp splits the 2 key/value heads, or keeps both
+        split = Layout(tp=tp, batch_size=2, seq_len=16)
+        stage = build_stage(Llama(LlamaConfig(**LLAMA), materialize_now=False),
+                            mesh_shape(split, 0), None, split.cp_mode, False, 1)
+        op, = [o for o in stage_ops(stage, split, 2, NEMO_KERNELS) if o.cls == "rotary"][:1]
+        assert op.fw_bytes == 2.0 * 2 * rows * (4 // tp + kv) * hs, tp
+
+
+def test_flashattentions_triton_kernels_run_at_the_first_generations_share():
+    """``KernelSet("flash1")`` (llm-foundry's Triton kernels): one fused kernel forward, two
+    backward, at FLASH1_ATTENTION_SHARE of the flash rate, so its products take twice
+    FlashAttention-2's time on a description whose flash rate binds."""
+    from mpishard.planning.gpu_time import FLASH1_ATTENTION_SHARE
+    lay = Layout(batch_size=2, seq_len=16)
+    wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32,
+                         dropout=0.0), materialize_now=False)
+    one, = [op for op in stage_ops(wide, lay, 2, KernelSet("flash1")) if op.core]
+    two, = [op for op in stage_ops(wide, lay, 2, KernelSet("flash2")) if op.core]
+    assert (one.flash, one.fw_kernels, one.bw_kernels) == (FLASH1_ATTENTION_SHARE, 1, 2)
+    assert (one.fw_flops, one.fw_bytes) == (two.fw_flops, two.fw_bytes)
+    machine = machine_from_dict({**KERNEL, "device": {
+        **KERNEL["device"], "flash_attention_efficiency": 0.5, "launch_s": 0.0,
+        "memory_bandwidth": 1e30}})
+    assert op_seconds(one, machine, "float16")[0] == pytest.approx(
+        2 * op_seconds(two, machine, "float16")[0])
