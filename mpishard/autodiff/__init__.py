@@ -11,8 +11,8 @@ from mpishard.autodiff import moe_ops, nn_ops, ops, rms_rope_swiglu, shape_ops, 
 from mpishard.autodiff.gradcheck import gradcheck, numerical_grad
 from mpishard.autodiff.graph import unbroadcast
 from mpishard.autodiff.nn_ops import dropout, dropout_add, embedding, gelu, layer_norm, linear
-from mpishard.autodiff.ops import (add, div, exp, log, masked_fill, matmul, max, mean, mul, neg,
-                                   pow, relu, sqrt, sub, sum, tanh, where)
+from mpishard.autodiff.ops import (add, astype, div, exp, log, masked_fill, matmul, max, mean,
+                                   mul, neg, pow, relu, sqrt, sub, sum, tanh, where)
 from mpishard.autodiff.recompute import recompute
 from mpishard.autodiff.rms_rope_swiglu import rms_norm, rope, rope_qkv, rope_tables, swiglu
 from mpishard.autodiff.shape_ops import concat, getitem, permute, reshape, split, transpose
@@ -26,7 +26,7 @@ __all__ = [
     "gradcheck", "numerical_grad", "unbroadcast",
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "sum", "mean", "max",
     "reshape", "transpose", "permute", "getitem", "concat", "split", "exp", "log",
-    "tanh", "sqrt", "relu", "where", "masked_fill",
+    "tanh", "sqrt", "relu", "where", "masked_fill", "astype",
     "linear", "layer_norm", "gelu", "softmax", "log_softmax", "cross_entropy",
     "embedding", "dropout", "dropout_add", "causal_self_attention", "recompute",
     "rms_norm", "rope", "rope_tables", "swiglu", "rope_qkv",

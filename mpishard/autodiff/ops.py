@@ -21,19 +21,25 @@ from __future__ import annotations
 import numpy as np
 
 from mpishard.core.backend import xp_of
-from mpishard.core.dtypes import weak_scalar, where_kept
+from mpishard.core.dtypes import is_low_precision, resolve_dtype, weak_scalar, where_kept
 from mpishard.autodiff.graph import as_tensor, as_tensors, make_result, register_op, unbroadcast
 from mpishard.autodiff.tensor import Tensor, is_python_number
 
 __all__ = [
     "add", "sub", "mul", "div", "neg", "pow", "matmul",
     "sum", "mean", "max", "exp", "log", "tanh", "sqrt", "relu", "where", "masked_fill",
+    "astype",
 ]
+
+
+def _is_float(dtype) -> bool:
+    """A float dtype, bfloat16 included (``ml_dtypes`` gives it kind ``'V'``)."""
+    return dtype.kind == "f" or is_low_precision(dtype)
 
 
 def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
     da, db = a.data.dtype, b.data.dtype
-    if da != db and da.kind == "f" and db.kind == "f":
+    if da != db and _is_float(da) and _is_float(db):
         raise ValueError(
             f"{name}: dtype mismatch {da} vs {db} (shapes {tuple(a.shape)} and "
             f"{tuple(b.shape)}); cast one side with .astype()")
@@ -325,6 +331,19 @@ def where(cond, a, b) -> Tensor:
         gb = unbroadcast(where_kept(xp, cond, 0, g), b.shape) if b.requires_grad else None
         return ga, gb
     return make_result(out, (a, b), backward, "where")
+
+
+@register_op
+def astype(a, dtype) -> Tensor:
+    """``a`` in ``dtype`` (itself when it already is); its gradient goes back in ``a``'s
+    dtype. How two dtypes meet in an op is said with it: ops refuse floats of two
+    dtypes (see :func:`_check_binary`)."""
+    a = as_tensor(a)
+    dtype = resolve_dtype(dtype, xp_of(a.data))      # a float dtype, or a clear error
+    if a.data.dtype == dtype:
+        return a
+    source = a.data.dtype
+    return make_result(a.data.astype(dtype), (a,), lambda g: (g.astype(source),), "astype")
 
 
 @register_op

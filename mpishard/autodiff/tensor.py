@@ -338,6 +338,10 @@ class Tensor:
         """``max(self, 0)``."""
         return OPS["relu"](self)
 
+    def astype(self, dtype) -> Tensor:
+        """This tensor in ``dtype``, differentiably (``ops.astype``)."""
+        return OPS["astype"](self, dtype)
+
     def masked_fill(self, mask, value: float) -> Tensor:
         """A copy with ``value`` where ``mask`` is true."""
         return OPS["masked_fill"](self, mask, value)

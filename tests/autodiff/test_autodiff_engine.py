@@ -187,3 +187,26 @@ def test_tensor_operators_are_the_classes_own_and_run_the_ops():
              (a.masked_fill(a.data > 3, 0.0), ops.masked_fill(a, a.data > 3, 0.0))]
     for got, want in pairs:
         assert got._op == want._op and np.array_equal(got.data, want.data), want._op
+
+
+def test_floats_of_two_dtypes_meet_only_through_astype():
+    """An op refuses floats of two dtypes, bfloat16 among them (``ml_dtypes`` gives it
+    kind ``'V'``, which once let a bfloat16 + float32 sum promote to float32 unseen);
+    ``astype`` casts differentiably, its gradient back in the input's dtype."""
+    from mpishard.autodiff import ops
+    from mpishard.core.dtypes import resolve_dtype
+    bf16 = resolve_dtype("bfloat16")
+    a = Tensor(np.array([1.5, -2.0, 3.0], dtype=bf16), requires_grad=True)
+    w = Tensor(np.array([0.5, 2.0, -1.0], dtype=np.float32), requires_grad=True)
+    for op in (ops.add, ops.mul, ops.sub, ops.div):
+        with pytest.raises(ValueError, match="dtype mismatch bfloat16 vs float32.*astype"):
+            op(a, w)
+    y = (a.astype("float32") * w).sum()
+    assert y.dtype == np.float32
+    y.backward()
+    assert a.grad.dtype == bf16 and w.grad.dtype == np.float32
+    np.testing.assert_array_equal(a.grad.astype(np.float32), w.data)
+    np.testing.assert_array_equal(w.grad, a.data.astype(np.float32))
+    assert a.astype(bf16) is a                                   # no cast, no node
+    with pytest.raises(ValueError, match="unknown floating dtype 'int32'"):
+        a.astype("int32")

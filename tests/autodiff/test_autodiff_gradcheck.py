@@ -74,6 +74,7 @@ CASES = {
     "tanh": [lambda r: (ops.tanh, [_n(r, 3, 3)])],
     "sqrt": [lambda r: (ops.sqrt, [_pos(r, 4)])],
     "relu": [lambda r: (ops.relu, [_n(r, 4, 4) + 0.05])],
+    "astype": [lambda r: (lambda a: ops.astype(a * a, "float64"), [_n(r, 2, 3)])],
     "where": [lambda r: (lambda a, b: ops.where(np.array([[True, False, True]]), a, b),
                          [_n(r, 2, 3), _n(r, 3)])],
     "masked_fill": [lambda r: (lambda a: ops.masked_fill(a, np.triu(np.ones((3, 3), bool), 1),
