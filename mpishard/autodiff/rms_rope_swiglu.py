@@ -191,13 +191,22 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
     k_rot = _rotate(up(k.data), k_tables, xp.empty((B, T, H_kv, hs), dtype=qd.dtype))
     kept = None if keeps_least(xp) else (q_tables, k_tables)       # see _rotation
     vd = up(v.data)
-    for j, kv in enumerate(heads.tolist()):
-        packed[:, :, 1, j] = k_rot[:, :, kv]
-        packed[:, :, 2, j] = vd[:, :, kv]
+    groups = None if xp is np else _even_groups(heads, H_kv)
+    if groups:               # a device: each of k and v copied out in one launch
+        first, g = groups
+        split = packed.reshape(B, T, 3, H // g, g, hs)          # a view: packed is whole
+        for part, src in ((1, k_rot), (2, vd)):
+            split[:, :, part] = src[:, :, first:first + H // g, None, :]
+    else:
+        for j, kv in enumerate(heads.tolist()):
+            packed[:, :, 1, j] = k_rot[:, :, kv]
+            packed[:, :, 2, j] = vd[:, :, kv]
     used, starts = np.unique(heads, return_index=True)
     unused = sorted(set(range(H_kv)) - set(used.tolist()))
 
     def group_sum(d):                                   # (B, T, H, hs) -> (B, T, H_kv, hs)
+        if groups:           # the same adds in the same order, a launch per group member
+            return _group_sum(xp, d, H_kv, *groups)
         out = xp.empty((B, T, H_kv, hs), dtype=d.dtype)
         for kv in unused:                               # heads no local query head reads
             out[:, :, kv] = 0
@@ -221,6 +230,35 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
         return cast(gq, dtype), cast(gk, dtype), cast(gv, dtype)
     return make_result(cast(packed, dtype).reshape(B * T, 3 * H * hs), (q, k, v), backward,
                        "rope_qkv")
+
+
+def _even_groups(heads, n_kv: int):
+    """``(first, g)`` where query head ``j`` reads key/value head ``first + j // g`` (the
+    usual grouped-query layout, on a tp rank too), else None: then :func:`rope_qkv`
+    copies a head at a time (2 launches a query head on a device, one way or the
+    other), here a launch for each of k and v forward and one per group member
+    backward."""
+    H, used = len(heads), len(set(heads.tolist()))
+    if not H or H % used:
+        return None
+    g, first = H // used, int(heads[0])
+    if first + used > n_kv or heads.tolist() != [first + j // g for j in range(H)]:
+        return None
+    return first, g
+
+
+def _group_sum(xp, d, n_kv: int, first: int, g: int):
+    """``(B, T, n_kv, hs)``: key/value head ``first + i`` the sum of ``d``'s query heads
+    ``i g ... i g + g - 1`` (added in that order), the heads no query head reads zero."""
+    B, T, H, hs = d.shape
+    groups = d.reshape(B, T, H // g, g, hs)
+    out = xp.zeros((B, T, n_kv, hs), dtype=d.dtype) if H // g < n_kv else \
+        xp.empty((B, T, n_kv, hs), dtype=d.dtype)
+    mine = out[:, :, first:first + H // g]
+    mine[...] = groups[:, :, :, 0]
+    for j in range(1, g):
+        mine += groups[:, :, :, j]
+    return out
 
 
 @register_op

@@ -151,8 +151,8 @@ class KernelSet:
     torch.compile's), ``"complex"`` (torchtitan's eager ``apply_rotary_emb``: to float32,
     a complex product, back, three kernels each way for each) or ``"packed"``
     (mpishard's ``rope_qkv`` on a device: q, k and v to float32, the rotations' four
-    passes, a copy of k and v per query head into the packed rows, the cast back; see
-    mpishard/autodiff/rms_rope_swiglu.py). ``kv_copies``: grouped-query attention's keys
+    passes, k and v copied out to the query heads into the packed rows, the cast back;
+    see mpishard/autodiff/rms_rope_swiglu.py). ``kv_copies``: grouped-query attention's keys
     and values copied out to the query heads before attention (torchtitan's
     ``repeat_kv``, an ``expand`` then ``reshape``), their gradients summed back."""
 
@@ -326,16 +326,16 @@ def _rotary(rows, hq, hkv, hs, s, kernels, block) -> list:
         ops.append(Op("rotary", 3.0 * (eq + ekv), (2.0 * s + 16) * (eq + ekv),
                       3.0 * (eq + ekv), (2.0 * s + 16) * (eq + ekv), False, block, False,
                       6, 6))
-    else:   # rope_qkv: q, k, v up to float32; q's and k's rotations (multiply, swap the
-        # halves, scale them, add: 36 bytes an element); k and v copied per query head
-        # into the float32 packed rows; the packed rows cast back. Backward: the gradient
-        # up, q's rotation, the per-head sums of k's and v's (an add each), k's rotation,
-        # the three casts down.
+    else:   # rope_qkv: q, k, v up to float32; the tables; q's and k's rotations
+        # (multiply, swap the halves, scale them, add: 36 bytes an element); k and v copied
+        # out to the query heads into the float32 packed rows (a launch each); the packed
+        # rows cast back: 20 launches. Backward: the gradient up, q's rotation, k's and v's
+        # group sums (a launch per group member each), k's rotation, the three casts down.
         up = (s + 4.0) * (eq + 2 * ekv)
         fw = up + 36.0 * (eq + ekv) + 16.0 * eq + (4.0 + s) * 3 * eq
         bw = (s + 4.0) * 3 * eq + 36.0 * (eq + ekv) + 24.0 * eq + up
         ops.append(Op("rotary", 6.0 * (eq + ekv), fw, 6.0 * (eq + ekv), bw, False, block,
-                      False, 2 * hq + 12, 2 * hq + 12))
+                      False, 20, 12 + 2 * max(1, hq // max(1, hkv))))
     if kernels.kv_copies and hkv < hq:       # repeat_kv: k and v out to the query heads
         nbytes = 2.0 * s * (eq + ekv)
         ops.append(Op("attention", 0.0, nbytes, 2.0 * eq, nbytes, False, block, False, 2, 2))

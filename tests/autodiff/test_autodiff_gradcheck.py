@@ -143,7 +143,10 @@ CASES = {
             [_n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2)]),
         lambda r: (lambda q, k, v: rms_rope_swiglu.rope_qkv(         # one kv head; one query head
             q, k, v, *rms_rope_swiglu.rope_tables(2, 4, dtype="float64"), [0]),
-            [_n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4)])],
+            [_n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4), _n(r, 2, 2, 1, 4)]),
+        lambda r: (lambda q, k, v: rms_rope_swiglu.rope_qkv(         # a tp rank's: kv heads
+            q, k, v, *rms_rope_swiglu.rope_tables(2, 2, dtype="float64"), [1, 1]),  # 0, 2 unread
+            [_n(r, 1, 2, 2, 2), _n(r, 1, 2, 3, 2), _n(r, 1, 2, 3, 2)])],
     "causal_self_attention": [
         lambda r: (lambda q: softmax_ops.causal_self_attention(q, 2, 2), [_n(r, 2 * 5, 3 * 2 * 3)]),
         lambda r: (lambda q: softmax_ops.causal_self_attention(q, 1, 3), [_n(r, 3 * 4, 3 * 4)]),

@@ -341,7 +341,8 @@ def test_torchtitans_eager_ops_are_counted_kernel_by_kernel():
 def test_rotary_embeddings_and_key_value_copies_by_framework():
     """A Llama's rotary embeddings cost q's and k's elements once each way fused, 20 bytes
     an element each way as torchtitan's complex product, and mpishard's packed rows
-    (k and v copied per query head: 2 x 4 + 12 kernels); torchtitan's ``repeat_kv``
+    (k and v copied out to the query heads in a launch each: 20 kernels forward, and
+    backward 12 and 2 per group member: 16 for groups of 2); torchtitan's ``repeat_kv``
     copies k and v out to the query heads, only where they are fewer. A GPT has none."""
     from mpishard.models import Llama, LlamaConfig
     from mpishard.planning.gpu_time import (MPISHARD_KERNELS, NEMO_KERNELS,
@@ -359,7 +360,7 @@ def test_rotary_embeddings_and_key_value_copies_by_framework():
     assert complex_[0].fw_bytes == (2 * 2 + 16.0) * (eq + ekv)
     assert (complex_[0].fw_kernels, complex_[0].bw_kernels) == (6, 6)
     packed = rotary(MPISHARD_KERNELS)[0]
-    assert (packed.fw_kernels, packed.bw_kernels) == (2 * 4 + 12, 2 * 4 + 12)
+    assert (packed.fw_kernels, packed.bw_kernels) == (20, 12 + 2 * 2)
     assert packed.fw_bytes > complex_[0].fw_bytes > fused[0].fw_bytes
 
     def copies(kernels, **extra):

@@ -72,6 +72,8 @@ _WITH_ARRAYS = {
         q, k, v, *rms_rope_swiglu.rope_tables(2, 2, dtype="float64", xp=xp), [1, 2, 2]),
     ("rope_qkv", 2): lambda xp: lambda q, k, v: rms_rope_swiglu.rope_qkv(
         q, k, v, *rms_rope_swiglu.rope_tables(2, 4, dtype="float64", xp=xp), [0]),
+    ("rope_qkv", 3): lambda xp: lambda q, k, v: rms_rope_swiglu.rope_qkv(
+        q, k, v, *rms_rope_swiglu.rope_tables(2, 2, dtype="float64", xp=xp), [1, 1]),
 }
 _UNIFORMS = np.random.default_rng(7).random((4, 5), dtype=np.float32)
 
