@@ -219,16 +219,18 @@ def load_balancing_loss(routes, n_experts: int):
 def with_router_losses(loss, mlps, config):
     """``loss`` plus ``config.moe_aux_coef`` times :func:`load_balancing_loss` and
     ``config.moe_z_coef`` times :func:`router_z_loss` of the :class:`MoE` modules among
-    ``mlps`` (their last forward), each cast to the loss's dtype (the router's terms are
-    in the activations' 16 bits under mixed precision, the loss in float32)."""
+    ``mlps`` (their last forward), each cast to the loss's dtype before its coefficient
+    (the router's terms are in the activations' 16 bits under mixed precision, the loss
+    in float32; scaled after the cast, their gradient reaches 16 bits as ``coef x`` the
+    loss scale, not the whole scale, which float16 cannot hold: 2^16 > 65504)."""
     routes = [m.route for m in mlps if isinstance(m, MoE) and m.route is not None]
     if not routes:
         return loss
     if config.moe_aux_coef:
-        aux = load_balancing_loss(routes, routes[0].counts.size) * config.moe_aux_coef
-        loss = loss + aux.astype(loss.dtype)
+        aux = load_balancing_loss(routes, routes[0].counts.size).astype(loss.dtype)
+        loss = loss + aux * config.moe_aux_coef
     if config.moe_z_coef:
-        loss = loss + (router_z_loss(routes) * config.moe_z_coef).astype(loss.dtype)
+        loss = loss + router_z_loss(routes).astype(loss.dtype) * config.moe_z_coef
     return loss
 
 

@@ -142,7 +142,7 @@ class KernelSet:
     passes (reading the rows, writing the output and the float32 rows) more each.
     ``eager``: where RMS norms and SwiGLU run as PyTorch's eager ops, one kernel per op
     (torchtitan's ``RMSNorm``: ``x.float()``, ``pow``, ``mean``, ``+ eps``, ``rsqrt``, the
-    product, ``type_as`` and the weight's product, 8 kernels forward and 14 backward, in
+    product, ``type_as`` and the weight's product, 8 kernels forward and 16 backward, in
     float32 between the casts; ``silu`` then the product): ``"none"`` (fused kernels),
     ``"all"`` (torchtitan without ``torch.compile``) or ``"outside blocks"`` (torchtitan's
     ``torch.compile``, which compiles each block: the final norm stays eager).
@@ -152,7 +152,8 @@ class KernelSet:
     a complex product, back, three kernels each way for each) or ``"packed"``
     (mpishard's ``rope_qkv`` on a device: q, k and v to float32, the rotations' four
     passes, k and v copied out to the query heads into the packed rows, the cast back;
-    see mpishard/autodiff/rms_rope_swiglu.py). ``kv_copies``: grouped-query attention's keys
+    see mpishard/autodiff/rms_rope_swiglu.py; counted the same where a Llama takes its
+    one-op grouped-query path, which rotates by a complex product without the copies). ``kv_copies``: grouped-query attention's keys
     and values copied out to the query heads before attention (torchtitan's
     ``repeat_kv``, an ``expand`` then ``reshape``), their gradients summed back."""
 
@@ -286,13 +287,14 @@ def _eager(kernels, in_block: bool) -> bool:
 
 def _eager_rms_norm(elements, s, block) -> Op:
     """torchtitan's eager ``RMSNorm`` over ``elements`` of ``s`` bytes: forward ``x.float()``
-    (``s`` in, 4 out), ``pow`` (8), ``mean`` (4), the product by the row's ``rsqrt`` (8),
-    ``type_as`` (4 + ``s``) and the weight's product (``2 s``); backward the autograd
-    of each: the weight's products and sum (``6 s``), the casts (``2 (4 + s)``), the
-    rsqrt product's two (``8 + 12``) and its row sum (4), ``mean``'s expansion (4),
-    ``pow``'s three passes (28) and the two gradients' sum (12)."""
+    (``s`` in, 4 out), ``pow`` (8), ``mean`` (4), ``+ eps`` and ``rsqrt`` (a value a row),
+    the product by the row's ``rsqrt`` (8), ``type_as`` (4 + ``s``) and the weight's
+    product (``2 s``): 8 kernels; backward the autograd of each, 16 kernels: the weight's
+    products and sum (``6 s``), the casts (``2 (4 + s)``), the rsqrt product's two
+    (``8 + 12``) and its row sum (4), ``rsqrt``'s three on a value a row, ``mean``'s
+    expansion (4), ``pow``'s three passes (28) and the two gradients' sum (12)."""
     return Op("norm", 4.0 * elements, (28.0 + 4 * s) * elements, 10.0 * elements,
-              (76.0 + 8 * s) * elements, False, block, False, 8, 14)
+              (76.0 + 8 * s) * elements, False, block, False, 8, 16)
 
 
 def _eager_swiglu(elements, s, block) -> Op:
@@ -302,21 +304,23 @@ def _eager_swiglu(elements, s, block) -> Op:
               9.0 * s * elements, False, block, False, 2, 3)
 
 
-def _rotary_kv_heads(stage, tp: int) -> int:
-    """This tp rank's key/value heads where ``stage``'s model rotates q and k (a
-    ``rope_theta`` in its config; tp splits them where it divides them, else every rank
-    keeps them all), else 0."""
+def _rotary_kv_heads(stage, tp: int) -> tuple:
+    """``(key/value heads, group)``: this tp rank's key/value heads where ``stage``'s model
+    rotates q and k (a ``rope_theta`` in its config; tp splits them where it divides
+    them, else every rank keeps them all) and the query heads that read each, else
+    ``(0, 0)``."""
     cfg = getattr(stage, "config", None)
     if getattr(cfg, "rope_theta", None) is None:
-        return 0
+        return 0, 0
     kv = getattr(cfg, "n_kv_head", 0) or cfg.n_head
-    return kv // tp if kv % tp == 0 else kv
+    return (kv // tp if kv % tp == 0 else kv), cfg.n_head // kv
 
 
-def _rotary(rows, hq, hkv, hs, s, kernels, block) -> list:
+def _rotary(rows, hq, hkv, hs, s, kernels, block, group: int = 1) -> list:
     """Rotary embeddings (and torchtitan's key/value copies) for ``rows`` rows of ``hq``
-    query and ``hkv`` key/value heads of size ``hs`` (this rank's), as ``kernels`` runs
-    them (see :class:`KernelSet`)."""
+    query and ``hkv`` key/value heads of size ``hs`` (this rank's; ``group``: the query
+    heads that read one key/value head), as ``kernels`` runs them (see
+    :class:`KernelSet`)."""
     eq, ekv = float(rows) * hq * hs, float(rows) * hkv * hs
     ops = []
     if kernels.rotary == "fused":            # q and k each read and written once
@@ -335,7 +339,7 @@ def _rotary(rows, hq, hkv, hs, s, kernels, block) -> list:
         fw = up + 36.0 * (eq + ekv) + 16.0 * eq + (4.0 + s) * 3 * eq
         bw = (s + 4.0) * 3 * eq + 36.0 * (eq + ekv) + 24.0 * eq + up
         ops.append(Op("rotary", 6.0 * (eq + ekv), fw, 6.0 * (eq + ekv), bw, False, block,
-                      False, 20, 12 + 2 * max(1, hq // max(1, hkv))))
+                      False, 20, 12 + 2 * max(1, min(hq, group))))
     if kernels.kv_copies and hkv < hq:       # repeat_kv: k and v out to the query heads
         nbytes = 2.0 * s * (eq + ekv)
         ops.append(Op("attention", 0.0, nbytes, 2.0 * eq, nbytes, False, block, False, 2, 2))
@@ -420,9 +424,9 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             heads, hs = spec_of(stage).attention_heads(m)
             B, Tl, T = layout.batch_size, layout.local_seq_len, layout.seq_len
             ops += _attention(B * heads, Tl, T, hs, s, p, in_block, _flash(kernels, s, hs, p))
-            hkv = _rotary_kv_heads(stage, layout.tp)
+            hkv, group = _rotary_kv_heads(stage, layout.tp)
             if hkv:
-                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block)
+                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block, group)
     return _mark_selective(ops, block_of, kernels.selective)
 
 

@@ -207,6 +207,11 @@ def test_floats_of_two_dtypes_meet_only_through_astype():
     assert a.grad.dtype == bf16 and w.grad.dtype == np.float32
     np.testing.assert_array_equal(a.grad.astype(np.float32), w.data)
     np.testing.assert_array_equal(w.grad, a.data.astype(np.float32))
+    for source, target in ((np.float16, "float32"), (np.float64, "float32"),
+                           (np.float32, "float64"), (np.float32, "bfloat16")):
+        x = Tensor(np.array([0.75, -1.25], dtype=source), requires_grad=True)
+        (x.astype(target) * 3.0).sum().backward()
+        assert x.grad.dtype == source and np.array_equal(x.grad, np.full(2, 3.0, source))
     assert a.astype(bf16) is a                                   # no cast, no node
     with pytest.raises(ValueError, match="unknown floating dtype 'int32'"):
         a.astype("int32")

@@ -74,6 +74,8 @@ CASES = {
     "tanh": [lambda r: (ops.tanh, [_n(r, 3, 3)])],
     "sqrt": [lambda r: (ops.sqrt, [_pos(r, 4)])],
     "relu": [lambda r: (ops.relu, [_n(r, 4, 4) + 0.05])],
+    # float64 to float64: the cast itself (its gradient's dtype, other dtypes) is
+    # test_autodiff_engine.py's test_floats_of_two_dtypes_meet_only_through_astype
     "astype": [lambda r: (lambda a: ops.astype(a * a, "float64"), [_n(r, 2, 3)])],
     "where": [lambda r: (lambda a, b: ops.where(np.array([[True, False, True]]), a, b),
                          [_n(r, 2, 3), _n(r, 3)])],

@@ -277,3 +277,30 @@ def test_a_mixtral_folder_loads_onto_sharded_layouts():
             full = run.gather_full_params()
             for name, value in one.items():
                 assert np.array_equal(full[name], value), (sizes, strategy, name)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_router_losses_keep_float16s_loss_scale():
+    """Under float16 mixed precision the router's losses (16-bit) join the float32 loss
+    cast before their coefficients: their gradient reaches 16 bits as the coefficient
+    times the loss scale. Cast after, it reached them as the whole scale, 2^16, which
+    float16 cannot hold: every such step overflowed and halved the scale."""
+    from mpi4py import MPI
+
+    from mpishard.comm import Communicator, Mesh
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.optim import AdamW
+    from mpishard.parallel import DataParallel
+    r = np.random.default_rng(0)
+    idx, tgt = r.integers(0, 37, (2, 16)), r.integers(0, 37, (2, 16))
+    cfg = GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_embd=16,
+                    moe_experts=4, moe_top_k=2, moe_aux_coef=0.02, moe_z_coef=0.01)
+    run = DataParallel(GPT(cfg, seed=1), Mesh(Communicator(MPI.COMM_SELF), dp=1),
+                       precision="float16")
+    opt = AdamW(run.parameters())
+    first = run.scaler.scale
+    for _ in range(3):
+        _, loss = run(idx, tgt)
+        run.scale_loss(loss).backward()
+        assert not run.step(opt).skipped
+    assert run.scaler.scale == first == 2.0 ** 16

@@ -311,7 +311,7 @@ LLAMA = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_e
 
 def test_torchtitans_eager_ops_are_counted_kernel_by_kernel():
     """``eager``: torchtitan's RMSNorm as 8 kernels forward (36 bytes an element in 16 bits:
-    the casts, pow, mean, the two products) and 14 backward (92), SwiGLU as silu then the
+    the casts, pow, mean, the two products) and 16 backward (92), SwiGLU as silu then the
     product (10 bytes forward, 18 backward); ``"outside blocks"`` (torch.compile of each
     block) leaves the blocks' fused and the final norm eager."""
     from mpishard.models import Llama, LlamaConfig
@@ -325,7 +325,7 @@ def test_torchtitans_eager_ops_are_counted_kernel_by_kernel():
     norms = of(TORCHTITAN_KERNELS, "norm")
     assert len(norms) == 5                                          # 2 a block, the final
     assert {(op.fw_kernels, op.bw_kernels, op.fw_bytes, op.bw_bytes) for op in norms} == \
-        {(8, 14, 36.0 * rows * C, 92.0 * rows * C)}
+        {(8, 16, 36.0 * rows * C, 92.0 * rows * C)}
     swiglu, = {(op.fw_bytes, op.bw_bytes, op.fw_kernels, op.bw_kernels)
                for op in of(TORCHTITAN_KERNELS, "activation")}
     assert swiglu == (10.0 * rows * F, 18.0 * rows * F, 2, 3)
@@ -379,6 +379,14 @@ def test_rotary_embeddings_and_key_value_copies_by_framework():
                             mesh_shape(split, 0), None, split.cp_mode, False, 1)
         op, = [o for o in stage_ops(stage, split, 2, NEMO_KERNELS) if o.cls == "rotary"][:1]
         assert op.fw_bytes == 2.0 * 2 * rows * (4 // tp + kv) * hs, tp
+    # 16 query heads on 2 key/value heads, tp 4: each rank's 4 query heads read one
+    # key/value head (both kept whole), a group of 4: 12 + 2 x 4 launches backward
+    wide = {**LLAMA, "n_head": 16, "n_embd": 64}
+    split = Layout(tp=4, batch_size=2, seq_len=16)
+    stage = build_stage(Llama(LlamaConfig(**wide), materialize_now=False),
+                        mesh_shape(split, 0), None, split.cp_mode, False, 1)
+    op, = [o for o in stage_ops(stage, split, 2, MPISHARD_KERNELS) if o.cls == "rotary"][:1]
+    assert op.bw_kernels == 12 + 2 * 4
 
 
 def test_flashattentions_triton_kernels_run_at_the_first_generations_share():
