@@ -76,14 +76,15 @@ TEST_FILES = ["tests/testing/test_array_modules.py", "tests/kernels/test_kernels
 #: as on NumPy, which the CPU suite gradchecks; their kernels are CuPy's own.
 DEVICE_OPS = ("cross_entropy", "softmax", "log_softmax", "causal_self_attention",
               "gqa_attention", "layer_norm", "rms_norm", "gelu", "swiglu", "dropout",
-              "dropout_add", "embedding", "linear", "getitem", "masked_fill")
+              "dropout_add", "embedding", "linear", "getitem", "masked_fill", "rope_qkv",
+              "astype")
 #: what ``tests_1rank`` runs on CuPy, counted (tests/test_gpu_scripts.py recounts it:
 #: ``pytest --collect-only`` with TEST_FILES and :func:`test_selection`; ``tests`` are
 #: those that run at one rank, the others wanting a sub-world of 2 to 4; and the
 #: finite-difference evaluations, two per input element, of DEVICE_OPS' gradcheck
 #: cases), and what it is expected to cost: start-up, each test's set-up and
 #: compare, each evaluation (the op on the device, a host read)
-TESTS_1RANK = {"collected": 95, "tests": 65, "fd_evaluations": 2576}
+TESTS_1RANK = {"collected": 100, "tests": 70, "fd_evaluations": 3204}
 TEST_START_S, TEST_EACH_S, FD_EVALUATION_S = 10, 0.5, 0.002
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "--with-mpi", "--timeout=40",
                 "--timeout-method=thread"]
@@ -170,13 +171,13 @@ def plan_parts(backend: str = "cupy") -> list:
              sizing=f"{start}; three GPTs built on the device, one float32 and one bfloat16 "
              "forward-backward and up to three float16 ones (< 4 s), kernels loaded"),
         Part("tests_1rank", f"the tests on {backend} of a subset of the suite, 1 rank",
-             [*test_selection(backend), *TEST_FILES], 61, env=tests, pytest=True,
+             [*test_selection(backend), *TEST_FILES], 64, env=tests, pytest=True,
              result=False, expect_s=tests_1rank_expect_s(),
              sizing=f"{TESTS_1RANK['tests']} tests that run at 1 rank (of "
              f"{TESTS_1RANK['collected']}) x {TEST_EACH_S} s and "
              f"{TESTS_1RANK['fd_evaluations']:,} finite-difference evaluations x "
              f"{FD_EVALUATION_S * 1e3:.0f} ms (float64 gradchecks of {len(DEVICE_OPS)} ops "
-             f"with a device path; all 77 cases: 5,416), {TEST_START_S} s start, kernels "
+             f"with a device path; all 79 cases: 5,492), {TEST_START_S} s start, kernels "
              "loaded"),
         Part("staging_2ranks", "collectives on CuPy arrays over 2 ranks through pinned staging, "
              "a producer race, what comm_backend='auto' picks", [me, "--part", "mpi"], 25, 2,

@@ -13,7 +13,7 @@
 # into site/ (first on PYTHONPATH), the MPICH wheel under mpich/ (its mpiexec,
 # and the libmpi that mpi4py is pointed at with MPI4PY_LIBMPI, so launcher and
 # library agree). Then scripts/gpu_check.py runs each part under its own hard
-# limit (417 s for all together), every part with CUPY_CACHE_DIR set to one
+# limit (420 s for all together), every part with CUPY_CACHE_DIR set to one
 # folder (cupy_kernel_cache beside the report unless CUPY_CACHE_DIR is set), and
 # writes $OUT/gpu_check.json when OUT is set, else runs/gpu_check.json
 # (GPU_CHECK_JSON overrides), with the full log beside it. Exit status: 0 all passed, 1 a part failed or timed out, 2 nothing

@@ -149,15 +149,19 @@ def test_tests_1rank_is_sized_from_what_its_selection_collects():
     from test_autodiff_gradcheck import CASES
 
     assert set(gpu_check.DEVICE_OPS) <= set(CASES)
-    evaluations = 0
+    evaluations = every = 0
     for name, cases in CASES.items():
-        if any(op in name for op in gpu_check.DEVICE_OPS) and "expert" not in name:
-            for index, case in enumerate(cases):
-                _, inputs = case(np.random.default_rng(zlib.crc32(name.encode()) + index))
-                evaluations += 2 * sum(np.asarray(a).size for a in inputs)
+        for index, case in enumerate(cases):
+            _, inputs = case(np.random.default_rng(zlib.crc32(name.encode()) + index))
+            count = 2 * sum(np.asarray(a).size for a in inputs)
+            every += count
+            if any(op in name for op in gpu_check.DEVICE_OPS) and "expert" not in name:
+                evaluations += count
     assert evaluations == gpu_check.TESTS_1RANK["fd_evaluations"]
     tests_1rank = next(p for p in gpu_check.plan_parts("cupy") if p.name == "tests_1rank")
     assert tests_1rank.expect_s == gpu_check.tests_1rank_expect_s()
+    n_cases = sum(len(cases) for cases in CASES.values())     # what its sizing compares
+    assert f"all {n_cases} cases: {every:,})" in tests_1rank.sizing
 
 
 def test_warm_part_runs_its_jobs_side_by_side_into_one_cache(tmp_path, monkeypatch):
