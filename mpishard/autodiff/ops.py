@@ -37,12 +37,17 @@ def _is_float(dtype) -> bool:
     return dtype.kind == "f" or is_low_precision(dtype)
 
 
-def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
+def _check_dtypes(name: str, a: Tensor, b: Tensor) -> None:
+    """Refuse floats of two dtypes meeting in op ``name``, bfloat16 among them."""
     da, db = a.data.dtype, b.data.dtype
     if da != db and _is_float(da) and _is_float(db):
         raise ValueError(
             f"{name}: dtype mismatch {da} vs {db} (shapes {tuple(a.shape)} and "
             f"{tuple(b.shape)}); cast one side with .astype()")
+
+
+def _check_binary(name: str, a: Tensor, b: Tensor) -> None:
+    _check_dtypes(name, a, b)
     if a.shape != b.shape:
         try:
             np.broadcast_shapes(a.shape, b.shape)
@@ -170,9 +175,7 @@ def pow(a, p) -> Tensor:
 def matmul(a, b) -> Tensor:
     """``a @ b`` (NumPy semantics: 1-D promotion, broadcast batch dimensions)."""
     a, b = as_tensors(a, b)
-    if a.dtype != b.dtype and a.dtype.kind == "f" and b.dtype.kind == "f":
-        raise ValueError(f"matmul: dtype mismatch {a.dtype} vs {b.dtype} (shapes "
-                         f"{tuple(a.shape)} and {tuple(b.shape)})")
+    _check_dtypes("matmul", a, b)
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"matmul: scalar operand (shapes {tuple(a.shape)} and "
                          f"{tuple(b.shape)}); use mul")

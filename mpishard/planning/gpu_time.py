@@ -153,9 +153,10 @@ class KernelSet:
     (mpishard's ``rope_qkv`` on a device: q, k and v to float32, the rotations' four
     passes, k and v copied out to the query heads into the packed rows, the cast back;
     see mpishard/autodiff/rms_rope_swiglu.py; counted the same where a Llama takes its
-    one-op grouped-query path, which rotates by a complex product without the copies). ``kv_copies``: grouped-query attention's keys
-    and values copied out to the query heads before attention (torchtitan's
-    ``repeat_kv``, an ``expand`` then ``reshape``), their gradients summed back."""
+    one-op grouped-query path, which rotates by a complex product without the copies).
+    ``kv_copies``: grouped-query attention's keys and values copied out to the query
+    heads before attention (torchtitan's ``repeat_kv``, an ``expand`` then ``reshape``),
+    their gradients summed back."""
 
     attention: str = "mpishard"
     loss: str = "fused"
@@ -206,8 +207,8 @@ TORCHTITAN_KERNELS = KernelSet("flash2", "float32", selective="op", eager="all",
 #: torchtitan/parallelisms/parallelize_llama.py ``apply_compile``): the blocks' norms,
 #: rotary embeddings and SwiGLU as fused kernels; the final norm and the loss stay eager,
 #: ``repeat_kv``'s copies stay (the attention kernel reads whole heads)
-TORCHTITAN_COMPILED_KERNELS = KernelSet("flash2", "float32", selective="op",
-                                        eager="outside blocks", kv_copies=True)
+TORCHTITAN_COMPILED_KERNELS = replace(TORCHTITAN_KERNELS, eager="outside blocks",
+                                      rotary="fused")
 #: llm-foundry v0.3.0 (the release its 2023 H100 benchmarks ran: sweep.sh, submit_benchmarks.py
 #: at mosaicml/llm-foundry b2a43a1): ``attn_impl: triton`` (submit_benchmarks.py's default;
 #: FlashAttention's Triton kernels on the ``triton-pre-mlir`` sm90 build, costed at

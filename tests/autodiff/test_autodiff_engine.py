@@ -198,7 +198,7 @@ def test_floats_of_two_dtypes_meet_only_through_astype():
     bf16 = resolve_dtype("bfloat16")
     a = Tensor(np.array([1.5, -2.0, 3.0], dtype=bf16), requires_grad=True)
     w = Tensor(np.array([0.5, 2.0, -1.0], dtype=np.float32), requires_grad=True)
-    for op in (ops.add, ops.mul, ops.sub, ops.div):
+    for op in (ops.add, ops.mul, ops.sub, ops.div, ops.matmul):
         with pytest.raises(ValueError, match="dtype mismatch bfloat16 vs float32.*astype"):
             op(a, w)
     y = (a.astype("float32") * w).sum()
