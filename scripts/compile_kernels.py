@@ -17,8 +17,8 @@ parameters as double scalars, ``float32`` ones as float arrays, ``uint16`` ones 
 their bfloat16 twins on 16-bit words, and every RawKernel module
 (``cupy.RawModule``) as the launchers build it: the row kernels, the norms' (also
 on float16 and bfloat16 rows), the multi-tensor kernels, the fused attention's
-(head sizes 64, 128 and 24; float, double, float16 and bfloat16 rows) and the fused
-cross-entropy's. It does not run them: the GPU check compares each kernel with
+(head sizes 64, 128 and 24; float, double, float16 and bfloat16 rows), the fused
+cross-entropy's and the rotary embeddings'. It does not run them: the GPU check compares each kernel with
 NumPy's reference (tests/kernels/test_kernels.py).
 
 The compiler is NVRTC when CuPy is installed, else ``nvcc`` (``$CUDA_PATH/bin`` or
@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mpishard.kernels.cuda import (attention_src, attention_tc_src, loss_src,  # noqa: E402
-                                   multi_src, norms_src, ops_src)
+                                   multi_src, norms_src, ops_src, rotary_src)
 
 #: the sources with elementwise kernels (``SOURCES``), and with reductions (``REDUCTIONS``)
 ELEMENTWISE_MODULES = (ops_src, norms_src, multi_src)
@@ -158,6 +158,11 @@ def sources_to_compile(half: list | None, elementwise_half: list | None = None) 
     if half is not None:
         sources += [("fused cross-entropy", f"{S} logits",
                      loss_src.loss_kernel_source("float", S), half) for S in HALF_ROWS]
+    sources += [("rotary embeddings", S, rotary_src.rotary_kernel_source(T, S), [])  # rotary.py
+                for T, S in (("float", "float"), ("double", "double"))]
+    if half is not None:
+        sources += [("rotary embeddings", f"{S} rows",
+                     rotary_src.rotary_kernel_source("float", S), half) for S in HALF_ROWS]
     return sources
 
 

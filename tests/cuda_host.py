@@ -461,14 +461,14 @@ def host_raw_function(xp, key: str, source, options: tuple = ()):
 
 def use_host_kernels(monkeypatch) -> None:
     """Make the GPU kernel set's RawKernels (row kernels, norms, fused attention,
-    multi-tensor, cross-entropy) run on the host for the rest of a test: skips it where
+    multi-tensor, cross-entropy, rotary embeddings) run on the host for the rest of a test: skips it where
     there is no compiler."""
     import pytest
 
-    from mpishard.kernels.cuda import attention, loss, multi, norms, ops
+    from mpishard.kernels.cuda import attention, loss, multi, norms, ops, rotary
     if host_compiler() is None:
         pytest.skip("no g++ to compile CUDA C for the host")
-    for launcher in (ops, norms, attention, multi, loss):   # each launcher's raw_function
+    for launcher in (ops, norms, attention, multi, loss, rotary):   # each one's raw_function
         monkeypatch.setattr(launcher, "raw_function", host_raw_function)
     # the host modules bring their own <mma.h> (tests/cuda_wmma.py), whatever CUDA
     # headers this machine has

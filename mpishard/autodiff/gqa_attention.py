@@ -139,8 +139,8 @@ def gqa_attention(x, wq, wk, wv, cos, sin, n_head: int, n_kv_head: int,
     def turns():       # (q's, k's) rotations and their conjugates
         return _turns(cos, sin, H, 1.0 / math.sqrt(hs), rd), _turns(cos, sin, Hkv, 1.0, rd)
     (q_turn, q_back), (k_turn, k_back) = turns()
-    # backward's conjugates kept on a device; on NumPy made again (as rope_qkv's
-    # tables: see [Note: what ops keep] in rows.py)
+    # backward's conjugates kept on a device; on NumPy made again (as rope's tables:
+    # see [Note: what ops keep] in rows.py)
     backs = None if keeps_least(xp) else (q_back, k_back)
     del q_back, k_back
     orders = (_pair_order(H, hs), _pair_order(Hkv, hs), None)

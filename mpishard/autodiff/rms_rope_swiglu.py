@@ -16,6 +16,7 @@ import numpy as np
 from mpishard.core.backend import xp_of
 from mpishard.core.dtypes import is_low_precision
 from mpishard.kernels import kernels_for
+from mpishard.kernels.reference import head_tables, rotary_tables, rotate
 from mpishard.autodiff.graph import as_tensor, make_result, register_op
 from mpishard.autodiff.rows import cast, check_last_dim, keeps_least, native_float16, up
 from mpishard.autodiff.tensor import Tensor, grad_buffer, grad_so_far
@@ -89,43 +90,17 @@ def rope_tables(seq_len: int, head_size: int, theta: float = 10000.0, scaling=No
 
 
 def _rotation(cos, sin, n_heads: int, dtype):
-    """The tables for :func:`_rotate` over ``n_heads`` heads: ``cos`` and ``[-sin, sin]``
-    (the sign of ``rotate_half``). On NumPy each ``(T, n_heads, hs)`` and contiguous,
-    so the passes below run over whole sequences instead of 32-wide half rows (2.4x
-    faster on the 64-wide heads measured); on a device ``(T, 1, hs)``, which its
-    kernels broadcast over the heads. A backward keeps a device's (one ``(T, hs)``
-    pair per op); on NumPy it builds them again from the model's ``(cos, sin)`` (kept,
-    they would be ``2 T hs`` elements per head per block; see [Note: what ops keep]
-    in rows.py)."""
-    xp = xp_of(cos)
-    T, hs = cos.shape
-    heads = n_heads if xp is np else 1
-    c = xp.broadcast_to(cos.astype(dtype)[:, None, :], (T, heads, hs)).copy()
-    signed = xp.broadcast_to(sin.astype(dtype)[:, None, :], (T, heads, hs)).copy()
-    signed[..., :hs // 2] *= -1
-    return c, signed
-
-
-def _rotate(x, tables, out, inverse: bool = False):
-    """``out = x * cos + rotate_half(x) * sin`` for ``x`` ``(B, T, H, hs)``, into ``out``;
-    with ``inverse``, the transpose (a rotation by ``-angle``) for backward.
-    ``rotate_half(x) * sin`` is the halves swapped times ``[-sin, sin]``. On NumPy one
-    sequence at a time, to stay in cache (see [Note: cache blocking] in
-    mpishard/kernels/cpu/threads.py)."""
-    c, signed = tables
-    xp = xp_of(x)
-    h = x.shape[-1] // 2
-    step = 1 if xp is np else x.shape[0]
-    for b in range(0, x.shape[0], step):
-        xb, ob = x[b:b + step], out[b:b + step]
-        xp.multiply(xb, c, out=ob)
-        swapped = xp.concatenate([xb[..., h:], xb[..., :h]], axis=-1)
-        swapped *= signed
-        if inverse:
-            ob -= swapped
-        else:
-            ob += swapped
-    return out
+    """The tables for :func:`~mpishard.kernels.reference.rotate` over ``n_heads`` heads
+    (see :func:`~mpishard.kernels.reference.rotary_tables`): on NumPy each ``(T,
+    n_heads, hs)`` and contiguous (:func:`~mpishard.kernels.reference.head_tables`), on a
+    device ``(T, 1, hs)``, which its kernels broadcast over the heads. A backward keeps a
+    device's (one ``(T, hs)`` pair per op); on NumPy it builds them again from the
+    model's ``(cos, sin)`` (kept, they would be ``2 T hs`` elements per head per block;
+    see [Note: what ops keep] in rows.py)."""
+    pair = rotary_tables(cos, sin, dtype)
+    if xp_of(cos) is np:
+        return head_tables(*pair, n_heads)
+    return tuple(a[:, None, :] for a in pair)
 
 
 def _check_rope(op, x, cos):
@@ -147,12 +122,12 @@ def rope(x, cos, sin) -> Tensor:
     def tables():                      # (reads no array backward must not keep)
         return _rotation(cos, sin, x.shape[2], rd)
     made = tables()
-    y = _rotate(xd, made, xp.empty_like(xd))
+    y = rotate(xd, made, xp.empty_like(xd))
     kept = None if keeps_least(xp) else made          # see _rotation
 
     def backward(g):
         gd = up(g)
-        return (cast(_rotate(gd, kept or tables(), xp.empty_like(gd), inverse=True),
+        return (cast(rotate(gd, kept or tables(), xp.empty_like(gd), inverse=True),
                      x.dtype),)
     return make_result(cast(y, x.dtype), (x,), backward, "rope")
 
@@ -166,7 +141,10 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
     lists, for each of the ``H`` query heads, the key/value head it reads
     (``j // (n_head / n_kv_head)`` for grouped-query attention; non-decreasing).
     Returns ``(B*T, 3*H*hs)``. One op instead of rope, repeat and concatenate
-    writes every element once; backward sums each key/value head's copies.
+    writes every element once; backward sums each key/value head's copies. The
+    kernel set's ``rope_qkv_forward`` and ``rope_qkv_backward`` do the work (on a GPU
+    one launch each way); backward reads the model's tables again, so the op keeps
+    none of its own.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     _check_rope("rope_qkv", q, cos)
@@ -179,86 +157,16 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
                          f"{tuple(v.shape)} (B, T, heads, hs) cannot give query heads "
                          f"{heads.tolist()} (one non-decreasing key/value head per query head)")
     dtype = q.dtype
-    qd = up(q.data)
-    xp, rd = xp_of(qd), qd.dtype
-
-    def tables():      # q's and k's (on a device one pair, broadcast over the heads)
-        qt = _rotation(cos, sin, H, rd)
-        return qt, (_rotation(cos, sin, H_kv, rd) if xp is np else qt)
-    q_tables, k_tables = tables()
-    packed = xp.empty((B, T, 3, H, hs), dtype=qd.dtype)
-    _rotate(qd, q_tables, packed[:, :, 0])
-    k_rot = _rotate(up(k.data), k_tables, xp.empty((B, T, H_kv, hs), dtype=qd.dtype))
-    kept = None if keeps_least(xp) else (q_tables, k_tables)       # see _rotation
-    vd = up(v.data)
-    groups = None if xp is np else _even_groups(heads, H_kv)
-    if groups:               # a device: each of k and v copied out in one launch
-        first, g = groups
-        split = packed.reshape(B, T, 3, H // g, g, hs)          # a view: packed is whole
-        for part, src in ((1, k_rot), (2, vd)):
-            split[:, :, part] = src[:, :, first:first + H // g, None, :]
-    else:
-        for j, kv in enumerate(heads.tolist()):
-            packed[:, :, 1, j] = k_rot[:, :, kv]
-            packed[:, :, 2, j] = vd[:, :, kv]
-    used, starts = np.unique(heads, return_index=True)
-    unused = sorted(set(range(H_kv)) - set(used.tolist()))
-
-    def group_sum(d):                                   # (B, T, H, hs) -> (B, T, H_kv, hs)
-        if groups:           # the same adds in the same order, a launch per group member
-            return _group_sum(xp, d, H_kv, *groups)
-        out = xp.empty((B, T, H_kv, hs), dtype=d.dtype)
-        for kv in unused:                               # heads no local query head reads
-            out[:, :, kv] = 0
-        for kv, lo, hi in zip(used.tolist(), starts.tolist(), [*starts[1:].tolist(), H]):
-            o = out[:, :, kv]                            # pairwise adds: 3.7x a strided sum
-            o[...] = d[:, :, lo]
-            for j in range(lo + 1, hi):
-                o += d[:, :, j]
-        return out
+    kernels = kernels_for(xp_of(q.data))
+    packed = kernels.rope_qkv_forward(q.data, cast(k.data, dtype), cast(v.data, dtype), cos,
+                                      sin, heads)
 
     def backward(g):
-        d = up(g).reshape(B, T, 3, H, hs)
-        qt, kt = kept or tables()
-        gq = _rotate(d[:, :, 0], qt, xp.empty((B, T, H, hs), dtype=d.dtype),
-                     inverse=True) if q.requires_grad else None
-        gk = None
-        if k.requires_grad:
-            summed = group_sum(d[:, :, 1])
-            gk = _rotate(summed, kt, xp.empty_like(summed), inverse=True)
-        gv = group_sum(d[:, :, 2]) if v.requires_grad else None
-        return cast(gq, dtype), cast(gk, dtype), cast(gv, dtype)
-    return make_result(cast(packed, dtype).reshape(B * T, 3 * H * hs), (q, k, v), backward,
-                       "rope_qkv")
-
-
-def _even_groups(heads, n_kv: int):
-    """``(first, g)`` where query head ``j`` reads key/value head ``first + j // g`` (the
-    usual grouped-query layout, on a tp rank too), else None: then :func:`rope_qkv`
-    copies a head at a time (2 launches a query head on a device, one way or the
-    other), here a launch for each of k and v forward and one per group member
-    backward."""
-    H, used = len(heads), len(set(heads.tolist()))
-    if not H or H % used:
-        return None
-    g, first = H // used, int(heads[0])
-    if first + used > n_kv or heads.tolist() != [first + j // g for j in range(H)]:
-        return None
-    return first, g
-
-
-def _group_sum(xp, d, n_kv: int, first: int, g: int):
-    """``(B, T, n_kv, hs)``: key/value head ``first + i`` the sum of ``d``'s query heads
-    ``i g ... i g + g - 1`` (added in that order), the heads no query head reads zero."""
-    B, T, H, hs = d.shape
-    groups = d.reshape(B, T, H // g, g, hs)
-    out = xp.zeros((B, T, n_kv, hs), dtype=d.dtype) if H // g < n_kv else \
-        xp.empty((B, T, n_kv, hs), dtype=d.dtype)
-    mine = out[:, :, first:first + H // g]
-    mine[...] = groups[:, :, :, 0]
-    for j in range(1, g):
-        mine += groups[:, :, :, j]
-    return out
+        gq, gk, gv = kernels.rope_qkv_backward(
+            cast(g, dtype).reshape(B, T, 3, H, hs), cos, sin, heads, H_kv, q.requires_grad,
+            k.requires_grad, v.requires_grad)
+        return cast(gq, dtype), cast(gk, k.dtype), cast(gv, v.dtype)
+    return make_result(packed.reshape(B * T, 3 * H * hs), (q, k, v), backward, "rope_qkv")
 
 
 @register_op

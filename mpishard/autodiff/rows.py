@@ -122,9 +122,11 @@ def kept_mask(u, p: float):
 #   masks: Korthikanti et al. 2022, arXiv:2205.05198, section 4.1), not its float32
 #   draws, and the rotary embeddings build their per-head tables again (a pass more
 #   in backward costs no launch there). A device's fused dropout kernels read float32
-#   draws, and its rotations run over one (T, head size) table pair broadcast over the
-#   heads, both kept (the fusion budget of tests/testing/test_strict_launches.py),
-#   until the kernels take masks.
+#   draws, and `rope` and the one-op attention's rotations run over one (T, head size)
+#   table pair broadcast over the heads, both kept (the fusion budget of
+#   tests/testing/test_strict_launches.py), until the kernels take masks;
+# - `rope_qkv` keeps no tables anywhere: its kernels read the model's (cos, sin) again
+#   and take the rotation's sign themselves.
 # The activation plans follow (:func:`mpishard.models.activations.micro_batch`).
 
 

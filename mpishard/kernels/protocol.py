@@ -81,6 +81,25 @@ class KernelSet(Protocol):
     def swiglu_backward(self, gate, up, grad, need_gate: bool = True, need_up: bool = True):
         """``(d gate, d up)`` of :meth:`swiglu_forward` (None where not needed)."""
 
+    def rope_qkv_forward(self, q, k, v, cos, sin, heads):
+        """The packed rows of :func:`mpishard.autodiff.rope_qkv`, ``(B, T, 3, H, hs)`` in
+        q's dtype: query head ``j`` rotated, key/value head ``heads[j]`` (k's rotated)
+        beside it. ``q`` is ``(B, T, H, hs)``, ``k`` and ``v`` ``(B, T, H_kv, hs)``, of one
+        dtype, 16-bit too (computed in float32 and rounded once at the end, as the rows
+        cast up, rotated and cast down); ``cos`` and ``sin`` the rotation's tables ``(T,
+        hs)`` of any float dtype; ``heads`` a NumPy array of ``H`` non-decreasing key/value
+        heads. A rotation is ``x cos + swap(x) signed`` (``swap``: the halves exchanged,
+        ``signed``: ``sin`` with its first half negated), two products and a sum, each
+        rounded in the compute dtype."""
+
+    def rope_qkv_backward(self, d, cos, sin, heads, n_kv: int, need_q: bool = True,
+                          need_k: bool = True, need_v: bool = True):
+        """``(gq, gk, gv)`` of :meth:`rope_qkv_forward` for the packed rows' gradient ``d``
+        ``(B, T, 3, H, hs)``, in d's dtype (None where not needed): q's rotated back
+        (``x cos - swap(x) signed``); k's and v's, ``(B, T, n_kv, hs)``, each key/value
+        head's sum over the query heads that read it, added in their order in the compute
+        dtype (zero for a head none reads), k's then rotated back."""
+
     def dropout_add(self, x, y, u, p: float, bias=None):
         """``x + dropout(y)`` (a residual add; ``x`` None: the dropout alone), in y's
         dtype; with ``bias``, of ``y + bias`` (a linear layer's output and its bias,

@@ -381,8 +381,8 @@ def _targets(stage, layout) -> int:
 
 def _whole_activations(stage, layout, act) -> int:
     """What the forward of one micro-batch keeps without checkpointing, counted as a
-    device's kernels keep (``lean=False``: the dropouts' float32 draws, one rotary table
-    pair per op, the one-op attention's conjugates): a measure of the bytes the
+    device's kernels keep (``lean=False``: the dropouts' float32 draws, the one-op
+    attention's conjugates): a measure of the bytes the
     elementwise passes stream, the same
     for every model whatever the NumPy ops compute again in backward (and the one
     ``mpishard bench calibrate``'s ``activation_rate`` is per), also when checkpointing

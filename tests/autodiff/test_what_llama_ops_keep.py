@@ -57,7 +57,23 @@ def _run(fn, arrays, seed, xp=np):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", ["rope", "rope_qkv", "gqa_attention"])
+def test_rope_qkv_keeps_no_tables_of_its_own(monkeypatch, dtype):
+    """rope_qkv's backward reads the model's tables again (its kernels take the sign of
+    the rotation themselves): it keeps the same bytes whatever ``keeps_least`` says, and
+    the same bits come out."""
+    fn, arrays = _rotation_cases(np.random.default_rng(3), dtype)["rope_qkv"]
+    _run(fn, arrays, 7)
+    lean_out, lean_grads, lean_kept = _run(fn, arrays, 7)
+    monkeypatch.setattr(rms_rope_swiglu, "keeps_least", lambda xp: False)
+    out, grads, kept = _run(fn, arrays, 7)
+    np.testing.assert_array_equal(lean_out, out)
+    for a, b in zip(lean_grads, grads):
+        np.testing.assert_array_equal(a, b)
+    assert lean_kept == kept, (lean_kept, kept)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["rope", "gqa_attention"])
 def test_numpy_builds_again_the_tables_a_device_keeps(monkeypatch, op, dtype):
     fn, arrays = _rotation_cases(np.random.default_rng(3), dtype)[op]
     _run(fn, arrays, 7)                              # first calls' caches, not counted

@@ -275,14 +275,14 @@ def test_a_llama_with_fused_attention_keeps_what_the_plan_says(monkeypatch, prec
     # the one op's float32 softmax weights go, its rotations' conjugates and its rotated
     # q, k and v (in the rows' dtype on a device; the per-projection path lets go of
     # the projections' outputs once packed); the per-projection path's packed copy of
-    # q and of k, v per query head, its rotation tables (one pair of sines and cosines
-    # broadcast over the heads, float32 for 16-bit rows), the flash output, the
-    # log-sum-exp and the graph objects of three products and a packing come
+    # q and of k, v per query head (its kernels keep no rotation tables: they read the
+    # model's), the flash output, the log-sum-exp and the graph objects of three
+    # products and a packing come
     c = np.dtype(precision or "float32").itemsize
     f = 4 if c == 2 else c
     N, h, h_kv, hs = B * T, cfg.n_head, cfg.n_kv_head, cfg.n_embd // cfg.n_head
     saved = cfg.n_layer * (B * h * T * T * 4 + T * hs * (h + h_kv) * f
-                           + N * hs * (h + 2 * h_kv) * c - 3 * N * h * hs * c - 2 * T * hs * f
+                           + N * hs * (h + 2 * h_kv) * c - 3 * N * h * hs * c
                            - N * h * hs * c - B * h * T * 4 - _OBJECTS_PER_PROJECTION_PATH)
     assert saved > 0
     assert figures["batched"][1] - figures["fused"][1] == saved

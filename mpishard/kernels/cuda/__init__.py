@@ -10,6 +10,8 @@ source.
   share :mod:`.ops_src`'s block reduction);
 * :mod:`.attention`: fused causal attention, from :mod:`.attention_src`;
 * :mod:`.loss`: fused cross-entropy, one launch each way, from :mod:`.loss_src`;
+* :mod:`.rotary`: rotary embeddings packed with grouped key/value heads (``rope_qkv``),
+  one launch each way, from :mod:`.rotary_src`;
 * :mod:`.multi`: the optimizer's kernels (multi-tensor Adam and sums of squares, and
   their one-target forms), from :mod:`.multi_src`.
 

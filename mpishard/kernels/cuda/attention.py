@@ -24,7 +24,7 @@ from mpishard.kernels import reference
 from mpishard.kernels.cuda.attention_src import flash_source, flash_suffix, flash_tile
 from mpishard.kernels.cuda.attention_tc_src import TC_ROWS, TC_WARPS, tensor_cores
 from mpishard.kernels.cuda.headers import tensor_core_options
-from mpishard.kernels.cuda.ops_src import ROWS16
+from mpishard.kernels.cuda.ops_src import STORAGE
 from mpishard.kernels.cuda.launch import is_strict_module, raw_function
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
@@ -34,8 +34,6 @@ __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attenti
 #: of the head size; every kernel's tiles must fit 48 KiB of static shared memory)
 MAX_HEAD_SIZE = 128
 #: the C type rows of each dtype are stored as
-_STORAGE = {"float32": "float", "float64": "double",
-            **{name: c for name, (c, _, _) in ROWS16.items()}}
 
 
 def _compute(dtype) -> tuple:
@@ -47,7 +45,7 @@ def _compute(dtype) -> tuple:
 
 def fused_attention_takes(hm) -> bool:
     """Whether the kernels take head-major ``hm`` (see the module docstring)."""
-    return (hm.dtype.name in _STORAGE and hm.flags.c_contiguous and hm.ndim == 5
+    return (hm.dtype.name in STORAGE and hm.flags.c_contiguous and hm.ndim == 5
             and 0 < hm.shape[-1] <= MAX_HEAD_SIZE
             and -(-hm.shape[-2] // flash_tile(_compute(hm.dtype)[0])) <= 65535)  # grid's y
 
@@ -61,7 +59,7 @@ def _tensor_cores(xp, S: str, hs: int):
 
 def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
-    S = _STORAGE[np.dtype(dtype).name]
+    S = STORAGE[np.dtype(dtype).name]
     T = _compute(dtype)[0]
     options = _tensor_cores(xp, S, hs)
     return raw_function(xp, f"{name}_{flash_suffix(S, hs)}",
@@ -75,7 +73,7 @@ def _launch(hm):
     take, else a thread a row."""
     _, B, heads, T, hs = hm.shape
     ctype, fd = _compute(hm.dtype)
-    if _tensor_cores(xp_of(hm), _STORAGE[hm.dtype.name], hs) is not None:
+    if _tensor_cores(xp_of(hm), STORAGE[hm.dtype.name], hs) is not None:
         return (B * heads, -(-T // TC_ROWS)), (TC_WARPS * 32,), B * heads, T, fd
     return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
 

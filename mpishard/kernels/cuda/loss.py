@@ -23,30 +23,20 @@ from mpishard.kernels import reference
 from mpishard.kernels.cuda.launch import (ROW_THREADS, block_tickets, is_strict_module,
                                           raw_function)
 from mpishard.kernels.cuda.loss_src import loss_kernel_name, loss_kernel_source
+from mpishard.kernels.cuda.ops_src import STORAGE, compute_dtype, storage_dtypes
 
 __all__ = ["cross_entropy_forward", "cross_entropy_backward", "cross_entropy_takes"]
-
-#: the logits' dtype -> the C type the kernels read them as
-_STORAGE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
-            "float64": "double"}
-
-
-def _math_dtype(dtype) -> np.dtype:
-    """The dtype the kernels compute logits of ``dtype`` in: float64 for float64, else
-    float32."""
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 def cross_entropy_takes(logits, targets) -> bool:
     """Whether the kernels take these logits and targets (see the module docstring)."""
-    return (logits.ndim == 2 and logits.dtype.name in _STORAGE and logits.flags.c_contiguous
+    return (logits.ndim == 2 and logits.dtype.name in STORAGE and logits.flags.c_contiguous
             and 0 < logits.shape[0] < 2 ** 31 and 0 < logits.shape[1] < 2 ** 31
             and targets.shape == logits.shape[:1])
 
 
 def _kernel(xp, name: str, dtype):
-    S = _STORAGE[np.dtype(dtype).name]
-    T = "double" if S == "double" else "float"
+    T, S = storage_dtypes(dtype)
     return raw_function(xp, loss_kernel_name(name, S), lambda: loss_kernel_source(T, S))
 
 
@@ -62,7 +52,7 @@ def cross_entropy_forward(logits, targets, ignore_index: int):
             return reference.cross_entropy_forward(logits, targets, ignore_index)
     if not cross_entropy_takes(logits, targets):
         return reference.cross_entropy_forward(logits, targets, ignore_index)
-    (N, V), fd = logits.shape, _math_dtype(logits.dtype)
+    (N, V), fd = logits.shape, compute_dtype(logits.dtype)
     stats = xp.empty((3, N), dtype=fd)          # maxima, sums of exponentials, rows' losses
     totals = xp.empty(2, dtype=fd)              # the mean loss, the rows counted
     _kernel(xp, "mpishard_cross_entropy_forward", logits.dtype)(
@@ -77,7 +67,7 @@ def cross_entropy_backward(logits, targets, ignore_index: int, row_max, row_sum,
         with xp.syncs.fused("mpishard_cross_entropy_backward"):
             return reference.cross_entropy_backward(logits, targets, ignore_index, row_max,
                                                     row_sum, count, g)
-    fd = _math_dtype(logits.dtype)
+    fd = compute_dtype(logits.dtype)
     kept = (row_max, row_sum, count)
     if not (cross_entropy_takes(logits, targets)
             and all(getattr(a, "dtype", None) == fd and a.flags.c_contiguous for a in kept)

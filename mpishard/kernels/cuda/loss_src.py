@@ -28,7 +28,7 @@ converting with ``(T)`` and ``(S)``. ``scripts/compile_kernels.py`` compiles the
 """
 from __future__ import annotations
 
-from mpishard.kernels.cuda.ops_src import BLOCK_REDUCE, rows16_source
+from mpishard.kernels.cuda.ops_src import BLOCK_REDUCE, storage_name, storage_source
 
 __all__ = ["LOSS_KERNELS", "loss_kernel_source", "loss_kernel_name"]
 
@@ -103,17 +103,11 @@ extern "C" __global__ void mpishard_cross_entropy_backward_{N}(
 
 
 def loss_kernel_name(name: str, S: str) -> str:
-    """The name of kernel ``name`` for logits stored as ``S``: ``<name>_half`` for
-    ``__half``, ``<name>_float``, ``<name>_double`` (``<name>_bfloat16``)."""
-    return f"{name}_{S.replace('__nv_', '').strip('_')}"
+    """The name of kernel ``name`` for logits stored as ``S`` (:func:`.ops_src.storage_name`)."""
+    return storage_name(name, S)
 
 
 def loss_kernel_source(T: str, S: str) -> str:
-    """:data:`LOSS_KERNELS` computing in ``T`` (``"float"`` or ``"double"``) on logits
-    stored as ``S`` (``T``, or a 16-bit type with float), the kernels named by
-    :func:`loss_kernel_name`."""
-    if S != T and T != "float":
-        raise ValueError(f"{S} logits are computed in float, not {T}")
-    code = (LOSS_KERNELS.replace("{T}", T).replace("{S}", S)
-            .replace("_{N}(", loss_kernel_name("", S) + "("))
-    return rows16_source(S, code)
+    """:data:`LOSS_KERNELS` computing in ``T`` on logits stored as ``S``
+    (:func:`.ops_src.storage_source`)."""
+    return storage_source(LOSS_KERNELS, T, S, "logits")

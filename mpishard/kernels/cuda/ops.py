@@ -18,8 +18,9 @@ one launch, reading its inputs once and writing its outputs once:
   per 32 columns and group of rows (see [Note: column sums] in ops_src.py); plain row
   softmax runs as the reference;
 * layer norm and RMS norm are :mod:`.norms`' (one RawKernel each way, and one for
-  their weight and bias gradients), fused attention :mod:`.attention`'s, Adam and
-  the gradients' sums of squares :mod:`.multi`'s.
+  their weight and bias gradients), fused attention :mod:`.attention`'s, the rotary
+  embeddings packed with grouped key/value heads :mod:`.rotary`'s, Adam and the
+  gradients' sums of squares :mod:`.multi`'s.
 
 The sources are :mod:`.ops_src`'s. The RawKernels take C-contiguous float32 / float64
 rows; GELU takes float16 and bfloat16 rows through its 16-bit ElementwiseKernels
@@ -51,6 +52,7 @@ from mpishard.kernels.cuda.multi import adam_update, multi_adam_update, multi_sq
 from mpishard.kernels.cuda.norms import (layer_norm_backward, layer_norm_forward,
                                          norm_param_grads, rms_norm_backward,
                                          rms_norm_forward)
+from mpishard.kernels.cuda.rotary import rope_qkv_backward, rope_qkv_forward
 
 __all__ = ["NAME", "NATIVE_FLOAT16", *KERNEL_NAMES, "row_kernel"]
 

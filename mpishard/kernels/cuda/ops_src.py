@@ -14,10 +14,13 @@ launches them; the norms' are :mod:`.norms_src`'s).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from mpishard.kernels.reference import GELU_C, GELU_K
 
 __all__ = ["SOURCES", "FLOAT16_SOURCES", "BFLOAT16_SOURCES", "BF16_WORDS", "BLOCK_REDUCE",
-           "COLUMN_SUMS", "ROW_KERNELS", "row_kernel_source", "ROWS16", "rows16_source"]
+           "COLUMN_SUMS", "ROW_KERNELS", "row_kernel_source", "ROWS16", "rows16_source",
+           "STORAGE", "storage_dtypes", "compute_dtype", "storage_name", "storage_source"]
 
 #: the 16-bit row dtypes the RawKernels read and write themselves (computing in float):
 #: dtype name -> (the C type of an element, the header declaring it, a kernel-name
@@ -27,10 +30,46 @@ ROWS16 = {"float16": ("__half", "cuda_fp16.h", "h"),
           "bfloat16": ("__nv_bfloat16", "cuda_bf16.h", "bf")}
 
 
+#: an array's dtype name -> the C type the storage-typed RawKernels (fused attention,
+#: cross-entropy, rotary embeddings) read it as
+STORAGE = {"float32": "float", "float64": "double",
+           **{name: c for name, (c, _, _) in ROWS16.items()}}
+
+
+def storage_dtypes(dtype) -> tuple:
+    """``(T, S)``: the C types a storage-typed RawKernel computes in (double for double
+    data, else float) and reads ``dtype``'s data as (:data:`STORAGE`)."""
+    S = STORAGE[np.dtype(dtype).name]
+    return ("double" if S == "double" else "float"), S
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The NumPy dtype of :func:`storage_dtypes`' ``T``: float64 for float64, else
+    float32."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
 def rows16_source(S: str, code: str) -> str:
     """``code`` with the header of row type ``S`` included when it is a 16-bit one."""
     header = next((h for c, h, _ in ROWS16.values() if c == S), None)
     return code if header is None else f"#include <{header}>\n" + code
+
+
+def storage_name(name: str, S: str) -> str:
+    """The name of kernel ``name`` for data stored as ``S``: ``<name>_half``,
+    ``<name>_bfloat16``, ``<name>_float`` or ``<name>_double``."""
+    return f"{name}_{S.replace('__nv_', '').strip('_')}"
+
+
+def storage_source(template: str, T: str, S: str, what: str) -> str:
+    """``template`` (CUDA C with ``{T}``, ``{S}`` and kernels named ``..._{N}(``) computing
+    in ``T`` (``"float"`` or ``"double"``) on ``what`` stored as ``S`` (``T``, or a 16-bit
+    type with float), its kernels named by :func:`storage_name`."""
+    if S != T and T != "float":
+        raise ValueError(f"{S} {what} are computed in float, not {T}")
+    code = (template.replace("{T}", T).replace("{S}", S)
+            .replace("_{N}(", storage_name("", S) + "("))
+    return rows16_source(S, code)
 
 #: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
 SOURCES = {

@@ -8,9 +8,8 @@ and ``h_kv`` this rank's query and key/value heads, ``hs`` the head size and
 ==========================  =========================================================
 RMS norm                    output ``N C c``, 1/rms ``N f`` (backward normalises again)
 q, k, v projections         none: read by the packing alone, let go of once packed
-rotary q, k and packing     packed q|k|v for attention ``3 N h hs c``; on a device the
-                            rotation tables (cos and signed sin, broadcast over the
-                            heads) ``2 T hs f`` (NumPy's backward builds them again)
+rotary q, k and packing     packed q|k|v for attention ``3 N h hs c`` (backward reads
+                            the model's tables again: none of its own)
 attention                   weights ``B h T^2 f``, output ``N h hs c``
 o / down projections        none: the residual add lets go of them (tp > 1: of the summed
                             rows too, this rank's partial products let go, see the GPT's
@@ -107,7 +106,6 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
     total = graph_objects(len(blocks), m.checkpointing, sp, cp, m.cp_mode, _OBJECTS_PER_BLOCK)
     total += stage_input(model.model.embed_tokens if model.first_stage else None, m)
     norm = m.norm(Ns) + Ns * f                        # and 1/rms
-    tables = 0 if m.lean else 2 * T * hs * f            # one (T, hs) pair, on a device
     for block in blocks:
         if m.checkpointing:
             total += Ns * C * c
@@ -129,15 +127,16 @@ def llama_activation_bytes(model, batch_size: int, seq_len: int, dtype="float32"
         fused = not one_op and fused_attention(model.backend.xp, hs, False)
         if attn.recompute_core and not fused:   # selective: the recomputed op's output
             total += N * h * hs * c             # (and outside the one op, the packed
-            if not (cp == sp == 1 and one_op):                    # rows it reads, the
-                total += 3 * N * h * hs * c + tables                      # tables)
+            if not (cp == sp == 1 and one_op):                    # rows it reads)
+                total += 3 * N * h * hs * c
         else:
             if cp == sp == 1 and one_op:   # rotated q, k, v (in the products' dtype:
                 kd = f if model.backend.xp is np else c     # float32 on NumPy for 16-bit
                 total += N * hs * (h + 2 * h_kv) * kd + (      # rows); on a device
                     0 if m.lean else T * hs * (h + h_kv) * f)    # the rotations' conjugates
             else:
-                total += 3 * N * h * hs * c + tables                          # packing, tables
+                total += 3 * N * h * hs * c              # the packed rows (rope_qkv keeps
+                #                                          no tables: it reads the model's)
             total += attention_bytes(B, h, T, hs, c, f, cp, m.cp_mode, fused)   # attention
         total += _mlp_bytes(mlp, N, Ns, C, c, f)
         total += 2 * Ns * C * c                                           # residual adds
