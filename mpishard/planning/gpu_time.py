@@ -150,10 +150,10 @@ class KernelSet:
     and k each way, reading and writing them once: Transformer Engine's fused RoPE,
     torch.compile's), ``"complex"`` (torchtitan's eager ``apply_rotary_emb``: to float32,
     a complex product, back, three kernels each way for each) or ``"packed"``
-    (mpishard's ``rope_qkv`` on a device: q, k and v to float32, the rotations' four
-    passes, k and v copied out to the query heads into the packed rows, the cast back;
-    see mpishard/autodiff/rms_rope_swiglu.py; counted the same where a Llama takes its
-    one-op grouped-query path, which rotates by a complex product without the copies).
+    (mpishard's ``rope_qkv`` on a device, mpishard/kernels/cuda/rotary.py: one kernel
+    each way, q, k and v read once and the packed rows written, k and v copied out to
+    the query heads; counted the same where a Llama takes its one-op grouped-query
+    path, which rotates q and k by a complex product in float32 and copies nothing).
     ``kv_copies``: grouped-query attention's keys and values copied out to the query
     heads before attention (torchtitan's ``repeat_kv``, an ``expand`` then ``reshape``),
     their gradients summed back."""
@@ -305,23 +305,24 @@ def _eager_swiglu(elements, s, block) -> Op:
               9.0 * s * elements, False, block, False, 2, 3)
 
 
-def _rotary_kv_heads(stage, tp: int) -> tuple:
-    """``(key/value heads, group)``: this tp rank's key/value heads where ``stage``'s model
-    rotates q and k (a ``rope_theta`` in its config; tp splits them where it divides
-    them, else every rank keeps them all) and the query heads that read each, else
-    ``(0, 0)``."""
+def _rotary_kv_heads(stage, tp: int) -> int:
+    """This tp rank's key/value heads where ``stage``'s model rotates q and k (a
+    ``rope_theta`` in its config; tp splits them where it divides them, else every rank
+    keeps them all), else 0."""
     cfg = getattr(stage, "config", None)
     if getattr(cfg, "rope_theta", None) is None:
-        return 0, 0
+        return 0
     kv = getattr(cfg, "n_kv_head", 0) or cfg.n_head
-    return (kv // tp if kv % tp == 0 else kv), cfg.n_head // kv
+    return kv // tp if kv % tp == 0 else kv
 
 
-def _rotary(rows, hq, hkv, hs, s, kernels, block, group: int = 1) -> list:
+def _rotary(rows, hq, hkv, hs, s, kernels, block, one_op: int = 0) -> list:
     """Rotary embeddings (and torchtitan's key/value copies) for ``rows`` rows of ``hq``
-    query and ``hkv`` key/value heads of size ``hs`` (this rank's; ``group``: the query
-    heads that read one key/value head), as ``kernels`` runs them (see
-    :class:`KernelSet`)."""
+    query and ``hkv`` key/value heads of size ``hs`` (this rank's), as ``kernels`` runs
+    them (see :class:`KernelSet`; ``one_op``: where mpishard's Llama takes its one-op
+    grouped-query path, its sequences' positions, see :func:`_one_op_rotary`)."""
+    if kernels.rotary == "packed" and one_op:
+        return [_one_op_rotary(rows, one_op, hq, hkv, hs, s, block)]
     eq, ekv = float(rows) * hq * hs, float(rows) * hkv * hs
     ops = []
     if kernels.rotary == "fused":            # q and k each read and written once
@@ -331,20 +332,33 @@ def _rotary(rows, hq, hkv, hs, s, kernels, block, group: int = 1) -> list:
         ops.append(Op("rotary", 3.0 * (eq + ekv), (2.0 * s + 16) * (eq + ekv),
                       3.0 * (eq + ekv), (2.0 * s + 16) * (eq + ekv), False, block, False,
                       6, 6))
-    else:   # rope_qkv: q, k, v up to float32; the tables; q's and k's rotations
-        # (multiply, swap the halves, scale them, add: 36 bytes an element); k and v copied
-        # out to the query heads into the float32 packed rows (a launch each); the packed
-        # rows cast back: 20 launches. Backward: the gradient up, q's rotation, k's and v's
-        # group sums (a launch per group member each), k's rotation, the three casts down.
-        up = (s + 4.0) * (eq + 2 * ekv)
-        fw = up + 36.0 * (eq + ekv) + 16.0 * eq + (4.0 + s) * 3 * eq
-        bw = (s + 4.0) * 3 * eq + 36.0 * (eq + ekv) + 24.0 * eq + up
-        ops.append(Op("rotary", 6.0 * (eq + ekv), fw, 6.0 * (eq + ekv), bw, False, block,
-                      False, 20, 12 + 2 * max(1, min(hq, group))))
+    else:   # rope_qkv: one kernel reads q, k and v and writes the packed rows (k and v
+        # copied out to the query heads); backward one reads the packed gradient and
+        # writes q's, k's and v's (k's and v's summed over each group)
+        ops.append(Op("rotary", 6.0 * eq, s * (4 * eq + 2 * ekv), 6.0 * eq + 3 * ekv,
+                      s * (4 * eq + 2 * ekv), False, block, False, 1, 1))
     if kernels.kv_copies and hkv < hq:       # repeat_kv: k and v out to the query heads
         nbytes = 2.0 * s * (eq + ekv)
         ops.append(Op("attention", 0.0, nbytes, 2.0 * eq, nbytes, False, block, False, 2, 2))
     return ops
+
+
+def _one_op_rotary(rows, seq, hq, hkv, hs, s, block) -> Op:
+    """The rotations of mpishard's one-op grouped-query attention on a device
+    (mpishard/autodiff/gqa_attention.py) over ``rows`` rows of ``seq`` positions each.
+    Forward: the projections' q, k and v rows up to float32 (``s`` in, 4 out; none in
+    float32), the tables (q's and k's turns and their conjugates, ``(heads, seq, hs/2)``
+    complex: 8 bytes a pair written, 4 launches each), q's and k's complex products (4
+    in, 4 out) and their cast into the activations' dtype (4 in, ``s`` out), v's copy
+    (``2 s``). Backward: q's and k's gradients times the kept conjugates (4 in, 4 out),
+    the float32 gradient rows cast back (4 in, ``s`` out)."""
+    eq, ekv = float(rows) * hq * hs, float(rows) * hkv * hs
+    cast = s + 4.0 if s < 4 else 0.0
+    tables = 8.0 * seq * hs * (hq + hkv)
+    fw = cast * (eq + 2 * ekv) + tables + 8.0 * (eq + ekv) + cast * (eq + ekv) + 2.0 * s * ekv
+    bw = 8.0 * (eq + ekv) + cast * (eq + 2 * ekv)
+    return Op("rotary", 3.0 * (eq + ekv), fw, 3.0 * (eq + ekv), bw, False, block, False,
+              8 + (6 if s < 4 else 3), 2 + (1 if s < 4 else 0))
 
 
 def _dropout(stage) -> float:
@@ -424,10 +438,12 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             in_block = bool(blocks) and path.startswith(blocks)
             heads, hs = spec_of(stage).attention_heads(m)
             B, Tl, T = layout.batch_size, layout.local_seq_len, layout.seq_len
-            ops += _attention(B * heads, Tl, T, hs, s, p, in_block, _flash(kernels, s, hs, p))
-            hkv, group = _rotary_kv_heads(stage, layout.tp)
-            if hkv:
-                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block, group)
+            flash = _flash(kernels, s, hs, p)
+            ops += _attention(B * heads, Tl, T, hs, s, p, in_block, flash)
+            hkv = _rotary_kv_heads(stage, layout.tp)
+            if hkv:         # a Llama's one op where no flash kernel takes its heads
+                one_op = flash is None and m.takes_one_op_path(np)     # (NumPy: never fused)
+                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block, Tl * one_op)
     return _mark_selective(ops, block_of, kernels.selective)
 
 

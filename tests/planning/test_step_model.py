@@ -340,9 +340,10 @@ def test_torchtitans_eager_ops_are_counted_kernel_by_kernel():
 
 def test_rotary_embeddings_and_key_value_copies_by_framework():
     """A Llama's rotary embeddings cost q's and k's elements once each way fused, 20 bytes
-    an element each way as torchtitan's complex product, and mpishard's packed rows
-    (k and v copied out to the query heads in a launch each: 20 kernels forward, and
-    backward 12 and 2 per group member: 16 for groups of 2); torchtitan's ``repeat_kv``
+    an element each way as torchtitan's complex product; mpishard's packed rows one
+    kernel each way (q, k and v read, the packed rows written: k and v copied out to
+    the query heads), or inside its one-op attention where that runs (casts, complex
+    products, 14 launches forward and 3 backward); torchtitan's ``repeat_kv``
     copies k and v out to the query heads, only where they are fewer. A GPT has none."""
     from mpishard.models import Llama, LlamaConfig
     from mpishard.planning.gpu_time import (MPISHARD_KERNELS, NEMO_KERNELS,
@@ -359,9 +360,15 @@ def test_rotary_embeddings_and_key_value_copies_by_framework():
     complex_ = rotary(TORCHTITAN_KERNELS)
     assert complex_[0].fw_bytes == (2 * 2 + 16.0) * (eq + ekv)
     assert (complex_[0].fw_kernels, complex_[0].bw_kernels) == (6, 6)
-    packed = rotary(MPISHARD_KERNELS)[0]
-    assert (packed.fw_kernels, packed.bw_kernels) == (20, 12 + 2 * 2)
-    assert packed.fw_bytes > complex_[0].fw_bytes > fused[0].fw_bytes
+    # mpishard's Llama without tp or cp and without flash kernels (batched attention, the
+    # default) rotates inside its one op: q, k, v up to float32, the turns (8 bytes a
+    # pair, turn and conjugate, per head and position), the complex products and casts
+    one_op = rotary(MPISHARD_KERNELS)
+    assert len(one_op) == 2 and (one_op[0].fw_kernels, one_op[0].bw_kernels) == (14, 3)
+    assert one_op[0].fw_bytes == 6.0 * (eq + 2 * ekv) + 8.0 * 16 * hs * (4 + 2) \
+        + (8.0 + 6) * (eq + ekv) + 4.0 * ekv
+    assert one_op[0].bw_bytes == 8.0 * (eq + ekv) + 6.0 * (eq + 2 * ekv)
+    assert one_op[0].fw_bytes > fused[0].fw_bytes
 
     def copies(kernels, **extra):
         model = Llama(LlamaConfig(**{**LLAMA, **extra}), materialize_now=False)
@@ -380,13 +387,17 @@ def test_rotary_embeddings_and_key_value_copies_by_framework():
         op, = [o for o in stage_ops(stage, split, 2, NEMO_KERNELS) if o.cls == "rotary"][:1]
         assert op.fw_bytes == 2.0 * 2 * rows * (4 // tp + kv) * hs, tp
     # 16 query heads on 2 key/value heads, tp 4: each rank's 4 query heads read one
-    # key/value head (both kept whole), a group of 4: 12 + 2 x 4 launches backward
+    # key/value head, both kept whole: mpishard's rope_qkv kernels (the per-projection
+    # path tp takes) read both and write the rank's packed rows, one launch each way
     wide = {**LLAMA, "n_head": 16, "n_embd": 64}
     split = Layout(tp=4, batch_size=2, seq_len=16)
     stage = build_stage(Llama(LlamaConfig(**wide), materialize_now=False),
                         mesh_shape(split, 0), None, split.cp_mode, False, 1)
     op, = [o for o in stage_ops(stage, split, 2, MPISHARD_KERNELS) if o.cls == "rotary"][:1]
-    assert op.bw_kernels == 12 + 2 * 4
+    assert (op.fw_kernels, op.bw_kernels) == (1, 1)                  # tp: rope_qkv's kernels
+    eq, ekv = rows * 4 * (64 // 16), rows * 2 * (64 // 16)           # 4 query, 2 kv heads
+    assert op.fw_bytes == op.bw_bytes == 2.0 * (4 * eq + 2 * ekv)
+    assert op.fw_bytes < 2.0 * (eq + ekv) * (2 + 8)                  # the complex product's
 
 
 def test_flashattentions_triton_kernels_run_at_the_first_generations_share():
