@@ -3,6 +3,7 @@
     python benchmarks/syncs.py                       # launches mpiexec -n 4 itself
     mpiexec -n 4 python -m mpi4py benchmarks/syncs.py --steps 3
     python benchmarks/syncs.py --launches-only       # the launch figure alone, one process
+    python benchmarks/syncs.py --launches-only --llama   # and a Llama block's
 
 A GPU runs a step's kernels asynchronously; each read of a value on the host
 (``float(x)``, ``x.item()``, ``int(mask.sum())``, a ``.get()``) waits for all
@@ -151,9 +152,20 @@ def measure(comm, layout: str, steps: int = 2, warmup: int = 1) -> dict | None:
             "sites": sites}
 
 
-def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1) -> dict:
+def _llama_config(n_layer: int):
+    """A Llama with Llama 3 8B's heads (32 query heads on 8 key/value heads), narrow."""
+    from mpishard.models import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=32,
+                       n_kv_head=8, n_embd=32 * 16, intermediate_size=64)
+
+
+def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1, llama: bool = False) -> dict:
     """Kernel launches per training step for :func:`_config`'s GPT with ``n_layer``
-    blocks, alone on this process (world size 1, DDP, float32, one micro-batch).
+    blocks, alone on this process (world size 1, DDP, float32, one micro-batch); with
+    ``llama``, :func:`_llama_config`'s Llama in bfloat16 mixed precision with
+    ``MPISHARD_ATTENTION=fused`` (its per-projection path: the rotary kernels, flash
+    attention).
 
     Returns ``{"launches": [per step], "train_step": [of those, in ``train_step``:
     forward, backward, gradient reduction], "by_op": {op: launches}}`` (``by_op``
@@ -164,16 +176,21 @@ def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1) -> dict:
     from mpishard.core.backend import Backend
     from mpishard.comm import Mesh
     from mpishard.testing.fake_cupy import make_test_comm
-    from mpishard.models import GPT
+    from mpishard.models import GPT, Llama
     from mpishard.optim import AdamW
     from mpishard.parallel import ParallelModel
 
-    cfg = dataclasses.replace(_config(), n_layer=n_layer)
+    cfg = _llama_config(n_layer) if llama else dataclasses.replace(_config(), n_layer=n_layer)
     comm = make_test_comm("self")
+    attention = os.environ.get("MPISHARD_ATTENTION")
+    if llama:
+        os.environ["MPISHARD_ATTENTION"] = "fused"
     try:
         mesh = Mesh(comm, dp=1)
-        model = GPT(cfg, seed=0, backend=Backend.resolve("strict"), materialize_now=False)
-        run = ParallelModel(model, mesh, strategy="ddp", micro_batches=1)
+        model = (Llama if llama else GPT)(cfg, seed=0, backend=Backend.resolve("strict"),
+                                          materialize_now=False)
+        run = ParallelModel(model, mesh, strategy="ddp", micro_batches=1,
+                            precision="bfloat16" if llama else None)
         opt = AdamW(run.parameters(), lr=1e-3, weight_decay=0.1, ledger=run.ledger)
         counts, train, by_op = [], [], {}
         for step in range(warmup + steps):
@@ -188,11 +205,28 @@ def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1) -> dict:
         strict.syncs.reset()
     finally:
         comm.free()
+        if attention is None:
+            os.environ.pop("MPISHARD_ATTENTION", None)
+        else:
+            os.environ["MPISHARD_ATTENTION"] = attention
     return {"launches": counts, "train_step": train, "by_op": by_op}
 
 
 def _whole(x: float):
     return int(x) if float(x).is_integer() else round(x, 2)
+
+
+def llama_launch_figures(steps: int = 2) -> dict:
+    """``llama_launches_per_block`` (forward, backward and the gradient reduction) and
+    its 15 largest operations, from :func:`_llama_config`'s Llama at two depths."""
+    l1, l2 = LAUNCH_LAYERS
+    small, big = (measure_launches(n, steps, llama=True) for n in (l1, l2))
+    by_op = {op: (big["by_op"].get(op, 0) - small["by_op"].get(op, 0)) / (l2 - l1)
+             for op in set(big["by_op"]) | set(small["by_op"])}
+    top = sorted((item for item in by_op.items() if item[1]), key=lambda i: (-i[1], i[0]))
+    return {"llama_launches_per_block": _whole(
+                (max(big["train_step"]) - max(small["train_step"])) / (l2 - l1)),
+            "llama_launches_per_block_by_op": {op: _whole(n) for op, n in top[:15]}}
 
 
 def launch_figures(steps: int = 2) -> dict:
@@ -297,13 +331,21 @@ def main(argv=None) -> int:
                         "already under mpiexec)")
     parser.add_argument("--launches-only", action="store_true", help="only the kernel "
                         "launch figures, on this one process (no mpiexec)")
+    parser.add_argument("--llama", action="store_true", help="with --launches-only, also a "
+                        "Llama block's launches (bfloat16, fused attention)")
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
     if args.launches_only:
         figures = launch_figures(args.steps)
+        if args.llama:
+            figures.update(llama_launch_figures(args.steps))
         print(json.dumps({"bench": "syncs", **figures}), flush=True)
         _report_launches(figures)
+        if args.llama:
+            print(f"launches per Llama block (bfloat16, 32 query heads on 8 key/value heads, "
+                  f"MPISHARD_ATTENTION=fused): {figures['llama_launches_per_block']}",
+                  file=sys.stderr, flush=True)
         return 0
 
     if MPI.COMM_WORLD.size == 1 and args.ranks > 1 and not os.environ.get("MPISHARD_SYNCS_WORKER"):
