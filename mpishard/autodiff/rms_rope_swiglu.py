@@ -36,7 +36,7 @@ def rms_norm(x, weight=None, eps: float = 1e-5) -> Tensor:
     kernels = kernels_for(xp)
     # float16 rows straight into a GPU's kernels (see [Note: float16 rows] in
     # mpishard/kernels/cuda/norms.py), else cast up (float32 for 16-bit)
-    native = native_float16(kernels, dtype) and (weight is None or weight.dtype == dtype)
+    native = native_float16(kernels, dtype) and (weight is None or weight.data.dtype == dtype)
     lift = (lambda a: a) if native else up
     y, _, rstd = kernels.rms_norm_forward(              # rstd kept for backward
         lift(x.data.reshape(-1, n)), lift(weight.data) if weight is not None else None, eps)

@@ -730,19 +730,31 @@ def test_float16_layer_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
     _same_bits(bias.grad.get(), wb)
 
 
-def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
-    """RMS norm (Llama's) the same way: its kernels on the float16 rows, one launch each
+@pytest.mark.parametrize("held", ["tensor", "parameter"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit(dtype, held):
+    """RMS norm (Llama's) the same way: its kernels on the 16-bit rows, one launch each
     way (and the forward's again in backward) and one for the weight's gradient, the
-    values of casting up and down."""
+    values of casting up and down; also with the weight a Parameter holding its 16-bit
+    compute copy, as mixed precision's (whose ``dtype`` is the float32 master's: the op
+    cast every norm up and down, 6 launches more each, when it asked that)."""
     from mpishard.testing import strict
     from mpishard.autodiff import Tensor
     from mpishard.autodiff.rms_rope_swiglu import rms_norm
+    from mpishard.core.dtypes import resolve_dtype
+    from mpishard.nn import Parameter
 
     rng = np.random.default_rng(2)
-    a, g = (rng.standard_normal((37, 53)).astype(np.float16) for _ in range(2))
-    w = rng.standard_normal(53).astype(np.float16)
+    dt = resolve_dtype(dtype)
+    a, g = (rng.standard_normal((37, 53)).astype(dt) for _ in range(2))
+    w = rng.standard_normal(53).astype(dt)
     x = Tensor(strict.asarray(a), requires_grad=True)
-    weight = Tensor(strict.asarray(w), requires_grad=True)
+    if held == "tensor":
+        weight = Tensor(strict.asarray(w), requires_grad=True)
+    else:
+        weight = Parameter((53,), dtype="float32")
+        weight.data = strict.asarray(w)                  # the strategy's compute copy
+        assert weight.dtype == np.float32 and weight.data.dtype == dt
     weight.grad_dtype = np.dtype(np.float32)             # as mixed precision's
     y, forward, backward = _launches_each_way(lambda: rms_norm(x, weight, 1e-6), g)
     assert forward == {"mpishard_rms_norm_forward": 1}
@@ -750,8 +762,8 @@ def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit():
                         "mpishard_norm_param_grads": 1}
     a32, w32, g32 = (v.astype(np.float32) for v in (a, w, g))
     wy, wh, wr = reference.rms_norm_forward(a32, w32, 1e-6)
-    _same_bits(y.data.get(), wy.astype(np.float16))
-    _same_bits(x.grad.get(), reference.rms_norm_backward(g32, wh, wr, w32).astype(np.float16))
+    _same_bits(y.data.get(), wy.astype(dt))
+    _same_bits(x.grad.get(), reference.rms_norm_backward(g32, wh, wr, w32).astype(dt))
     _same_bits(weight.grad.get(), reference.norm_param_grads(g32, wh, True, False)[0])
 
 
