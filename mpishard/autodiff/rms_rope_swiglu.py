@@ -103,10 +103,12 @@ def _rotation(cos, sin, n_heads: int, dtype):
     return tuple(a[:, None, :] for a in pair)
 
 
-def _check_rope(op, x, cos):
-    if x.ndim != 4 or tuple(cos.shape) != (x.shape[1], x.shape[3]):
+def _check_rope(op, x, cos, sin):
+    if x.ndim != 4 or tuple(cos.shape) != (x.shape[1], x.shape[3]) or \
+            tuple(sin.shape) != tuple(cos.shape):
         raise ValueError(f"{op}: x of shape {tuple(x.shape)} needs (B, T, H, hs) and tables "
-                         f"of shape (T, hs), got {tuple(cos.shape)}")
+                         f"of shape (T, hs), got cos {tuple(cos.shape)} and sin "
+                         f"{tuple(sin.shape)}")
 
 
 @register_op
@@ -115,7 +117,7 @@ def rope(x, cos, sin) -> Tensor:
     ``x * cos + rotate_half(x) * sin``, ``rotate_half([x1, x2]) = [-x2, x1]``
     (Su et al., 2021, arXiv:2104.09864, in Hugging Face's half-split layout)."""
     x = as_tensor(x)
-    _check_rope("rope", x, cos)
+    _check_rope("rope", x, cos, sin)
     xd = up(x.data)
     xp, rd = xp_of(xd), xd.dtype
 
@@ -147,7 +149,7 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
     none of its own.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
-    _check_rope("rope_qkv", q, cos)
+    _check_rope("rope_qkv", q, cos, sin)
     B, T, H, hs = q.shape
     heads = np.asarray(heads, dtype=np.int64)
     H_kv = k.shape[2]
@@ -158,8 +160,7 @@ def rope_qkv(q, k, v, cos, sin, heads) -> Tensor:
                          f"{heads.tolist()} (one non-decreasing key/value head per query head)")
     dtype = q.dtype
     kernels = kernels_for(xp_of(q.data))
-    packed = kernels.rope_qkv_forward(q.data, cast(k.data, dtype), cast(v.data, dtype), cos,
-                                      sin, heads)
+    packed = kernels.rope_qkv_forward(q.data, k.data, v.data, cos, sin, heads)
 
     def backward(g):
         gq, gk, gv = kernels.rope_qkv_backward(
@@ -180,13 +181,17 @@ def swiglu(gate, up_proj) -> Tensor:
     n = shape[-1] if gate.ndim else 1
     g2, u2 = gate.data.reshape(-1, n), up_proj.data.reshape(-1, n)
     xp = xp_of(g2)
-    cd = np.float32 if is_low_precision(dtype) else dtype
     kernels = kernels_for(xp)
+    # 16-bit rows straight into a GPU's kernels (float32 inside, each result rounded
+    # once: the values of casting up and down), else cast up (float32 for 16-bit)
+    native = native_float16(kernels, dtype) and up_proj.data.dtype == dtype
+    cd = dtype if native or not is_low_precision(dtype) else np.float32
     y = kernels.swiglu_forward(cast(g2, cd), cast(u2, cd))   # backward: the sigmoid again
 
     def backward(grad):
-        g_gate, g_up = kernels.swiglu_backward(cast(g2, cd), cast(u2, cd),
-                                               cast(grad.reshape(-1, n), cd),
+        g = grad.reshape(-1, n)         # a 16-bit kernel takes a gradient of the rows' dtype
+        bd = cd if g.dtype == cd or not native else np.float32
+        g_gate, g_up = kernels.swiglu_backward(cast(g2, bd), cast(u2, bd), cast(g, bd),
                                                gate.requires_grad, up_proj.requires_grad)
         return (None if g_gate is None else cast(g_gate, dtype).reshape(shape),
                 None if g_up is None else cast(g_up, up_proj.dtype).reshape(shape))

@@ -154,6 +154,6 @@ def release_branch(branch) -> None:
 
 def native_float16(kernels, dtype) -> bool:
     """Whether ``kernels`` take 16-bit (float16 or bfloat16) rows of ``dtype`` themselves
-    (a GPU's GELU, layer norm and RMS norm; see [Note: float16 rows] in
+    (a GPU's GELU, layer norm, RMS norm and SwiGLU; see [Note: float16 rows] in
     mpishard/kernels/cuda/norms.py) instead of the op casting them up and down."""
     return is_low_precision(dtype) and kernels.NATIVE_FLOAT16

@@ -33,6 +33,7 @@ from mpishard.kernels.cuda import ops as gpu_kernels
 from mpishard.kernels.protocol import KernelSet
 
 __all__ = ["kernels_for", "kernel_choice", "attention_choice", "fused_attention",
+           "device_fused_attention",
            "check_settings", "describe"]
 
 _CHOICES = ("auto", "reference")
@@ -53,13 +54,18 @@ def attention_choice() -> str:
 
 
 def fused_attention(xp, head_size: int, dropout: bool) -> bool:
-    """Whether causal attention on array module ``xp`` runs the fused kernels: asked for
-    (:func:`attention_choice`), on a device (CuPy, or the strict module that stands in
-    for it), without dropout of the weights (its draws would be a ``T x T`` array) and
-    with a head size the kernels take. The op and the activation plan both ask this."""
+    """Whether causal attention on array module ``xp`` runs the fused kernels: on a device
+    (CuPy, or the strict module that stands in for it) and :func:`device_fused_attention`.
+    The op and the activation plan both ask this."""
+    return xp is not np and device_fused_attention(head_size, dropout)
+
+
+def device_fused_attention(head_size: int, dropout: bool) -> bool:
+    """Whether causal attention on a device runs the fused kernels: asked for
+    (:func:`attention_choice`), without dropout of the weights (its draws would be a ``T x
+    T`` array) and with a head size the kernels take (the GPU kernel model asks this)."""
     from mpishard.kernels.cuda.attention import MAX_HEAD_SIZE
-    return (xp is not np and not dropout and 0 < head_size <= MAX_HEAD_SIZE
-            and attention_choice() == "fused")
+    return not dropout and 0 < head_size <= MAX_HEAD_SIZE and attention_choice() == "fused"
 
 
 def check_settings() -> None:

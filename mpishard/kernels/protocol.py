@@ -38,7 +38,7 @@ class KernelSet(Protocol):
 
     #: the set's name: ``"reference"``, ``"cpu"`` or ``"gpu"``
     NAME: str
-    #: whether GELU, layer norm and RMS norm take float16 rows themselves (a GPU's;
+    #: whether GELU, layer norm, RMS norm and SwiGLU take 16-bit rows themselves (a GPU's;
     #: see [Note: float16 rows] in mpishard/kernels/cuda/norms.py) rather than the ops
     #: casting them up and down
     NATIVE_FLOAT16: bool
@@ -76,7 +76,9 @@ class KernelSet(Protocol):
 
     def swiglu_forward(self, gate, up):
         """``y = gate s up`` with ``s = sigmoid(gate)`` (nothing kept: backward computes
-        ``s`` again from ``gate``, the same bits)."""
+        ``s`` again from ``gate``, the same bits). Where :attr:`NATIVE_FLOAT16`, also on
+        16-bit rows (the same dtype each way), computed in float32, each result rounded
+        once into their dtype."""
 
     def swiglu_backward(self, gate, up, grad, need_gate: bool = True, need_up: bool = True):
         """``(d gate, d up)`` of :meth:`swiglu_forward` (None where not needed)."""

@@ -274,7 +274,7 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
                       lambda: _whole_activations(stage, layout, act)) if activation else 0
         if machine.kernel_model:             # kernel by kernel (see [Note: GPU kernel model])
             ops = cached(("ops", layout.batch_size, layout.seq_len, layout.cp, act.itemsize,
-                          layout.sequence_parallel, kernels),
+                          layout.sequence_parallel, layout.keep_products, kernels),
                          lambda: stage_ops(stage, layout, act.itemsize, kernels))
             kernel = micro_batch_times(ops, machine, dtype, layout)
             micro = kernel["forward"] + kernel["backward"] + kernel["recompute"]

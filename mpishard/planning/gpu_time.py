@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mpishard.kernels import attention_choice
+from mpishard.kernels import attention_choice, device_fused_attention
 from mpishard.kernels.cuda.attention_tc_src import tensor_cores
 from mpishard.models import spec_of
 from mpishard.nn.sharding import plan_of
@@ -152,8 +152,8 @@ class KernelSet:
     a complex product, back, three kernels each way for each) or ``"packed"``
     (mpishard's ``rope_qkv`` on a device, mpishard/kernels/cuda/rotary.py: one kernel
     each way, q, k and v read once and the packed rows written, k and v copied out to
-    the query heads; counted the same where a Llama takes its one-op grouped-query
-    path, which rotates q and k by a complex product in float32 and copies nothing).
+    the query heads; where a Llama takes its one-op grouped-query path, that op's
+    casts and complex products instead, :func:`_one_op_rotary`).
     ``kv_copies``: grouped-query attention's keys and values copied out to the query
     heads before attention (torchtitan's ``repeat_kv``, an ``expand`` then ``reshape``),
     their gradients summed back."""
@@ -343,20 +343,34 @@ def _rotary(rows, hq, hkv, hs, s, kernels, block, one_op: int = 0) -> list:
     return ops
 
 
+def _llama_one_op(layout, hs: int) -> bool:
+    """Whether mpishard's Llama attention runs its one op on a device under ``layout``
+    (mpishard/models/llama/model.py ``takes_one_op_path``, from the layout rather than
+    from the stage a planner reuses across layouts): no context parallelism, no tensor
+    parallelism (plain q/k/v products), no recomputation by op (which keeps the
+    per-projection path's products), and no fused attention kernels for its heads."""
+    return (layout.cp == 1 and layout.tp == 1 and not layout.keep_products
+            and not device_fused_attention(hs, False))
+
+
 def _one_op_rotary(rows, seq, hq, hkv, hs, s, block) -> Op:
     """The rotations of mpishard's one-op grouped-query attention on a device
-    (mpishard/autodiff/gqa_attention.py) over ``rows`` rows of ``seq`` positions each.
-    Forward: the projections' q, k and v rows up to float32 (``s`` in, 4 out; none in
-    float32), the tables (q's and k's turns and their conjugates, ``(heads, seq, hs/2)``
-    complex: 8 bytes a pair written, 4 launches each), q's and k's complex products (4
-    in, 4 out) and their cast into the activations' dtype (4 in, ``s`` out), v's copy
-    (``2 s``). Backward: q's and k's gradients times the kept conjugates (4 in, 4 out),
-    the float32 gradient rows cast back (4 in, ``s`` out)."""
+    (mpishard/autodiff/gqa_attention.py) over ``rows`` rows of ``seq`` positions each,
+    rotating in ``r``-byte reals (float32 for 16-bit rows, else the rows' own). Forward:
+    the projections' q, k and v rows up to float32 (16-bit rows: ``s`` in, 4 out), the
+    tables (q's and k's turns, ``(heads, seq, hs/2)`` complex, and their conjugates: ``r``
+    bytes an element written, the conjugates' read too; 4 launches each), q's and k's
+    complex products (the rows and the turns, a sequence at a time, in; ``r`` out) and,
+    for 16-bit rows, their cast into the activations' dtype (``r`` in, ``s`` out), v's
+    copy (``2 s``). Backward: q's and k's gradients times the kept conjugates (``3 r``),
+    16-bit rows' float32 gradient rows cast back (4 in, ``s`` out)."""
     eq, ekv = float(rows) * hq * hs, float(rows) * hkv * hs
-    cast = s + 4.0 if s < 4 else 0.0
-    tables = 8.0 * seq * hs * (hq + hkv)
-    fw = cast * (eq + 2 * ekv) + tables + 8.0 * (eq + ekv) + cast * (eq + ekv) + 2.0 * s * ekv
-    bw = 8.0 * (eq + ekv) + cast * (eq + 2 * ekv)
+    r = 4.0 if s < 8 else 8.0
+    cast = s + r if s < 4 else 0.0
+    tables = 3.0 * r * seq * hs * (hq + hkv)
+    fw = cast * (eq + 2 * ekv) + tables + 3.0 * r * (eq + ekv) + cast * (eq + ekv) \
+        + 2.0 * s * ekv
+    bw = 3.0 * r * (eq + ekv) + cast * (eq + 2 * ekv)
     return Op("rotary", 3.0 * (eq + ekv), fw, 3.0 * (eq + ekv), bw, False, block, False,
               8 + (6 if s < 4 else 3), 2 + (1 if s < 4 else 0))
 
@@ -441,8 +455,8 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             flash = _flash(kernels, s, hs, p)
             ops += _attention(B * heads, Tl, T, hs, s, p, in_block, flash)
             hkv = _rotary_kv_heads(stage, layout.tp)
-            if hkv:         # a Llama's one op where no flash kernel takes its heads
-                one_op = flash is None and m.takes_one_op_path(np)     # (NumPy: never fused)
+            if hkv:
+                one_op = hasattr(m, "takes_one_op_path") and _llama_one_op(layout, hs)
                 ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block, Tl * one_op)
     return _mark_selective(ops, block_of, kernels.selective)
 

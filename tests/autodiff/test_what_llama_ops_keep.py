@@ -57,19 +57,30 @@ def _run(fn, arrays, seed, xp=np):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_qkv_keeps_no_tables_of_its_own(monkeypatch, dtype):
-    """rope_qkv's backward reads the model's tables again (its kernels take the sign of
-    the rotation themselves): it keeps the same bytes whatever ``keeps_least`` says, and
-    the same bits come out."""
-    fn, arrays = _rotation_cases(np.random.default_rng(3), dtype)["rope_qkv"]
-    _run(fn, arrays, 7)
-    lean_out, lean_grads, lean_kept = _run(fn, arrays, 7)
-    monkeypatch.setattr(rms_rope_swiglu, "keeps_least", lambda xp: False)
-    out, grads, kept = _run(fn, arrays, 7)
-    np.testing.assert_array_equal(lean_out, out)
-    for a, b in zip(lean_grads, grads):
-        np.testing.assert_array_equal(a, b)
-    assert lean_kept == kept, (lean_kept, kept)
+def test_rope_qkv_keeps_no_tables_of_its_own(dtype):
+    """rope_qkv's backward reads the model's tables again (its kernels take the rotation's
+    sign themselves): on the strict module, as on a GPU, it keeps what it keeps on NumPy
+    (within the wrappers' few bytes), where a device's rope_qkv kept a (T, hs) pair of
+    float32 or float64 tables per op; and the same bits come out on both."""
+    from mpishard.testing import strict
+    dt = resolve_dtype(dtype)
+    r = np.random.default_rng(3)
+    arrays = [r.standard_normal(shape).astype(dt)
+              for shape in ((B, T, H, HS), (B, T, HKV, HS), (B, T, HKV, HS))]
+    heads = [j // (H // HKV) for j in range(H)]
+    runs = []
+    for xp in (np, strict):
+        cos, sin = rms_rope_swiglu.rope_tables(T, HS, 500000.0, dtype="float32", xp=xp)
+
+        def fn(q, k, v):
+            return rms_rope_swiglu.rope_qkv(q, k, v, cos, sin, heads)
+        _run(fn, arrays, 7, xp=xp)                   # first calls' caches, not counted
+        runs.append(_run(fn, arrays, 7, xp=xp))
+    (out, grads, kept), (dev_out, dev_grads, dev_kept) = runs
+    np.testing.assert_array_equal(out, dev_out.get())
+    for a, b in zip(grads, dev_grads):
+        np.testing.assert_array_equal(a, b.get())
+    assert dev_kept - kept < T * HS * 4, (kept, dev_kept)      # a table pair: 2 T hs 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

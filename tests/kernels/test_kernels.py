@@ -548,6 +548,23 @@ def test_device_kernels_match_the_references(array_backend, dtype):
             assert (gb is None) == (wb is None)
             if gb is not None:
                 close(gb, wb, 1e-4 * rows, 1e-4 * rows)
+    # rope_qkv's kernels (one each way on a GPU): Llama's groups and a tp rank's (its
+    # query heads reading the second of three key/value heads), in dtype and on float16
+    # rows (computed in float32), against the references
+    from mpishard.autodiff.rms_rope_swiglu import rope_tables
+    Tr, hs = (256, 64) if array_backend.name == "cupy" else (5, 8)
+    for H, n_kv, kv_of in ((8, 2, [j // 4 for j in range(8)]), (2, 3, [1, 1])):
+        kv_of = np.asarray(kv_of)
+        shapes = ((2, Tr, H, hs), (2, Tr, n_kv, hs), (2, Tr, n_kv, hs), (2, Tr, 3, H, hs))
+        for rdt, rtol in ((dtype, tol), (np.float16, 1e-3)):
+            hq, hk, hv, hd = (_rand(shape, rdt, i) for i, shape in enumerate(shapes))
+            tables = rope_tables(Tr, hs, 500000.0, dtype=dtype)
+            cos, sin = (xp.asarray(t) for t in tables)
+            close(k.rope_qkv_forward(*(xp.asarray(h) for h in (hq, hk, hv)), cos, sin, kv_of),
+                  reference.rope_qkv_forward(hq, hk, hv, *tables, kv_of), rtol, rtol)
+            for rgot, rwant in zip(k.rope_qkv_backward(xp.asarray(hd), cos, sin, kv_of, n_kv),
+                                   reference.rope_qkv_backward(hd, *tables, kv_of, n_kv)):
+                close(rgot, rwant, rtol, rtol)
     # the layer norm on float16 rows (statistics and parameter gradients float32)
     w16 = xp.asarray(host[1][0].astype(np.float16))
     y, h16k, r16k = k.layer_norm_forward(a16, w16, b16, 1e-5)
@@ -765,6 +782,35 @@ def test_float16_rms_norm_on_a_device_is_the_cast_up_math_bit_for_bit(dtype, hel
     _same_bits(y.data.get(), wy.astype(dt))
     _same_bits(x.grad.get(), reference.rms_norm_backward(g32, wh, wr, w32).astype(dt))
     _same_bits(weight.grad.get(), reference.norm_param_grads(g32, wh, True, False)[0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_swiglu_on_a_device_is_the_cast_up_math_bit_for_bit(dtype):
+    """SwiGLU on 16-bit rows runs the 16-bit kernels on the strict module (as on a GPU):
+    one launch each way where casting up, computing and casting down took 3 and 5
+    more, the same values."""
+    from mpishard.autodiff import Tensor
+    from mpishard.autodiff.rms_rope_swiglu import swiglu
+    from mpishard.core.dtypes import resolve_dtype
+    from mpishard.testing import strict
+
+    dt = resolve_dtype(dtype)
+    rng = np.random.default_rng(4)
+    a, u, g = (rng.standard_normal((37, 53)).astype(dt) for _ in range(3))
+    gate, up = (Tensor(strict.asarray(v), requires_grad=True) for v in (a, u))
+    y, forward, backward = _launches_each_way(lambda: swiglu(gate, up), g)
+    assert forward == {"mpishard_swiglu16_forward": 1}
+    assert backward == {"mpishard_swiglu16_backward": 1}
+    a32, u32, g32 = (v.astype(np.float32) for v in (a, u, g))
+    _same_bits(y.data.get(), reference.swiglu_forward(a32, u32).astype(dt))
+    want_gate, want_up = reference.swiglu_backward(a32, u32, g32)
+    _same_bits(gate.grad.get(), want_gate.astype(dt))
+    _same_bits(up.grad.get(), want_up.astype(dt))
+    # a float32 gradient into 16-bit rows (not the kernels' dtype): the cast-up path
+    y = swiglu(gate, up)
+    gate.grad = up.grad = None
+    y.backward(strict.asarray(g32))
+    _same_bits(gate.grad.get(), want_gate.astype(dt))
 
 
 def test_compile_kernels_covers_every_cuda_source():

@@ -232,6 +232,21 @@ def test_gelu_twins_compute_in_float32(with_bias):
     _within_one_step(gx.view(BF16), want_gf, atol=1e-6)
 
 
+@needs_compiler
+def test_swiglu_twins_compute_in_float32():
+    """SwiGLU's bfloat16 twins each way: float32 inside, each result rounded once, the
+    sigmoid from the gate itself (the float32 kernels' formulas, equal to the
+    reference's to float32 rounding)."""
+    a, u, g = (_rand((9, 40), seed=s) for s in range(3))
+    y = _twin("mpishard_swiglu16_forward_bf16")(_words(a), _words(u))
+    a32, u32, g32 = (reference.up32(v) for v in (a, u, g))
+    _within_one_step(y.view(BF16), reference.swiglu_forward(a32, u32), atol=1e-6)
+    dg, du = _twin("mpishard_swiglu16_backward_bf16")(_words(a), _words(u), _words(g))
+    want_gate, want_up = reference.swiglu_backward(a32, u32, g32)
+    _within_one_step(dg.view(BF16), want_gate, atol=1e-6)
+    _within_one_step(du.view(BF16), want_up, atol=1e-6)
+
+
 def test_the_kernel_set_passes_bfloat16_as_words(monkeypatch):
     """On a device module the kernel set hands a bfloat16 array to its twin as uint16
     words and returns bfloat16 arrays; float16 goes to the ``T`` kernel unchanged."""

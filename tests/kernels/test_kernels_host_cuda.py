@@ -209,3 +209,29 @@ def test_swiglu_kernels_compute_the_sigmoid_inline():
     for got, want in zip(kernels["mpishard_swiglu_backward"](gate, up, g),
                          reference.swiglu_backward(gate, up, g)):
         _close(got, want, dtype)
+
+
+def test_swiglu16_kernels_compute_in_float32():
+    """SwiGLU's 16-bit kernels with ``T`` float16 (CuPy's ``__half``), compiled for the
+    host: float32 inside, each result rounded once to float16, within float16's rounding
+    of the float32 reference (whose backward formula the kernel writes otherwise)."""
+    from cuda_host import host_elementwise
+    from mpishard.kernels.cuda.ops_src import SOURCES
+    kernels = {}
+    for name in ("mpishard_swiglu16_forward", "mpishard_swiglu16_backward"):
+        inputs, outputs, body = SOURCES[name]
+        kernels[name] = host_elementwise(name, _typed(inputs, "float16"),
+                                         _typed(outputs, "float16"), _typed(body, "__half"),
+                                         preamble="#include <cuda_fp16.h>")
+    gate, up, g = (_rand((7, 300), np.float16, seed) for seed in range(3))
+    g32, u32, d32 = (v.astype(np.float32) for v in (gate, up, g))
+
+    def within_rounding(got, want32):
+        assert got.dtype == np.float16
+        ulp = np.spacing(np.abs(want32).astype(np.float16)).astype(np.float32)
+        assert (np.abs(got.astype(np.float32) - want32) <= ulp).all()
+    within_rounding(kernels["mpishard_swiglu16_forward"](gate, up),
+                    reference.swiglu_forward(g32, u32))
+    for got, want in zip(kernels["mpishard_swiglu16_backward"](gate, up, g),
+                         reference.swiglu_backward(g32, u32, d32)):
+        within_rounding(got, want)

@@ -82,6 +82,22 @@ def test_the_launcher_hands_what_its_kernels_do_not_take_to_the_reference(monkey
     even = np.arange(3)
     rotary.rope_qkv_forward(q, k.astype(np.float64), v, cos, sin, even)
     rotary.rope_qkv_forward(q[:, :, ::-1], k, v, cos, sin, even)
+    with pytest.raises(ValueError):              # a sin table of another shape: the
+        rotary.rope_qkv_forward(q, k, v, cos, sin[:, :2], even)   # reference refuses it
+    with pytest.raises(ValueError):
+        rotary.rope_qkv_backward(d, cos, sin[:, :2], even, 3)
+
+
+def test_the_op_names_a_table_of_the_wrong_shape():
+    """rope and rope_qkv refuse a cos or sin table that is not (T, hs), naming both."""
+    from mpishard.autodiff import Tensor
+    from mpishard.autodiff.rms_rope_swiglu import rope, rope_qkv
+    q, k, v, _, cos, sin = _inputs(2, 3, 2, 1, 4, np.float32)
+    q, k, v = (Tensor(a, requires_grad=True) for a in (q, k, v))
+    with pytest.raises(ValueError, match=r"cos \(3, 4\) and sin \(3, 2\)"):
+        rope_qkv(q, k, v, cos, sin[:, :2], [0, 0])
+    with pytest.raises(ValueError, match=r"cos \(2, 4\) and sin \(3, 4\)"):
+        rope(q, cos[:2], sin)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, BFLOAT16], ids=str)

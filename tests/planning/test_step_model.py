@@ -361,13 +361,14 @@ def test_rotary_embeddings_and_key_value_copies_by_framework():
     assert complex_[0].fw_bytes == (2 * 2 + 16.0) * (eq + ekv)
     assert (complex_[0].fw_kernels, complex_[0].bw_kernels) == (6, 6)
     # mpishard's Llama without tp or cp and without flash kernels (batched attention, the
-    # default) rotates inside its one op: q, k, v up to float32, the turns (8 bytes a
-    # pair, turn and conjugate, per head and position), the complex products and casts
+    # default) rotates inside its one op: q, k, v up to float32, the turns (4 bytes an
+    # element written, turn and conjugate, and the conjugate's read, per head and
+    # position), the complex products (rows, turns, results) and casts
     one_op = rotary(MPISHARD_KERNELS)
     assert len(one_op) == 2 and (one_op[0].fw_kernels, one_op[0].bw_kernels) == (14, 3)
-    assert one_op[0].fw_bytes == 6.0 * (eq + 2 * ekv) + 8.0 * 16 * hs * (4 + 2) \
-        + (8.0 + 6) * (eq + ekv) + 4.0 * ekv
-    assert one_op[0].bw_bytes == 8.0 * (eq + ekv) + 6.0 * (eq + 2 * ekv)
+    assert one_op[0].fw_bytes == 6.0 * (eq + 2 * ekv) + 12.0 * 16 * hs * (4 + 2) \
+        + (12.0 + 6) * (eq + ekv) + 4.0 * ekv
+    assert one_op[0].bw_bytes == 12.0 * (eq + ekv) + 6.0 * (eq + 2 * ekv)
     assert one_op[0].fw_bytes > fused[0].fw_bytes
 
     def copies(kernels, **extra):
@@ -398,6 +399,32 @@ def test_rotary_embeddings_and_key_value_copies_by_framework():
     eq, ekv = rows * 4 * (64 // 16), rows * 2 * (64 // 16)           # 4 query, 2 kv heads
     assert op.fw_bytes == op.bw_bytes == 2.0 * (4 * eq + 2 * ekv)
     assert op.fw_bytes < 2.0 * (eq + ekv) * (2 + 8)                  # the complex product's
+
+
+def test_the_one_op_rotary_costing_follows_the_layout_not_the_stage(monkeypatch):
+    """Which path a Llama's rotations are costed on comes from the layout and the attention
+    setting, as the model decides it (``takes_one_op_path``): the one op without tp, cp,
+    recomputation by op or fused attention for its heads; ``rope_qkv``'s kernels
+    otherwise, including fused attention on float32 rows (no tensor cores, still the
+    fused path). A stage left in "op" mode by an earlier layout changes nothing."""
+    from mpishard.models import Llama, LlamaConfig
+    from mpishard.planning.gpu_time import MPISHARD_KERNELS
+    model = Llama(LlamaConfig(**LLAMA), materialize_now=False)
+
+    def launches(lay, itemsize=2):
+        return {(op.fw_kernels, op.bw_kernels) for op in stage_ops(model, lay, itemsize,
+                                                                   MPISHARD_KERNELS)
+                if op.cls == "rotary"}
+    plain = Layout(batch_size=2, seq_len=16)
+    by_op = Layout(batch_size=2, seq_len=16, activation_checkpointing=True, keep_products=True)
+    monkeypatch.setenv("MPISHARD_ATTENTION", "batched")
+    assert launches(plain) == {(14, 3)} and launches(plain, 4) == {(11, 2)}
+    assert launches(by_op) == {(1, 1)}
+    for block in model.model.layers.values():           # as an "op" layout leaves the stage
+        block.keep_products = True
+    assert launches(plain) == {(14, 3)}
+    monkeypatch.setenv("MPISHARD_ATTENTION", "fused")
+    assert launches(plain) == launches(plain, 4) == {(1, 1)}
 
 
 def test_flashattentions_triton_kernels_run_at_the_first_generations_share():

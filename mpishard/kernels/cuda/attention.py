@@ -33,7 +33,6 @@ __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attenti
 #: the largest head size the kernels take (the thread-a-row kernels keep rows in arrays
 #: of the head size; every kernel's tiles must fit 48 KiB of static shared memory)
 MAX_HEAD_SIZE = 128
-#: the C type rows of each dtype are stored as
 
 
 def _compute(dtype) -> tuple:

@@ -23,9 +23,9 @@ one launch, reading its inputs once and writing its outputs once:
   gradients' sums of squares :mod:`.multi`'s.
 
 The sources are :mod:`.ops_src`'s. The RawKernels take C-contiguous float32 / float64
-rows; GELU takes float16 and bfloat16 rows through its 16-bit ElementwiseKernels
-(``NATIVE_FLOAT16``), as the norms and fused attention do (see [Note: float16 rows]
-in norms.py); other inputs fall back to the reference.
+rows; GELU and SwiGLU take float16 and bfloat16 rows through their 16-bit
+ElementwiseKernels (``NATIVE_FLOAT16``), as the norms and fused attention do (see
+[Note: float16 rows] in norms.py); other inputs fall back to the reference.
 
 On the CuPy-strict test module the same functions run the reference math inside
 ``strict.syncs.fused(name)``, so a test or ``benchmarks/syncs.py`` counts each
@@ -34,11 +34,14 @@ formulas, term for term; the GPU check compares them with NumPy.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from mpishard.core.backend import xp_of
 from mpishard.core.dtypes import bfloat16_words
 from mpishard.kernels import reference
+from mpishard.kernels.reference import up32
 from mpishard.kernels.protocol import KERNEL_NAMES
 from mpishard.kernels.cuda.ops_src import (BF16_WORDS, BFLOAT16_SOURCES, ROWS16, SOURCES,
                                            row_kernel_source)
@@ -58,8 +61,8 @@ __all__ = ["NAME", "NATIVE_FLOAT16", *KERNEL_NAMES, "row_kernel"]
 
 NAME = "gpu"
 #: :func:`gelu16_forward` / :func:`gelu16_backward` take float16 and bfloat16 rows in one
-#: kernel each way, and the norms 16-bit rows (the ops use them instead of casting up and
-#: down)
+#: kernel each way, and the norms and SwiGLU 16-bit rows (the ops use them instead of
+#: casting up and down)
 NATIVE_FLOAT16 = True
 
 
@@ -255,8 +258,27 @@ def gelu_backward(a, t, g):
     return _elementwise(xp, "mpishard_gelu_backward", a, t, g)
 
 
+def _rows16(*arrays) -> bool:
+    """Whether ``arrays`` are 16-bit rows of one dtype (SwiGLU's 16-bit kernels)."""
+    return arrays[0].dtype.name in ROWS16 and all(a.dtype == arrays[0].dtype for a in arrays)
+
+
+def _cast_up_math(xp, name: str, rows, math) -> tuple:
+    """``math``'s float32 results on 16-bit ``rows`` cast up, cast back to the first row
+    array's dtype: on the strict module as the one launch ``name`` it is on a GPU; for
+    rows of mixed dtypes (which the 16-bit kernels do not take) as it comes."""
+    one = is_strict_module(xp) and _rows16(*rows)
+    with xp.syncs.fused(name) if one else contextlib.nullcontext():
+        return tuple(a.astype(rows[0].dtype) for a in math(*(up32(a) for a in rows)))
+
+
 def swiglu_forward(gate, up):
     xp = xp_of(gate)
+    if gate.dtype.name in ROWS16:          # 16-bit rows (NATIVE_FLOAT16): float32 inside
+        if _rows16(gate, up) and not is_strict_module(xp):
+            return _elementwise(xp, "mpishard_swiglu16_forward", gate, up)
+        return _cast_up_math(xp, "mpishard_swiglu16_forward", (gate, up),
+                             lambda g, u: (reference.swiglu_forward(g, u),))[0]
     if is_strict_module(xp):
         with xp.syncs.fused("mpishard_swiglu_forward"):
             return reference.swiglu_forward(gate, up)
@@ -265,7 +287,13 @@ def swiglu_forward(gate, up):
 
 def swiglu_backward(gate, up, grad, need_gate: bool = True, need_up: bool = True):
     xp = xp_of(gate)
-    if is_strict_module(xp):
+    if gate.dtype.name in ROWS16:          # 16-bit rows: both gradients in their dtype
+        if _rows16(gate, up, grad) and not is_strict_module(xp):
+            g_gate, g_up = _elementwise(xp, "mpishard_swiglu16_backward", gate, up, grad)
+        else:
+            g_gate, g_up = _cast_up_math(xp, "mpishard_swiglu16_backward", (gate, up, grad),
+                                         reference.swiglu_backward)
+    elif is_strict_module(xp):
         with xp.syncs.fused("mpishard_swiglu_backward"):
             g_gate, g_up = reference.swiglu_backward(gate, up, grad)
     else:

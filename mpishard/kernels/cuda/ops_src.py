@@ -125,6 +125,17 @@ SOURCES = {
         f"const float x = (float)a; gx = (T)((float)g * ((float)0.5 * ((float)1 + t) +"
         f" (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} * ((float)1 + (float)3"
         f" * (float){GELU_K!r} * x * x)));"),
+    # SwiGLU on 16-bit rows: the float kernels above with T = float, the sigmoid inline,
+    # each result rounded once (no float32 copies of gate, up, the gradient or theirs)
+    "mpishard_swiglu16_forward": (
+        "T g, T u", "T y",
+        "const float x = (float)g; const float s = (float)1 / ((float)1 + exp(-x));"
+        " y = (T)(x * s * (float)u);"),
+    "mpishard_swiglu16_backward": (
+        "T g, T u, T d", "T dg, T du",
+        "const float x = (float)g, e = (float)d; const float s = (float)1 / ((float)1 +"
+        " exp(-x)); const float gu = e * x * s; du = (T)gu;"
+        " dg = (T)((float)u * (gu + s * (e - gu)));"),
     # with the float32 gradient too, for the bias's column sums
     "mpishard_bias_gelu16_backward": (
         "T a, T b, float32 t, T g", "T gx, float32 gf",
@@ -133,11 +144,13 @@ SOURCES = {
         f" (float)3 * (float){GELU_K!r} * x * x)); gx = (T)gf;"),
 }
 #: the kernels of :data:`SOURCES` that also run on float16 (dropout, on a 16-bit model's
-#: activations and gradients; the others get float32 or float64)
+#: activations and gradients; GELU's and SwiGLU's 16-bit kernels; the others get float32
+#: or float64)
 FLOAT16_SOURCES = ("mpishard_dropout", "mpishard_dropout_add", "mpishard_bias_dropout",
                    "mpishard_bias_dropout_add", "mpishard_bias_add", "mpishard_add_bias",
                    "mpishard_gelu16_forward", "mpishard_bias_gelu16_forward",
-                   "mpishard_gelu16_backward", "mpishard_bias_gelu16_backward")
+                   "mpishard_gelu16_backward", "mpishard_bias_gelu16_backward",
+                   "mpishard_swiglu16_forward", "mpishard_swiglu16_backward")
 #: the bfloat16 words' conversions for :data:`BFLOAT16_SOURCES` (an ElementwiseKernel's
 #: preamble; no header, so no CuPy type name): ``bf16_load`` a word as a float (the
 #: word on top of a float32), ``bf16_store`` a float as the word of its bfloat16 by
@@ -193,6 +206,15 @@ BFLOAT16_SOURCES = {
         f"const float x = bf16_load(a); gx = bf16_store(bf16_load(g) * ((float)0.5 *"
         f" ((float)1 + t) + (float)0.5 * x * ((float)1 - t * t) * (float){GELU_C!r} *"
         f" ((float)1 + (float)3 * (float){GELU_K!r} * x * x)));"),
+    "mpishard_swiglu16_forward_bf16": (
+        "uint16 g, uint16 u", "uint16 y",
+        "const float x = bf16_load(g); const float s = (float)1 / ((float)1 + exp(-x));"
+        " y = bf16_store(x * s * bf16_load(u));"),
+    "mpishard_swiglu16_backward_bf16": (
+        "uint16 g, uint16 u, uint16 d", "uint16 dg, uint16 du",
+        "const float x = bf16_load(g), e = bf16_load(d); const float s = (float)1 /"
+        " ((float)1 + exp(-x)); const float gu = e * x * s; du = bf16_store(gu);"
+        " dg = bf16_store(bf16_load(u) * (gu + s * (e - gu)));"),
     "mpishard_bias_gelu16_backward_bf16": (
         "uint16 a, uint16 b, float32 t, uint16 g", "uint16 gx, float32 gf",
         f"const float x = bf16_load(a) + bf16_load(b); gf = bf16_load(g) * ((float)0.5 *"

@@ -32,12 +32,15 @@ def _kernel(xp, name: str, dtype):
     return raw_function(xp, rotary_kernel_name(name, S), lambda: rotary_kernel_source(T, S))
 
 
-def _groups(heads, n_kv: int, *rows):
+def _groups(heads, n_kv: int, tables, *rows):
     """``(first, g)`` where the kernels take these rows (one dtype of :data:`STORAGE`,
-    C-contiguous, 32-bit head and sequence sizes) and heads map, else None."""
+    C-contiguous, 32-bit head and sequence sizes), tables (``(T, hs)`` each) and heads
+    map, else None."""
     first = rows[0]
+    T, hs = first.shape[1], first.shape[-1]
     if not (first.dtype.name in STORAGE and max(first.shape[1:], default=0) < 2 ** 31
-            and all(a.dtype == first.dtype and a.flags.c_contiguous for a in rows)):
+            and all(a.dtype == first.dtype and a.flags.c_contiguous for a in rows)
+            and all(tuple(t.shape) == (T, hs) for t in tables)):
         return None
     return reference.even_groups(heads, n_kv)
 
@@ -54,7 +57,7 @@ def _launch(n: int) -> tuple:
 
 def rope_qkv_forward(q, k, v, cos, sin, heads):
     xp = xp_of(q)
-    groups = _groups(heads, k.shape[2], q, k, v)
+    groups = _groups(heads, k.shape[2], (cos, sin), q, k, v)
     if groups is None:
         return reference.rope_qkv_forward(q, k, v, cos, sin, heads)
     if is_strict_module(xp):
@@ -74,7 +77,7 @@ def rope_qkv_forward(q, k, v, cos, sin, heads):
 def rope_qkv_backward(d, cos, sin, heads, n_kv: int, need_q: bool = True, need_k: bool = True,
                       need_v: bool = True):
     xp = xp_of(d)
-    groups = _groups(heads, n_kv, d)
+    groups = _groups(heads, n_kv, (cos, sin), d)
     if groups is None:
         return reference.rope_qkv_backward(d, cos, sin, heads, n_kv, need_q, need_k, need_v)
     if is_strict_module(xp):
