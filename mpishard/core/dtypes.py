@@ -119,11 +119,28 @@ def where_kept(xp, condition, x, y):
     return xp.where(condition, x, y).view(dtype)
 
 
+#: the 16-bit float dtype objects (bfloat16's where ml_dtypes is installed), filled on
+#: first use by :func:`is_low_precision`
+_LOW_DTYPES: frozenset = frozenset()
+
+
 def is_low_precision(dtype) -> bool:
     """Whether ``dtype`` is a 16-bit float (``float16`` or ``bfloat16``)."""
-    if isinstance(dtype, np.dtype):         # the hot path: dtype.name builds a string
-        return dtype.itemsize == 2 and dtype.name in LOW_PRECISION
+    if isinstance(dtype, np.dtype):         # the hot path (every op asks): a set lookup,
+        if dtype in _LOW_DTYPES:            # where dtype.name builds a string (2 us for
+            return True                     # float16)
+        if dtype.itemsize != 2:
+            return False
+        if dtype.name in LOW_PRECISION:     # the first 16-bit float seen: remember it
+            _remember_low(dtype)
+            return True
+        return False
     return getattr(dtype, "name", str(dtype)) in LOW_PRECISION
+
+
+def _remember_low(dtype: np.dtype) -> None:
+    global _LOW_DTYPES
+    _LOW_DTYPES = _LOW_DTYPES | {dtype}
 
 
 def matmul_dtype(array) -> np.dtype:
