@@ -216,17 +216,24 @@ def _whole(x: float):
     return int(x) if float(x).is_integer() else round(x, 2)
 
 
+def _top_ops_per_block(small: dict, big: dict) -> dict:
+    """The 15 operations that launch most per block: ``by_op`` of the deeper step less
+    the shallower's, over the blocks added."""
+    l1, l2 = LAUNCH_LAYERS
+    by_op = {op: (big["by_op"].get(op, 0) - small["by_op"].get(op, 0)) / (l2 - l1)
+             for op in set(big["by_op"]) | set(small["by_op"])}
+    top = sorted((item for item in by_op.items() if item[1]), key=lambda i: (-i[1], i[0]))
+    return {op: _whole(n) for op, n in top[:15]}
+
+
 def llama_launch_figures(steps: int = 2) -> dict:
     """``llama_launches_per_block`` (forward, backward and the gradient reduction) and
     its 15 largest operations, from :func:`_llama_config`'s Llama at two depths."""
     l1, l2 = LAUNCH_LAYERS
     small, big = (measure_launches(n, steps, llama=True) for n in (l1, l2))
-    by_op = {op: (big["by_op"].get(op, 0) - small["by_op"].get(op, 0)) / (l2 - l1)
-             for op in set(big["by_op"]) | set(small["by_op"])}
-    top = sorted((item for item in by_op.items() if item[1]), key=lambda i: (-i[1], i[0]))
     return {"llama_launches_per_block": _whole(
                 (max(big["train_step"]) - max(small["train_step"])) / (l2 - l1)),
-            "llama_launches_per_block_by_op": {op: _whole(n) for op, n in top[:15]}}
+            "llama_launches_per_block_by_op": _top_ops_per_block(small, big)}
 
 
 def launch_figures(steps: int = 2) -> dict:
@@ -236,9 +243,6 @@ def launch_figures(steps: int = 2) -> dict:
     per_step = max(big["launches"])
     per_block = (per_step - max(small["launches"])) / (l2 - l1)
     in_train_step = (max(big["train_step"]) - max(small["train_step"])) / (l2 - l1)
-    by_op = {op: (big["by_op"].get(op, 0) - small["by_op"].get(op, 0)) / (l2 - l1)
-             for op in set(big["by_op"]) | set(small["by_op"])}
-    top = sorted((item for item in by_op.items() if item[1]), key=lambda i: (-i[1], i[0]))
     return {"launches_per_step": per_step,
             # forward, backward and the gradient reduction (train_step): what the
             # target is about
@@ -246,7 +250,7 @@ def launch_figures(steps: int = 2) -> dict:
             # the block's share of step(): clipping and the optimizer on its parameters
             "launches_per_block_optimizer": _whole(per_block - in_train_step),
             "launches_outside_blocks": _whole(per_step - l2 * per_block),
-            "launches_per_block_by_op": {op: _whole(n) for op, n in top[:15]},
+            "launches_per_block_by_op": _top_ops_per_block(small, big),
             "launch_target": LAUNCH_TARGET,
             "launch_layers": list(LAUNCH_LAYERS),
             "before": BEFORE}

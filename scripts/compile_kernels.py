@@ -18,8 +18,8 @@ their bfloat16 twins on 16-bit words, and every RawKernel module
 (``cupy.RawModule``) as the launchers build it: the row kernels, the norms' (also
 on float16 and bfloat16 rows), the multi-tensor kernels, the fused attention's
 (head sizes 64, 128 and 24; float, double, float16 and bfloat16 rows), the fused
-cross-entropy's and the rotary embeddings'. It does not run them: the GPU check compares each kernel with
-NumPy's reference (tests/kernels/test_kernels.py).
+cross-entropy's and the rotary embeddings'. It does not run them: the GPU check
+compares each kernel with NumPy's reference (tests/kernels/test_kernels.py).
 
 The compiler is NVRTC when CuPy is installed, else ``nvcc`` (``$CUDA_PATH/bin`` or
 the PATH). Both build a cubin for sm_90 with ptxas ``-v`` (an NVRTC too old for
@@ -153,16 +153,12 @@ def sources_to_compile(half: list | None, elementwise_half: list | None = None) 
         if half is not None:
             sources += [(f"flash attention hs={hs}", f"{S} rows",
                          attention_src.flash_source("float", S, hs), half) for S in HALF_ROWS]
-    sources += [("fused cross-entropy", S, loss_src.loss_kernel_source(T, S), [])  # loss.py
-                for T, S in (("float", "float"), ("double", "double"))]
-    if half is not None:
-        sources += [("fused cross-entropy", f"{S} logits",
-                     loss_src.loss_kernel_source("float", S), half) for S in HALF_ROWS]
-    sources += [("rotary embeddings", S, rotary_src.rotary_kernel_source(T, S), [])  # rotary.py
-                for T, S in (("float", "float"), ("double", "double"))]
-    if half is not None:
-        sources += [("rotary embeddings", f"{S} rows",
-                     rotary_src.rotary_kernel_source("float", S), half) for S in HALF_ROWS]
+    for name, source, what in (("fused cross-entropy", loss_src.loss_kernel_source, "logits"),
+                               ("rotary embeddings", rotary_src.rotary_kernel_source, "rows")):
+        sources += [(name, S, source(T, S), [])          # as loss.py and rotary.py build them
+                    for T, S in (("float", "float"), ("double", "double"))]
+        if half is not None:
+            sources += [(name, f"{S} {what}", source("float", S), half) for S in HALF_ROWS]
     return sources
 
 

@@ -8,7 +8,8 @@ strict module). Beside the kernels, the pieces the CPU and GPU sets build on:
 GELU's constants, :func:`up32`, :func:`apply_dropout`, :func:`causal_bias`,
 :func:`scale_and_mask`, :func:`multi_adam` and the rotary embeddings' pieces
 (:func:`rotary_tables`, :func:`head_tables`, :func:`rotate`, :func:`even_groups`,
-:func:`heads_sum`, :func:`pack_heads`).
+:func:`heads_sum`, :func:`pack_heads`, and :func:`rotate_packed` /
+:func:`rotate_packed_back`, which the CPU set runs in NumPy's layout).
 """
 from __future__ import annotations
 
@@ -233,31 +234,54 @@ def pack_heads(packed, k_rot, v, heads, by_group: bool = True) -> None:
         packed[:, :, 2, j] = v[:, :, kv]
 
 
-def rope_qkv_forward(q, k, v, cos, sin, heads):
+def _turns_for(pair, n_heads: int, per_head: bool) -> tuple:
+    """:func:`rotary_tables`' pair for :func:`rotate` over ``n_heads`` heads: per head
+    (:func:`head_tables`, NumPy's layout) or broadcast ``(T, 1, hs)``."""
+    return head_tables(*pair, n_heads) if per_head else tuple(a[:, None, :] for a in pair)
+
+
+def rotate_packed(q, k, v, cos, sin, heads, per_head: bool = False):
+    """:meth:`~mpishard.kernels.protocol.KernelSet.rope_qkv_forward`'s math; ``per_head``:
+    NumPy's way (the tables per head, a copy per query head), else whole-array passes
+    and a copy per group member."""
     xp = xp_of(q)
     B, T, H, hs = q.shape
     qd = up32(q)
-    tables = tuple(a[:, None, :] for a in rotary_tables(cos, sin, qd.dtype))
+    pair = rotary_tables(cos, sin, qd.dtype)
     packed = xp.empty((B, T, 3, H, hs), dtype=qd.dtype)
-    rotate(qd, tables, packed[:, :, 0])
-    k_rot = rotate(up32(k), tables, xp.empty(k.shape, dtype=qd.dtype))
-    pack_heads(packed, k_rot, up32(v), heads)
+    rotate(qd, _turns_for(pair, H, per_head), packed[:, :, 0])
+    k_rot = rotate(up32(k), _turns_for(pair, k.shape[2], per_head),
+                   xp.empty(k.shape, dtype=qd.dtype))
+    pack_heads(packed, k_rot, up32(v), heads, by_group=not per_head)
     return _as(packed, q.dtype)
+
+
+def rotate_packed_back(d, cos, sin, heads, n_kv: int, need_q: bool = True,
+                       need_k: bool = True, need_v: bool = True, per_head: bool = False):
+    """:meth:`~mpishard.kernels.protocol.KernelSet.rope_qkv_backward`'s math (``per_head``
+    as :func:`rotate_packed`'s)."""
+    xp = xp_of(d)
+    dd = up32(d)
+    B, T, _, H, hs = dd.shape
+    pair = rotary_tables(cos, sin, dd.dtype)
+    gq = rotate(dd[:, :, 0], _turns_for(pair, H, per_head),
+                xp.empty((B, T, H, hs), dtype=dd.dtype), inverse=True) if need_q else None
+    gk = None
+    if need_k:
+        summed = heads_sum(dd[:, :, 1], heads, n_kv, by_group=not per_head)
+        gk = rotate(summed, _turns_for(pair, n_kv, per_head), xp.empty_like(summed),
+                    inverse=True)
+    gv = heads_sum(dd[:, :, 2], heads, n_kv, by_group=not per_head) if need_v else None
+    return tuple(None if a is None else _as(a, d.dtype) for a in (gq, gk, gv))
+
+
+def rope_qkv_forward(q, k, v, cos, sin, heads):
+    return rotate_packed(q, k, v, cos, sin, heads)
 
 
 def rope_qkv_backward(d, cos, sin, heads, n_kv: int, need_q: bool = True, need_k: bool = True,
                       need_v: bool = True):
-    xp = xp_of(d)
-    dd = up32(d)
-    tables = tuple(a[:, None, :] for a in rotary_tables(cos, sin, dd.dtype))
-    gq = rotate(dd[:, :, 0], tables, xp.empty(dd.shape[:2] + dd.shape[3:], dtype=dd.dtype),
-                inverse=True) if need_q else None
-    gk = None
-    if need_k:
-        summed = heads_sum(dd[:, :, 1], heads, n_kv)
-        gk = rotate(summed, tables, xp.empty_like(summed), inverse=True)
-    gv = heads_sum(dd[:, :, 2], heads, n_kv) if need_v else None
-    return tuple(None if a is None else _as(a, d.dtype) for a in (gq, gk, gv))
+    return rotate_packed_back(d, cos, sin, heads, n_kv, need_q, need_k, need_v)
 
 
 def apply_dropout(y, u, p: float, out=None):

@@ -316,13 +316,10 @@ def _rotary_kv_heads(stage, tp: int) -> int:
     return kv // tp if kv % tp == 0 else kv
 
 
-def _rotary(rows, hq, hkv, hs, s, kernels, block, one_op: int = 0) -> list:
+def _rotary(rows, hq, hkv, hs, s, kernels, block) -> list:
     """Rotary embeddings (and torchtitan's key/value copies) for ``rows`` rows of ``hq``
     query and ``hkv`` key/value heads of size ``hs`` (this rank's), as ``kernels`` runs
-    them (see :class:`KernelSet`; ``one_op``: where mpishard's Llama takes its one-op
-    grouped-query path, its sequences' positions, see :func:`_one_op_rotary`)."""
-    if kernels.rotary == "packed" and one_op:
-        return [_one_op_rotary(rows, one_op, hq, hkv, hs, s, block)]
+    them (see :class:`KernelSet`; mpishard's one-op path: :func:`_one_op_rotary`)."""
     eq, ekv = float(rows) * hq * hs, float(rows) * hkv * hs
     ops = []
     if kernels.rotary == "fused":            # q and k each read and written once
@@ -452,12 +449,13 @@ def stage_ops(stage, layout, itemsize: int, kernels: KernelSet = MPISHARD_KERNEL
             in_block = bool(blocks) and path.startswith(blocks)
             heads, hs = spec_of(stage).attention_heads(m)
             B, Tl, T = layout.batch_size, layout.local_seq_len, layout.seq_len
-            flash = _flash(kernels, s, hs, p)
-            ops += _attention(B * heads, Tl, T, hs, s, p, in_block, flash)
+            ops += _attention(B * heads, Tl, T, hs, s, p, in_block, _flash(kernels, s, hs, p))
             hkv = _rotary_kv_heads(stage, layout.tp)
-            if hkv:
-                one_op = hasattr(m, "takes_one_op_path") and _llama_one_op(layout, hs)
-                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block, Tl * one_op)
+            if hkv and kernels.rotary == "packed" and hasattr(m, "takes_one_op_path") \
+                    and _llama_one_op(layout, hs):
+                ops.append(_one_op_rotary(B * Tl, Tl, heads, hkv, hs, s, in_block))
+            elif hkv:
+                ops += _rotary(B * Tl, heads, hkv, hs, s, kernels, in_block)
     return _mark_selective(ops, block_of, kernels.selective)
 
 

@@ -220,34 +220,14 @@ def swiglu_backward(gate, up, grad, need_gate: bool = True, need_up: bool = True
 
 
 def rope_qkv_forward(q, k, v, cos, sin, heads):
-    """The reference's math with NumPy's layout: the tables per head
-    (:func:`~mpishard.kernels.reference.head_tables`), a copy per query head."""
-    B, T, H, hs = q.shape
-    qd = up32(q)
-    c, signed = reference.rotary_tables(cos, sin, qd.dtype)
-    packed = np.empty((B, T, 3, H, hs), dtype=qd.dtype)
-    reference.rotate(qd, reference.head_tables(c, signed, H), packed[:, :, 0])
-    k_rot = reference.rotate(up32(k), reference.head_tables(c, signed, k.shape[2]),
-                             np.empty(k.shape, dtype=qd.dtype))
-    reference.pack_heads(packed, k_rot, up32(v), heads, by_group=False)
-    return packed.astype(q.dtype, copy=False)
+    """The reference's math in NumPy's layout: the tables per head, a copy per query head."""
+    return reference.rotate_packed(q, k, v, cos, sin, heads, per_head=True)
 
 
 def rope_qkv_backward(d, cos, sin, heads, n_kv: int, need_q: bool = True, need_k: bool = True,
                       need_v: bool = True):
-    dd = up32(d)
-    B, T, _, H, hs = dd.shape
-    c, signed = reference.rotary_tables(cos, sin, dd.dtype)
-    gq = reference.rotate(dd[:, :, 0], reference.head_tables(c, signed, H),
-                          np.empty((B, T, H, hs), dtype=dd.dtype),
-                          inverse=True) if need_q else None
-    gk = None
-    if need_k:
-        summed = reference.heads_sum(dd[:, :, 1], heads, n_kv, by_group=False)
-        gk = reference.rotate(summed, reference.head_tables(c, signed, n_kv),
-                              np.empty_like(summed), inverse=True)
-    gv = reference.heads_sum(dd[:, :, 2], heads, n_kv, by_group=False) if need_v else None
-    return tuple(None if a is None else a.astype(d.dtype, copy=False) for a in (gq, gk, gv))
+    return reference.rotate_packed_back(d, cos, sin, heads, n_kv, need_q, need_k, need_v,
+                                        per_head=True)
 
 
 def _softmax(r) -> None:

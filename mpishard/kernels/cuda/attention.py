@@ -24,7 +24,7 @@ from mpishard.kernels import reference
 from mpishard.kernels.cuda.attention_src import flash_source, flash_suffix, flash_tile
 from mpishard.kernels.cuda.attention_tc_src import TC_ROWS, TC_WARPS, tensor_cores
 from mpishard.kernels.cuda.headers import tensor_core_options
-from mpishard.kernels.cuda.ops_src import STORAGE
+from mpishard.kernels.cuda.ops_src import STORAGE, compute_dtype, storage_dtypes
 from mpishard.kernels.cuda.launch import is_strict_module, raw_function
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attention_takes",
@@ -35,18 +35,11 @@ __all__ = ["flash_attention_forward", "flash_attention_backward", "fused_attenti
 MAX_HEAD_SIZE = 128
 
 
-def _compute(dtype) -> tuple:
-    """``(C type, NumPy dtype)`` the kernels compute rows of ``dtype`` in: double for
-    float64, else float."""
-    return ("double", np.dtype(np.float64)) if dtype == np.float64 else \
-        ("float", np.dtype(np.float32))
-
-
 def fused_attention_takes(hm) -> bool:
     """Whether the kernels take head-major ``hm`` (see the module docstring)."""
     return (hm.dtype.name in STORAGE and hm.flags.c_contiguous and hm.ndim == 5
             and 0 < hm.shape[-1] <= MAX_HEAD_SIZE
-            and -(-hm.shape[-2] // flash_tile(_compute(hm.dtype)[0])) <= 65535)  # grid's y
+            and -(-hm.shape[-2] // flash_tile(storage_dtypes(hm.dtype)[0])) <= 65535)  # grid's y
 
 
 def _tensor_cores(xp, S: str, hs: int):
@@ -58,8 +51,7 @@ def _tensor_cores(xp, S: str, hs: int):
 
 def _flash_kernel(xp, name: str, dtype, hs: int):
     """The compiled kernel ``name`` for rows of ``dtype`` and head size ``hs``."""
-    S = STORAGE[np.dtype(dtype).name]
-    T = _compute(dtype)[0]
+    T, S = storage_dtypes(dtype)
     options = _tensor_cores(xp, S, hs)
     return raw_function(xp, f"{name}_{flash_suffix(S, hs)}",
                         lambda: flash_source(T, S, hs, tensor_core_kernels=options is not None),
@@ -71,7 +63,7 @@ def _launch(hm):
     kernels' blocks of :data:`TC_ROWS` rows over :data:`TC_WARPS` warps for the rows they
     take, else a thread a row."""
     _, B, heads, T, hs = hm.shape
-    ctype, fd = _compute(hm.dtype)
+    ctype, fd = storage_dtypes(hm.dtype)[0], compute_dtype(hm.dtype)
     if _tensor_cores(xp_of(hm), STORAGE[hm.dtype.name], hs) is not None:
         return (B * heads, -(-T // TC_ROWS)), (TC_WARPS * 32,), B * heads, T, fd
     return (B * heads, -(-T // flash_tile(ctype))), (flash_tile(ctype),), B * heads, T, fd
@@ -97,7 +89,7 @@ def flash_attention_backward(hm, y, gy, lse, scale: float):
     xp = xp_of(hm)
     ready = (fused_attention_takes(hm) and all(a.dtype == hm.dtype and a.flags.c_contiguous
                                                for a in (y, gy))
-             and lse.flags.c_contiguous and lse.dtype == _compute(hm.dtype)[1])
+             and lse.flags.c_contiguous and lse.dtype == compute_dtype(hm.dtype))
     if not ready:
         return reference.flash_attention_backward(hm, y, gy, lse, scale)
     if is_strict_module(xp):

@@ -71,6 +71,7 @@ def storage_source(template: str, T: str, S: str, what: str) -> str:
             .replace("_{N}(", storage_name("", S) + "("))
     return rows16_source(S, code)
 
+
 #: name -> (inputs, outputs, CUDA body) of each ElementwiseKernel
 SOURCES = {
     "mpishard_gelu_forward": (
