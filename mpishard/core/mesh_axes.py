@@ -69,6 +69,8 @@ class MeshGroup:
         rank: this rank's index in it (the key a split orders the ranks by).
         color: which group of its kind this rank's is (the colour of a split).
         first_world_rank, last_world_rank: its lowest and highest world rank.
+        steps: ``(stride, size)`` in world ranks of each axis it spans: its ranks are
+            ``first_world_rank + sum(k * stride)`` over ``0 <= k < size``.
     """
 
     name: str
@@ -77,11 +79,24 @@ class MeshGroup:
     color: int
     first_world_rank: int
     last_world_rank: int
+    steps: tuple = ()
 
     def spans_nodes(self, ranks_per_node: int) -> bool:
         """Whether its ranks are on two nodes or more, with ranks placed on nodes in
         blocks of ``ranks_per_node``."""
         return self.first_world_rank // ranks_per_node != self.last_world_rank // ranks_per_node
+
+    def ranks_on_node(self, ranks_per_node: int) -> int:
+        """How many of its ranks share its first rank's node (ranks placed on nodes in
+        blocks of ``ranks_per_node``): the NICs a collective over it can use at once on
+        each node, where each rank has its own (see :meth:`Machine.link`)."""
+        limit = (self.first_world_rank // ranks_per_node + 1) * ranks_per_node \
+            - self.first_world_rank
+        offsets = [0]
+        for stride, size in self.steps:
+            offsets = [o + k * stride for o in offsets for k in range(size)
+                       if o + k * stride < limit]
+        return len(offsets)
 
 
 class MeshShape:
@@ -138,11 +153,12 @@ class MeshShape:
         sizes, c = self.sizes, self.coords
         order = EXPERT_AXES if {"ep", "edp_shard"} & set(axes) else MESH_AXES
         color, key, size = 0, 0, 1
-        low, high, stride = world_rank, world_rank, 1
+        low, high, stride, steps = world_rank, world_rank, 1, []
         for a in reversed(order):        # innermost first: each axis's stride in world ranks
             if a in axes:
                 low -= c[a] * stride
                 high += (sizes[a] - 1 - c[a]) * stride
+                steps.append((stride, sizes[a]))
             stride *= sizes[a]
         for a in order:
             if a not in axes:
@@ -150,7 +166,7 @@ class MeshShape:
         for a in axes:
             key = key * sizes[a] + c[a]
             size *= sizes[a]
-        return MeshGroup(name, size, key, color, low, high)
+        return MeshGroup(name, size, key, color, low, high, tuple(steps))
 
     def active_names(self) -> list:
         """The communicator names of the groups with more than one rank, outermost

@@ -27,7 +27,9 @@ Per step, on the busiest pipeline stage (the stage with the longest time):
 * **shared node**: see [Note: ranks sharing a node].
 * **communication** per mesh group: the planner's bus bytes per step (exact,
   see [Note: layout plan]) over the group's link, plus its latency per call;
-  a group spans nodes when its ranks do (block placement, ``ranks_per_node``).
+  a group spans nodes when its ranks do (block placement, ``ranks_per_node``), and
+  its rings then cross them on as many NICs as it has ranks on a node, up to the
+  machine's ``rails`` (see [Note: rails] in machine.py).
   On a machine that overlaps (``overlap``), what hides behind computation is
   taken off: DDP's bucket all-reduces behind backward (the last bucket stays),
   ZeRO-3's prefetched gathers and reduce-scatters behind the compute, ZeRO-1/2's
@@ -101,7 +103,8 @@ from mpishard.planning.memory import cp_attention_bytes, layout_itemsizes
 from mpishard.planning.offload import offload_seconds
 from mpishard.parallel.plans import matching_modules
 
-__all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes"]
+__all__ = ["StepCost", "predict_step", "stage_flops", "group_spans_nodes",
+           "group_ranks_on_node"]
 
 
 @dataclass
@@ -165,6 +168,15 @@ def group_spans_nodes(layout, group: str, ranks_per_node: int) -> bool:
     has ranks on two nodes, with ranks placed on nodes in blocks of ``ranks_per_node``."""
     return mesh_shape(layout, 0).groups["pp" if group == "tied" else group] \
         .spans_nodes(ranks_per_node)
+
+
+def group_ranks_on_node(layout, group: str, ranks_per_node: int) -> int:
+    """How many of rank 0's ``group``'s ranks share a node (see :func:`group_spans_nodes`):
+    the NICs its ring collectives cross nodes on (see [Note: rails] in machine.py); the
+    pipeline's ends (``"tied"``) are two ranks, one on each end's node."""
+    if group == "tied":
+        return 1
+    return mesh_shape(layout, 0).groups[group].ranks_on_node(ranks_per_node)
 
 
 _DP_GROUPS = ("dp_cp", "dp", "edp", "dp_shard_cp", "dp_shard", "edp_shard", "dp_replicate")
@@ -315,7 +327,8 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
             kind = "all_gather" if group == "tp" and layout.sequence_parallel else \
                 _KIND.get(group, "all_reduce")          # sp: gathers and reduce-scatters
             link = machine.link(kind, _group_size(mesh, group),
-                                group_spans_nodes(layout, group, rpn))
+                                group_spans_nodes(layout, group, rpn),
+                                group_ranks_on_node(layout, group, rpn))
             if group == "pp" and machine.kernel_model:
                 nbytes /= 2     # a stage's sends and receives cross a full-duplex link at once
             if kernels.grad_reduce_itemsize and (group in _DP_GROUPS or group == "tied"):

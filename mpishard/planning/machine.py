@@ -53,6 +53,21 @@ collective's kernels' SMs and memory traffic: Calculon's figure). ``cores``: a C
 beyond them share (``share``). ``busy_slowdown`` (calibrated) how many times longer a
 rank's compute takes while ``n`` ranks of a node compute at once (``{"4": 2.6}``): turns
 on shared cores, and the memory bus and last-level cache all ranks share. Every value's origin is in ``sources``.
+
+[Note: rails]
+A link's ``bandwidth`` across nodes is one NIC's. A GPU node has a NIC per GPU (a DGX
+A100 eight 200 Gb/s HCAs, a DGX H100 eight 400 Gb/s ones: ``rails``, 1 if absent, as on
+a node of CPU ranks that share one NIC). A ring collective (all-reduce, all-gather,
+reduce-scatter) over a group with ``g`` ranks on each node enters and leaves each node
+once per ring, and runs a ring per NIC, so its bus bandwidth is ``min(g, rails)`` NICs',
+up to the node's own links: ``min(intra, min(g, rails) x inter)``. NCCL's authors say
+as much: a ring "requires data to go through each GPU and enter/exit the node once"
+(NVIDIA/nccl#687), and with more NICs than one a node gets "more bandwidth, up to 160GB/s
+which is the NVLink intra-node bandwidth of your system" (NVIDIA/nccl#412, an A800 node
+at 24 GB/s across nodes on its one HDR NIC). So a ZeRO-3 group over whole nodes crosses
+them about as fast as it runs inside one, while Megatron-LM's data-parallel groups, one
+rank on each node under tp = 8, cross on one NIC each. Sends, receives and all-to-alls
+move each rank's own bytes through its own NIC: one NIC's bandwidth.
 """
 from __future__ import annotations
 
@@ -77,6 +92,7 @@ class Link:
     bandwidth: float
     gather_bandwidth: float | None = None     # all-gathers and reduce-scatters, if slower
     processor_usage: float = 0.0              # compute time lost per second overlapped
+    rails: int = 1                            # a node's ranks with a NIC of their own
 
     def seconds(self, bus_bytes: float, calls: float = 1.0) -> float:
         return calls * self.latency_s + bus_bytes / self.bandwidth
@@ -212,17 +228,30 @@ class Machine:
             return kept / rate
         return self.stream_seconds(3 * kept)
 
-    def link(self, kind: str, size: int, spans_nodes: bool) -> Link:
-        """The cost line of collective ``kind`` over a group of ``size`` ranks: a
-        calibrated one (``collectives["kind@size"]``, ``"kind@size/inter"`` across
-        nodes), else the inter- or intra-node link."""
+    def link(self, kind: str, size: int, spans_nodes: bool, per_node: int = 1) -> Link:
+        """The cost line of collective ``kind`` over a group of ``size`` ranks, ``per_node``
+        of them on each node: a calibrated one (``collectives["kind@size"]``,
+        ``"kind@size/inter"`` across nodes), else the inter- or intra-node link (see
+        [Note: rails])."""
         fitted = self.collectives.get(f"{kind}@{size}" + ("/inter" if spans_nodes else ""))
         if fitted is not None:
             return Link(float(fitted["latency_s"]), float(fitted["bandwidth"]))
         link = self.inter if spans_nodes else self.intra
-        if kind in ("all_gather", "reduce_scatter") and link.gather_bandwidth:
-            return Link(link.latency_s, link.gather_bandwidth, None, link.processor_usage)
+        if kind in _GATHERS and link.gather_bandwidth:
+            link = Link(link.latency_s, link.gather_bandwidth, None, link.processor_usage,
+                        link.rails)
+        rails = min(per_node, link.rails)
+        if spans_nodes and rails > 1 and kind in _RINGS:
+            within = self.link(kind, size, False)
+            return Link(link.latency_s, min(within.bandwidth, rails * link.bandwidth), None,
+                        link.processor_usage, link.rails)
         return link
+
+
+#: the collectives that run as rings (see [Note: rails]), and those of them a link may
+#: give a gather bandwidth of their own
+_RINGS = ("all_reduce", "all_gather", "reduce_scatter")
+_GATHERS = ("all_gather", "reduce_scatter")
 
 
 def _positive(value, where: str, zero: bool = False) -> float:
@@ -258,9 +287,13 @@ def _link(raw: dict, where: str) -> Link:
     if not isinstance(usage, (int, float)) or isinstance(usage, bool) or not 0 <= usage < 1:
         raise ValueError(f"machine description: {where}.processor_usage={usage!r} must be in "
                          f"[0, 1)")
+    rails = raw.get("rails", 1)
+    if not isinstance(rails, int) or isinstance(rails, bool) or rails < 1:
+        raise ValueError(f"machine description: {where}.rails={rails!r} must be an integer "
+                         f">= 1 (the ranks of a node with a NIC of their own)")
     return Link(float(latency), _positive(raw.get("bandwidth"), f"{where}.bandwidth"),
                 _positive(gather, f"{where}.gather_bandwidth") if gather is not None else None,
-                float(usage))
+                float(usage), rails)
 
 
 def machine_from_dict(raw: dict) -> Machine:

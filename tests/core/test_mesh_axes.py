@@ -49,6 +49,10 @@ def test_every_group_holds_the_enumerated_ranks_and_names_as_the_mesh(given):
             assert getattr(shape, name) is group
             assert (group.size, group.rank) == (len(ranks), ranks.index(rank)), (name, rank)
             assert (group.first_world_rank, group.last_world_rank) == (ranks[0], ranks[-1])
+            for per_node in (1, 2, 3, 4, 8):
+                node = ranks[0] // per_node
+                assert group.ranks_on_node(per_node) == \
+                    sum(r // per_node == node for r in ranks), (name, rank, per_node)
             assert colors[name].setdefault(group.color, ranks) == ranks, (name, rank)
             same = next(n for n in MESH_GROUPS if groups[n] == ranks)
             assert group.name == (same if len(ranks) > 1 else name), (name, rank)
@@ -62,6 +66,15 @@ def test_a_group_spans_nodes_when_its_lowest_and_highest_ranks_do():
     assert shape.dp_shard.first_world_rank == 0 and shape.dp_shard.last_world_rank == 2
     assert not shape.dp_shard.spans_nodes(4) and shape.dp_shard.spans_nodes(2)
     assert shape.dp_replicate.spans_nodes(4) and not shape.tp.spans_nodes(2)
+
+
+def test_a_group_counts_its_ranks_on_a_node():
+    """An outer group over nodes of 4 has a rank per tp rank on each node: 2 of 4 with
+    tp = 2 inside it, 1 of 2 over nodes of 2; an inner one all of them."""
+    shape = MeshShape(dp_replicate=2, dp_shard=2, tp=2, world_rank=5)   # ranks 0..7
+    assert shape.dp.ranks_on_node(4) == 2 and shape.dp.ranks_on_node(2) == 1
+    assert shape.dp_replicate.ranks_on_node(4) == 1 and shape.tp.ranks_on_node(8) == 2
+    assert shape.dp_shard.ranks_on_node(8) == 2 and shape.dp.ranks_on_node(8) == 4
 
 
 @pytest.mark.parametrize("kwargs, words", [

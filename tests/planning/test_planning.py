@@ -36,6 +36,21 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
     assert fitted.link("all_reduce", 4, False) == Link(2e-4, 5e8)        # calibrated
     assert fitted.link("all_reduce", 4, True) == Link(5e-4, 1e8)
     assert fitted.link("all_gather", 4, False) == Link(1e-3, 1e6)       # not fitted: the link
+    # rails (see [Note: rails]): a ring across nodes runs on a NIC per rank of a node, up
+    # to the node's own link; sends and all-to-alls, and a node of one NIC, on one
+    railed = machine_from_dict({**TOY, "links": {**TOY["links"], "inter": {
+        **TOY["links"]["inter"], "rails": 4}}})
+    assert railed.link("all_gather", 8, True, per_node=2).bandwidth == 2e5
+    assert railed.link("reduce_scatter", 16, True, per_node=4).bandwidth == 4e5
+    assert railed.link("all_reduce", 64, True, per_node=8).bandwidth == 4e5  # 4 NICs
+    assert railed.link("all_reduce", 8, True).bandwidth == 1e5               # one a node
+    assert railed.link("send", 8, True, per_node=4).bandwidth == 1e5
+    assert railed.link("all_to_all", 8, True, per_node=4).bandwidth == 1e5
+    assert railed.link("all_reduce", 4, False, per_node=4) == Link(1e-3, 1e6)  # inside
+    fast_nics = machine_from_dict({**TOY, "links": {**TOY["links"], "inter": {
+        "latency_s": 1e-2, "bandwidth": 4e5, "rails": 4}}})
+    assert fast_nics.link("all_reduce", 8, True, per_node=4).bandwidth == 1e6  # NVLink's
+    assert m.link("all_reduce", 8, True, per_node=4) == Link(1e-2, 1e5)      # rails 1
     assert m.matmul_seconds(1e9, "float32") == pytest.approx(2.0)      # 1e9 at 0.5 x 1e9/s
     assert m.activation_seconds(1e9) == pytest.approx(3.0)             # three streams
     rated = machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rate": 4e8,
@@ -98,6 +113,23 @@ def test_a_group_spans_nodes_when_its_ranks_do():
     assert not group_spans_nodes(experts, "ep", 2) and group_spans_nodes(experts, "ep", 1)
     assert not group_spans_nodes(experts, "edp_shard", 3)       # ranks 0, 2
     assert group_spans_nodes(experts, "edp_shard", 2)
+
+
+def test_a_group_crosses_nodes_on_a_nic_per_rank_it_has_on_a_node():
+    """ZeRO-3 over two nodes of 8 H100s gathers at NVLink's rate (8 NICs a node, 8 ranks
+    of the group on each); Megatron's data-parallel group under tp = 8 (one rank a node)
+    on one NIC; the pipeline's ends on one."""
+    from mpishard.planning.cost import group_ranks_on_node
+    h100 = load_machine("h100-sxm")
+    zero3 = Layout(dp=16, strategy="zero3", seq_len=16)
+    assert group_ranks_on_node(zero3, "dp_shard_cp", 8) == 8
+    megatron = Layout(dp=2, tp=8, seq_len=16)
+    assert group_ranks_on_node(megatron, "dp", 8) == 1
+    assert group_ranks_on_node(Layout(dp=4, tp=2, pp=2, seq_len=16), "tied", 8) == 1
+    assert group_ranks_on_node(Layout(dp=4, tp=4, seq_len=16), "dp", 8) == 2
+    assert h100.link("all_gather", 16, True, 8).bandwidth == h100.intra.bandwidth
+    assert h100.link("all_reduce", 2, True, 1).bandwidth == h100.inter.bandwidth == 50e9
+    assert h100.link("all_reduce", 4, True, 2).bandwidth == 100e9
 
 
 def test_stage_flops_count_every_product_by_hand():
@@ -189,6 +221,8 @@ def test_shipped_machines_load_and_name_their_sources():
      "device.flops.float32=-1.0 must be a positive number"),
     (dict(kind="tpu"), "kind='tpu' must be 'gpu' or 'cpu'"),
     (dict(links={"intra": {"latency_s": 0, "bandwidth": 0}}), "links.intra.bandwidth=0"),
+    (dict(links={"intra": {"bandwidth": 1}, "inter": {"bandwidth": 1, "rails": 0}}),
+     "links.inter.rails=0 must be an integer >= 1"),
 ])
 def test_a_bad_machine_description_is_refused_naming_the_field(change, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):

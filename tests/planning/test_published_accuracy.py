@@ -100,6 +100,11 @@ def test_hopper_references_are_predicted_on_their_own_hardware():
     assert len(nemo) == 6
     assert all(abs(r["error"]) <= module.HOPPER_TARGET for r in nemo), \
         {r["id"]: round(r["error"], 3) for r in nemo}
+    # docs/planning.md quotes them within 1.9%: the multi-node rows' reductions cross
+    # nodes on a NIC per GPU (see [Note: rails]); on one NIC a rank the 8B's 128-GPU row
+    # was 3.2% slow
+    assert max(abs(r["error"]) for r in nemo) < 0.02, {r["id"]: round(r["error"], 4)
+                                                         for r in nemo}
     assert "nemo: 6 of 6 within 10%" in "; ".join(
         f"{k}: {v}" for k, v in module.hopper_summary(list(rows.values())).items())
     # as mpishard would run them (its flash kernels, a device's memory): every layout fits
