@@ -59,6 +59,28 @@ def test_every_published_run_fits_its_gpu_by_the_plan(accuracy):
         assert row["peak_gib"] <= row["usable_gib"], row["id"]
 
 
+def test_the_readme_and_the_docs_quote_the_figures_the_code_prints(accuracy):
+    """The published runs' median, worst and Table 5 figures, the NeMo rows' bound and the
+    other stacks' range, as the benchmark prints them, are the README's and
+    docs/planning.md's (a change that moves them fails here until the docs follow)."""
+    module, result, _ = accuracy
+    root = BENCH.parents[1]
+    readme, planning = ((root / f).read_text() for f in ("README.md", "docs/planning.md"))
+    median, worst, table5 = (f"{result[k]:.1%}" for k in (
+        "median_abs_error", "worst_abs_error", "table5_mean_abs_error"))
+    assert f"{median} median error (worst {worst}, both signs; {table5} mean on " \
+        f"Korthikanti's Table 5) on {len(result['rows'])} published" in readme
+    assert f"Median absolute error **{median}** over the {len(result['rows'])} runs" in planning
+    assert f"worst **{worst}**" in planning and f"eight runs **{table5}**" in planning
+    rows = module.hopper()
+    nemo = f"{max(abs(r['error']) for r in rows if r['framework'] == 'nemo'):.1%}"
+    others = [abs(r["error"]) for r in rows if r["framework"] != "nemo"]
+    fast = f"{min(others):.1%}".rstrip("%") + f"-{max(others):.1%} fast"
+    assert f"8-2304 H100s within {nemo} (" in readme and f"runs predicted {fast})" in readme
+    assert f"All six are within\n{nemo}" in planning or f"All six are within {nemo}" in planning
+    assert f"(Megatron-Core's, within {nemo})" in planning
+
+
 def test_torchtitan_op_policy_recomputes_every_second_block_product():
     """torchtitan's ``selective_ac_option = "op"`` saves every op's output but every second
     ``aten.mm`` of a block (counted per block) and recomputes the rest of its non-matmul
