@@ -52,7 +52,10 @@
    ``hardware_as_published`` in the json), without torch.compile (``TORCHTITAN_KERNELS``:
    its eager ops kernel by kernel, attention, loss, its per-op selective recomputation)
    and with it (``TORCHTITAN_COMPILED_KERNELS``: the blocks' ops fused). Target: within
-   10%, printed per run and per framework.
+   10%, printed per run and per framework. Then a diagnostic (no target): llm-foundry's
+   MPT-1B over sequence lengths 512-32768 on H100s and A100s (its README's rows), each
+   machine's published steps fit to the predicted attention and the predicted rest
+   (:func:`sequence_sweep`), which says which part the kernel model misses.
 
 Figures and PASS/FAIL go to stderr, one JSON line to stdout; ``--plot PATH``
 draws measured (or published) against predicted. ``--repredict RUN.json ...
@@ -475,6 +478,62 @@ def hopper_summary(rows: list) -> dict:
     return out
 
 
+def sequence_sweep(say=lambda text: None) -> dict:
+    """llm-foundry's MPT-1B over sequence lengths 512-32768 on H100s and A100s (the
+    README's own rows, ``supplementary.llmfoundry_mpt_1b_sequence_sweep`` in the json): a
+    diagnostic, not a target. Each row is predicted as the 1B Hopper reference with the
+    row's machine, length, micro-batch and accumulation; attention's share of the predicted
+    step grows from about a tenth to four fifths along the sweep, so a least-squares fit
+    of each machine's published steps, ``published = a x (predicted rest) + b x
+    (predicted attention)`` (relative residuals), says which part the kernel model misses:
+    ``b`` near 1 with ``a`` above it puts the error outside attention."""
+    import copy
+
+    import numpy as np
+
+    from mpishard.planning import gpu_time, load_machine, predict_step
+    from mpishard.planning.layout import estimate_layout
+    data = json.loads((ROOT / "benchmarks" / "published_runs.json").read_text())
+    sweep = data["supplementary"]["llmfoundry_mpt_1b_sequence_sweep"]
+    base = next(r for r in data["runs"] if r["id"] == "llmfoundry_h100_bf16_mpt_1b_2048_8gpu")
+    previous = os.environ.get("MPISHARD_ATTENTION")
+    os.environ["MPISHARD_ATTENTION"] = "fused"
+    rows = []
+    try:
+        for row in sweep["rows"]:
+            run = copy.deepcopy(base)
+            run["machine"], run["model"]["seq_length"] = row["machine"], row["seq_length"]
+            run["parallel"].update(num_gpus=row["num_gpus"], micro_batch_size=row[
+                "micro_batch_size"], global_batch_size=row["micro_batch_size"] * row[
+                "grad_accum"] * row["num_gpus"])
+            say(f"  predicting MPT-1B at {row['seq_length']} tokens on {row['machine']}")
+            layout, make = hopper_layout(run)
+            cost = predict_step(make, layout, load_machine(row["machine"]),
+                                kernels=gpu_time.LLMFOUNDRY_KERNELS,
+                                plan=estimate_layout(make(), layout))
+            tokens = layout.batch_size * layout.micro_batches * layout.seq_len
+            attention = cost.breakdown.get("compute attention", 0.0)
+            published_s = tokens / row["tokens_per_s_per_gpu"]
+            rows.append({"machine": row["machine"], "seq_length": row["seq_length"],
+                         "published_s": published_s, "predicted_s": cost.seconds,
+                         "attention_s": attention,
+                         "error": (cost.seconds - published_s) / published_s,
+                         "attention_share": attention / cost.seconds})
+    finally:
+        if previous is None:
+            del os.environ["MPISHARD_ATTENTION"]
+        else:
+            os.environ["MPISHARD_ATTENTION"] = previous
+    fits = {}
+    for machine in dict.fromkeys(r["machine"] for r in rows):
+        mine = [r for r in rows if r["machine"] == machine]
+        x = np.array([[(r["predicted_s"] - r["attention_s"]) / r["published_s"],
+                       r["attention_s"] / r["published_s"]] for r in mine])
+        (a, b), *_ = np.linalg.lstsq(x, np.ones(len(mine)), rcond=None)
+        fits[machine] = {"rest": float(a), "attention": float(b)}
+    return {"rows": rows, "fits": fits}
+
+
 def _target(run):
     p, pub = run["parallel"], run.get("published", {})
     if pub.get("iteration_time_s"):
@@ -661,9 +720,19 @@ def main(argv=None):
             + "".join(f"; without {k} {v:+.1%}" for k, v in r["without"].items()))
     for framework, line in hopper_summary(hop).items():
         say(f"Hopper references, {framework}: {line}")
+    sweep = sequence_sweep(say)
+    for r in sweep["rows"]:
+        say(f"llm-foundry MPT-1B, {r['machine']:<9} T {r['seq_length']:>5}: published "
+            f"{r['published_s']:.3f} s, predicted {r['predicted_s']:.3f} s (step time "
+            f"{r['error']:+.1%}), attention {r['attention_share']:.0%} of the predicted step")
+    for machine, fit in sweep["fits"].items():
+        say(f"llm-foundry MPT-1B sweep on {machine} (a diagnostic): published steps fit as "
+            f"{fit['rest']:.2f} x the predicted rest + {fit['attention']:.2f} x the predicted "
+            f"attention")
     if args.plot:
         _plot(args.plot, here, pub)
-    print(json.dumps({"measured_here": here, "published": pub, "hopper": hop}))
+    print(json.dumps({"measured_here": here, "published": pub, "hopper": hop,
+                      "sequence_sweep": sweep}))
 
 
 if __name__ == "__main__":

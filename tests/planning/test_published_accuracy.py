@@ -81,6 +81,30 @@ def test_the_readme_and_the_docs_quote_the_figures_the_code_prints(accuracy):
     assert f"(Megatron-Core's, within {nemo})" in planning
 
 
+def test_the_sequence_sweep_localises_llm_foundrys_error_as_the_docs_say():
+    """llm-foundry's MPT-1B from 512 to 32,768 tokens (its README's rows; a diagnostic):
+    the error shrinks as attention's share grows, and the fit the benchmark prints (the
+    published steps as a x the predicted rest + b x the predicted attention) is the one
+    docs/planning.md quotes."""
+    spec = importlib.util.spec_from_file_location("plan_accuracy", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sweep = module.sequence_sweep()
+    h100 = sorted((r for r in sweep["rows"] if r["machine"] == "h100-sxm"),
+                  key=lambda r: r["attention_share"])
+    assert len(h100) == 7 and h100[0]["attention_share"] < 0.15 < 0.8 < \
+        h100[-1]["attention_share"]
+    assert [r["error"] for r in h100] == sorted(r["error"] for r in h100)
+    planning = (BENCH.parents[1] / "docs" / "planning.md").read_text()
+    fit, old = sweep["fits"]["h100-sxm"], sweep["fits"]["a100-80gb"]
+    quoted = " ".join(planning.split())
+    assert f"fit as {fit['rest']:.2f} x the predicted rest" in quoted
+    assert f"plus {fit['attention']:.2f} x the predicted attention" in quoted
+    assert f"fit as {old['rest']:.2f} x the rest and {old['attention']:.2f} x attention" \
+        in quoted
+    assert f"from {h100[0]['error']:.1%} to {h100[-1]['error']:.1%} on the H100s" in quoted
+
+
 def test_torchtitan_op_policy_recomputes_every_second_block_product():
     """torchtitan's ``selective_ac_option = "op"`` saves every op's output but every second
     ``aten.mm`` of a block (counted per block) and recomputes the rest of its non-matmul
