@@ -86,17 +86,22 @@ class MeshGroup:
         blocks of ``ranks_per_node``."""
         return self.first_world_rank // ranks_per_node != self.last_world_rank // ranks_per_node
 
-    def ranks_on_node(self, ranks_per_node: int) -> int:
-        """How many of its ranks share its first rank's node (ranks placed on nodes in
-        blocks of ``ranks_per_node``): the NICs a collective over it can use at once on
-        each node, where each rank has its own (see :meth:`Machine.link`)."""
-        limit = (self.first_world_rank // ranks_per_node + 1) * ranks_per_node \
-            - self.first_world_rank
-        offsets = [0]
+    def world_ranks(self) -> list:
+        """Its ranks' world ranks, ascending."""
+        ranks = [self.first_world_rank]
         for stride, size in self.steps:
-            offsets = [o + k * stride for o in offsets for k in range(size)
-                       if o + k * stride < limit]
-        return len(offsets)
+            ranks = [r + k * stride for r in ranks for k in range(size)]
+        return sorted(ranks)
+
+    def fewest_ranks_on_a_node(self, ranks_per_node: int) -> int:
+        """The fewest of its ranks on any node it has ranks on (ranks placed on nodes in
+        blocks of ``ranks_per_node``): a ring over it crosses every node it touches, so
+        the node with the fewest sets the NICs it crosses on (see [Note: rails] in
+        mpishard/planning/machine.py)."""
+        nodes: dict = {}
+        for r in self.world_ranks():
+            nodes[r // ranks_per_node] = nodes.get(r // ranks_per_node, 0) + 1
+        return min(nodes.values())
 
 
 class MeshShape:

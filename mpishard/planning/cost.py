@@ -88,6 +88,7 @@ Without a calibration (or on a GPU) compute takes ``share`` times as long.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -163,20 +164,23 @@ def stage_flops(stage, layout) -> dict:
     return out
 
 
-def group_spans_nodes(layout, group: str, ranks_per_node: int) -> bool:
-    """Whether rank 0's ``group`` (a mesh group name, or ``"tied"``: the pipeline's ends)
-    has ranks on two nodes, with ranks placed on nodes in blocks of ``ranks_per_node``."""
-    return mesh_shape(layout, 0).groups["pp" if group == "tied" else group] \
+def group_spans_nodes(layout, group: str, ranks_per_node: int, stage: int = 0) -> bool:
+    """Whether the ``group`` (a mesh group name, or ``"tied"``: the pipeline's ends) of
+    pipeline stage ``stage``'s first rank has ranks on two nodes, with ranks placed on
+    nodes in blocks of ``ranks_per_node``."""
+    return mesh_shape(layout, stage).groups["pp" if group == "tied" else group] \
         .spans_nodes(ranks_per_node)
 
 
-def group_ranks_on_node(layout, group: str, ranks_per_node: int) -> int:
-    """How many of rank 0's ``group``'s ranks share a node (see :func:`group_spans_nodes`):
-    the NICs its ring collectives cross nodes on (see [Note: rails] in machine.py); the
-    pipeline's ends (``"tied"``) are two ranks, one on each end's node."""
+@functools.lru_cache(maxsize=4096)
+def group_ranks_on_node(layout, group: str, ranks_per_node: int, stage: int = 0) -> int:
+    """The fewest ranks the ``group`` of stage ``stage``'s first rank has on any of its
+    nodes (see :func:`group_spans_nodes`): what its ring collectives cross nodes with
+    (see [Note: rails] in machine.py); the pipeline's ends (``"tied"``) are two ranks,
+    one on each end's node. Cached: a search asks for the same ones many times."""
     if group == "tied":
         return 1
-    return mesh_shape(layout, 0).groups[group].ranks_on_node(ranks_per_node)
+    return mesh_shape(layout, stage).groups[group].fewest_ranks_on_a_node(ranks_per_node)
 
 
 _DP_GROUPS = ("dp_cp", "dp", "edp", "dp_shard_cp", "dp_shard", "edp_shard", "dp_replicate")
@@ -327,8 +331,8 @@ def predict_step(make_model, layout, machine, ranks_per_node: int | None = None,
             kind = "all_gather" if group == "tp" and layout.sequence_parallel else \
                 _KIND.get(group, "all_reduce")          # sp: gathers and reduce-scatters
             link = machine.link(kind, _group_size(mesh, group),
-                                group_spans_nodes(layout, group, rpn),
-                                group_ranks_on_node(layout, group, rpn))
+                                group_spans_nodes(layout, group, rpn, s),
+                                group_ranks_on_node(layout, group, rpn, s), rpn)
             if group == "pp" and machine.kernel_model:
                 nbytes /= 2     # a stage's sends and receives cross a full-duplex link at once
             if kernels.grad_reduce_itemsize and (group in _DP_GROUPS or group == "tied"):

@@ -58,16 +58,23 @@ on shared cores, and the memory bus and last-level cache all ranks share. Every 
 A link's ``bandwidth`` across nodes is one NIC's. A GPU node has a NIC per GPU (a DGX
 A100 eight 200 Gb/s HCAs, a DGX H100 eight 400 Gb/s ones: ``rails``, 1 if absent, as on
 a node of CPU ranks that share one NIC). A ring collective (all-reduce, all-gather,
-reduce-scatter) over a group with ``g`` ranks on each node enters and leaves each node
-once per ring, and runs a ring per NIC, so its bus bandwidth is ``min(g, rails)`` NICs',
-up to the node's own links: ``min(intra, min(g, rails) x inter)``. NCCL's authors say
-as much: a ring "requires data to go through each GPU and enter/exit the node once"
-(NVIDIA/nccl#687), and with more NICs than one a node gets "more bandwidth, up to 160GB/s
-which is the NVLink intra-node bandwidth of your system" (NVIDIA/nccl#412, an A800 node
-at 24 GB/s across nodes on its one HDR NIC). So a ZeRO-3 group over whole nodes crosses
-them about as fast as it runs inside one, while Megatron-LM's data-parallel groups, one
-rank on each node under tp = 8, cross on one NIC each. Sends, receives and all-to-alls
-move each rank's own bytes through its own NIC: one NIC's bandwidth.
+reduce-scatter) enters and leaves each node once per ring, and NCCL spreads its rings
+over the node's NICs, so a group with ``g`` ranks on each node crosses on ``g`` NICs, up
+to the node's own links: ``min(intra, g x inter)``. NCCL's authors say as much: a ring
+"requires data to go through each GPU and enter/exit the node once" (NVIDIA/nccl#687),
+and with more NICs than one a node gets "more bandwidth, up to 160GB/s which is the
+NVLink intra-node bandwidth of your system" (NVIDIA/nccl#412, an A800 node at 24 GB/s
+across nodes on its one HDR NIC); eight 200 Gb/s HCAs measure 192 GB/s of all-reduce
+bus bandwidth (NVIDIA/nccl#812), where this gives 8 x 22.5 = 180. ``g`` is the fewest
+of the group's ranks on any of its nodes (the ring waits for that node), and the
+groups beside it on a node share its NICs: with fewer NICs than ranks a node, each
+group gets ``rails x g / ranks_per_node`` of them (at least one). So a ZeRO-3 group
+over whole nodes crosses them about as fast as it runs inside one, while Megatron-LM's
+data-parallel groups, one rank on each node under tp = 8, cross on one NIC each.
+Sends, receives and all-to-alls move each rank's own bytes through its own NIC: one
+NIC's bandwidth. Left out: rings slow as they take in more nodes (an H100
+reduce-scatter's bus bandwidth from about 360 GB/s at 4 nodes to about 260 at 128,
+NVIDIA/nccl#1229), so the cap is optimistic for groups of many nodes.
 """
 from __future__ import annotations
 
@@ -228,9 +235,11 @@ class Machine:
             return kept / rate
         return self.stream_seconds(3 * kept)
 
-    def link(self, kind: str, size: int, spans_nodes: bool, per_node: int = 1) -> Link:
-        """The cost line of collective ``kind`` over a group of ``size`` ranks, ``per_node``
-        of them on each node: a calibrated one (``collectives["kind@size"]``,
+    def link(self, kind: str, size: int, spans_nodes: bool, per_node: int = 1,
+             ranks_per_node: int | None = None) -> Link:
+        """The cost line of collective ``kind`` over a group of ``size`` ranks, at least
+        ``per_node`` of them on each of its nodes of ``ranks_per_node`` ranks (the
+        description's by default): a calibrated one (``collectives["kind@size"]``,
         ``"kind@size/inter"`` across nodes), else the inter- or intra-node link (see
         [Note: rails])."""
         fitted = self.collectives.get(f"{kind}@{size}" + ("/inter" if spans_nodes else ""))
@@ -240,10 +249,13 @@ class Machine:
         if kind in _GATHERS and link.gather_bandwidth:
             link = Link(link.latency_s, link.gather_bandwidth, None, link.processor_usage,
                         link.rails)
-        rails = min(per_node, link.rails)
-        if spans_nodes and rails > 1 and kind in _RINGS:
-            within = self.link(kind, size, False)
-            return Link(link.latency_s, min(within.bandwidth, rails * link.bandwidth), None,
+        node = ranks_per_node or self.ranks_per_node
+        nics = min(per_node, link.rails, link.rails * per_node // node)   # groups beside share
+        if spans_nodes and nics > 1 and kind in _RINGS:
+            within = self.intra.bandwidth
+            if kind in _GATHERS and self.intra.gather_bandwidth:
+                within = self.intra.gather_bandwidth
+            return Link(link.latency_s, min(within, nics * link.bandwidth), None,
                         link.processor_usage, link.rails)
         return link
 

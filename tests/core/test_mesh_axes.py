@@ -49,10 +49,11 @@ def test_every_group_holds_the_enumerated_ranks_and_names_as_the_mesh(given):
             assert getattr(shape, name) is group
             assert (group.size, group.rank) == (len(ranks), ranks.index(rank)), (name, rank)
             assert (group.first_world_rank, group.last_world_rank) == (ranks[0], ranks[-1])
-            for per_node in (1, 2, 3, 4, 8):
-                node = ranks[0] // per_node
-                assert group.ranks_on_node(per_node) == \
-                    sum(r // per_node == node for r in ranks), (name, rank, per_node)
+            assert group.world_ranks() == ranks, (name, rank)
+            for per_node in (1, 2, 3, 4, 5, 8):
+                nodes = [r // per_node for r in ranks]
+                assert group.fewest_ranks_on_a_node(per_node) == \
+                    min(nodes.count(n) for n in set(nodes)), (name, rank, per_node)
             assert colors[name].setdefault(group.color, ranks) == ranks, (name, rank)
             same = next(n for n in MESH_GROUPS if groups[n] == ranks)
             assert group.name == (same if len(ranks) > 1 else name), (name, rank)
@@ -68,13 +69,20 @@ def test_a_group_spans_nodes_when_its_lowest_and_highest_ranks_do():
     assert shape.dp_replicate.spans_nodes(4) and not shape.tp.spans_nodes(2)
 
 
-def test_a_group_counts_its_ranks_on_a_node():
+def test_a_group_counts_the_fewest_ranks_it_has_on_a_node():
     """An outer group over nodes of 4 has a rank per tp rank on each node: 2 of 4 with
-    tp = 2 inside it, 1 of 2 over nodes of 2; an inner one all of them."""
+    tp = 2 inside it, 1 of 2 over nodes of 2; an inner one all of them. Where nodes do
+    not divide it, the node with the fewest counts: dp 8 x cp 3 over nodes of 8 has
+    3, 3 and 2 of rank 0's dp group (0, 3, ..., 21) on its three nodes."""
     shape = MeshShape(dp_replicate=2, dp_shard=2, tp=2, world_rank=5)   # ranks 0..7
-    assert shape.dp.ranks_on_node(4) == 2 and shape.dp.ranks_on_node(2) == 1
-    assert shape.dp_replicate.ranks_on_node(4) == 1 and shape.tp.ranks_on_node(8) == 2
-    assert shape.dp_shard.ranks_on_node(8) == 2 and shape.dp.ranks_on_node(8) == 4
+    assert shape.dp.fewest_ranks_on_a_node(4) == 2
+    assert shape.dp.fewest_ranks_on_a_node(2) == 1
+    assert shape.dp_replicate.fewest_ranks_on_a_node(4) == 1
+    assert shape.tp.fewest_ranks_on_a_node(8) == 2
+    assert shape.dp.fewest_ranks_on_a_node(8) == 4
+    uneven = MeshShape(dp_shard=8, cp=3, world_rank=0)
+    assert uneven.dp.world_ranks() == list(range(0, 24, 3))
+    assert uneven.dp.fewest_ranks_on_a_node(8) == 2
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -38,11 +38,12 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
     assert fitted.link("all_gather", 4, False) == Link(1e-3, 1e6)       # not fitted: the link
     # rails (see [Note: rails]): a ring across nodes runs on a NIC per rank of a node, up
     # to the node's own link; sends and all-to-alls, and a node of one NIC, on one
-    railed = machine_from_dict({**TOY, "links": {**TOY["links"], "inter": {
-        **TOY["links"]["inter"], "rails": 4}}})
+    railed_links = {**TOY["links"], "inter": {**TOY["links"]["inter"], "rails": 4}}
+    railed = machine_from_dict({**TOY, "links": railed_links})
     assert railed.link("all_gather", 8, True, per_node=2).bandwidth == 2e5
     assert railed.link("reduce_scatter", 16, True, per_node=4).bandwidth == 4e5
-    assert railed.link("all_reduce", 64, True, per_node=8).bandwidth == 4e5  # 4 NICs
+    assert railed.link("all_reduce", 64, True, per_node=4).bandwidth == 4e5  # 4 NICs
+    assert railed.link("all_reduce", 64, True, 8, ranks_per_node=16).bandwidth == 2e5
     assert railed.link("all_reduce", 8, True).bandwidth == 1e5               # one a node
     assert railed.link("send", 8, True, per_node=4).bandwidth == 1e5
     assert railed.link("all_to_all", 8, True, per_node=4).bandwidth == 1e5
@@ -51,6 +52,13 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
         "latency_s": 1e-2, "bandwidth": 4e5, "rails": 4}}})
     assert fast_nics.link("all_reduce", 8, True, per_node=4).bandwidth == 1e6  # NVLink's
     assert m.link("all_reduce", 8, True, per_node=4) == Link(1e-2, 1e5)      # rails 1
+    # two NICs for four ranks: two groups of 2 a node share them, one each
+    assert railed.link("all_reduce", 8, True, 2, ranks_per_node=8).bandwidth == 1e5
+    assert railed.link("all_reduce", 8, True, 4, ranks_per_node=8).bandwidth == 2e5
+    # a calibrated line across nodes is no cap on the rails (the node's own link is)
+    slow = machine_from_dict({**TOY, "links": railed_links, "collectives": {
+        "all_reduce@8": {"latency_s": 1e-3, "bandwidth": 2e4}}})
+    assert slow.link("all_reduce", 8, True, per_node=4).bandwidth == 4e5
     assert m.matmul_seconds(1e9, "float32") == pytest.approx(2.0)      # 1e9 at 0.5 x 1e9/s
     assert m.activation_seconds(1e9) == pytest.approx(3.0)             # three streams
     rated = machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rate": 4e8,
@@ -127,6 +135,13 @@ def test_a_group_crosses_nodes_on_a_nic_per_rank_it_has_on_a_node():
     assert group_ranks_on_node(megatron, "dp", 8) == 1
     assert group_ranks_on_node(Layout(dp=4, tp=2, pp=2, seq_len=16), "tied", 8) == 1
     assert group_ranks_on_node(Layout(dp=4, tp=4, seq_len=16), "dp", 8) == 2
+    assert group_ranks_on_node(Layout(dp=8, cp=3, seq_len=24), "dp", 8) == 2  # 3, 3, 2
+    # a stage's own groups: stage 1 of dp 3 x tp 4 x pp 2 starts at rank 12, mid-node
+    staged = Layout(dp=3, tp=4, pp=2, seq_len=16)
+    assert group_ranks_on_node(staged, "dp", 8, stage=1) == 1
+    assert group_ranks_on_node(staged, "dp", 8) == 1             # ranks 0, 4 | 8
+    assert group_spans_nodes(staged, "dp", 16, stage=1)          # ranks 12 | 16, 20
+    assert not group_spans_nodes(staged, "dp", 16)               # ranks 0, 4, 8
     assert h100.link("all_gather", 16, True, 8).bandwidth == h100.intra.bandwidth
     assert h100.link("all_reduce", 2, True, 1).bandwidth == h100.inter.bandwidth == 50e9
     assert h100.link("all_reduce", 4, True, 2).bandwidth == 100e9
