@@ -38,7 +38,9 @@ differenced and divided by the blocks added; ``launches_per_block_optimizer``
 the block's share of ``step`` (clipping and the optimizer on its parameters);
 ``launches_outside_blocks`` the rest of the 4-block step (embeddings, head,
 loss), and ``launches_per_block_by_op`` the 15 operations that launch most per
-block, both parts. ``LAUNCH_TARGET`` is the goal
+block, both parts; ``planned_launches_per_block`` what the planner's GPU kernel model
+counts of a block's forward and backward (its launch costs and the ops it leaves
+out are there). ``LAUNCH_TARGET`` is the goal
 per block. The target is reported, not enforced: the exit status is about host
 syncs only.
 
@@ -226,14 +228,45 @@ def _top_ops_per_block(small: dict, big: dict) -> dict:
     return {op: _whole(n) for op, n in top[:15]}
 
 
+def planned_launches_per_block(llama: bool = False) -> int:
+    """The launches of one block (forward and backward) that the planner's GPU kernel
+    model counts for the same model (mpishard/planning/gpu_time.py, ``MPISHARD_KERNELS``,
+    on the ``h100-sxm`` description's device build): beside the strict module's
+    count, what that model leaves out."""
+    from mpishard.cli.plan import plan_backend
+    from mpishard.models import GPT, Llama
+    from mpishard.planning import load_machine
+    from mpishard.planning.gpu_time import MPISHARD_KERNELS, stage_ops
+    from mpishard.planning.layout import Layout
+
+    backend = plan_backend(load_machine("h100-sxm"))
+    attention = os.environ.get("MPISHARD_ATTENTION")
+    if llama:
+        os.environ["MPISHARD_ATTENTION"] = "fused"
+    try:
+        cfg = _llama_config(1) if llama else dataclasses.replace(_config(), n_layer=1)
+        model = (Llama if llama else GPT)(cfg, materialize_now=False, backend=backend)
+        layout = Layout(1, 1, 1, "ddp", "bfloat16" if llama else None, batch_size=4,
+                        seq_len=cfg.block_size)
+        ops = stage_ops(model, layout, 2 if llama else 4, MPISHARD_KERNELS)
+    finally:
+        if attention is None:
+            os.environ.pop("MPISHARD_ATTENTION", None)
+        else:
+            os.environ["MPISHARD_ATTENTION"] = attention
+    return sum(op.fw_kernels + op.bw_kernels for op in ops if op.block)
+
+
 def llama_launch_figures(steps: int = 2) -> dict:
     """``llama_launches_per_block`` (forward, backward and the gradient reduction) and
-    its 15 largest operations, from :func:`_llama_config`'s Llama at two depths."""
+    its 15 largest operations, from :func:`_llama_config`'s Llama at two depths, and
+    what the planner counts of them."""
     l1, l2 = LAUNCH_LAYERS
     small, big = (measure_launches(n, steps, llama=True) for n in (l1, l2))
     return {"llama_launches_per_block": _whole(
                 (max(big["train_step"]) - max(small["train_step"])) / (l2 - l1)),
-            "llama_launches_per_block_by_op": _top_ops_per_block(small, big)}
+            "llama_launches_per_block_by_op": _top_ops_per_block(small, big),
+            "llama_planned_launches_per_block": planned_launches_per_block(llama=True)}
 
 
 def launch_figures(steps: int = 2) -> dict:
@@ -251,6 +284,7 @@ def launch_figures(steps: int = 2) -> dict:
             "launches_per_block_optimizer": _whole(per_block - in_train_step),
             "launches_outside_blocks": _whole(per_step - l2 * per_block),
             "launches_per_block_by_op": _top_ops_per_block(small, big),
+            "planned_launches_per_block": planned_launches_per_block(),
             "launch_target": LAUNCH_TARGET,
             "launch_layers": list(LAUNCH_LAYERS),
             "before": BEFORE}
@@ -264,7 +298,8 @@ def _report_launches(figures: dict) -> None:
           f"(before {was['launches_per_block_optimizer']}); "
           f"{figures['launches_per_step']} per step (before {was['launches_per_step']}), "
           f"{figures['launches_outside_blocks']} outside the blocks (before "
-          f"{was['launches_outside_blocks']})", file=sys.stderr, flush=True)
+          f"{was['launches_outside_blocks']}); the planner's GPU kernel model counts "
+          f"{figures['planned_launches_per_block']} a block", file=sys.stderr, flush=True)
 
 
 def _worker(steps: int) -> dict:
@@ -348,7 +383,8 @@ def main(argv=None) -> int:
         _report_launches(figures)
         if args.llama:
             print(f"launches per Llama block (bfloat16, 32 query heads on 8 key/value heads, "
-                  f"MPISHARD_ATTENTION=fused): {figures['llama_launches_per_block']}",
+                  f"MPISHARD_ATTENTION=fused): {figures['llama_launches_per_block']}; the "
+                  f"planner counts {figures['llama_planned_launches_per_block']}",
                   file=sys.stderr, flush=True)
         return 0
 
