@@ -67,6 +67,7 @@ from several calibrations, apart from where one launch's calibration landed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -408,20 +409,27 @@ def _matters(switch: str, layout) -> bool:
     return layout.cp > 1
 
 
-def hopper(say=lambda text: None) -> list:
-    """The Hopper references: tokens/s per GPU, published against predicted (one row per
-    machine of :func:`hopper_machines`). Their memory is planned with mpishard's flash
-    kernels (``MPISHARD_ATTENTION=fused``, as ``mpishard plan`` plans under that
-    setting), the counterpart of the flash attention every one of those runs used."""
+@contextlib.contextmanager
+def _fused_attention():
+    """``MPISHARD_ATTENTION=fused`` inside, the caller's setting again after."""
     previous = os.environ.get("MPISHARD_ATTENTION")
     os.environ["MPISHARD_ATTENTION"] = "fused"
     try:
-        return _hopper_rows(say)
+        yield
     finally:
         if previous is None:
             del os.environ["MPISHARD_ATTENTION"]
         else:
             os.environ["MPISHARD_ATTENTION"] = previous
+
+
+def hopper(say=lambda text: None) -> list:
+    """The Hopper references: tokens/s per GPU, published against predicted (one row per
+    machine of :func:`hopper_machines`). Their memory is planned with mpishard's flash
+    kernels (``MPISHARD_ATTENTION=fused``, as ``mpishard plan`` plans under that
+    setting), the counterpart of the flash attention every one of those runs used."""
+    with _fused_attention():
+        return _hopper_rows(say)
 
 
 def _hopper_rows(say) -> list:
@@ -496,10 +504,8 @@ def sequence_sweep(say=lambda text: None) -> dict:
     data = json.loads((ROOT / "benchmarks" / "published_runs.json").read_text())
     sweep = data["supplementary"]["llmfoundry_mpt_1b_sequence_sweep"]
     base = next(r for r in data["runs"] if r["id"] == "llmfoundry_h100_bf16_mpt_1b_2048_8gpu")
-    previous = os.environ.get("MPISHARD_ATTENTION")
-    os.environ["MPISHARD_ATTENTION"] = "fused"
     rows = []
-    try:
+    with _fused_attention():
         for row in sweep["rows"]:
             run = copy.deepcopy(base)
             run["machine"], run["model"]["seq_length"] = row["machine"], row["seq_length"]
@@ -519,11 +525,6 @@ def sequence_sweep(say=lambda text: None) -> dict:
                          "attention_s": attention,
                          "error": (cost.seconds - published_s) / published_s,
                          "attention_share": attention / cost.seconds})
-    finally:
-        if previous is None:
-            del os.environ["MPISHARD_ATTENTION"]
-        else:
-            os.environ["MPISHARD_ATTENTION"] = previous
     fits = {}
     for machine in dict.fromkeys(r["machine"] for r in rows):
         mine = [r for r in rows if r["machine"] == machine]

@@ -55,6 +55,7 @@ launches also go to stderr as a line of text, beside ``before``'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -102,6 +103,21 @@ def _config():
     from mpishard.models import GPTConfig
 
     return GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.1)
+
+
+@contextlib.contextmanager
+def _attention(choice):
+    """``MPISHARD_ATTENTION=choice`` inside (``None``: as it is), the caller's after."""
+    previous = os.environ.get("MPISHARD_ATTENTION")
+    if choice is not None:
+        os.environ["MPISHARD_ATTENTION"] = choice
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MPISHARD_ATTENTION", None)
+        else:
+            os.environ["MPISHARD_ATTENTION"] = previous
 
 
 def _batch(step: int, dp_rank: int, cfg, size: int = 4):
@@ -184,33 +200,27 @@ def measure_launches(n_layer: int, steps: int = 2, warmup: int = 1, llama: bool 
 
     cfg = _llama_config(n_layer) if llama else dataclasses.replace(_config(), n_layer=n_layer)
     comm = make_test_comm("self")
-    attention = os.environ.get("MPISHARD_ATTENTION")
-    if llama:
-        os.environ["MPISHARD_ATTENTION"] = "fused"
     try:
-        mesh = Mesh(comm, dp=1)
-        model = (Llama if llama else GPT)(cfg, seed=0, backend=Backend.resolve("strict"),
-                                          materialize_now=False)
-        run = ParallelModel(model, mesh, strategy="ddp", micro_batches=1,
-                            precision="bfloat16" if llama else None)
-        opt = AdamW(run.parameters(), lr=1e-3, weight_decay=0.1, ledger=run.ledger)
-        counts, train, by_op = [], [], {}
-        for step in range(warmup + steps):
+        with _attention("fused" if llama else None):
+            mesh = Mesh(comm, dp=1)
+            model = (Llama if llama else GPT)(cfg, seed=0, backend=Backend.resolve("strict"),
+                                              materialize_now=False)
+            run = ParallelModel(model, mesh, strategy="ddp", micro_batches=1,
+                                precision="bfloat16" if llama else None)
+            opt = AdamW(run.parameters(), lr=1e-3, weight_decay=0.1, ledger=run.ledger)
+            counts, train, by_op = [], [], {}
+            for step in range(warmup + steps):
+                strict.syncs.reset()
+                run.train_step(*_batch(step, 0, cfg))
+                in_train_step = strict.syncs.launches
+                run.step(opt, max_norm=1.0)
+                if step >= warmup:
+                    counts.append(strict.syncs.launches)
+                    train.append(in_train_step)
+                    by_op = dict(strict.syncs.launches_by_op)
             strict.syncs.reset()
-            run.train_step(*_batch(step, 0, cfg))
-            in_train_step = strict.syncs.launches
-            run.step(opt, max_norm=1.0)
-            if step >= warmup:
-                counts.append(strict.syncs.launches)
-                train.append(in_train_step)
-                by_op = dict(strict.syncs.launches_by_op)
-        strict.syncs.reset()
     finally:
         comm.free()
-        if attention is None:
-            os.environ.pop("MPISHARD_ATTENTION", None)
-        else:
-            os.environ["MPISHARD_ATTENTION"] = attention
     return {"launches": counts, "train_step": train, "by_op": by_op}
 
 
@@ -240,20 +250,12 @@ def planned_launches_per_block(llama: bool = False) -> int:
     from mpishard.planning.layout import Layout
 
     backend = plan_backend(load_machine("h100-sxm"))
-    attention = os.environ.get("MPISHARD_ATTENTION")
-    if llama:
-        os.environ["MPISHARD_ATTENTION"] = "fused"
-    try:
+    with _attention("fused" if llama else None):
         cfg = _llama_config(1) if llama else dataclasses.replace(_config(), n_layer=1)
         model = (Llama if llama else GPT)(cfg, materialize_now=False, backend=backend)
         layout = Layout(1, 1, 1, "ddp", "bfloat16" if llama else None, batch_size=4,
                         seq_len=cfg.block_size)
         ops = stage_ops(model, layout, 2 if llama else 4, MPISHARD_KERNELS)
-    finally:
-        if attention is None:
-            os.environ.pop("MPISHARD_ATTENTION", None)
-        else:
-            os.environ["MPISHARD_ATTENTION"] = attention
     return sum(op.fw_kernels + op.bw_kernels for op in ops if op.block)
 
 

@@ -16,6 +16,7 @@ never starts MPI.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 __all__ = ["MESH_AXES", "EXPERT_AXES", "MESH_GROUPS", "GROUPS_OUTERMOST_FIRST", "MeshGroup",
@@ -98,10 +99,7 @@ class MeshGroup:
         blocks of ``ranks_per_node``): a ring over it crosses every node it touches, so
         the node with the fewest sets the NICs it crosses on (see [Note: rails] in
         mpishard/planning/machine.py)."""
-        nodes: dict = {}
-        for r in self.world_ranks():
-            nodes[r // ranks_per_node] = nodes.get(r // ranks_per_node, 0) + 1
-        return min(nodes.values())
+        return min(Counter(r // ranks_per_node for r in self.world_ranks()).values())
 
 
 class MeshShape:

@@ -104,6 +104,14 @@ class Link:
     def seconds(self, bus_bytes: float, calls: float = 1.0) -> float:
         return calls * self.latency_s + bus_bytes / self.bandwidth
 
+    def for_kind(self, kind: str) -> "Link":
+        """This link as collective ``kind`` sees it: all-gathers and reduce-scatters at
+        ``gather_bandwidth`` where it has one."""
+        if kind in _GATHERS and self.gather_bandwidth:
+            return Link(self.latency_s, self.gather_bandwidth, None, self.processor_usage,
+                        self.rails)
+        return self
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -245,16 +253,11 @@ class Machine:
         fitted = self.collectives.get(f"{kind}@{size}" + ("/inter" if spans_nodes else ""))
         if fitted is not None:
             return Link(float(fitted["latency_s"]), float(fitted["bandwidth"]))
-        link = self.inter if spans_nodes else self.intra
-        if kind in _GATHERS and link.gather_bandwidth:
-            link = Link(link.latency_s, link.gather_bandwidth, None, link.processor_usage,
-                        link.rails)
+        link = (self.inter if spans_nodes else self.intra).for_kind(kind)
         node = ranks_per_node or self.ranks_per_node
         nics = min(per_node, link.rails, link.rails * per_node // node)   # groups beside share
         if spans_nodes and nics > 1 and kind in _RINGS:
-            within = self.intra.bandwidth
-            if kind in _GATHERS and self.intra.gather_bandwidth:
-                within = self.intra.gather_bandwidth
+            within = self.intra.for_kind(kind).bandwidth
             return Link(link.latency_s, min(within, nics * link.bandwidth), None,
                         link.processor_usage, link.rails)
         return link
