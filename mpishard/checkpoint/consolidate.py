@@ -25,6 +25,7 @@ import numpy as np
 
 from mpishard import __version__
 from mpishard.core.backend import xp_of
+from mpishard.core.paths import why_unwritable
 from mpishard.parallel.pieces import load_pieces
 from mpishard.parallel.strategy import Strategy
 from mpishard.checkpoint.collective import agree, exchange_json
@@ -52,6 +53,7 @@ def consolidate(path, out_path, *, verify: bool = True) -> Path:
     Raises:
         CheckpointError: the checkpoint is missing or damaged.
     """
+    out_path = _writable_file(out_path)
     step_dir = resolve_checkpoint(path)
     # Headers are always checked (cheap), so no size below comes unchecked from a file.
     manifest = verify_checkpoint(step_dir, check_hashes=verify)
@@ -76,6 +78,17 @@ def consolidate(path, out_path, *, verify: bool = True) -> Path:
         writer.abort()
         raise
     return writer.close()
+
+
+def _writable_file(out_path) -> Path:
+    """``out_path`` with its parent folders made; ValueError where it is a folder (or a
+    file stands where a parent folder should), before any byte is written."""
+    out = Path(out_path)
+    why = why_unwritable(out, folder=False, example="model.safetensors")
+    if why is not None:
+        raise ValueError(f"{out} {why}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def load_consolidated(path, target, *, world=None, strict: bool = True) -> None:

@@ -16,6 +16,7 @@ from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import FORMAT_NAME, MANIFEST, read_manifest
 from mpishard.checkpoint.locate import resolve_checkpoint, resume_candidates
 from mpishard.checkpoint.reader import verify_file
+from mpishard.core.parse import format_bytes
 
 __all__ = ["inspect_checkpoint", "Inspection"]
 
@@ -42,14 +43,6 @@ def _axes(mesh: dict) -> str:
     if mesh.get("ep", 1) > 1:
         text += f", experts over ep {mesh['ep']}"
     return text
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return ""
 
 
 def inspect_checkpoint(path, *, verify: bool = True) -> Inspection:
@@ -111,8 +104,8 @@ def _inspect(step_dir: Path, verify: bool) -> Inspection:
         lines.append(f"optimizer   {o['type']}, step_count {o['step_count']}, lr {o['lr']:g}, "
                      f"state {', '.join(o['state_names']) or 'none'}")
     total = sum(f.bytes for f in m.files.values())
-    lines.append(f"files       {len(m.files)} ({_size(total)}): " + ", ".join(
-        f"{name} {_size(f.bytes)}" for name, f in sorted(m.files.items(),
+    lines.append(f"files       {len(m.files)} ({format_bytes(total)}): " + ", ".join(
+        f"{name} {format_bytes(f.bytes)}" for name, f in sorted(m.files.items(),
                                                         key=lambda kv: kv[1].rank)))
     lines.append(f"extra state {', '.join(sorted(m.extra)) or 'none'}")
     for alias, target in sorted(m.aliases.items()):
@@ -120,15 +113,15 @@ def _inspect(step_dir: Path, verify: bool) -> Inspection:
     params = [t for t in m.tensors.values() if t.kind == "param"]
     others = [t for t in m.tensors.values() if t.kind != "param"]
     lines.append(f"parameters  {len(params)} tensors, {sum(t.numel for t in params):,} "
-                 f"elements, {_size(sum(t.nbytes for t in params))}")
+                 f"elements, {format_bytes(sum(t.nbytes for t in params))}")
     if others:
-        lines.append(f"opt. state  {len(others)} tensors, {_size(sum(t.nbytes for t in others))}")
+        lines.append(f"opt. state  {len(others)} tensors, {format_bytes(sum(t.nbytes for t in others))}")
     width = max([len(t.name) for t in params] + [4])
     lines.append(f"  {'name':<{width}}  {'shape':<14} {'dtype':<8} {'pieces':>6} {'bytes':>10}")
     for t in params:
         shape = "x".join(str(n) for n in t.shape) or "scalar"
         lines.append(f"  {t.name:<{width}}  {shape:<14} {t.dtype:<8} {len(t.pieces):>6} "
-                     f"{_size(t.nbytes):>10}")
+                     f"{format_bytes(t.nbytes):>10}")
     errors = []
     if verify:
         for name in sorted(m.files, key=lambda n: m.files[n].rank):

@@ -92,7 +92,7 @@ def _cmd_consolidate(args) -> int:
 
     try:
         out = consolidate(args.dir, args.out, verify=not args.no_verify)
-    except CheckpointError as err:
+    except (CheckpointError, ValueError, OSError) as err:
         return _error(err)
     print(f"wrote {out}", flush=True)
     return 0
@@ -111,7 +111,7 @@ def _cmd_export(args) -> int:
 
             out = export_checkpoint(args.dir, args.out, parse_size(args.max_shard_size),
                                     verify=not args.no_verify)
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, ValueError, OSError) as err:
         return _error(err)
     print(f"wrote {out}", flush=True)
     return 0

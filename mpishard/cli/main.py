@@ -88,9 +88,10 @@ def _cmd_train(args) -> int:
     world = Communicator.from_env(MPI.COMM_WORLD)
     check_launcher(world)
     notes: list = []
-    cfg = config_from_args(args, notes)
-    if cfg.parallel.layout == "auto":     # planned on rank 0, the same layout everywhere
-        notes.append(_agreed_layout(world, cfg))
+    given: set = set()
+    cfg = config_from_args(args, notes, given)
+    if cfg.parallel.layout:     # auto or auto-all: planned on rank 0, the same everywhere
+        notes.append(_agreed_layout(world, cfg, given))
     summary = run(cfg, world, notes)
     return 130 if summary.get("interrupted") else 0     # a shell's status after Ctrl-C
 
@@ -125,14 +126,15 @@ def _cmd_supervise(args) -> int:
         return 2
 
 
-def _agreed_layout(world, cfg) -> str:
-    """``--layout auto``: rank 0 plans, every rank takes its choice (or its error)."""
+def _agreed_layout(world, cfg, given) -> str:
+    """``--layout auto`` (keeping the layout keys of ``given``) or ``auto-all``: rank 0
+    plans, every rank takes its choice (or its error)."""
     from mpishard.config.sections import ConfigError
     from mpishard.cli.plan import apply_auto_layout
     chosen = None
     if world.rank == 0:
         try:
-            line = apply_auto_layout(cfg, world.size)
+            line = apply_auto_layout(cfg, world.size, given)
             chosen = ("ok", line, cfg.parallel, cfg.optim, cfg.model.activation_checkpointing)
         except ConfigError as err:
             chosen = ("error", str(err))
@@ -209,6 +211,11 @@ def _cmd_sample(args) -> int:
                               "'mpishard train --model gpt'")
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature {args.temperature} must be >= 0 (0: the most likely "
+                          f"token each time)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k} must be >= 0 (0: all tokens)")
     world = Communicator.from_env(MPI.COMM_SELF)      # one process, whatever the saved layout
     model = DataParallel(recipe.model(Backend()), Mesh(world))
     load_checkpoint(step_dir, model, None, world=world)
@@ -333,8 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt", default="def ", help="text to continue")
     sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (bytes for a "
                         "model trained on text as bytes)")
-    sample.add_argument("--temperature", type=float, default=0.8)
-    sample.add_argument("--top-k", type=int, default=40)
+    sample.add_argument("--temperature", type=float, default=0.8, help="softmax temperature "
+                        "(0: the most likely token each time)")
+    sample.add_argument("--top-k", type=int, default=40, help="sample among the k most likely "
+                        "tokens (0: all)")
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=_cmd_sample)
     parser.commands = dict(sub.choices)   # name -> its parser (unknown-flag errors)

@@ -51,14 +51,64 @@ def add_plan_command(sub) -> None:
     plan.set_defaults(func=_cmd_plan)
 
 
+#: the layout keys a search chooses that a user may fix (flags or the TOML file): each
+#: the candidates must match (the value of a candidate layout)
+_MATCHED = {"strategy": lambda lay: lay.strategy, "dp": lambda lay: lay.dp,
+            "dp_replicate": lambda lay: lay.dp_replicate,
+            "dp_shard": lambda lay: lay.dp // lay.dp_replicate,
+            "tp": lambda lay: lay.tp, "pp": lambda lay: lay.pp, "cp": lambda lay: lay.cp,
+            "virtual_stages": lambda lay: lay.virtual_stages}
+#: the layout keys every candidate takes as given (recomputation, schedule, splits)
+_SET = ("activation_checkpointing", "pipeline_schedule", "sequence_parallel", "cp_mode")
+
+
+def kept_as_given(cfg, given) -> dict:
+    """The layout keys of ``given`` (the flat keys a user's flags and TOML file gave) and
+    their values in ``cfg``, which a search keeps (dp or dp_shard 0: inferred, not kept)."""
+    kept = {}
+    for key in (*_MATCHED, *_SET):
+        if key in given:
+            value = getattr(cfg.model if key == "activation_checkpointing" else cfg.parallel,
+                            key)
+            if not (key in ("dp", "dp_shard") and value == 0):
+                kept[key] = value
+    return kept
+
+
+def _as_given(layout, kept: dict):
+    """``layout`` with the kept keys it takes (see :data:`_SET`), or ``None`` where it
+    differs from a kept value it must match (:data:`_MATCHED`) or cannot take them."""
+    if any(key in kept and kept[key] != value(layout) for key, value in _MATCHED.items()):
+        return None
+    schedule = kept.get("pipeline_schedule")
+    if schedule is not None and (schedule == "interleaved") != (layout.virtual_stages > 1):
+        return None
+    changes = {}
+    if schedule is not None and layout.virtual_stages == 1:
+        changes["schedule"] = schedule
+    if "sequence_parallel" in kept:
+        changes["sequence_parallel"] = kept["sequence_parallel"] and layout.tp > 1
+    if "cp_mode" in kept:
+        changes["cp_mode"] = kept["cp_mode"]
+    if "activation_checkpointing" in kept:
+        mode = kept["activation_checkpointing"]
+        changes.update(activation_checkpointing=mode in ("full", "op"),
+                       keep_products=mode == "op", selective=mode == "selective")
+    try:
+        return dataclasses.replace(layout, **changes) if changes else layout
+    except ValueError:             # a split these sizes cannot take
+        return None
+
+
 def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None,
-                precision=None, strategies=None, say=None, memory_bytes=None) -> tuple:
+                precision=None, given=(), say=None, memory_bytes=None) -> tuple:
     """``(ranked layouts, over the memory limit, candidates, machine, precision)`` of the
     model ``cfg`` describes on ``ranks`` ranks of ``machine`` (a :class:`Machine`, or
     the name or file :func:`load_machine` takes), each rank fitting ``memory_bytes``
     (default: the machine's usable memory); offloaded where nothing else fits (on a
     machine with a host link), or as ``cfg.parallel.offload`` asks; gradients reduced
-    in ``cfg.parallel.reduce_dtype``."""
+    in ``cfg.parallel.reduce_dtype``; the layout keys in ``given`` (flat names a user
+    gave) kept at ``cfg``'s values (:func:`kept_as_given`)."""
     from mpishard.config.sections import ConfigError
     from mpishard.recipes import recipe_for
     from mpishard.planning.search import candidate_layouts, rank_layouts
@@ -72,10 +122,13 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     batch = global_batch or cfg.optim.batch_size * ranks
     m = cfg.model
     rpn = ranks_per_node or min(machine.ranks_per_node, ranks)
+    kept = kept_as_given(cfg, given)
+    strategies = [kept["strategy"]] if "strategy" in kept else None
+    chunks = (kept["virtual_stages"],) if "virtual_stages" in kept else (1, 2)
     try:
         layouts = candidate_layouts(ranks, rpn, seq, batch, m.n_layer, m.n_head,
                                     None if precision == "float32" else precision, strategies,
-                                    virtual_stages=(1, 2),  # and interleaved, 2 chunks a rank
+                                    virtual_stages=chunks,  # 1, and interleaved, 2 a rank
                                     reduce_dtype=cfg.parallel.reduce_dtype)
     except ValueError as err:      # a reduce dtype that this precision does not admit
         raise ConfigError(str(err)) from None
@@ -83,6 +136,13 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
         raise ConfigError(f"no layout of {ranks} ranks fits a global batch of {batch} "
                           f"sequences; pass a --global-batch that the data-parallel sizes "
                           f"divide")
+    if kept:
+        layouts = list(dict.fromkeys(lay for lay in (_as_given(lay, kept) for lay in layouts)
+                                     if lay is not None))
+        if not layouts:
+            raise ConfigError(f"no layout of {ranks} ranks (global batch {batch}) has "
+                              f"{describe_kept(kept)}; leave out one of those, or pass sizes "
+                              f"that fit the ranks together")
     offloads = ("optimizer", "params") if machine.host_link is not None else ()
     if cfg.parallel.offload != "none":         # asked for: every layout that can
         layouts = [lay for lay in (_with_offload(lay, cfg.parallel.offload) for lay in layouts)
@@ -95,7 +155,22 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     backend = plan_backend(machine)
     ranked, over = rank_layouts(lambda: recipe.model(backend), layouts, machine, rpn,
                                 memory_bytes, progress=progress, offloads=offloads)
+    if "activation_checkpointing" in kept:     # not also tried recomputed by op
+        mode = kept["activation_checkpointing"]
+        ranked = [r for r in ranked if recomputation(r.layout) == mode]
     return ranked, over, len(layouts), machine, precision
+
+
+def recomputation(layout) -> str:
+    """The ``activation_checkpointing`` key of a layout: none, full, selective or op."""
+    return "op" if layout.keep_products else "full" if layout.activation_checkpointing \
+        else "selective" if layout.selective else "none"
+
+
+def describe_kept(kept: dict) -> str:
+    """``tp=2, strategy=zero3``: the layout keys a search kept as given."""
+    return ", ".join(f"{key}={str(v).lower() if isinstance(v, bool) else v}"
+                     for key, v in kept.items())
 
 
 def _with_offload(layout, offload: str):
@@ -120,57 +195,71 @@ def machine_or_error(machine):
 def plan_from_args(args, say=None) -> tuple:
     """:func:`plan_config` of ``mpishard plan``'s flags (see :func:`_config`)."""
     machine = machine_or_error(args.machine)
-    return _plan(_config(args, machine), args, machine, say)
+    cfg, given = _config(args, machine)
+    return _plan(cfg, given, args, machine, say)
 
 
-def _config(args, machine):
-    """The configuration ``mpishard plan``'s flags describe. On a GPU machine without
-    ``--precision``, bfloat16 (what GPUs train in), written into ``args`` first so that
-    the config check (``--reduce-dtype``) sees it; ``--seq`` sets the block size."""
+def _config(args, machine) -> tuple:
+    """``(configuration, the flat keys given)`` of ``mpishard plan``'s flags. On a GPU
+    machine without ``--precision``, bfloat16 (what GPUs train in), written into
+    ``args`` first so that the config check (``--reduce-dtype``) sees it; ``--seq``
+    sets the block size."""
     from mpishard.config.flags import config_from_args
 
     if getattr(args, "precision", None) is None and machine.kind == "gpu":
         args.precision = "bfloat16"
-    cfg = config_from_args(args)
+    given: set = set()
+    cfg = config_from_args(args, None, given)
     if args.seq:
         cfg.model.block_size = args.seq
-    return cfg
+    return cfg, given
 
 
-def _plan(cfg, args, machine, say) -> tuple:
+def _plan(cfg, given, args, machine, say) -> tuple:
     """:func:`plan_config` of ``cfg`` with the flags only ``mpishard plan`` has."""
-    strategies = [cfg.parallel.strategy] if args.strategy is not None else None
     return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
-                       None, strategies, say, cfg.run.memory_budget or None)
+                       None, given, say, cfg.run.memory_budget or None)
 
 
-def apply_auto_layout(cfg, world_size: int) -> str:
+def apply_auto_layout(cfg, world_size: int, given=()) -> str:
     """Set ``cfg``'s layout to the fastest :func:`plan_config` predicts for ``world_size``
-    ranks on ``cfg.parallel.machine`` (the global batch kept); returns a line saying what."""
+    ranks on ``cfg.parallel.machine`` within ``--memory-budget`` (the global batch kept;
+    under ``layout = "auto"`` the layout keys of ``given``, the flat names a user gave,
+    too; ``"auto-all"`` replaces them); returns a line saying what."""
     from mpishard.config.sections import ConfigError
+    from mpishard.core.parse import format_bytes
     o, p = cfg.optim, cfg.parallel
     batch = o.global_batch or o.batch_size * o.micro_steps * world_size
-    ranked, _, n, machine, _ = plan_config(cfg, world_size, p.machine, None, batch)
+    budget = cfg.run.memory_budget or None
+    kept = kept_as_given(cfg, given)
+    replaced, keep = ({}, given) if p.layout == "auto" else (kept, ())
+    kept = kept if keep else {}
+    ranked, _, n, machine, _ = plan_config(cfg, world_size, p.machine, None, batch, None,
+                                           keep, None, budget)
     if not ranked:
-        raise ConfigError(f"--layout auto: none of {n} layouts of {world_size} ranks fits "
-                          f"{machine.name}'s memory ({_usable(machine)} per rank)")
+        limit = f"{format_bytes(budget)} (--memory-budget)" if budget else \
+            f"{machine.name}'s memory ({_usable(machine)})"
+        with_kept = f" with {describe_kept(kept)}" if kept else ""
+        raise ConfigError(f"--layout {p.layout}: none of {n} layouts of {world_size} ranks"
+                          f"{with_kept} fits {limit} per rank; raise the budget, or "
+                          f"use more ranks")
     lay = ranked[0].layout
     p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
     p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
     p.offload = lay.offload
-    p.pipeline_schedule, p.virtual_stages = (lay.schedule, lay.virtual_stages) if \
-        lay.virtual_stages > 1 else (p.pipeline_schedule, 1)
+    p.pipeline_schedule, p.virtual_stages = lay.schedule, lay.virtual_stages
     o.batch_size, o.micro_steps, o.global_batch = lay.batch_size, lay.micro_batches, 0
-    cfg.model.activation_checkpointing = "op" if lay.keep_products else \
-        "full" if lay.activation_checkpointing else "selective" if lay.selective else "none"
-    return (f"layout auto ({machine.name}, {n} layouts): dp={lay.dp} (dp_replicate="
+    cfg.model.activation_checkpointing = recomputation(lay)
+    return (f"layout {p.layout} ({machine.name}, {n} layouts): dp={lay.dp} (dp_replicate="
             f"{lay.dp_replicate}) x cp={lay.cp} x tp={lay.tp} x pp={lay.pp}"
             f"{f' ({lay.virtual_stages} chunks each, interleaved)' if lay.virtual_stages > 1 else ''}"
             f", {lay.strategy}, "
             f"{lay.batch_size} x {lay.micro_batches} micro-batches per dp rank"
-            f"{', checkpointed' if lay.activation_checkpointing else ''}"
-            f"{f', offload {lay.offload}' if lay.offload != 'none' else ''}; predicted "
-            f"{ranked[0].cost.seconds:.3f} s/step")
+            f"{f', recomputation {recomputation(lay)}' if recomputation(lay) != 'none' else ''}"
+            f"{f', offload {lay.offload}' if lay.offload != 'none' else ''}"
+            f"{f' ({describe_kept(kept)} as given)' if kept else ''}"
+            f"{f' (replacing the given {describe_kept(replaced)})' if replaced else ''}; "
+            f"predicted {ranked[0].cost.seconds:.3f} s/step")
 
 
 def _cmd_plan(args) -> int:
@@ -179,8 +268,9 @@ def _cmd_plan(args) -> int:
     def say(text):
         print(text, file=sys.stderr, flush=True)
     machine = machine_or_error(args.machine)
-    cfg = _config(args, machine)
-    ranked, over, n, machine, precision = _plan(cfg, args, machine, say)
+    cfg, given = _config(args, machine)
+    ranked, over, n, machine, precision = _plan(cfg, given, args, machine, say)
+    kept = kept_as_given(cfg, given)
     top = ranked[:args.top]
     reduce = cfg.parallel.reduce_dtype
     if args.json:
@@ -193,7 +283,9 @@ def _cmd_plan(args) -> int:
     limit = f"{budget / 2**30:.1f} GiB (--memory-budget)" if budget else _usable(machine)
     offloaded = [r for r in ranked if r.layout.offload != "none"]
     gradients = f", gradients in {reduce}" if reduce != "float32" else ""
-    print(f"{n} layouts of {args.ranks} ranks on {machine.name} ({precision}{gradients}); "
+    with_kept = f" with {describe_kept(kept)}" if kept else ""
+    print(f"{n} layouts of {args.ranks} ranks{with_kept} on {machine.name} "
+          f"({precision}{gradients}); "
           f"{over} over {limit} per rank, {len(ranked)} fit"
           + (f" (offload {asked}, as asked)" if asked != "none"
              else f" ({len(offloaded)} only with offload)" if offloaded else "")

@@ -251,7 +251,8 @@ def _data_sizes(world_size: int, dp, dp_replicate, dp_shard, tp: int, cp: int,
         dp // dp_shard if dp_shard is not None and dp % dp_shard == 0 else 1)
     S = dp_shard if dp_shard is not None else (dp // R if dp % R == 0 else None)
     if S is None or R * S != dp:
-        raise ValueError(f"mesh dp_replicate={R} x dp_shard={dp_shard if S is None else S} "
-                         f"is not dp={dp}; pass a dp_replicate that divides {dp} "
+        what = f"dp_replicate={R} x dp_shard={S} is not" if S is not None else \
+            f"dp_replicate={R} does not divide"
+        raise ValueError(f"mesh {what} dp={dp}; pass a dp_replicate that divides {dp} "
                          f"(dp_shard = dp / dp_replicate)")
     return R, S

@@ -54,8 +54,9 @@ def add_config_flags(parser, command: str = "train") -> None:
             group.add_argument(*names, **kwargs)
 
 
-def config_from_args(args, notes: list | None = None) -> TrainConfig:
-    """Merge ``--config FILE`` and the flags that were given."""
+def config_from_args(args, notes: list | None = None, given: set | None = None) -> TrainConfig:
+    """Merge ``--config FILE`` and the flags that were given (their flat names added to
+    ``given``, with the file's, when given)."""
     overrides = {flat: getattr(args, flat) for flat in KEYS
                  if getattr(args, flat, None) is not None}
-    return load_config(getattr(args, "config", None), overrides, notes)
+    return load_config(getattr(args, "config", None), overrides, notes, given)

@@ -5,7 +5,8 @@ With ``init_from`` naming a folder that holds a config.json, the folder's family
 mapping (:func:`mpishard.models.folder_keys`) gives the ``[model]`` keys, read
 while the configuration is (before anything is built, on every rank alike). A
 key given in the TOML file or as a flag that contradicts the folder is refused
-(``--n-layer 4`` on a folder of 2 layers), naming both values. The context:
+(``--n-layer 4`` on a folder of 2 layers), naming both values, and so is a
+``--preset``. The context:
 
 * a family whose positions are a learned table (GPT-2's ``n_positions``) trains
   at the folder's, and a ``--block-size`` that differs is a contradiction;
@@ -61,6 +62,9 @@ def shape_from_folder(values: dict, notes: list) -> dict:
     except ValueError as err:           # an unknown architecture, an unsupported option
         raise ConfigError(str(err)) from None
     spec = MODELS[keys["name"]]
+    if values.get("preset"):
+        raise ConfigError(f"--init-from {path} gives the [model] shape (its config.json); "
+                          f"--preset {values['preset']} contradicts it: leave --preset out")
     given = {("name" if flat == "model" else flat): v for flat, v in values.items()}
     free = {"block_size"} if spec.positions_key else set()
     for name, value in keys.items():

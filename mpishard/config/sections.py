@@ -26,6 +26,7 @@ from mpishard.config.model_section import ModelConfig
 from mpishard.config.options import strategy_names, opt
 from mpishard.config.support import check_supported
 from mpishard.core.errors import ConfigError
+from mpishard.core.paths import why_unwritable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -82,8 +83,9 @@ class ParallelConfig:
                        estimate=True)
     layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
                       "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
-                      "micro-steps and checkpointing; the global batch stays)",
-                      choices=("", "auto"))
+                      "micro-steps and checkpointing, but keeps those of them given as "
+                      "flags or in the config file; the global batch stays); auto-all: "
+                      "sets them all, replacing any given", choices=("", "auto", "auto-all"))
     machine: str = opt("cpu-2core", "machine description --layout auto plans for (a JSON "
                        "file, e.g. from mpishard bench calibrate, or a shipped name)")
 
@@ -112,7 +114,8 @@ class OptimConfig:
                             "a run resumes on another number of ranks (0: batch_size x "
                             "micro_steps x dp)", low=0)
     lr: float = opt(3e-3, "peak learning rate (0: the parameters stay as they are)", low=0.0)
-    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay", low=0.0)
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay, at most lr "
+                        "(not given: this default, or lr where lr is lower)", low=0.0)
     warmup_steps: int = opt(10, "linear warm-up steps", low=0)
     weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)",
                               low=0.0)
@@ -303,8 +306,13 @@ def flat_values(raw: dict, where: str, notes: list) -> dict:
                     raise ConfigError(f"unknown config key {name!r} in [{top}]"
                                       f"{_closest(name, by_name)}")
                 values[key.flat] = v
-        elif isinstance(value, dict):   # an old [train] table: its keys are flat
+        elif isinstance(value, dict) and top == "train":   # an old table of flat keys
             values.update(flat_values({k: v for k, v in value.items()}, where, notes))
+        elif isinstance(value, dict):
+            match = closest_key(top, SECTIONS)
+            hint = f"; did you mean [{match}]?" if match else ""
+            raise ConfigError(f"unknown config table [{top}] in {where}{hint} (the tables "
+                              f"are {', '.join(f'[{t}]' for t in SECTIONS)})")
         else:
             name = RENAMED.get(top, top)
             if name not in KEYS:
@@ -338,6 +346,12 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
     cfg = TrainConfig(**{s: SECTIONS[s](**v) for s, v in parts.items()})
     for key in KEYS.values():
         _check(key, getattr(getattr(cfg, key.section), key.name), cfg.model.name)
+    o = cfg.optim
+    if o.min_lr > o.lr:    # a decay that would rise: the default follows a lower lr
+        if "min_lr" in values:
+            raise ConfigError(f"min_lr = {o.min_lr:g} is above lr = {o.lr:g}: the cosine "
+                              f"decay would raise the rate; use --min-lr {o.lr:g} or less")
+        o.min_lr = o.lr
     run = cfg.run
     if run.resume_from and not run.checkpoint_dir:
         raise ConfigError(f"resume_from = {run.resume_from!r} needs checkpoint_dir: where "
@@ -359,26 +373,74 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
 
 
 def load_config(path: str | Path | None, overrides: dict | None = None,
-                notes: list | None = None) -> TrainConfig:
+                notes: list | None = None, given: set | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path``, then ``overrides`` (flat names), then the
     shape of an ``init_from`` folder ([Note: the shape of an init-from folder] in
     mpishard/config/init_from.py), checked for what the model and the axes can honour ([Note: refused before anything is
     built] in mpishard/config/support.py).
 
-    Notes (flat keys, the folder's shape, how tp splits heads) are appended to ``notes`` when given.
+    Notes (flat keys, the folder's shape, how tp splits heads) are appended to ``notes``
+    when given; the flat names the file and ``overrides`` set are added to ``given``
+    (``--layout auto`` and ``mpishard plan`` keep those layout keys).
     """
     values: dict = {}
     notes = [] if notes is None else notes
     if path:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} " + (
+                "is a folder; pass a TOML file (e.g. examples/configs/demo.toml)"
+                if path.is_dir() else "does not exist"))
         try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+        except OSError as err:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: "
+                              f"{err.strerror or err}") from None
         values = flat_values(raw, str(path), notes)
     values.update(overrides or {})
+    if given is not None:
+        given.update(values)
     cfg = config_from_dict(shape_from_folder(values, notes), "config key")
+    _check_read(values, cfg.model)
+    _check_output_paths(cfg.run)
     notes.extend(check_supported(cfg))
     return cfg
+
+
+def _check_read(given: dict, model) -> None:
+    """A ConfigError for a given ``[model]`` key that the model would not read: a key of
+    other families only (``--n-kv-head`` on a GPT), a mixture of experts' key on a dense
+    model, a preset of another family than ``--model``'s."""
+    preset = given.get("preset")
+    if preset:
+        from mpishard.config.presets import PRESETS  # noqa: PLC0415 (as config_from_dict)
+        family = PRESETS[preset]["name"]
+        if family != model.name:
+            raise ConfigError(f"preset = {preset!r} is a {family} shape, but model = "
+                              f"{model.name!r}; leave out --model (or --preset)")
+    for flat in given:
+        key = KEYS[flat]
+        families = key.meta["families"]
+        if families and model.name not in families:
+            raise ConfigError(f"{key.flag} is a key of the {' and '.join(families)} "
+                              f"model{'s' if len(families) > 1 else ''}, which the "
+                              f"{model.name} model does not read; leave it out, or pass "
+                              f"--model {next(iter(families))}")
+        if flat.startswith("moe_") and flat != "moe_experts" and \
+                not getattr(model, "moe_experts", 0):
+            raise ConfigError(f"{key.flag} sets up a mixture of experts, but the model is "
+                              f"dense (moe_experts = 0); add --moe-experts N, or leave it out")
+
+
+def _check_output_paths(run) -> None:
+    """A ConfigError for an output path nothing can be written to (a checkpoint or log
+    folder that is a file, a metrics file that is a folder, a file where a parent folder
+    should be): refused with the configuration, not at the first save after training."""
+    for flag, value, folder in (("--checkpoint-dir", run.checkpoint_dir, True),
+                                ("--log-dir", run.log_dir, True),
+                                ("--metrics", run.metrics, False)):
+        why = why_unwritable(value, folder, "metrics.jsonl") if value else None
+        if why is not None:
+            raise ConfigError(f"{flag} {value} {why}")

@@ -21,12 +21,14 @@ MODELS = {spec.name: spec for spec in (GPT_SPEC, LLAMA_SPEC, QWEN2_SPEC, MLP_SPE
 
 
 def spec_of(model_or_config) -> ModelSpec:
-    """The spec of a model (by its ``config``) or of a config; ValueError for a config no
-    family has."""
+    """The spec of a model (by its ``config``, or by its class where the family has no
+    config class) or of a config; ValueError for one no family has."""
     config = getattr(model_or_config, "config", model_or_config)
     for spec in MODELS.values():
         if spec.config_class is not None and type(config) is spec.config_class:
             return spec
+        if spec.config_class is None and type(model_or_config) is spec.model_class:
+            return spec        # a model that takes its keys itself (the MLP)
     raise ValueError(f"{type(config).__name__} is the config of no model family mpishard "
                      f"knows; those are {', '.join(MODELS)} (mpishard.models.MODELS)")
 

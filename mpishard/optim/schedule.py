@@ -24,6 +24,9 @@ class CosineSchedule:
         if self.warmup_steps < 0 or self.decay_steps < self.warmup_steps:
             raise ValueError(f"CosineSchedule: need 0 <= warmup_steps ({self.warmup_steps}) "
                              f"<= decay_steps ({self.decay_steps})")
+        if self.min_lr > self.lr:
+            raise ValueError(f"CosineSchedule: min_lr {self.min_lr:g} is above lr "
+                             f"{self.lr:g}; the decay would raise the rate")
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

@@ -231,7 +231,7 @@ def format_table(ranked: list) -> str:
         pp = f"{lay.pp}x{lay.virtual_stages}" if lay.virtual_stages > 1 else str(lay.pp)
         rows.append(f"{i:>3} {dp:>11} {lay.cp:>3} {lay.tp:>3} {pp:>6} {lay.strategy:<8} "
                     f"{f'{lay.batch_size}x{lay.micro_batches}':>7} "
-                    f"{'op' if lay.keep_products else 'yes' if lay.activation_checkpointing else 'no':>4} "
+                    f"{'op' if lay.keep_products else 'yes' if lay.activation_checkpointing else 'sel' if lay.selective else 'no':>4} "
                     f"{r.peak_bytes / 2**30:>9.2f} {c.seconds:>9.4f} {c.tokens_per_s:>10.0f} "
                     f"{c.mfu:>6.1%} {c.exposed_comm:>8.4f} "
                     f"{bubble_fraction(lay.pp, lay.micro_batches, lay.virtual_stages):>6.1%} "

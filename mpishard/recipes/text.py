@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, load_corpus
+from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, DataError, load_corpus
 from mpishard.core.errors import ConfigError
 from mpishard.models import MODELS
 from mpishard.data.tokens import is_token_dir, load_tokens, open_tokenizer
@@ -99,17 +99,28 @@ class TextLM(Recipe):
         """Continue ``prompt`` by ``n_tokens`` tokens: bytes, or the ids of the data's
         tokenizer (the ``tokenizer.json`` or nanoGPT ``meta.pkl`` beside token data)."""
         tokenizer = self._tokenizer()
-        if tokenizer is None:
-            idx = np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-        else:
-            idx = tokenizer.encode(prompt)
-        if idx.size == 0:
-            raise ConfigError("--prompt is empty (no tokens); give some text to continue")
+        idx = self.prompt_ids(prompt)
         out = module.generate(idx[None, :], n_tokens, temperature=temperature, top_k=top_k,
                               rng=np.random.default_rng(seed))
         if tokenizer is None:
             return bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
         return tokenizer.decode(out[0])
+
+    def prompt_ids(self, prompt: str, flag: str = "--prompt"):
+        """``prompt`` as token ids (its bytes, or its tokenizer's ids); a ConfigError or
+        DataError, naming ``flag``, for a prompt that gives none, or for a token folder
+        without a tokenizer (``mpishard train`` asks before its first step)."""
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            idx = np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        else:
+            try:
+                idx = tokenizer.encode(prompt)
+            except DataError as err:         # a character the vocabulary lacks
+                raise DataError(f"{flag}: {err}") from None
+        if idx.size == 0:
+            raise ConfigError(f"{flag} is empty (no tokens); give some text to continue")
+        return idx
 
     def _tokenizer(self):
         """The tokenizer of token data (None for bytes): a tokenizer.json, or the characters

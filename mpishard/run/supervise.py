@@ -123,8 +123,8 @@ class Supervisor:
             p = self.cfg.parallel
             self._say(f"the layout {'dp=' + str(p.dp) + ' x ' if p.dp else ''}tp={p.tp} x "
                       f"pp={p.pp} x cp={p.cp} does not fit {ranks} ranks: re-planned with "
-                      f"--layout auto, the global batch kept")
-            extra += ["--layout", "auto"]
+                      f"--layout auto-all, the global batch kept")
+            extra += ["--layout", "auto-all"]
         return command + extra
 
     def _fits(self, ranks: int) -> bool:

@@ -65,6 +65,9 @@ class Trainer:
         agreed(world, _kernel_settings)              # MPISHARD_KERNELS, _ATTENTION, _BLAS
         self.recipe = recipe_for(cfg)
         self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
+        if cfg.run.sample_tokens and self.recipe.can_sample:   # a prompt it cannot read
+            agreed(world, lambda: self.recipe.prompt_ids(cfg.run.sample_prompt,
+                                                         "--sample-prompt"))
         p = cfg.parallel
         try:
             self.mesh = Mesh(world, dp=p.dp or None, tp=p.tp, pp=p.pp, cp=p.cp,
@@ -357,6 +360,15 @@ def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
         trainer.log.close()
         return {"dry_run": True, "plan": asdict(trainer.plan)}
     trainer.build()
+    if trainer.steps_done >= cfg.optim.steps:      # a resumed run that is already there
+        trainer.log.info(f"nothing to train: the checkpoint is at step {trainer.steps_done} "
+                         f"and --steps is {cfg.optim.steps}; pass --steps above "
+                         f"{trainer.steps_done} to train on")
+        if trainer.saver is not None:
+            trainer.saver.close()
+        trainer.log.close()
+        return {"steps": trainer.steps_done, "stopped": False, "interrupted": False,
+                "nothing_to_train": True}
     summary = trainer.fit()
     if not summary["stopped"] and cfg.run.sample_tokens and trainer.recipe.can_sample:
         if trainer.mesh.tp.size > 1 or trainer.mesh.pp.size > 1:

@@ -68,8 +68,10 @@ def test_every_group_holds_the_enumerated_ranks(given):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(dp_replicate=3, dp=4), r"dp_replicate=3 x dp_shard=.* is not dp=4; pass a "
+    (dict(dp_replicate=3, dp=4), r"mesh dp_replicate=3 does not divide dp=4; pass a "
                                  r"dp_replicate that divides 4"),
+    (dict(dp_replicate=2, dp_shard=3, dp=4), r"mesh dp_replicate=2 x dp_shard=3 is not "
+                                             r"dp=4; pass a dp_replicate that divides 4"),
     (dict(cp=0), r"mesh cp=0 must be a positive int"),
     (dict(cp=3, tp=3), r"mesh cp=3 x tp=3|mesh tp=3 x cp=3"),
 ])

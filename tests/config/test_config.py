@@ -27,13 +27,13 @@ def test_sections_read_into_their_dataclasses(tmp_path):
 
 def test_flat_keys_still_read_with_a_note_each(tmp_path):
     notes = []
-    cfg = load_config(write(tmp_path, "lr = 0.01\nschedule = 'gpipe'\nhidden = '128,64'\n"
-                                      "data = 'x.txt'\n"), notes=notes)
+    cfg = load_config(write(tmp_path, "model = 'mlp'\nlr = 0.01\nschedule = 'gpipe'\n"
+                                      "hidden = '128,64'\ndata = 'x.txt'\n"), notes=notes)
     assert cfg.optim.lr == 0.01 and cfg.parallel.pipeline_schedule == "gpipe"
     assert cfg.model.hidden == [128, 64] and cfg.data.path == "x.txt"
     assert any("'lr'" in n and "[optim]" in n for n in notes)
     assert any("'schedule'" in n and "'pipeline_schedule' under [parallel]" in n for n in notes)
-    assert len(notes) == 4
+    assert len(notes) == 5
 
 
 def test_flags_override_the_file(tmp_path):

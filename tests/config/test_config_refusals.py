@@ -51,6 +51,19 @@ CASES = {  # id: (flags, what the one line says)
                        "or use --reduce-dtype float32"),
     "reduce-bfloat16-float16": ([*GPT, "--precision", "bfloat16", "--reduce-dtype", "float16"],
                                 "reduce_dtype = float16 with precision = bfloat16"),
+    # a key the model would not read: never carried silently
+    "other-family-key": ([*GPT, "--n-kv-head", "2"], "--n-kv-head is a key of the llama and "
+                         "qwen2 models, which the gpt model does not read; leave it out, or "
+                         "pass --model llama"),
+    "mlp-key": ([*GPT, "--hidden", "32"], "--hidden is a key of the mlp model"),
+    "moe-key-dense": ([*LLAMA, "--moe-top-k", "1"], "--moe-top-k sets up a mixture of experts, "
+                      "but the model is dense (moe_experts = 0); add --moe-experts N"),
+    "moe-router-dense": ([*GPT, "--moe-router", "sigmoid"], "--moe-router sets up a mixture"),
+    "preset-family": (["--preset", "gpt2", "--model", "llama"],
+                      "preset = 'gpt2' is a gpt shape, but model = 'llama'"),
+    "min-lr-above-lr": ([*GPT, "--lr", "0.001", "--min-lr", "0.01"],
+                        "min_lr = 0.01 is above lr = 0.001: the cosine decay would raise the "
+                        "rate; use --min-lr 0.001 or less"),
 }
 
 
@@ -126,3 +139,55 @@ def test_two_ranks_say_one_line_and_a_split_is_told_once():
     told = [line for line in (out.stdout + out.stderr).splitlines() if "tp = 3:" in line]
     assert len(told) == 1 and "query heads 2+1+1 of n_head = 4" in told[0], told
     assert "the 2 key/value heads do not divide by 3" in told[0]
+
+
+def test_lr_zero_keeps_the_rate_at_zero(keep_hooks):
+    """``--lr 0`` alone: the default min_lr (above it) follows it down, so every step's rate
+    is 0 (the help's "the parameters stay as they are"); a min_lr given stays."""
+    from mpishard.config.sections import load_config
+    from mpishard.optim import CosineSchedule
+
+    o = load_config(None, {"lr": 0.0, "warmup_steps": 1, "steps": 6}).optim
+    assert o.min_lr == 0.0
+    schedule = CosineSchedule(o.lr, o.warmup_steps, o.steps, o.min_lr)
+    assert [schedule(s) for s in range(8)] == [0.0] * 8
+    assert load_config(None, {"lr": 1e-3, "min_lr": 1e-5}).optim.min_lr == 1e-5
+    assert load_config(None, {}).optim.min_lr == 3e-4      # the default, under the default lr
+
+
+def _write(path: Path, data) -> str:
+    path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
+    return str(path)
+
+
+def test_files_that_cannot_be_read_or_written_are_refused_with_one_line(tmp_path, keep_hooks,
+                                                                          capsys):
+    """A config that is a folder, not text or a misspelt table, and output paths nothing
+    can be written to: one ``mpishard: error:`` line each, before anything is built (not a
+    traceback, not the first save after training)."""
+    a_file = _write(tmp_path / "a_file", "x")
+    cases = [
+        (["--config", str(tmp_path)], "is a folder; pass a TOML file"),
+        (["--config", _write(tmp_path / "bin.toml", b"\xd0\xff\x00")], "is not valid TOML"),
+        (["--config", _write(tmp_path / "typo.toml", "[modle]\nn_layer = 3\n")],
+         "unknown config table [modle] in"),
+        (["--checkpoint-dir", a_file], f"--checkpoint-dir {a_file} is a file, not a folder"),
+        (["--log-dir", a_file], f"--log-dir {a_file} is a file, not a folder"),
+        (["--metrics", str(tmp_path)], f"--metrics {tmp_path} is a folder; pass a file name"),
+        (["--metrics", f"{a_file}/m.jsonl"], f"lies under {a_file}, a file, so nothing can "
+                                             f"be written there"),
+    ]
+    for flags, message in cases:
+        status = main(["train", *GPT, *flags, "--steps", "1", "--dry-run", "true"])
+        out = capsys.readouterr()
+        lines = out.err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, (flags, out.err + out.out)
+        assert lines[0].startswith("mpishard: error: ") and message in lines[0], lines[0]
+    assert "did you mean [model]?" in str(_refusal(tmp_path / "typo.toml"))
+
+
+def _refusal(path):
+    from mpishard.config.sections import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    return err.value

@@ -111,6 +111,7 @@ def test_a_llama_keeps_its_context(tmp_path):
     ("gpt2", ["--block-size", "16"], "gives block_size = 32 (n_positions)"),
     ("llama", ["--block-size", "128"], "block_size = 128 is beyond the 64 positions"),
     ("llama3", ["--block-size", "512"], "block_size = 512 is beyond the 128 positions"),
+    ("gpt2", ["--preset", "gpt2"], "--preset gpt2 contradicts it: leave --preset out"),
 ])
 def test_a_flag_that_contradicts_the_folder_is_refused(kind, flags, message, tmp_path):
     make_hf(kind, tmp_path / "in", vocab=260)

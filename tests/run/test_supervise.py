@@ -159,7 +159,7 @@ def test_the_supervisor_gives_up_after_max_restarts_and_passes_sigterm_on(tmp_pa
     ([], "batch: 2 per dp rank x 2 micro-steps x 2 dp ranks"),        # ZeRO-3, dp 4 -> 2
     (["--tp", "2"], "batch: 2 per dp rank x 2 micro-steps x 1 dp ranks"),  # dp2 x tp2 -> tp2
     (["--tp", "2", "--pp", "2", "--n-layer", "2"],                       # does not fit 2:
-     "does not fit 2 ranks: re-planned with --layout auto")])            # re-planned
+     "does not fit 2 ranks: re-planned with --layout auto-all")])            # re-planned
 def test_a_run_that_loses_ranks_continues_on_fewer_with_the_same_global_batch(tmp_path, layout,
                                                                           on_two):
     """--ranks 4,2: killed on 4 ranks, the run continues on 2 with more micro-steps (the
@@ -179,8 +179,8 @@ def test_a_run_that_loses_ranks_continues_on_fewer_with_the_same_global_batch(tm
     out, err = sup.communicate(timeout=180)
     assert sup.returncode == 0, out[-3000:] + err[-3000:]
     assert on_two in out and "restart 1 of 3" in out, out
-    if "auto" in on_two:
-        assert "layout auto (" in out, out
+    if "auto" in on_two:     # every layout key re-planned, the given ones named
+        assert "layout auto-all (" in out and "(replacing the given tp=2, pp=2)" in out, out
     first = {r["step"]: r["loss"] for r in _records(tmp_path / "whole.jsonl") if "loss" in r}
     logged = [r for r in _records(metrics) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 41))

@@ -1,0 +1,21 @@
+"""Output paths a user names: why nothing could be written there, said before any work."""
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["why_unwritable"]
+
+
+def why_unwritable(path, folder: bool, example: str = "") -> str | None:
+    """Why nothing can be written at ``path`` (a folder to make or fill when ``folder``, a
+    file to write otherwise, ``example`` a file name to suggest inside a folder given for
+    it), to follow the path in a message, or ``None`` where nothing stands in the way."""
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        return "is a file, not a folder; pass a folder (it is made if it does not exist)"
+    if not folder and path.is_dir():
+        return f"is a folder; pass a file name, e.g. {path / example}"
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return f"lies under {blocker}, a file, so nothing can be written there; pass another path"
+    return None
