@@ -61,8 +61,9 @@ def test_every_published_run_fits_its_gpu_by_the_plan(accuracy):
 
 def test_the_readme_and_the_docs_quote_the_figures_the_code_prints(accuracy):
     """The published runs' median, worst and Table 5 figures, the NeMo rows' bound and the
-    other stacks' range, as the benchmark prints them, are the README's and
-    docs/planning.md's (a change that moves them fails here until the docs follow)."""
+    other stacks' range, and the memory the Hopper layouts plan, as the benchmark prints
+    them, are the README's and docs/planning.md's (and the tightest layout's,
+    docs/concepts.md's): a change that moves them fails here until the docs follow."""
     module, result, _ = accuracy
     root = BENCH.parents[1]
     readme, planning = ((root / f).read_text() for f in ("README.md", "docs/planning.md"))
@@ -79,6 +80,51 @@ def test_the_readme_and_the_docs_quote_the_figures_the_code_prints(accuracy):
     assert f"8-2304 H100s within {nemo} (" in readme and f"runs predicted {fast})" in readme
     assert f"All six are within\n{nemo}" in planning or f"All six are within {nemo}" in planning
     assert f"(Megatron-Core's, within {nemo})" in planning
+    # the memory each Hopper layout plans: NeMo's range, llm-foundry's, the tightest
+    # (405B on 576 GPUs) in docs/planning.md and docs/concepts.md
+    concepts = (root / "docs" / "concepts.md").read_text()
+
+    def peaks(framework):
+        return [r["peak_gib"] for r in rows if r["framework"] == framework]
+    nemo_gib, foundry_gib = peaks("nemo"), peaks("llm-foundry")
+    quoted = " ".join(planning.split())
+    assert f"({min(nemo_gib):.1f}-{max(nemo_gib):.1f} GiB per GPU)" in quoted
+    assert f"llm-foundry's three ({min(foundry_gib):.1f}-{max(foundry_gib):.1f} GiB)" in quoted
+    tightest = {r["id"]: r for r in rows}["dgxc_nemo2409_h100_bf16_llama3.1_405b_576gpu"]
+    assert tightest["peak_gib"] == max(nemo_gib)
+    usable = f"{tightest['usable_gib']:.1f}"
+    assert f"fit the {usable} GiB an H100 leaves" in quoted
+    assert f"fits at {tightest['peak_gib']:.1f} GiB because ZeRO-1's" in quoted
+    assert f"({tightest['peak_gib']:.1f} GiB planned per GPU;" in concepts
+
+
+def test_the_planning_docs_table_of_published_runs_is_what_the_benchmark_prints(accuracy):
+    """docs/planning.md's table of the published Megatron-LM runs: every run once, its
+    published and predicted seconds to the third decimal and its error as
+    ``plan_accuracy.py --published-only`` prints them."""
+    _, result, _ = accuracy
+    rows = {r["id"]: r for r in result["rows"]}
+    planning = (BENCH.parents[1] / "docs" / "planning.md").read_text()
+    quoted = []
+    for line in planning.splitlines():
+        if not line.startswith(("| Narayanan ", "| Korthikanti ")):
+            continue
+        label, published, predicted, error = (c.strip() for c in line.strip("|").split("|"))
+        author, size = label.split()[:2]
+        if author == "Narayanan":
+            ids = [f"narayanan2021_table1_{size}"]
+        elif "Section 6.3" in label:
+            ids = [f"korthikanti2022_sec6.3_{size}_dp8_present_work"]
+        else:
+            assert "full / present" in label, line
+            ids = [f"korthikanti2022_table5_{size}_{k}" for k in ("full_recompute",
+                                                                   "present_work")]
+        runs = [rows[i] for i in ids]
+        assert published == " / ".join(f"{r['published_s']:.3f}" for r in runs), line
+        assert predicted == " / ".join(f"{r['predicted_s']:.3f}" for r in runs), line
+        assert error == " / ".join(f"{r['error']:+.1%}" for r in runs), line
+        quoted += ids
+    assert sorted(quoted) == sorted(rows), "a published run missing or twice in the table"
 
 
 def test_the_sequence_sweep_localises_llm_foundrys_error_as_the_docs_say():
@@ -156,7 +202,7 @@ def test_hopper_references_are_predicted_on_their_own_hardware():
     # as mpishard would run them (its flash kernels, a device's memory): every layout fits
     # the 70.5 GiB an H100 leaves; the tightest, 405B on 576 GPUs (ZeRO-1, bfloat16
     # gradients), only because its float32 gradient shard exists at the step alone (see
-    # [Note: stage 1's gradient shard]): 69.7 GiB, 72.3 with that shard held always
+    # [Note: stage 1's gradient shard]): 69.1 GiB, 71.8 with that shard held always
     fits = {r["id"]: r["peak_gib"] <= r["usable_gib"] for r in nemo}
     assert all(fits.values()), fits
     assert rows["dgxc_nemo2409_h100_bf16_llama3.1_405b_576gpu"]["peak_gib"] > 69
