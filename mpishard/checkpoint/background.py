@@ -41,7 +41,7 @@ from pathlib import Path
 
 from mpishard.checkpoint.collective import agree
 from mpishard.checkpoint.format import step_dir_name
-from mpishard.checkpoint.writer import Snapshot, check_arguments, write_snapshot
+from mpishard.checkpoint.writer import Snapshot, check_arguments, strategy_of, write_snapshot
 
 __all__ = ["BackgroundSaver", "SaveOutcome"]
 
@@ -95,6 +95,7 @@ class BackgroundSaver:
         start writing them; returns the directory the save will commit. Collective."""
         self.wait()
         check_arguments(step, keep_last)
+        strategy = strategy_of(strategy, "BackgroundSaver.save")
         t0 = time.perf_counter()
         err = None
         try:

@@ -71,6 +71,9 @@ def resolve_checkpoint(path) -> Path:
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
+    if not path.exists():
+        raise CheckpointError(path, "no-checkpoint", "does not exist; pass a checkpoint "
+                              "root (the --checkpoint-dir of a run) or a step-N directory")
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(path, "no-checkpoint", "no complete checkpoint here: neither "

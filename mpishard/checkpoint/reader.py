@@ -21,6 +21,7 @@ once), and reading the pieces.
 """
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import MANIFEST, Manifest, numel, read_manifest
 from mpishard.checkpoint.locate import resolve_checkpoint
 from mpishard.checkpoint.shards import ShardFile, sha256_file
+from mpishard.checkpoint.writer import strategy_of
 
 __all__ = ["load_checkpoint", "verify_checkpoint", "verify_file", "ShardReader"]
 
@@ -197,7 +199,8 @@ def load_checkpoint(path, strategy, optimizer=None, *, world=None, verify: bool 
 
     Args:
         path: a step directory, or a checkpoint root (its latest complete step).
-        strategy: the :class:`~mpishard.parallel.Strategy` wrapping the model.
+        strategy: the :class:`~mpishard.parallel.Strategy` wrapping the model (or a
+            :class:`~mpishard.parallel.ParallelModel`: its strategy).
         optimizer: its optimizer, or ``None`` to load parameters only.
         world: every rank taking part (default: ``strategy.mesh.world``).
         verify: hash every file first (each rank a share of them).
@@ -211,6 +214,10 @@ def load_checkpoint(path, strategy, optimizer=None, *, world=None, verify: bool 
             (with ``failures`` per rank), or rule ``mismatch`` when the
             checkpoint does not fit the model.
     """
+    strategy = strategy_of(strategy, "load_checkpoint")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_checkpoint: path must be a step directory or a checkpoint "
+                        f"root (a str or Path), got {path!r}")
     world = world if world is not None else strategy.mesh.world
     err, chosen = None, None
     if world.rank == 0:

@@ -62,7 +62,8 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
         directory: the checkpoint root (created if missing).
         step: the number of completed training steps (an int >= 0). Saving a
             step that exists replaces it.
-        strategy: the :class:`~mpishard.parallel.Strategy` wrapping the model.
+        strategy: the :class:`~mpishard.parallel.Strategy` wrapping the model (or a
+            :class:`~mpishard.parallel.ParallelModel`: its strategy).
         optimizer: its optimizer, or ``None`` for parameters only.
         world: every rank that holds pieces (default: ``strategy.mesh.world``).
         extra_state: JSON-able state to restore with the model: data-loader
@@ -81,6 +82,7 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
             every rank before any communication).
     """
     check_arguments(step, keep_last)
+    strategy = strategy_of(strategy, "save_checkpoint")
     world = world if world is not None else strategy.mesh.world
     snapshot, failed = None, None
     try:
@@ -89,6 +91,17 @@ def save_checkpoint(directory, step: int, strategy, optimizer=None, *, world=Non
         failed = exc
     return write_snapshot(directory, int(step), snapshot, world, keep_last=keep_last,
                           failed=failed)
+
+
+def strategy_of(target, caller: str):
+    """The strategy a checkpoint is saved from or loaded into: ``target``, or a
+    :class:`~mpishard.parallel.ParallelModel`'s own; TypeError (the same on every rank,
+    before any communication) for anything else, naming what to pass."""
+    strategy = getattr(target, "strategy", target)
+    if not (hasattr(strategy, "pieces") and hasattr(strategy, "mesh")):
+        raise TypeError(f"{caller} takes the strategy wrapping the model (DataParallel, "
+                        f"ZeRO, or a ParallelModel), got {type(target).__name__}")
+    return strategy
 
 
 def check_arguments(step, keep_last) -> None:

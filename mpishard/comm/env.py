@@ -58,8 +58,10 @@ def settings_from_env(environ) -> dict:
     try:
         seconds = float(raw) if raw else 0.0
     except ValueError:
-        raise ValueError(f"MPISHARD_TIMEOUT={raw!r} is not a number of seconds; "
-                         f"use e.g. MPISHARD_TIMEOUT=600 (0: no timeout)") from None
+        seconds = float("nan")
+    if not seconds >= 0:                          # not a number, or negative
+        raise ValueError(f"MPISHARD_TIMEOUT={raw!r} is not a number of seconds >= 0; "
+                         f"use e.g. MPISHARD_TIMEOUT=600 (0: no timeout)")
     settings["timeout"] = seconds if seconds > 0 else None
     if environ.get("MPISHARD_CUDA_AWARE", "").strip():
         aware = env_flag(environ, "MPISHARD_CUDA_AWARE")

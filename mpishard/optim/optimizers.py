@@ -21,7 +21,9 @@ target and its state unchanged where ``skip`` is set: nothing is read back.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
 from typing import Iterable
 
 import numpy as np
@@ -31,7 +33,19 @@ from mpishard.core.dtypes import weak_scalar
 from mpishard.kernels import kernels_for
 from mpishard.kernels.cpu.threads import for_rows
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Targets"]
+
+
+class Targets(list):
+    """The targets a strategy hands out (``model.parameters()`` of a DDP or ZeRO model), with
+    the strategy's name: an optimizer built from them is that strategy's to step, and
+    refuses a :meth:`Optimizer.step` that does not come through its ``step`` (which
+    reduces the gradients over the data-parallel ranks first: stepped directly, DDP's
+    replicas drift apart and ZeRO's shards never see a gradient)."""
+
+    def __init__(self, targets, owner: str):
+        super().__init__(targets)
+        self.owner = owner
 
 
 class Optimizer:
@@ -46,13 +60,20 @@ class Optimizer:
     state_names: tuple = ()
 
     def __init__(self, params: Iterable, lr: float, ledger: MemoryLedger | None = None):
+        if hasattr(params, "parameters") and callable(params.parameters):
+            raise TypeError(f"{type(self).__name__} takes the targets, not the model: pass "
+                            f"model.parameters() (of the wrapped model, after wrapping)")
         self.params = list(params)
         if not self.params:
             raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+            raise TypeError(f"{type(self).__name__}: lr must be a number, got {lr!r}")
         if not lr >= 0.0:
             raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
         self.lr = float(lr)
         self.ledger = ledger
+        self.owner = getattr(params, "owner", None)       # see Targets
+        self._owner_stepping = False
         self._steps, self._device_steps = 0, None
         self.state: list[dict] = [{} for _ in self.params]
 
@@ -117,11 +138,30 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
+    @contextlib.contextmanager
+    def from_owner(self):
+        """Inside, :meth:`step` is the owning strategy's call (see :class:`Targets`)."""
+        self._owner_stepping = True
+        try:
+            yield self
+        finally:
+            self._owner_stepping = False
+
+    def _check_caller(self) -> None:
+        """RuntimeError for a step of a strategy's targets that skips the strategy."""
+        if self.owner is not None and not self._owner_stepping:
+            raise RuntimeError(f"{type(self).__name__}.step() was called on the targets of "
+                               f"{self.owner}, which reduces their gradients over the "
+                               f"data-parallel ranks before the update: call "
+                               f"model.step(opt) instead of opt.step() (it reduces, "
+                               f"clips, steps and zeroes the gradients)")
+
     def step(self, grad_scale=1.0, skip=None) -> None:
         """Apply one update to every target that has a gradient, each gradient taken
         times ``grad_scale`` (a strategy's unscaling and clipping factor, applied here
         rather than to the gradients in place: on a GPU inside the update's kernel),
         unless ``skip`` is set (see the module docstring)."""
+        self._check_caller()
         grad_scale, skip = self._decide_on_host(grad_scale, skip)
         if skip:
             return
@@ -266,6 +306,7 @@ class Adam(Optimizer):
         target, or plain Adam's L2 decay, is prepared on the way, target by target.
         With a device ``skip`` the step's number and bias corrections are computed on
         the device and the kernel skips there (see the module docstring)."""
+        self._check_caller()
         grad_scale, skip = self._decide_on_host(grad_scale, skip)
         if skip is True:
             return

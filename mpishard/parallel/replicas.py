@@ -20,9 +20,15 @@ def is_expert_param(p) -> bool:
     return p.spec.ep_range is not None
 
 
-def check_replicas_equal(module, comm, what: str = "parameters", select=None) -> None:
+#: what the error of :func:`check_replicas_equal` suggests by default (DDP's way)
+BROADCAST_FIX = "or pass sync_params='broadcast' to copy rank 0's values"
+
+
+def check_replicas_equal(module, comm, what: str = "parameters", select=None,
+                         fix: str = BROADCAST_FIX) -> None:
     """Raise on every rank if the module's parameters (those ``select(p)`` accepts, by
-    default all) differ between ranks of ``comm``.
+    default all) differ between ranks of ``comm``; the error suggests the same seed on
+    every rank, ``fix`` too (empty: nothing more).
 
     Compares a SHA-256 per parameter (one small all-gather of digests).
     """
@@ -38,5 +44,5 @@ def check_replicas_equal(module, comm, what: str = "parameters", select=None) ->
                           if a != b), "the parameter list")
             raise ValueError(
                 f"{what} differ across ranks at wrap time: rank {rank} differs from rank 0 "
-                f"first at {first}; build the model with the same seed on every rank, or "
-                f"pass sync_params='broadcast' to copy rank 0's values")
+                f"first at {first}; build the model with the same seed on every rank"
+                f"{', ' + fix if fix else ''}")

@@ -219,6 +219,10 @@ class Strategy:
 
     def __init__(self, module, mesh, ledger: MemoryLedger | None = None, precision=None,
                  seed: int | None = None):
+        if not hasattr(mesh, "dp"):
+            raise TypeError(f"{type(self).__name__} takes a mpishard Mesh, got "
+                            f"{type(mesh).__name__}; build one: Mesh(Communicator("
+                            f"MPI.COMM_WORLD)) for data parallelism over every rank")
         self.module = module
         self.mesh = mesh
         # every rank holding these parameters: dp x cp (see [Note: mesh layout])
@@ -247,6 +251,13 @@ class Strategy:
                 p.grad_dtype = self.reduce_dtype
         for p in params:   # no gradient buffers of an earlier wrapper (DDP sets its own)
             p.grad_out = None
+        self._backward_since_step = False       # see step()
+        for p in params:
+            if p.requires_grad:
+                p.register_grad_ready_hook(self._saw_backward)
+
+    def _saw_backward(self, p) -> None:
+        self._backward_since_step = True
 
     # -- forward / modes ----------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -369,6 +380,7 @@ class Strategy:
         self._skipped = int(value)
 
     def zero_grad(self) -> None:
+        self._backward_since_step = False
         for p in self.module.parameters():
             p.grad = None
         for p in self.parameters():
@@ -474,6 +486,16 @@ class Strategy:
         decisions stay there (see [Note: device step decisions]).
         """
         self._check_optimizer(optimizer)
+        if not self._backward_since_step:
+            raise RuntimeError(f"{type(self).__name__}.step: no backward since the last step "
+                               f"or zero_grad, so no gradients to apply (an update would "
+                               f"still decay the weights and count a step); run "
+                               f"loss.backward() (or forward_backward) first")
+        with getattr(optimizer, "from_owner", contextlib.nullcontext)():
+            return self._reduce_and_update(optimizer, max_norm)
+
+    def _reduce_and_update(self, optimizer, max_norm) -> StepResult:
+        """:meth:`step` once its checks have passed."""
         self.reduce_grads()
         norm, factor = self.grad_factor(max_norm)
         if self.xp is not np:

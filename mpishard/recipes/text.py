@@ -8,6 +8,8 @@ published shape.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, DataError, load_corpus
@@ -102,8 +104,9 @@ class TextLM(Recipe):
         idx = self.prompt_ids(prompt)
         out = module.generate(idx[None, :], n_tokens, temperature=temperature, top_k=top_k,
                               rng=np.random.default_rng(seed))
-        if tokenizer is None:
-            return bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+        if tokenizer is None:       # ids past the bytes (a wider vocabulary) as "?"
+            ids = np.where(out[0] < VOCAB_SIZE, out[0], ord("?"))
+            return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
         return tokenizer.decode(out[0])
 
     def prompt_ids(self, prompt: str, flag: str = "--prompt"):
@@ -124,5 +127,14 @@ class TextLM(Recipe):
 
     def _tokenizer(self):
         """The tokenizer of token data (None for bytes): a tokenizer.json, or the characters
-        of nanoGPT's meta.pkl (a DataError when the folder has neither)."""
-        return open_tokenizer(self.cfg.data.path) if is_token_dir(self.cfg.data.path) else None
+        of nanoGPT's meta.pkl (a DataError when the folder has neither, or when the data
+        path is gone and the vocabulary is more than bytes: token ids with no tokenizer
+        to read them, which as bytes would print nonsense)."""
+        path, vocab = self.cfg.data.path, self.cfg.model.vocab_size
+        if is_token_dir(path):
+            return open_tokenizer(path)
+        if path and not Path(path).exists() and vocab > VOCAB_SIZE:
+            raise DataError(f"the data this model was trained on, {path}, is gone, and with "
+                            f"it the tokenizer of its {vocab:,} token ids; put that folder "
+                            f"(its tokenizer.json or meta.pkl) back there to sample")
+        return None

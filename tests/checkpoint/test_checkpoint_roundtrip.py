@@ -342,3 +342,30 @@ def test_zero3_load_after_an_evaluation_forward_uses_the_loaded_values():
         with no_grad():
             after = loaded(x, y)[1].item()
         assert before != expected and after == expected
+
+
+def test_a_parallel_model_saves_and_loads_as_its_strategy(tmp_path):
+    """``save_checkpoint(dir, step, run, opt)`` with a ParallelModel takes its strategy;
+    anything else, and a path that is not one, are named."""
+    from mpishard.comm import Mesh
+    from mpishard.models import GPT, GPTConfig
+    from mpishard.parallel import ParallelModel
+
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    with Communicator(MPI.COMM_SELF.Dup(), "ckpt", _owned=True) as world:
+        run = ParallelModel(GPT(cfg, seed=0), Mesh(world, dp=1), strategy="zero1")
+        opt = AdamW(run.parameters(), lr=1e-3)
+        saved = save_checkpoint(tmp_path, 0, run, opt, world=world)
+        again = ParallelModel(GPT(cfg, seed=1), Mesh(world, dp=1), strategy="zero1")
+        load_checkpoint(saved, again, AdamW(again.parameters(), lr=1e-3), world=world)
+        for (name, a), (_, b) in zip(run.strategy.module.named_parameters(),
+                                     again.strategy.module.named_parameters()):
+            assert np.array_equal(a.data, b.data), name
+        with pytest.raises(TypeError, match="save_checkpoint takes the strategy wrapping the "
+                                            "model .* got GPT"):
+            save_checkpoint(tmp_path, 1, run.strategy.module, opt, world=world)
+        with pytest.raises(TypeError, match="load_checkpoint: path must be a step directory "
+                                            "or a checkpoint root .* got None"):
+            load_checkpoint(None, run, opt, world=world)
+        with pytest.raises(CheckpointError, match="does not exist; pass a checkpoint root"):
+            load_checkpoint(tmp_path / "nowhere", run, opt, world=world)

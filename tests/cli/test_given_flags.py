@@ -143,3 +143,20 @@ def test_an_export_into_a_folder_or_under_a_file_is_refused_before_writing(tmp_p
     assert not list(tmp_path.glob("*.tmp*"))
     deep = tmp_path / "new" / "folder" / "m.safetensors"
     assert main(["checkpoint", "consolidate", str(ckpt), str(deep)]) == 0 and deep.is_file()
+
+
+def test_sampling_a_token_model_whose_data_is_gone_says_so(tmp_path, keep_hooks, capsys):
+    """A model of token ids whose folder (and tokenizer) moved away: one line naming the
+    folder, not bytes read from token ids."""
+    tokens = tmp_path / "tokens"
+    assert main(["prepare", "default", str(tokens), "--train-bpe", "300", "--max-bytes",
+                 "60000", "--progress", "false"]) == 0
+    ckpt = tmp_path / "ck"
+    flags = [f for f in TINY if f not in ("--max-bytes", "200000")]
+    assert main(["train", *flags, "--steps", "1", "--data", str(tokens),
+                 "--checkpoint-dir", str(ckpt)]) == 0
+    tokens.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(ckpt), "--tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"the data this model was trained on, {tokens}, is gone" in err, err

@@ -129,6 +129,7 @@ def test_from_env_reads_the_mpishard_variables():
 @pytest.mark.parametrize("environ,match", [
     ({"MPISHARD_DEBUG": "maybe"}, r"MPISHARD_DEBUG='maybe' is not a flag"),
     ({"MPISHARD_TIMEOUT": "ten"}, r"MPISHARD_TIMEOUT='ten' is not a number of seconds"),
+    ({"MPISHARD_TIMEOUT": "-5"}, r"MPISHARD_TIMEOUT='-5' is not a number of seconds >= 0"),
     ({"MPISHARD_CUDA_AWARE": "2"}, r"MPISHARD_CUDA_AWARE='2' is not a flag"),
     ({"MPISHARD_COMM_BACKEND": "gloo"}, r"unknown comm_backend 'gloo'"),
 ])

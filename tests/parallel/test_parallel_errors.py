@@ -31,6 +31,9 @@ def test_parameters_that_differ_across_ranks():
     rank0 = GPT(TINY, seed=0)
     w = synced.module.transformer.wte.weight.data
     assert np.array_equal(w, rank0.transformer.wte.weight.data)
+    with pytest.raises(ValueError, match="same seed on every rank, as ZeRO takes each "
+                                         "rank's slice of its own values$"):
+        ZeRO(GPT(TINY, seed=world.rank), mesh, stage=1)       # no sync_params to suggest
 
 
 @pytest.mark.mpi
@@ -101,3 +104,47 @@ def test_units_smaller_than_the_dp_size(stage):
 def test_parity_config_is_uneven():
     assert UNEVEN.vocab_size % 2 and UNEVEN.vocab_size % 3
     assert UNEVEN.n_embd % 3 and UNEVEN.n_embd % 4
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero3"])
+def test_an_optimizer_of_a_strategy_is_stepped_by_the_strategy(kind):
+    """``opt.step()`` on a strategy's targets would skip the gradient reduction (DDP's
+    replicas drift apart, ZeRO's shards see no gradient); ``step`` with no backward since
+    the last would decay the weights anyway: both refused, before any communication."""
+    _, mesh = _mesh()
+    model = GPT(TINY, seed=0, materialize_now=kind != "zero3")
+    strategy = DataParallel(model, mesh) if kind == "ddp" else \
+        ZeRO(model, mesh, stage=int(kind[-1]))
+    opt = AdamW(strategy.parameters(), lr=1e-3)
+    before = [p.data.copy() for p in strategy.parameters()]
+    with pytest.raises(RuntimeError, match=r"no backward since the last step or zero_grad"):
+        strategy.step(opt)
+    _, loss = strategy(*batch(0, 0, 0, TINY))
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"call model.step\(opt\) instead of opt.step\(\)"):
+        opt.step()
+    assert all(np.array_equal(a, p.data) for a, p in zip(before, strategy.parameters()))
+    strategy.step(opt)                                  # the reduction, then the update
+    assert any(not np.array_equal(a, p.data) for a, p in zip(before, strategy.parameters()))
+    with pytest.raises(RuntimeError, match="no backward since the last step"):
+        strategy.step(opt)
+    _, loss = strategy(*batch(0, 0, 0, TINY))
+    loss.backward()
+    strategy.zero_grad()                                # a backward thrown away
+    with pytest.raises(RuntimeError, match="no backward since the last step or zero_grad"):
+        strategy.step(opt)
+
+
+def test_strategies_and_optimizers_name_what_they_take():
+    world = Communicator(MPI.COMM_SELF)
+    for cls in (DataParallel, ZeRO):
+        with pytest.raises(TypeError, match=r"takes a mpishard Mesh, got Communicator; "
+                                            r"build one: Mesh\(Communicator\("):
+            cls(GPT(TINY, seed=0), world)
+    with pytest.raises(TypeError, match=r"takes the targets, not the model: pass "
+                                        r"model.parameters\(\)"):
+        AdamW(GPT(TINY, seed=0))
+    with pytest.raises(TypeError, match="lr must be a number, got '1e-3'"):
+        AdamW(GPT(TINY, seed=0).parameters(), lr="1e-3")

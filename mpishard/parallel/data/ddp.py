@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from mpishard.core.backend import xp_of
 from mpishard.optim.clip import grad_sq_sum
+from mpishard.optim.optimizers import Targets
 from mpishard.parallel.flat import FlatIndex, stage_grad
 from mpishard.parallel.offload import HostMasters, check_offload, copy_into, host_zeros
 from mpishard.parallel.pieces import TargetSlices, replicated_pieces
@@ -213,9 +214,9 @@ class DataParallel(Strategy):
     def parameters(self) -> list:
         """The optimizer's targets: the parameters, or their flat float32 master (mixed
         precision, offload)."""
-        if not (self.mixed or self.offload):
-            return self.module.parameters()
-        return self.masters.targets()
+        targets = self.module.parameters() if not (self.mixed or self.offload) else \
+            self.masters.targets()
+        return Targets(targets, type(self).__name__)
 
     def optimizer_target(self, p):
         """What the optimizer updates for parameter ``p`` (``p``, or its master)."""

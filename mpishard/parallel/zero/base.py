@@ -43,6 +43,7 @@ from mpishard.nn.init import seed_dropout
 from mpishard.nn.parameter import init_array
 from mpishard.nn.sharding import plan_of
 from mpishard.optim.clip import grad_sq_sum
+from mpishard.optim.optimizers import Targets
 from mpishard.parallel.flat import stage_grad
 from mpishard.parallel.offload import HostMasters, check_offload, copy_into, host_zeros
 from mpishard.parallel.pieces import unit_pieces
@@ -317,9 +318,13 @@ class ZeroStrategy(Strategy):
         self._unit_groups = {name: (edp, 1.0 / ep.size) for name in experts}
         layouts = build_units(module, names, self.dp.size, self.dp.rank, root_unit,
                              groups={n: (edp.size, edp.rank) for n in experts})
-        if any(p.data is not None for p in module.parameters()):
-            check_replicas_equal(module, self.dp, select=lambda p: not is_expert_param(p))
-            check_replicas_equal(module, edp, select=is_expert_param)
+        if any(p.data is not None for p in module.parameters()):   # each rank shards its own
+            fix = "as ZeRO takes each rank's slice of its own values"
+            check_replicas_equal(module, self.dp, select=lambda p: not is_expert_param(p),
+                                 fix=fix)
+            check_replicas_equal(module, edp, select=is_expert_param, fix=fix)
+            if self.replicate is not None:      # hybrid sharding: the replicas' shards too
+                check_replicas_equal(module, self.replicate, fix=fix)
         deferred = any(p.data is None for p in module.parameters())
         # before the units' own hooks: a forward first finishes the reductions in flight
         module.register_forward_pre_hook(lambda m, a: self._before_forward())
@@ -369,7 +374,7 @@ class ZeroStrategy(Strategy):
 
     def parameters(self) -> list:
         """This rank's flat shards, one per unit: hand these to the optimizer."""
-        return [unit.target for unit in self.units]
+        return Targets([unit.target for unit in self.units], type(self).__name__)
 
     def describe(self) -> dict:
         return {"name": "ZeRO", "stage": self.stage}
