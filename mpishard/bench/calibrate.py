@@ -57,7 +57,6 @@ three times and plan with their median (every number the median of the three)::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -67,6 +66,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpishard.bench.flags import BenchParser, check_count, check_output, write_json
 from mpishard.core.backend import Backend
 from mpishard.comm import Communicator
 from mpishard.comm.mesh import ranks_per_node
@@ -445,7 +445,7 @@ def _merge(paths: list, output: str, name: str) -> None:
     from pathlib import Path
 
     from mpishard.config.sections import ConfigError
-    from mpishard.planning.machine import merge_calibrations
+    from mpishard.planning.machine_file import merge_calibrations
     if MPI.COMM_WORLD.rank != 0:
         return
     if Path(output).resolve() in {Path(p).resolve() for p in paths}:
@@ -466,8 +466,7 @@ def _merge(paths: list, output: str, name: str) -> None:
         merged = merge_calibrations(named, name)
     except ValueError as err:
         raise ConfigError(f"--merge: {err}") from None
-    with open(output, "w") as f:
-        json.dump(merged, f, indent=1)
+    write_json(output, merged)
     print(f"calibrate: wrote {output}, the median of {len(paths)} calibrations",
           file=sys.stderr)
 
@@ -477,10 +476,11 @@ def main(argv=None) -> None:
     from mpishard.models import MODELS
     from mpishard.recipes import recipe_for
 
-    parser = argparse.ArgumentParser(prog="mpishard bench calibrate",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("-o", "--output", default="machine.json", help="where to write it")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per point")
+    parser = BenchParser(prog="mpishard bench calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-o", "--output", default="machine.json", help="where to write it "
+                        "(default machine.json; missing folders are made)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per point "
+                        "(at least 1, default 7)")
     parser.add_argument("--name", default="calibrated", help="the description's name")
     parser.add_argument("--config", help="TOML file with training settings (the model)")
     parser.add_argument("--merge", nargs="+", metavar="MACHINE.json",
@@ -489,6 +489,8 @@ def main(argv=None) -> None:
                              "--output")
     add_config_flags(parser, "estimate")
     args = parser.parse_args(argv)
+    check_count(parser, "--repeats", args.repeats, 1, "the timed repeats per point", 7)
+    check_output(parser, "-o", args.output, "machine.json")     # before minutes of measuring
     if args.merge:
         _merge(args.merge, args.output, args.name)
         return
@@ -508,8 +510,7 @@ def main(argv=None) -> None:
     description = calibrate(world, args.repeats, args.name, shapes, block, steps,
                             MODELS[cfg.model.name].elementwise)
     if world.rank == 0:
-        with open(args.output, "w") as f:
-            json.dump(description, f, indent=1)
+        write_json(args.output, description)
         print(f"calibrate: wrote {args.output}", file=sys.stderr)
 
 

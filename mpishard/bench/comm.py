@@ -17,14 +17,13 @@ sums stay finite and timing does not depend on values.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 from mpi4py import MPI
 
+from mpishard.bench.flags import BenchParser, check_count, check_output, check_sizes, write_json
 from mpishard.comm import Communicator, check_launcher, install_abort_hook
 from mpishard.comm.stats import bus_bytes
 
@@ -104,25 +103,36 @@ def format_results(results: list[dict], comm: Communicator, iters: int, xp) -> s
              f"{'collective':<16}{'size':>8}{'raw GB/s':>12}{'mpishard GB/s':>15}"
              f"{'ratio':>8}{'paired':>8}   (bus bandwidth)"]
     for r in results:
-        lines.append(f"{r['collective']:<16}{r['bytes'] / 2**20:>6.0f}MiB"
+        mib = r["bytes"] / 2**20
+        size = f"{mib:>6.0f}" if mib == round(mib) else f"{mib:>6.3g}"   # 0.25, not 0
+        lines.append(f"{r['collective']:<16}{size}MiB"
                      f"{r['raw_busbw'] / 1e9:>12.3f}{r['mpishard_busbw'] / 1e9:>15.3f}"
                      f"{r['ratio']:>8.3f}{r['paired_ratio']:>8.3f}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    """Command line: ``[--sizes-mib ...] [--collectives ...] [--iters N] [--json PATH]``."""
-    parser = argparse.ArgumentParser(prog="mpishard bench comm",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64])
+    """Command line: ``[--sizes-mib ...] [--collectives ...] [--iters N] [--json PATH]``.
+    Every flag and the ``--json`` path are checked before anything is measured."""
+    parser = BenchParser(prog="mpishard bench comm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64],
+                        help="message sizes in MiB (default 1 16 64)")
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
-    parser.add_argument("--iters", type=int, default=40, help="timed samples per cell")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=40, help="timed samples per cell "
+                        "(at least 1, default 40)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before them "
+                        "(0 or more, default 3)")
     parser.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
                         help="where the buffers live (cupy: needs CUDA-aware MPI, "
                              "for the raw column)")
-    parser.add_argument("--json", help="also write the results to this file (rank 0)")
+    parser.add_argument("--json", help="also write the results to this file (rank 0; "
+                        "missing folders are made)")
     args = parser.parse_args(argv)
+    check_sizes(parser, "--sizes-mib", args.sizes_mib, "MiB in a message", "0.25 1 16")
+    check_count(parser, "--iters", args.iters, 1, "the timed samples per cell", 40)
+    check_count(parser, "--warmup", args.warmup, 0, "the untimed calls before them", 3)
+    if args.json:
+        check_output(parser, "--json", args.json, "comm.json")
 
     world = Communicator.from_env(MPI.COMM_WORLD.Dup(), "bench")
     install_abort_hook(world)
@@ -140,8 +150,7 @@ def main(argv=None) -> int:
     if world.rank == 0:
         print(format_results(results, world, args.iters, xp), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"size": world.size, "results": results}, f, indent=1)
+            write_json(args.json, {"size": world.size, "results": results})
     world.barrier()
     return 0
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from mpishard.data.corpus import (DEFAULT_CORPUS_BYTES, DataError, default_corpus_files, text_files_under,
                                   token_files_in)
-from mpishard.core.parse import parse_bool
+from mpishard.core.parse import parse_bool, parse_bytes
 from mpishard.data.tokens import Tokenizer, tokenizers_module, dtype_for_vocab
 
 __all__ = ["prepare", "add_prepare_command", "main", "train_bpe_tokenizer"]
@@ -166,6 +166,11 @@ def _check_arguments(tokenizer, train_bpe, val_fraction, max_bytes, out_dir: Pat
         raise DataError(f"give exactly one of --tokenizer FILE (a Hugging Face tokenizer.json, "
                         f"as beside a downloaded model) or --train-bpe N (train a byte-level "
                         f"BPE of N tokens on the text, offline); got {got}")
+    if tokenizer is not None and Path(tokenizer).is_dir():
+        inside = Path(tokenizer) / "tokenizer.json"
+        raise DataError(f"--tokenizer {tokenizer} is a folder; pass " +
+                        (f"the file in it: --tokenizer {inside}" if inside.is_file() else
+                         "a tokenizer.json file (this folder holds none)"))
     if train_bpe is not None and (isinstance(train_bpe, bool) or not isinstance(train_bpe, int)
                                   or train_bpe < MIN_BPE):
         raise DataError(f"--train-bpe {train_bpe!r}: a byte-level BPE needs at least {MIN_BPE} "
@@ -195,17 +200,21 @@ def prepare(text_path, out_dir, tokenizer=None, train_bpe=None, val_fraction=0.1
         train_bpe: instead, train a byte-level BPE of this many tokens on the
             training part of the text.
         val_fraction: the last part of the text's bytes kept for validation.
-        max_bytes: read at most this many bytes; ``None`` or 0: all.
+        max_bytes: read at most this many bytes (the command line also takes
+            ``1KB``, ``64MiB``: :func:`~mpishard.core.parse.parse_bytes`); ``None`` or
+            0: all.
         progress: a progress bar (tqdm when installed, else lines on stderr).
         overwrite: replace an ``out_dir`` that already holds ``train.bin``.
 
     Returns:
         ``{"source", "out_dir", "bytes", "train_tokens", "val_tokens",
-        "vocab_size", "dtype", "tokenizer", "files"}``; ``dtype`` is uint16
-        when every id fits (vocabulary <= 65536), else uint32.
+        "vocab_size", "dtype", "tokenizer", "files", "notes"}``; ``dtype`` is uint16
+        when every id fits (vocabulary <= 65536), else uint32; ``notes``: lines for
+        the user, e.g. that a trained BPE came out smaller than ``train_bpe``.
 
     Raises:
-        DataError: both or neither of ``tokenizer``/``train_bpe``, a BPE size
+        DataError: both or neither of ``tokenizer``/``train_bpe``, a ``tokenizer``
+            that is a folder, a BPE size
             below 257, a ``val_fraction`` outside (0, 1), a missing or empty
             text path, text that is already token ids, an ``out_dir`` holding
             ``train.bin`` (without ``overwrite``), a file that is not a tokenizer,
@@ -226,6 +235,7 @@ def prepare(text_path, out_dir, tokenizer=None, train_bpe=None, val_fraction=0.1
     tokenizers_module()   # refuse before writing when tokenizers is missing
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    notes = []
     tmp = {name: out_dir / f"{name}.tmp" for name in OUTPUTS}
     try:
         if given is None:
@@ -233,6 +243,11 @@ def prepare(text_path, out_dir, tokenizer=None, train_bpe=None, val_fraction=0.1
             train_text = (t for t, is_val in _text(_pieces(files, split, split), bar))
             given = train_bpe_tokenizer(train_text, train_bpe)
             bar.close()
+            if given.vocab_size < train_bpe:
+                notes.append(f"the BPE came out at {given.vocab_size} tokens of the "
+                             f"{train_bpe} asked: by then every word of the training text "
+                             f"is one token, and merges never join words; more (or more "
+                             f"varied) text gives more")
             given.inner.save(str(tmp["tokenizer.json"]))
             described = f"byte-level BPE of {given.vocab_size} tokens trained on {source}"
         else:
@@ -261,7 +276,7 @@ def prepare(text_path, out_dir, tokenizer=None, train_bpe=None, val_fraction=0.1
     return {"source": source, "out_dir": str(out_dir), "bytes": total,
             "train_tokens": counts[0], "val_tokens": counts[1], "vocab_size": given.vocab_size,
             "dtype": dtype, "tokenizer": described,
-            "files": [str(out_dir / name) for name in reversed(OUTPUTS)]}
+            "files": [str(out_dir / name) for name in reversed(OUTPUTS)], "notes": notes}
 
 
 def _encode_all(tok: Tokenizer, pieces, tmp: dict, dtype: str, bar: _Progress) -> list:
@@ -301,9 +316,9 @@ def _add_arguments(parser) -> None:
                         help="train a byte-level BPE of N tokens on the text instead")
     parser.add_argument("--val-fraction", type=float, default=0.1,
                         help="last part of the text kept for validation (default 0.1)")
-    parser.add_argument("--max-bytes", type=int, default=None,
-                        help="read at most this many bytes of text (default: all; "
-                             f"{DEFAULT_CORPUS_BYTES} of 'default')")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                        help="read at most this many bytes of text, e.g. 20000, 500KB, "
+                             f"64MiB (default: all; {DEFAULT_CORPUS_BYTES} of 'default')")
     parser.add_argument("--progress", type=parse_bool, default=True, metavar="true|false")
     parser.add_argument("--overwrite", type=parse_bool, default=False, metavar="true|false",
                         help="replace an OUT_DIR that already holds train.bin")
@@ -323,6 +338,8 @@ def _cmd_prepare(args) -> int:
     print(f"wrote {summary['out_dir']}: {summary['train_tokens']} training and "
           f"{summary['val_tokens']} validation tokens ({summary['dtype']}, vocabulary "
           f"{summary['vocab_size']}) from {summary['bytes']} bytes of {summary['source']}")
+    for note in summary["notes"]:
+        print(f"note: {note}")
     print(f"train on it with: mpishard train --data {summary['out_dir']}")
     return 0
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 from mpishard.core.backend import LEDGER_CATEGORIES
+from mpishard.core.paths import why_unwritable
 from mpishard.config.sections import ConfigError
 
 __all__ = ["PlotError", "load_metrics", "metrics_figure", "plot_metrics", "add_plot_command"]
@@ -43,24 +45,46 @@ class PlotError(ConfigError):
     """
 
 
+class _SkippedLine(UserWarning):
+    """A cut-off last line of a metrics file, skipped (``mpishard plot`` prints it as a
+    note)."""
+
+
 def load_metrics(metrics_path: str | Path) -> list[dict]:
     """The records of a JSON-lines metrics file, in file order.
 
+    A last line cut off before its end (no line break after it, as a run stopped
+    while writing leaves it) is skipped with a ``UserWarning`` saying so
+    (``mpishard plot`` prints it as a note); every other line must be JSON.
+
     Raises:
-        PlotError: the file is missing, a line is not JSON, or no line has a
-            ``step``.
+        PlotError: the file is missing or a folder, a line is not JSON, or no line
+            has a ``step``.
     """
     path = Path(metrics_path)
+    if path.is_dir():
+        inside = sorted(path.glob("*.jsonl"))
+        hint = f", e.g. {inside[0]}" if inside else ""
+        raise PlotError(f"metrics file {str(path)!r} is a folder; pass the file that "
+                        f"'mpishard train --metrics FILE' wrote{hint}")
     if not path.is_file():
         raise PlotError(f"metrics file {str(path)!r} does not exist; write one with "
                         f"'mpishard train --metrics {path}'")
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):     # cut off while written
+                warnings.warn(f"skipped {path}:{number}, the last line, cut off before its "
+                              f"end (as a stopped run leaves it); the {len(records)} "
+                              f"complete records before it are plotted", _SkippedLine,
+                              stacklevel=2)
+                break
             raise PlotError(f"{path}:{number} is not a JSON line ({err.msg}); "
                             f"is this a metrics file from 'mpishard train --metrics'?") from None
         if isinstance(record, dict) and "step" in record:
@@ -250,34 +274,64 @@ def metrics_figure(records: list[dict], title: str = ""):
     return fig
 
 
+def _picture_format(out: Path) -> str:
+    """The format matplotlib writes ``out`` in, named by its suffix (png without one);
+    a PlotError naming the suffixes it can write for any other."""
+    from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415 (optional extra)
+    suffix = out.suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise PlotError(f"picture {out}: matplotlib cannot write .{suffix} files; end the "
+                        f"name in one of " + ", ".join(f".{f}" for f in sorted(formats)))
+    return suffix or "png"
+
+
 def plot_metrics(metrics_path: str | Path, out_png: str | Path, title: str | None = None) -> Path:
-    """Draw loss, throughput and per-rank memory from a metrics file into a PNG.
+    """Draw loss, throughput and per-rank memory from a metrics file into a picture.
 
     Args:
         metrics_path: JSON-lines file written by ``mpishard train --metrics``.
-        out_png: where to write the picture (parent folders are created).
+        out_png: where to write the picture (parent folders are created); its suffix
+            names the format (``.png``, ``.pdf``, ``.svg``, ... as matplotlib writes
+            them; PNG without a suffix).
         title: figure title (default: the metrics file's name, steps and ranks).
 
     Returns:
-        The path of the PNG.
+        The path of the picture.
 
     Raises:
-        PlotError: unreadable metrics, or matplotlib is not installed.
+        PlotError: a picture path that is a folder, lies under a file or has a suffix
+            matplotlib cannot write (checked before the metrics are read), unreadable
+            metrics, or matplotlib is not installed.
     """
+    out = Path(out_png)
+    why = why_unwritable(out, folder=False, example=Path(metrics_path).with_suffix(".png").name)
+    if why is not None:
+        raise PlotError(f"picture {out} {why}")
     records = load_metrics(metrics_path)
+    _matplotlib_figure()           # refuses first when matplotlib is missing
+    fmt = _picture_format(out)
     if title is None:
         ranks = max((len(r["memory"]) for r in records if r.get("memory")), default=0)
         title = f"{Path(metrics_path).name}: {max(r['step'] for r in records)} steps" + \
             (f", {ranks} ranks" if ranks else "")
     fig = metrics_figure(records, title)
-    out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", facecolor="white")
+    try:
+        fig.savefig(out, format=fmt, facecolor="white")
+    except OSError as err:
+        raise PlotError(f"picture {out} cannot be written ({err.strerror or err}); pass "
+                        f"another path") from None
+    except Exception as err:   # e.g. .pgf, which needs a LaTeX installation
+        out.unlink(missing_ok=True)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PlotError(f"matplotlib could not write {out} as .{fmt} ({reason}); write a "
+                        f".png, .pdf or .svg instead") from None
     return out
 
 
 def add_plot_command(subparsers) -> None:
-    """Register ``mpishard plot METRICS -o PNG`` on an argparse subparsers object."""
+    """Register ``mpishard plot METRICS -o PICTURE`` on an argparse subparsers object."""
     plot = subparsers.add_parser(
         "plot", help="draw loss, throughput and per-rank memory from a metrics file",
         description="Draw three panels from the JSON lines 'mpishard train --metrics FILE' "
@@ -285,13 +339,22 @@ def add_plot_command(subparsers) -> None:
                     "tokens/s, and each rank's peak memory by category. Needs matplotlib "
                     "(pip install 'mpishard[plot]').")
     plot.add_argument("metrics", metavar="METRICS", help="metrics file (JSON lines)")
-    plot.add_argument("-o", "--output", metavar="PNG", default=None,
-                      help="picture to write (default: METRICS with .png)")
+    plot.add_argument("-o", "--output", metavar="PICTURE", default=None,
+                      help="picture to write; its suffix names the format: .png, .pdf, "
+                           ".svg, ... (default: METRICS with .png)")
     plot.add_argument("--title", default=None, help="figure title")
     plot.set_defaults(func=_cmd_plot)
 
 
 def _cmd_plot(args) -> int:
     output = args.output or str(Path(args.metrics).with_suffix(".png"))
-    print(f"wrote {plot_metrics(args.metrics, output, title=args.title)}")
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        written = plot_metrics(args.metrics, output, title=args.title)
+    for note in notes:
+        if issubclass(note.category, _SkippedLine):
+            print(f"note: {note.message}")
+        else:               # another library's warning, shown as it would have been
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    print(f"wrote {written}")
     return 0

@@ -270,3 +270,54 @@ def test_prepared_data_and_runs_stay_out_of_git():
     out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.stdout.split() == paths[:2], out.stdout + out.stderr
+
+
+def test_a_tokenizer_folder_names_the_file_in_it(tmp_path, text_file):
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(DataError, match=f"^--tokenizer {model} is a folder; pass a "
+                                        r"tokenizer.json file \(this folder holds none\)$"):
+        prepare(text_file, tmp_path / "out", tokenizer=model, progress=False)
+    (model / "tokenizer.json").write_text("{}")
+    with pytest.raises(DataError, match=f"^--tokenizer {model} is a folder; pass the file in "
+                                        f"it: --tokenizer {model / 'tokenizer.json'}$"):
+        prepare(text_file, tmp_path / "out", tokenizer=model, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bpe_smaller_than_asked_says_so(tmp_path, capsys):
+    """Merges never join words: a text of a few distinct words runs out of pairs before
+    300 tokens, and a note says how many it came out at, of how many, and why."""
+    text = tmp_path / "few.txt"
+    text.write_text("the cat sat on the mat\n" * 200)
+    summary = prepare(text, tmp_path / "out", train_bpe=300, progress=False)
+    got = summary["vocab_size"]
+    assert got < 300 and load_tokens(tmp_path / "out").vocab_size == got
+    note = (f"the BPE came out at {got} tokens of the 300 asked: by then every word of the "
+            f"training text is one token, and merges never join words; more (or more "
+            f"varied) text gives more")
+    assert summary["notes"] == [note]
+    parser = argparse.ArgumentParser(prog="mpishard")
+    add_prepare_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["prepare", str(text), str(tmp_path / "cli"), "--train-bpe", "300",
+                              "--progress", "false"])
+    assert args.func(args) == 0
+    assert f"note: {note}" in capsys.readouterr().out.splitlines()
+    assert prepare(text, tmp_path / "fits", train_bpe=got, progress=False)["notes"] == []
+
+
+def test_max_bytes_takes_sizes_as_other_size_flags_do(tmp_path, text_file, capsys):
+    parser = argparse.ArgumentParser(prog="mpishard")
+    add_prepare_command(parser.add_subparsers(dest="command", required=True))
+    for given, size in (("1KB", 1000), ("2KiB", 2048), ("1500", 1500), ("0", 0)):
+        assert parser.parse_args(["prepare", "t", "o", "--max-bytes", given]).max_bytes == size
+    args = parser.parse_args(["prepare", str(text_file), str(tmp_path / "kb"), "--train-bpe",
+                              "257", "--max-bytes", "2KiB", "--progress", "false"])
+    assert args.func(args) == 0
+    assert json.loads((tmp_path / "kb" / "meta.json").read_text())["bytes"] == 2048
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(text_file), str(tmp_path / "x"), "--train-bpe", "257", "--max-bytes", "1x"])
+    assert exit_info.value.code == 2
+    assert "argument --max-bytes: '1x' is not a size: give one such as 5GB" in \
+        capsys.readouterr().err

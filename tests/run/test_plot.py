@@ -154,3 +154,71 @@ def test_mpishard_plot_command(metrics, tmp_path):
     assert bad.stderr.strip().splitlines() == [
         f"mpishard: error: metrics file {str(tmp_path / 'no.jsonl')!r} does not exist; write one "
         f"with 'mpishard train --metrics {tmp_path / 'no.jsonl'}'"]
+
+
+def _records(path: Path, steps: int = 3) -> Path:
+    """A small metrics file of ``steps`` complete records, as ``mpishard train`` writes them."""
+    path.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s, "tokens_per_s": 100.0 + s})
+                            + "\n" for s in range(1, steps + 1)))
+    return path
+
+
+def test_picture_paths_are_checked_before_the_metrics_are_read(tmp_path):
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    missing = tmp_path / "run.jsonl"               # never read: the path is refused first
+    with pytest.raises(PlotError, match=f"^picture {folder} is a folder; pass a file name, "
+                                        f"e.g. {folder / 'run.png'}$"):
+        plot_metrics(missing, folder)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(PlotError, match=f"^picture {blocker / 'x.png'} lies under {blocker}, "
+                                        f"a file, so nothing can be written there"):
+        plot_metrics(missing, blocker / "x.png")
+
+
+def test_the_suffix_names_the_format(tmp_path):
+    pytest.importorskip("matplotlib")
+    metrics = _records(tmp_path / "m.jsonl")
+    assert plot_metrics(metrics, tmp_path / "m.pdf").read_bytes()[:5] == b"%PDF-"
+    assert b"<svg" in plot_metrics(metrics, tmp_path / "m.svg").read_bytes()[:500]
+    assert plot_metrics(metrics, tmp_path / "m.PNG").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(PlotError, match=r"^picture .*m\.xyz: matplotlib cannot write \.xyz "
+                                        r"files; end the name in one of .*\.pdf, .*\.png, "):
+        plot_metrics(metrics, tmp_path / "m.xyz")
+    assert not (tmp_path / "m.xyz").exists()
+
+
+def test_a_cut_off_last_line_is_skipped_with_a_note(tmp_path, capsys):
+    """A run stopped while writing leaves its last line without its end: the complete
+    records are plotted, and one note says the last line was skipped. A bad line in the
+    middle, or a complete bad last line, stays an error."""
+    cut = _records(tmp_path / "cut.jsonl")
+    cut.write_text(cut.read_text() + '{"step": 4, "lo')
+    with pytest.warns(UserWarning, match=f"skipped {cut}:4, the last line, cut off before its "
+                                         f"end .*; the 3 complete records before it"):
+        assert [r["step"] for r in load_metrics(cut)] == [1, 2, 3]
+    middle = tmp_path / "middle.jsonl"
+    middle.write_text('{"step": 1, "loss": 4.0}\n{"step": 2, "lo\n{"step": 3, "loss": 3.0}')
+    with pytest.raises(PlotError, match=r"middle.jsonl:2 is not a JSON line"):
+        load_metrics(middle)
+    pytest.importorskip("matplotlib")
+    parser = argparse.ArgumentParser(prog="mpishard")
+    add_plot_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plot", str(cut), "-o", str(tmp_path / "cut.png")])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"note: skipped {cut}:4, the last line, cut off before its end (as a stopped run "
+        f"leaves it); the 3 complete records before it are plotted",
+        f"wrote {tmp_path / 'cut.png'}"]
+
+
+def test_a_folder_given_as_the_metrics_file(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(PlotError, match=f"^metrics file '{run}' is a folder; pass the file "
+                                        f"that 'mpishard train --metrics FILE' wrote$"):
+        load_metrics(run)
+    _records(run / "metrics.jsonl")
+    with pytest.raises(PlotError, match=f"is a folder; .* wrote, e.g. {run / 'metrics.jsonl'}$"):
+        plot_metrics(run, tmp_path / "x.png")
