@@ -129,7 +129,7 @@ def kernel_times(backend, qkv, B: int, heads: int, T: int, hs: int, repeats: int
 
 def _machine_of(backend):
     """The machine description of this GPU (H100 SXM, H200), or None."""
-    from mpishard.planning.machine import load_machine
+    from mpishard.planning import load_machine
     name = backend.xp.cuda.runtime.getDeviceProperties(backend.device)["name"]
     name = name.decode() if isinstance(name, bytes) else name
     for part, machine in (("H200", "h200"), ("H100 PCIe", None), ("H100", "h100-sxm")):

@@ -26,7 +26,7 @@ __all__ = ["add_plan_command", "plan_config", "plan_from_args", "apply_auto_layo
 
 def add_plan_command(sub) -> None:
     from mpishard.config.flags import add_config_flags
-    from mpishard.planning.machine import shipped_machines
+    from mpishard.planning.machine_file import shipped_machines
 
     plan = sub.add_parser("plan", help="rank the layouts of a model on N ranks of a machine "
                           "by predicted step time (memory planned exactly)")
@@ -34,12 +34,13 @@ def add_plan_command(sub) -> None:
     plan.add_argument("--machine", default="cpu-2core", help=f"a machine description file "
                       f"or one of {', '.join(shipped_machines())} (default: cpu-2core)")
     plan.add_argument("--ranks-per-node", type=int, default=None,
-                      help="ranks on each node (default: the machine's)")
-    plan.add_argument("--seq", type=int, default=None, help="tokens per sequence (block size)")
+                      help="ranks on each node, >= 1 (default: the machine's)")
+    plan.add_argument("--seq", type=int, default=None,
+                      help="tokens per sequence (block size), >= 1")
     plan.add_argument("--global-batch", type=int, default=None,
-                      help="sequences per step over all data ranks (default: --batch-size "
-                      "x ranks)")
-    plan.add_argument("--top", type=int, default=5, help="layouts to print")
+                      help="sequences per step over all data ranks, >= 1 (default: "
+                      "--batch-size x ranks)")
+    plan.add_argument("--top", type=int, default=5, help="layouts to print, >= 1")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument("--explain", action="store_true",
                       help="print the fastest layout's breakdown: compute by op class, "
@@ -183,7 +184,8 @@ def _with_offload(layout, offload: str):
 def machine_or_error(machine):
     """``machine`` itself, or the description :func:`load_machine` reads for it."""
     from mpishard.config.sections import ConfigError
-    from mpishard.planning.machine import Machine, load_machine
+    from mpishard.planning.machine import Machine
+    from mpishard.planning.machine_file import load_machine
     if isinstance(machine, Machine):
         return machine
     try:
@@ -262,11 +264,54 @@ def apply_auto_layout(cfg, world_size: int, given=()) -> str:
             f"predicted {ranked[0].cost.seconds:.3f} s/step")
 
 
+#: ``mpishard plan``'s count flags: what each counts, and what leaving it out gives
+_COUNTS = {"ranks_per_node": ("ranks on each node", "the machine's"),
+           "seq": ("tokens per sequence", "the model's block size"),
+           "global_batch": ("sequences per step", "--batch-size x ranks"),
+           "top": ("layouts to print", "5")}
+
+
+def _check_counts(args) -> None:
+    """A ConfigError naming the first of ``mpishard plan``'s count flags given below 1."""
+    from mpishard.config.sections import ConfigError
+    for key, (what, default) in _COUNTS.items():
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} {value} must be >= 1 ({what}; "
+                              f"left out: {default})")
+
+
+def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict) -> str:
+    """What ``mpishard plan`` prints where none of its ``n`` layouts fits ``limit`` per
+    rank: what would make one fit. The search already tried one sequence per
+    micro-batch, recomputation and, on a machine with a host link, offload; a smaller
+    global batch gives no smaller micro-batch."""
+    helps = ["more ranks"]
+    if budget:
+        helps.append("a larger --memory-budget")
+    helps.append("a shorter --seq")
+    if kept:
+        helps.append(f"leaving out {describe_kept(kept)}")
+    tried = ""
+    if asked == "optimizer":
+        helps.append("--offload params (ZeRO-3)")
+    elif asked == "none" and machine.host_link is not None:
+        tried = " (optimizer and parameter offload were tried)"
+    elif asked == "none" and machine.kind == "cpu":
+        helps.append("--offload optimizer (or params)")
+    elif asked == "none":
+        helps.append("a host_link in the machine description, to try offload")
+    ways = " or ".join(helps) if len(helps) == 2 else \
+        f"{', '.join(helps[:-1])}, or {helps[-1]}"
+    return f"none of the {n} layouts fits {limit} per rank{tried}; what would help: {ways}"
+
+
 def _cmd_plan(args) -> int:
     from mpishard.planning.search import format_table
 
     def say(text):
         print(text, file=sys.stderr, flush=True)
+    _check_counts(args)
     machine = machine_or_error(args.machine)
     cfg, given = _config(args, machine)
     ranked, over, n, machine, precision = _plan(cfg, given, args, machine, say)
@@ -289,8 +334,11 @@ def _cmd_plan(args) -> int:
           f"{over} over {limit} per rank, {len(ranked)} fit"
           + (f" (offload {asked}, as asked)" if asked != "none"
              else f" ({len(offloaded)} only with offload)" if offloaded else "")
-          + f"; the fastest {len(top)}:")
-    print(format_table(top))
+          + (f"; the fastest {len(top)}:" if top else ""))
+    if top:
+        print(format_table(top))
+    else:
+        print(_none_fit_line(n, limit, budget, machine, asked, kept))
     if top:
         parts = ", ".join(f"{k} {v:.4f}" for k, v in top[0].cost.breakdown.items() if v)
         print(f"#1 step {top[0].cost.seconds:.4f} s: {parts}")

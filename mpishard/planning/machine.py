@@ -1,4 +1,5 @@
 """Machine descriptions: what a step-time prediction needs to know about the hardware.
+(Reading them, every field checked, is mpishard/planning/machine_file.py.)
 
     machine = load_machine("h100-sxm")            # a shipped description (mpishard/machines/)
     machine = load_machine("machine.json")        # or a file, e.g. from `mpishard bench calibrate`
@@ -54,6 +55,12 @@ beyond them share (``share``). ``busy_slowdown`` (calibrated) how many times lon
 rank's compute takes while ``n`` ranks of a node compute at once (``{"4": 2.6}``): turns
 on shared cores, and the memory bus and last-level cache all ranks share. Every value's origin is in ``sources``.
 
+Every share of a peak (``matmul_efficiency``, ``elementwise_efficiency``,
+``flash_attention_efficiency``, the efficiency tables' rows) is in (0, 1], a link's
+``processor_usage`` in [0, 1) (0: communication takes nothing from computation);
+``ranks_per_node``, ``cores`` and ``rails`` are whole numbers. A key the format does not
+have is refused, naming the closest one it has; ``sources`` takes notes under any key.
+
 [Note: rails]
 A link's ``bandwidth`` across nodes is one NIC's. A GPU node has a NIC per GPU (a DGX
 A100 eight 200 Gb/s HCAs, a DGX H100 eight 400 Gb/s ones: ``rails``, 1 if absent, as on
@@ -78,14 +85,10 @@ NVIDIA/nccl#1229), so the cap is optimistic for groups of many nodes.
 """
 from __future__ import annotations
 
-import json
-import math
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Link", "Machine", "load_machine", "merge_calibrations", "shipped_machines",
-           "MACHINES_DIR"]
+__all__ = ["Link", "Machine", "MACHINES_DIR"]
 
 #: where the shipped descriptions live
 MACHINES_DIR = Path(__file__).resolve().parent.parent / "machines"
@@ -115,7 +118,8 @@ class Link:
 
 @dataclass(frozen=True)
 class Machine:
-    """A parsed description (see the module docstring); build it with :func:`load_machine`."""
+    """A parsed description (see the module docstring); build it with
+    :func:`~mpishard.planning.machine_file.load_machine`."""
 
     name: str
     kind: str
@@ -267,237 +271,3 @@ class Machine:
 #: give a gather bandwidth of their own
 _RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 _GATHERS = ("all_gather", "reduce_scatter")
-
-
-def _positive(value, where: str, zero: bool = False) -> float:
-    """``value`` as a float: a finite number above 0 (``zero``: at least 0), else a
-    one-line ValueError naming ``where``."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not \
-            math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        raise ValueError(f"machine description: {where}={value!r} must be a "
-                         + ("number >= 0" if zero else "positive number"))
-    return float(value)
-
-
-def _rates(raw, where: str) -> tuple:
-    """``((from_bytes, rate), ...)`` of a description's ``[[bytes, rate], ...]``, ascending."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or not all(isinstance(row, list) and len(row) == 2
-                                            for row in raw):
-        raise ValueError(f"machine description: {where}={raw!r} must be [[bytes, rate], ...]")
-    return tuple(sorted((_positive(b, f"{where}[{i}] bytes", zero=True),
-                         _positive(r, f"{where}[{i}] rate")) for i, (b, r) in enumerate(raw)))
-
-
-def _link(raw: dict, where: str) -> Link:
-    if not isinstance(raw, dict):
-        raise ValueError(f"machine description: {where} must be an object with latency_s "
-                         f"and bandwidth")
-    latency = raw.get("latency_s", 0.0)
-    if not isinstance(latency, (int, float)) or latency < 0:
-        raise ValueError(f"machine description: {where}.latency_s={latency!r} must be >= 0")
-    gather = raw.get("gather_bandwidth")
-    usage = raw.get("processor_usage", 0.0)
-    if not isinstance(usage, (int, float)) or isinstance(usage, bool) or not 0 <= usage < 1:
-        raise ValueError(f"machine description: {where}.processor_usage={usage!r} must be in "
-                         f"[0, 1)")
-    rails = raw.get("rails", 1)
-    if not isinstance(rails, int) or isinstance(rails, bool) or rails < 1:
-        raise ValueError(f"machine description: {where}.rails={rails!r} must be an integer "
-                         f">= 1 (the ranks of a node with a NIC of their own)")
-    return Link(float(latency), _positive(raw.get("bandwidth"), f"{where}.bandwidth"),
-                _positive(gather, f"{where}.gather_bandwidth") if gather is not None else None,
-                float(usage), rails)
-
-
-def machine_from_dict(raw: dict) -> Machine:
-    """A :class:`Machine` from a parsed description; ValueError naming a bad field."""
-    device, links = raw.get("device") or {}, raw.get("links") or {}
-    flops = device.get("flops") or {}
-    if not flops:
-        raise ValueError("machine description: device.flops needs at least one dtype's "
-                         "peak FLOP/s, e.g. {\"float32\": 1e11}")
-    for dtype, value in flops.items():
-        _positive(value, f"device.flops.{dtype}")
-    kind = raw.get("kind", "gpu")
-    if kind not in ("gpu", "cpu"):
-        raise ValueError(f"machine description: kind={kind!r} must be 'gpu' or 'cpu'")
-    for key, value in (raw.get("collectives") or {}).items():
-        _link(value, f"collectives.{key}")
-    return Machine(
-        name=str(raw.get("name", "machine")), kind=kind,
-        ranks_per_node=int(_positive(raw.get("ranks_per_node", 1), "ranks_per_node")),
-        flops={k: float(v) for k, v in flops.items()},
-        matmul_efficiency=_positive(device.get("matmul_efficiency", 1.0),
-                                    "device.matmul_efficiency"),
-        matmul_overhead_s=float(device.get("matmul_overhead_s", 0.0)),
-        memory_bytes=_positive(device.get("memory_bytes"), "device.memory_bytes"),
-        memory_bandwidth=_positive(device.get("memory_bandwidth"), "device.memory_bandwidth"),
-        elementwise_efficiency=_positive(device.get("elementwise_efficiency", 1.0),
-                                         "device.elementwise_efficiency"),
-        op_overhead_s=float(device.get("op_overhead_s", 0.0)),
-        activation_rate=float(device["activation_rate"]) if device.get("activation_rate")
-        else None,
-        activation_rates={str(k): _positive(v, f"device.activation_rates.{k}")
-                          for k, v in (device.get("activation_rates") or {}).items()},
-        optimizer_rate=float(device["optimizer_rate"]) if device.get("optimizer_rate")
-        else None,
-        optimizer_overhead_s=float(device.get("optimizer_overhead_s", 0.0)),
-        optimizer_rates=_rates(device.get("optimizer_rates"), "device.optimizer_rates"),
-        grad_norm_rate=_positive(device["grad_norm_rate"], "device.grad_norm_rate")
-        if device.get("grad_norm_rate") is not None else None,
-        intra=_link(links.get("intra"), "links.intra"),
-        inter=_link(links.get("inter", links.get("intra")), "links.inter"),
-        collectives=dict(raw.get("collectives") or {}), overlap=bool(raw.get("overlap", True)),
-        cores=int(raw["cores"]) if raw.get("cores") else None,
-        sources=dict(raw.get("sources") or {}),
-        matmul_efficiency_table=_table(device.get("matmul_efficiency_table"),
-                                       "device.matmul_efficiency_table"),
-        vector_flops={k: _positive(v, f"device.vector_flops.{k}")
-                      for k, v in (device.get("vector_flops") or {}).items()},
-        vector_efficiency_table=_table(device.get("vector_efficiency_table"),
-                                       "device.vector_efficiency_table") or ((0, 1.0),),
-        memory_efficiency_table=_table(device.get("memory_efficiency_table"),
-                                       "device.memory_efficiency_table") or ((0, 1.0),),
-        flash_attention_efficiency=_positive(device.get("flash_attention_efficiency", 0.5),
-                                             "device.flash_attention_efficiency"),
-        launch_s=float(device.get("launch_s", 0.0)),
-        memory_reserve_bytes=float(device.get("memory_reserve_bytes", 0.0)),
-        host_link=_link(raw["host_link"], "host_link") if raw.get("host_link") else None,
-        host_memory_bandwidth=_positive(raw["host_memory_bandwidth"], "host_memory_bandwidth")
-        if raw.get("host_memory_bandwidth") is not None else None,
-        busy_slowdown=_slowdowns(raw.get("busy_slowdown") or {}))
-
-
-def _slowdowns(raw: dict) -> dict:
-    """``busy_slowdown`` (``{"4": 2.6}``: ranks at once -> times alone) with int keys."""
-    out = {}
-    for n, factor in raw.items():
-        if not str(n).isdigit() or int(n) < 1:
-            raise ValueError(f"machine description: busy_slowdown key {n!r} must be a rank "
-                             f"count, e.g. {{\"4\": 2.6}}")
-        out[int(n)] = _positive(factor, f"busy_slowdown.{n}")
-    return out
-
-
-def _table(raw, where: str):
-    """A size -> efficiency table (``[[size, efficiency], ...]``, sizes descending, the
-    last 0: Calculon's format), as a tuple of pairs; None when absent."""
-    if raw is None:
-        return None
-    rows = tuple((float(a), float(b)) for a, b in raw)
-    sizes = [a for a, _ in rows]
-    if not rows or sizes != sorted(sizes, reverse=True) or sizes[-1] != 0 or \
-            not all(0 < b <= 1 for _, b in rows):
-        raise ValueError(f"machine description: {where}={raw!r} must be [[size, efficiency], "
-                         f"...] with sizes descending to 0 and efficiencies in (0, 1]")
-    return rows
-
-
-def shipped_machines() -> list:
-    """Names of the descriptions shipped with mpishard."""
-    return sorted(p.stem for p in MACHINES_DIR.glob("*.json") if not p.stem.startswith("_"))
-
-
-def load_machine(name_or_path) -> Machine:
-    """A shipped description by name (``"h100-sxm"``) or a JSON file's path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = MACHINES_DIR / f"{name_or_path}.json"
-    if not path.exists():
-        raise ValueError(f"no machine description {name_or_path!r}: pass a JSON file (e.g. "
-                         f"from `mpishard bench calibrate -o machine.json`) or one of "
-                         f"{', '.join(shipped_machines())}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"machine description {path}: not JSON ({err})") from None
-    return machine_from_dict(raw)
-
-
-def merge_calibrations(named: list, name: str = "calibrated") -> dict:
-    """One description from several calibrations of the same machine (``named``:
-    ``[(label, description dict), ...]``, e.g. the files of three launches of
-    ``mpishard bench calibrate``): every measured number the median over them (each on
-    its own: a collective's latency and bandwidth may come from different launches). One
-    launch lands where that launch's machine state put it (rates move by 5-20% between
-    launches on a shared node, collectives by how the ranks were placed); the median
-    of three is steadier than any one. The descriptions must agree in everything but
-    their numbers (kind, cores, ranks per node, the same collectives and group sizes,
-    the optimizer's path thresholds, the kind of every value); else a one-line
-    ValueError naming the first difference and the two labels."""
-    if len(named) < 2:
-        raise ValueError(f"merging calibrations needs two or more descriptions, got "
-                         f"{len(named)}: pass the files of two or more launches")
-    for label, raw in named:
-        if not isinstance(raw, dict):
-            raise ValueError(f"{label}: not a machine description (a JSON object); pass "
-                             f"files written by `mpishard bench calibrate -o`")
-        try:
-            machine_from_dict(raw)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{label}: {err}") from None
-        if raw.get("kind") != "cpu":
-            raise ValueError(f"{label}: kind={raw.get('kind')!r}: only calibrations "
-                             f"(kind 'cpu', from `mpishard bench calibrate`) are merged")
-    first = named[0][0]
-    others = [label for label, _ in named[1:]]
-
-    def merged(values: list, where: str):
-        head = values[0]
-        for label, value in zip(others, values[1:]):
-            if _kind(value) != _kind(head):
-                raise ValueError(f"{first} and {label} differ at {where[:-1] or 'the top'} "
-                                 f"(a {_kind(head)} against a {_kind(value)}): merge "
-                                 f"calibrations of the same machine and mpishard version")
-        if isinstance(head, dict):
-            for label, value in zip(others, values[1:]):
-                if set(value) != set(head):
-                    key = sorted(set(value) ^ set(head))[0]
-                    holder = first if key in head else label
-                    raise ValueError(f"{first} and {label} differ at {where}{key} (only "
-                                     f"{holder} has it): merge calibrations taken with the "
-                                     f"same ranks and mpishard version")
-            return {k: merged([v[k] for v in values], f"{where}{k}.") for k in head}
-        if isinstance(head, list):
-            for label, value in zip(others, values[1:]):
-                if len(value) != len(head):
-                    raise ValueError(f"{first} and {label} differ at {where[:-1]} "
-                                     f"({len(head)} against {len(value)} entries): merge "
-                                     f"calibrations of the same mpishard version")
-            return [merged([v[i] for v in values], f"{where}{i}.") for i in range(len(head))]
-        if _kind(head) == "number" and not _must_agree(where):
-            return statistics.median(values)
-        for label, value in zip(others, values[1:]):
-            if value != head:
-                raise ValueError(f"{first} and {label} differ at {where[:-1]} "
-                                 f"({head!r} against {value!r}): merge calibrations of "
-                                 f"the same machine and ranks")
-        return head
-
-    out = merged([{k: v for k, v in raw.items() if k not in ("name", "sources")}
-                  for _, raw in named], "")
-    stamps = "; ".join(f"{label}: {(raw.get('sources') or {}).get('*', 'no source given')}"
-                       for label, raw in named)
-    return {"name": name, **out,
-            "sources": {"*": f"the median of {len(named)} calibrations ({stamps})"}}
-
-
-def _kind(value) -> str:
-    """What a description's value is, for merged calibrations to agree on."""
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if value is None:
-        return "null"
-    return {dict: "object", list: "list", str: "string"}.get(type(value), type(value).__name__)
-
-
-def _must_agree(where: str) -> bool:
-    """Whether the number at ``where`` (``"cores."``) is a fact merged calibrations must
-    agree on (the node's shape, its memory, the optimizer's path thresholds), not a
-    measurement to take the median of."""
-    return where in ("ranks_per_node.", "cores.", "device.memory_bytes.") or \
-        (where.startswith("device.optimizer_rates.") and where.endswith(".0."))

@@ -5,6 +5,7 @@ The accuracy of the whole model (against runs measured here and published ones)
 is benchmarks/plan_accuracy.py's, never a timed test.
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -238,12 +239,72 @@ def test_shipped_machines_load_and_name_their_sources():
     (dict(links={"intra": {"latency_s": 0, "bandwidth": 0}}), "links.intra.bandwidth=0"),
     (dict(links={"intra": {"bandwidth": 1}, "inter": {"bandwidth": 1, "rails": 0}}),
      "links.inter.rails=0 must be an integer >= 1"),
+    (dict(device={**TOY["device"], "matmul_efficiency": 50}),
+     "device.matmul_efficiency=50 must be in (0, 1], a share of the peak (0.8 for 80%)"),
+    (dict(device={**TOY["device"], "elementwise_efficiency": 1.5}),
+     "device.elementwise_efficiency=1.5 must be in (0, 1]"),
+    (dict(device={**TOY["device"], "flash_attention_efficiency": 0}),
+     "device.flash_attention_efficiency=0 must be in (0, 1]"),
+    (dict(links={"intra": {"bandwidth": 1, "processor_usage": 1.5}}),
+     "links.intra.processor_usage=1.5 must be in [0, 1)"),
+    (dict(ranks_per_node=2.5), "ranks_per_node=2.5 must be an integer >= 1 (ranks on each node)"),
+    (dict(cores=0), "cores=0 must be an integer >= 1"),
+    (dict(overlap="no"), "overlap='no' must be true or false"),
+    (dict(device={**TOY["device"], "matmul_efficency": 0.5}),
+     "unknown key 'matmul_efficency' in device; did you mean 'matmul_efficiency'? "
+     "(notes go in \"sources\")"),
+    (dict(note="measured by hand"), "unknown key 'note' at the top level; did you mean 'name'?"),
+    (dict(links={"intra": {"bandwidth": 1, "latency": 1e-5}}),
+     "unknown key 'latency' in links.intra; did you mean 'latency_s'?"),
+    (dict(host_link={"bandwidth": 1, "rails": 2}),
+     "unknown key 'rails' in host_link; the keys there are latency_s, bandwidth"),
+    (dict(collectives={"allreduce@4": {"latency_s": 0, "bandwidth": 1}}),
+     "collectives key 'allreduce@4' must be kind@ranks or kind@ranks/inter (e.g. "
+     "\"all_reduce@4\"), kind one of all_reduce, all_gather, reduce_scatter, all_to_all, "
+     "send; did you mean 'all_reduce@4'?"),
+    (dict(device=[1e9]), "device is a JSON list, not an object"),
+    (dict(device={**TOY["device"], "matmul_efficiency_table": 5}),
+     "device.matmul_efficiency_table=5 must be [[size, efficiency], ...]"),
 ])
 def test_a_bad_machine_description_is_refused_naming_the_field(change, words):
-    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(words)):
         machine_from_dict({**TOY, **change})
     with pytest.raises(ValueError, match="or one of a100-80gb"):
         load_machine("no-such-machine")
+
+
+def test_a_machine_file_of_anything_but_one_object_is_one_error_line(tmp_path, monkeypatch,
+                                                                     capsys):
+    import sys
+    import threading
+    from mpishard.cli.main import main
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)        # main() installs its own
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    listed = tmp_path / "m.json"
+    listed.write_text(json.dumps([TOY]))
+    with pytest.raises(ValueError, match="the file holds a JSON list, not an object"):
+        load_machine(listed)
+    assert main(["plan", "--ranks", "2", "--machine", str(listed)]) == 2
+    assert capsys.readouterr().err == (
+        f"mpishard: error: machine description {listed}: the file holds a JSON list, not an "
+        f"object; a description is one JSON object, as `mpishard bench calibrate -o "
+        f"machine.json` writes\n")
+    raw = json.loads((MACHINES_DIR / "cpu-2core.json").read_text())
+    raw["device"]["matmul_efficiency"] = 50
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    assert main(["plan", "--ranks", "2", "--machine", str(bad)]) == 2
+    assert capsys.readouterr().err == ("mpishard: error: machine description: device."
+                                       "matmul_efficiency=50 must be in (0, 1], a share of "
+                                       "the peak (0.8 for 80%)\n")
+
+
+def test_notes_under_sources_take_any_key():
+    raw = {**TOY, "sources": {"*": "measured by hand", "my note": "rack 4, BIOS 2.1"}}
+    assert machine_from_dict(raw).sources["my note"] == "rack 4, BIOS 2.1"
+    calibrated = {**TOY, "collectives": {"all_reduce@4/inter": {"latency_s": 0,
+                                                                "bandwidth": 2e5}}}
+    assert machine_from_dict(calibrated).link("all_reduce", 4, True).bandwidth == 2e5
 
 
 def test_candidates_respect_the_model_and_the_batch():
@@ -352,8 +413,12 @@ def test_merged_calibrations_take_the_median_of_each_measurement_and_agree_on_th
                                          r"against a null\)"):
         merge_calibrations([("a", launch(1.0)), ("b", other)])
     other = launch(1.0)
-    other["overlap"] = 1
-    with pytest.raises(ValueError, match=r"differ at overlap \(a boolean against a number\)"):
+    other["cores"] = None
+    with pytest.raises(ValueError, match=r"differ at cores \(a number against a null\)"):
+        merge_calibrations([("a", launch(1.0)), ("b", other)])
+    other["overlap"] = 1                     # each file is read first: a flag is true or false
+    with pytest.raises(ValueError, match=r"^b: machine description: overlap=1 must be true "
+                                         r"or false"):
         merge_calibrations([("a", launch(1.0)), ("b", other)])
     with pytest.raises(ValueError, match=r"^b: not a machine description \(a JSON object\)"):
         merge_calibrations([("a", launch(1.0)), ("b", [1, 2])])
