@@ -93,6 +93,8 @@ def _cmd_train(args) -> int:
     if cfg.parallel.layout:     # auto or auto-all: planned on rank 0, the same everywhere
         notes.append(_agreed_layout(world, cfg, given))
     summary = run(cfg, world, notes)
+    if summary.get("diverged"):
+        return 3                  # final: a restart from the last checkpoint would repeat it
     return 130 if summary.get("interrupted") else 0     # a shell's status after Ctrl-C
 
 

@@ -79,9 +79,13 @@ def token_files_in(path: Path) -> list:
 
 
 def text_files_under(path: Path) -> list[Path]:
+    """``path`` itself, or the files under the folder ``path``, sorted, without hidden
+    ones: a name starting with ``.``, or anything inside such a folder (``.git/``,
+    ``.venv/``)."""
     if path.is_file():
         return [path]
-    return [p for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith(".")]
+    return [p for p in sorted(path.rglob("*")) if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)]
 
 
 def load_corpus(path: str | Path | None = None, max_bytes: int | None = None,
@@ -140,14 +144,54 @@ def load_corpus(path: str | Path | None = None, max_bytes: int | None = None,
     return Corpus(train, val, source, len(chunks), available)
 
 
-class BatchSampler:
+class _Stream:
+    """Item indices as one stream, resumable: epoch after epoch, each a seeded
+    permutation of the ``n`` items, nothing dropped where an epoch ends (a batch that
+    crosses it takes the epoch's last items and the next epoch's first). A micro-batch
+    takes the next ``dp_size * batch_size`` items, dp rank ``r`` the ``r``-th slice, so
+    the items a step trains on are the same for every split of the same global batch
+    over dp ranks and micro-batches (the layouts a run is compared across, or resumed
+    on). The position is two integers (:meth:`state_dict`), so training resumes
+    mid-epoch."""
+
+    def __init__(self, n: int, batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        self.n, self.batch_size = n, batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.epoch, self.index = 0, 0
+        self._orders: dict = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:     # at most this epoch's and the next one's
+            self._orders = {e: o for e, o in self._orders.items() if e >= self.epoch}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._orders[epoch]
+
+    def next_rows(self) -> np.ndarray:
+        """This rank's ``batch_size`` items of the next micro-batch; the stream moves on
+        by the whole micro-batch."""
+        at = self.epoch * self.n + self.index
+        mine = np.arange(at, at + self.batch_size) + self.dp_rank * self.batch_size
+        epochs, places = np.divmod(mine, self.n)
+        rows = np.empty(self.batch_size, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            rows[epochs == epoch] = self._order(int(epoch))[places[epochs == epoch]]
+        self.epoch, self.index = divmod(at + self.dp_size * self.batch_size, self.n)
+        return rows
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class BatchSampler(_Stream):
     """Disjoint batches per dp rank, the same batch on tp/pp peers, resumable.
 
-    Each epoch is a seeded permutation of the non-overlapping windows of
-    ``block_size + 1`` bytes. A global batch takes the next ``dp_size *
-    batch_size`` windows; dp rank ``r`` gets the ``r``-th slice. Ranks that
-    share a dp rank (tensor/pipeline peers) therefore get the same batch. The
-    position is two integers (:meth:`state_dict`), so training resumes mid-epoch.
+    The items are the non-overlapping windows of ``block_size + 1`` bytes (or
+    tokens), drawn as :class:`_Stream` says: dp rank ``r`` gets the ``r``-th slice of
+    each micro-batch's windows; ranks that share a dp rank (tensor/pipeline peers)
+    get the same batch.
     """
 
     def __init__(self, data: np.ndarray, block_size: int, batch_size: int, dp_rank: int = 0,
@@ -155,43 +199,25 @@ class BatchSampler:
         if batch_size < 1 or block_size < 1:
             raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size}, "
                              f"{block_size}")
-        self.data, self.block_size, self.batch_size = data, block_size, batch_size
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.n_windows = (data.size - 1) // block_size
-        if self.n_windows < dp_size * batch_size:
+        n_windows = (data.size - 1) // block_size
+        if n_windows < dp_size * batch_size:
             unit = "bytes" if data.dtype == np.uint8 else "tokens"   # text, or token ids
             raise DataError(
-                f"{data.size} {unit} hold {self.n_windows} windows of {block_size + 1}, fewer "
+                f"{data.size} {unit} hold {n_windows} windows of {block_size + 1}, fewer "
                 f"than one global batch ({dp_size} dp ranks x {batch_size}); use more data, "
                 f"a smaller batch or a smaller block size")
-        self.epoch, self.index = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        super().__init__(n_windows, batch_size, dp_rank, dp_size, seed)
+        self.data, self.block_size, self.n_windows = data, block_size, n_windows
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """The next ``(x, y)`` for this rank, each ``(batch_size, block_size)`` int64."""
-        per_step = self.dp_size * self.batch_size
-        if self.index + per_step > self.n_windows:
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        lo = self.index + self.dp_rank * self.batch_size
-        starts = self._order[lo: lo + self.batch_size] * self.block_size
-        self.index += per_step
+        starts = self.next_rows() * self.block_size
         offsets = starts[:, None] + np.arange(self.block_size + 1)
         window = self.data[offsets].astype(np.int64)
         return window[:, :-1], window[:, 1:]
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self._order = self._permutation(self.epoch)
-
-
-class ArraySampler:
+class ArraySampler(_Stream):
     """Like :class:`BatchSampler` for ``(x, y)`` arrays: disjoint per dp rank, resumable."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, dp_rank: int = 0,
@@ -199,27 +225,12 @@ class ArraySampler:
         if len(x) < dp_size * batch_size:
             raise DataError(f"{len(x)} samples are fewer than one global batch "
                             f"({dp_size} dp ranks x {batch_size})")
-        self.x, self.y, self.batch_size = x, y, batch_size
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.epoch, self.index = 0, 0
-        self._order = np.random.default_rng([seed, 0]).permutation(len(x))
+        super().__init__(len(x), batch_size, dp_rank, dp_size, seed)
+        self.x, self.y = x, y
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        per_step = self.dp_size * self.batch_size
-        if self.index + per_step > len(self.x):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.x))
-        lo = self.index + self.dp_rank * self.batch_size
-        rows = self._order[lo: lo + self.batch_size]
-        self.index += per_step
+        rows = self.next_rows()
         return self.x[rows], self.y[rows]
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.x))
 
 
 def load_digits(seed: int = 0, val_fraction: float = 0.2):

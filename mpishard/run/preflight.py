@@ -113,17 +113,41 @@ def _resumed_run(cfg, world_size: int) -> list:
         raise ConfigError(f"the checkpoint in {step_dir} was written for {was}; this run has "
                           f"{now}: resume with the checkpoint's [model] settings, or start a "
                           f"new run in another --checkpoint-dir")
+    notes = _changed_settings(before, cfg)
     o, saved_dp = before.optim, int(manifest.mesh["dp"])
     old = o.batch_size * o.micro_steps * saved_dp
     p = cfg.parallel
     dp = p.dp or world_size // (p.tp * p.pp * p.cp) or 1
     new = cfg.optim.global_batch or cfg.optim.batch_size * cfg.optim.micro_steps * dp
     if new == old:
-        return []
+        return notes
     hint = "" if cfg.optim.global_batch else f"; pass --global-batch {old} to keep it"
-    return [f"resuming a run of global batch {old} ({o.batch_size} per rank x "
-            f"{o.micro_steps} micro-steps x {saved_dp} dp ranks) with global batch {new}: "
-            f"the optimisation changes{hint}"]
+    return notes + [f"resuming a run of global batch {old} ({o.batch_size} per rank x "
+                    f"{o.micro_steps} micro-steps x {saved_dp} dp ranks) with global batch "
+                    f"{new}: the optimisation changes{hint}"]
+
+
+#: what a resume may change that changes the run from the checkpoint on (a note each):
+#: the optimizer and its schedule, the data and their order
+_FOLLOWED = (("optim", ("optimizer", "steps", "lr", "min_lr", "warmup_steps", "weight_decay",
+                        "beta1", "beta2", "grad_clip")),
+             ("data", ("path", "dtype", "max_bytes")), ("run", ("seed",)))
+
+
+def _changed_settings(before, cfg) -> list:
+    """A note naming the optimizer, schedule and data settings that differ from the
+    checkpoint's run (the resumed run follows the new ones), or none."""
+    changed = [f"{flag} {getattr(getattr(cfg, section), key)!r} (was "
+               f"{getattr(getattr(before, section), key)!r})"
+               for section, keys in _FOLLOWED for key in keys
+               for flag in [f"--{'data' if (section, key) == ('data', 'path') else key}"
+                            .replace('_', '-')]
+               if getattr(getattr(cfg, section), key) != getattr(getattr(before, section), key)]
+    if not changed:
+        return []
+    return [f"resuming with {', '.join(changed)}: from the checkpoint on the run follows "
+            f"these (the learning-rate schedule is a function of the step and --steps; "
+            f"other data or another seed change what the next batches hold)"]
 
 
 def check_run_files(cfg, world) -> list:

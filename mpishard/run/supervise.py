@@ -8,7 +8,8 @@ The supervisor is one plain process (no MPI) that starts the job's command and
 waits for it. How the job ended decides what follows:
 
 * status 0: done; 2: a usage or configuration error, which a restart would
-  repeat (final); 130: Ctrl-C, the run saved and a person wants it stopped
+  repeat (final); 3: the loss diverged (not finite), which a restart from the
+  last checkpoint would repeat too (final); 130: Ctrl-C, the run saved and a person wants it stopped
   (final); the supervisor's own SIGTERM or SIGUSR1 (Slurm's warning) is passed
   to the job as SIGUSR1 (which MPICH's and Open MPI's launchers pass on to the
   ranks; Open MPI's ends the job on SIGTERM), the job saves and stops, and that
@@ -50,7 +51,8 @@ from mpishard.core.errors import ConfigError
 __all__ = ["Supervisor", "supervise", "train_args"]
 
 #: exit statuses a restart would not change
-FINAL = {0: "done", 2: "a usage or configuration error", 130: "Ctrl-C"}
+FINAL = {0: "done", 2: "a usage or configuration error", 3: "the loss diverged",
+         130: "Ctrl-C"}
 
 _RANK_PREFIX = "[mpishard rank "
 #: Open MPI's launcher names the rank it saw end first

@@ -260,6 +260,7 @@ class Trainer:
         return {"val_loss_start": first_val, "val_loss_end": last_val,
                 "train_loss_end": record.get("loss"), "steps": self.steps_done,
                 "stopped": stopped, "interrupted": stop.interrupted,
+                "diverged": not stopped and not math.isfinite(record.get("loss", 0.0)),
                 "skipped_steps": self.strategy.skipped_steps}
 
     def _due(self, interval: int) -> bool:
@@ -378,9 +379,17 @@ def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
             text = trainer.recipe.sample(trainer.strategy.module, cfg.run.sample_prompt,
                                          cfg.run.sample_tokens, cfg.run.seed)
             trainer.log.info("sample:\n" + text)
-    if not summary["stopped"]:
+    if summary["diverged"]:
+        trainer.log.info(f"diverged: the loss was not finite at step {summary['steps']} of "
+                         f"{cfg.optim.steps}, and the run stopped there (exit status 3); "
+                         f"a lower --lr, more --warmup-steps or --grad-clip may help")
+    elif not summary["stopped"]:
+        skipped = summary["skipped_steps"]
         trainer.log.info(f"val loss {summary['val_loss_start']:.4f} -> "
                          f"{summary['val_loss_end']:.4f} after {summary['steps']} steps "
-                         f"({cfg.parallel.strategy}, {world.size} ranks)")
+                         f"({cfg.parallel.strategy}, {world.size} ranks)"
+                         + (f"; {skipped} skipped for non-finite gradients" if skipped else "")
+                         + (" (the loss scale lowered each time)"
+                            if skipped and cfg.parallel.precision == "float16" else ""))
     trainer.log.close()
     return summary

@@ -160,3 +160,29 @@ def test_sampling_a_token_model_whose_data_is_gone_says_so(tmp_path, keep_hooks,
     assert main(["sample", "--checkpoint", str(ckpt), "--tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert f"the data this model was trained on, {tokens}, is gone" in err, err
+
+
+def test_a_diverged_run_ends_with_status_3(keep_hooks, capsys):
+    """A loss that is not finite stops the run with a line saying so and status 3, which
+    mpishard supervise takes as final (a restart would diverge again)."""
+    from mpishard.run.supervise import FINAL
+
+    status = main(["train", *TINY, "--steps", "8", "--lr", "1e4", "--warmup-steps", "0",
+                   "--grad-clip", "0"])
+    out = capsys.readouterr().out
+    assert status == 3 and "diverged: the loss was not finite at step" in out, out
+    assert "val loss" not in out.splitlines()[-1]
+    assert 3 in FINAL
+
+
+def test_a_resume_names_the_settings_it_changes(tmp_path, keep_hooks, capsys):
+    ckpt = tmp_path / "ck"
+    assert main(["train", *TINY, "--steps", "2", "--checkpoint-dir", str(ckpt)]) == 0
+    capsys.readouterr()
+    assert main(["train", *TINY, "--steps", "3", "--lr", "0.001", "--checkpoint-dir",
+                 str(ckpt), "--resume", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "note: resuming with --steps 3 (was 2), --lr 0.001 (was 0.003)" in out, out
+    assert main(["train", *TINY, "--steps", "4", "--lr", "0.001", "--checkpoint-dir",
+                 str(ckpt), "--resume", "true"]) == 0
+    assert "--lr 0.001 (was" not in capsys.readouterr().out      # the same as the last run

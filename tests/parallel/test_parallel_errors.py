@@ -148,3 +148,4 @@ def test_strategies_and_optimizers_name_what_they_take():
         AdamW(GPT(TINY, seed=0))
     with pytest.raises(TypeError, match="lr must be a number, got '1e-3'"):
         AdamW(GPT(TINY, seed=0).parameters(), lr="1e-3")
+

@@ -376,12 +376,13 @@ class Pipeline:
         return StepLoss(lambda: self._mean_loss(losses, weights))
 
     def eval_step(self, x, y) -> float:
-        """Forward only (no graph); returns the mean loss. One stage runs the whole
-        batch at once (no activations are kept); several run it micro-batch by
-        micro-batch, as in training."""
-        step = self._prepare(x, y, self.micro_batches if self.stages > 1 else 1)
+        """Forward only (no graph); returns the mean loss. Micro-batch by micro-batch,
+        as in training, so that a loss over a micro-batch's rows (a mixture of experts'
+        load-balancing loss, its capacity) is the same for every split of the same
+        global batch over dp ranks and micro-batches."""
+        step = self._prepare(x, y, self.micro_batches)
         forwards = [(c, i) for kind, c, i in self.order() if kind == "F"] \
-            if self.stages > 1 else [(0, 0)]
+            if self.stages > 1 else [(0, i) for i in range(self.micro_batches)]
         with no_grad():
             for c, i in forwards:    # the training order's forwards: no deadlock
                 self._run_forward(step, c, i)
