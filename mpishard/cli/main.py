@@ -204,9 +204,12 @@ def _cmd_sample(args) -> int:
     from mpishard.recipes import recipe_for
 
     step_dir = resolve_checkpoint(args.checkpoint)
-    saved = read_manifest(step_dir).extra.get("config")
+    extra = read_manifest(step_dir).extra
+    saved = extra.get("config")
     cfg = config_from_dict(flat_values(saved, str(step_dir), [])) if saved else None
     recipe = recipe_for(cfg) if cfg is not None else None
+    if recipe is not None and hasattr(recipe, "token_data"):
+        recipe.token_data = extra.get("token_data")    # what the run trained on
     if recipe is None or not recipe.can_sample:
         raise CheckpointError(step_dir, "config", "no training config of a model that writes "
                               "text in the manifest; sample needs a checkpoint written by "

@@ -241,10 +241,9 @@ def apply_auto_layout(cfg, world_size: int, given=()) -> str:
     if not ranked:
         limit = f"{format_bytes(budget)} (--memory-budget)" if budget else \
             f"{machine.name}'s memory ({_usable(machine)})"
-        with_kept = f" with {describe_kept(kept)}" if kept else ""
-        raise ConfigError(f"--layout {p.layout}: none of {n} layouts of {world_size} ranks"
-                          f"{with_kept} fits {limit} per rank; raise the budget, or "
-                          f"use more ranks")
+        raise ConfigError(f"--layout {p.layout} on {world_size} ranks: "
+                          + _none_fit_line(n, limit, budget, machine, p.offload, kept,
+                                           "--block-size"))
     lay = ranked[0].layout
     p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
     p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
@@ -281,7 +280,8 @@ def _check_counts(args) -> None:
                               f"left out: {default})")
 
 
-def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict) -> str:
+def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict,
+                   seq_flag: str = "--seq") -> str:
     """What ``mpishard plan`` prints where none of its ``n`` layouts fits ``limit`` per
     rank: what would make one fit. The search already tried one sequence per
     micro-batch, recomputation and, on a machine with a host link, offload; a smaller
@@ -289,7 +289,7 @@ def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict) 
     helps = ["more ranks"]
     if budget:
         helps.append("a larger --memory-budget")
-    helps.append("a shorter --seq")
+    helps.append(f"a shorter {seq_flag}")
     if kept:
         helps.append(f"leaving out {describe_kept(kept)}")
     tried = ""

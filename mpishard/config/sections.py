@@ -26,7 +26,6 @@ from mpishard.config.model_section import ModelConfig
 from mpishard.config.options import strategy_names, opt
 from mpishard.config.support import check_supported
 from mpishard.core.errors import ConfigError
-from mpishard.core.paths import why_unwritable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -347,10 +346,7 @@ def config_from_dict(values: dict, where: str = "config") -> TrainConfig:
     for key in KEYS.values():
         _check(key, getattr(getattr(cfg, key.section), key.name), cfg.model.name)
     o = cfg.optim
-    if o.min_lr > o.lr:    # a decay that would rise: the default follows a lower lr
-        if "min_lr" in values:
-            raise ConfigError(f"min_lr = {o.min_lr:g} is above lr = {o.lr:g}: the cosine "
-                              f"decay would raise the rate; use --min-lr {o.lr:g} or less")
+    if o.min_lr > o.lr and "min_lr" not in values:    # the default follows a lower lr
         o.min_lr = o.lr
     run = cfg.run
     if run.resume_from and not run.checkpoint_dir:
@@ -403,8 +399,11 @@ def load_config(path: str | Path | None, overrides: dict | None = None,
     if given is not None:
         given.update(values)
     cfg = config_from_dict(shape_from_folder(values, notes), "config key")
+    o = cfg.optim
+    if o.min_lr > o.lr:      # given so (a saved config from before may hold it: read as is)
+        raise ConfigError(f"min_lr = {o.min_lr:g} is above lr = {o.lr:g}: the cosine decay "
+                          f"would raise the rate; use --min-lr {o.lr:g} or less")
     _check_read(values, cfg.model)
-    _check_output_paths(cfg.run)
     notes.extend(check_supported(cfg))
     return cfg
 
@@ -432,15 +431,3 @@ def _check_read(given: dict, model) -> None:
                 not getattr(model, "moe_experts", 0):
             raise ConfigError(f"{key.flag} sets up a mixture of experts, but the model is "
                               f"dense (moe_experts = 0); add --moe-experts N, or leave it out")
-
-
-def _check_output_paths(run) -> None:
-    """A ConfigError for an output path nothing can be written to (a checkpoint or log
-    folder that is a file, a metrics file that is a folder, a file where a parent folder
-    should be): refused with the configuration, not at the first save after training."""
-    for flag, value, folder in (("--checkpoint-dir", run.checkpoint_dir, True),
-                                ("--log-dir", run.log_dir, True),
-                                ("--metrics", run.metrics, False)):
-        why = why_unwritable(value, folder, "metrics.jsonl") if value else None
-        if why is not None:
-            raise ConfigError(f"{flag} {value} {why}")

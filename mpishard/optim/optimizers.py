@@ -21,9 +21,9 @@ target and its state unchanged where ``skip`` is set: nothing is read back.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
+import weakref
 from typing import Iterable
 
 import numpy as np
@@ -38,14 +38,15 @@ __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Targets"]
 
 class Targets(list):
     """The targets a strategy hands out (``model.parameters()`` of a DDP or ZeRO model), with
-    the strategy's name: an optimizer built from them is that strategy's to step, and
-    refuses a :meth:`Optimizer.step` that does not come through its ``step`` (which
+    the strategy (a weak reference): an optimizer built from them is that strategy's to
+    step, and refuses a :meth:`Optimizer.step` outside the strategy's ``step`` (which
     reduces the gradients over the data-parallel ranks first: stepped directly, DDP's
-    replicas drift apart and ZeRO's shards never see a gradient)."""
+    replicas drift apart and ZeRO's shards never see a gradient). Inside it, any
+    wrapper's call reaches the optimizer as the strategy's."""
 
-    def __init__(self, targets, owner: str):
+    def __init__(self, targets, owner):
         super().__init__(targets)
-        self.owner = owner
+        self.owner = weakref.ref(owner)
 
 
 class Optimizer:
@@ -72,8 +73,7 @@ class Optimizer:
             raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
         self.lr = float(lr)
         self.ledger = ledger
-        self.owner = getattr(params, "owner", None)       # see Targets
-        self._owner_stepping = False
+        self._owner = getattr(params, "owner", None)       # see Targets
         self._steps, self._device_steps = 0, None
         self.state: list[dict] = [{} for _ in self.params]
 
@@ -138,21 +138,13 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
-    @contextlib.contextmanager
-    def from_owner(self):
-        """Inside, :meth:`step` is the owning strategy's call (see :class:`Targets`)."""
-        self._owner_stepping = True
-        try:
-            yield self
-        finally:
-            self._owner_stepping = False
-
     def _check_caller(self) -> None:
-        """RuntimeError for a step of a strategy's targets that skips the strategy."""
-        if self.owner is not None and not self._owner_stepping:
+        """RuntimeError for a step of a strategy's targets outside the strategy's step."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and not getattr(owner, "_in_step", True):
             raise RuntimeError(f"{type(self).__name__}.step() was called on the targets of "
-                               f"{self.owner}, which reduces their gradients over the "
-                               f"data-parallel ranks before the update: call "
+                               f"{type(owner).__name__}, which reduces their gradients over "
+                               f"the data-parallel ranks before the update: call "
                                f"model.step(opt) instead of opt.step() (it reduces, "
                                f"clips, steps and zeroes the gradients)")
 

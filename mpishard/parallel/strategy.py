@@ -251,7 +251,7 @@ class Strategy:
                 p.grad_dtype = self.reduce_dtype
         for p in params:   # no gradient buffers of an earlier wrapper (DDP sets its own)
             p.grad_out = None
-        self._backward_since_step = False       # see step()
+        self._backward_since_step = self._in_step = False      # see _check_model
         for p in params:
             if p.requires_grad:
                 p.register_grad_ready_hook(self._saw_backward)
@@ -403,17 +403,24 @@ class Strategy:
         return spec.tp_dim is not None or self.mesh.tp.rank == 0
 
     def _check_model(self, changed: float, flags=None) -> None:
-        """All-reduce whether the model changed (with the host ``flags`` it rides on, or
-        alone) and raise on every rank if it did on any."""
+        """All-reduce whether the model changed and whether this rank saw a backward since
+        the last step (with the host ``flags`` they ride on, or alone) and raise on every
+        rank if the model changed on any, or, inside :meth:`step`, no rank saw a backward
+        (a rank may see none: a pipeline stage whose parameters are all frozen)."""
         if flags is None:
-            flags = np.array([changed])
-        else:
-            flags[-1] = changed
+            flags = np.array([changed, 0.0])
+        flags[-2:] = changed, float(self._backward_since_step or not self._in_step)
         self.mesh.world.all_reduce(flags, op="sum")
-        if flags[-1] > 0:
+        if flags[-2] > 0:
             raise RuntimeError(
                 "the model's parameters changed after it was wrapped (a parameter was "
                 "added, removed or replaced); build the model completely, then wrap it once")
+        if flags[-1] == 0:
+            self.zero_grad()
+            raise RuntimeError(f"{type(self).__name__}.step: no backward since the last step "
+                               f"or zero_grad, so no gradients to apply (an update would "
+                               f"still decay the weights and count a step); run "
+                               f"loss.backward() (or forward_backward) first")
 
     def grad_norm(self):
         """Global gradient norm, the same on every rank. See [Note: collective step decisions].
@@ -425,7 +432,7 @@ class Strategy:
         changed = float(self._model_changed())
         if self.xp is np:
             # +inf stands for any non-finite value (NaN + x stays NaN, but is harder to read)
-            flags = np.array([sq if math.isfinite(sq) else math.inf, 0.0])
+            flags = np.array([sq if math.isfinite(sq) else math.inf, 0.0, 0.0])
             self._check_model(changed, flags)
             return math.sqrt(flags[0])
         self._check_model(changed)          # a host flag: no read of the device
@@ -486,13 +493,11 @@ class Strategy:
         decisions stay there (see [Note: device step decisions]).
         """
         self._check_optimizer(optimizer)
-        if not self._backward_since_step:
-            raise RuntimeError(f"{type(self).__name__}.step: no backward since the last step "
-                               f"or zero_grad, so no gradients to apply (an update would "
-                               f"still decay the weights and count a step); run "
-                               f"loss.backward() (or forward_backward) first")
-        with getattr(optimizer, "from_owner", contextlib.nullcontext)():
+        self._in_step = True              # the optimizer's step is ours (see Targets)
+        try:
             return self._reduce_and_update(optimizer, max_norm)
+        finally:
+            self._in_step = False
 
     def _reduce_and_update(self, optimizer, max_norm) -> StepResult:
         """:meth:`step` once its checks have passed."""

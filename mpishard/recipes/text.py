@@ -31,6 +31,9 @@ class TextLM(Recipe):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.tokens_per_sample = cfg.model.block_size
+        #: whether the data are token ids (a checkpoint records it; None: not known, as
+        #: in a checkpoint from before it was recorded)
+        self.token_data = None
 
     def model_config(self):
         """The model's own config dataclass from ``[model]`` (a ConfigError if it does not
@@ -48,7 +51,8 @@ class TextLM(Recipe):
 
     def load_data(self) -> str:
         cfg = self.cfg
-        if is_token_dir(cfg.data.path):
+        self.token_data = is_token_dir(cfg.data.path)
+        if self.token_data:
             return self._load_tokens()
         if cfg.data.dtype:
             where = cfg.data.path or "the built-in corpus"
@@ -127,13 +131,15 @@ class TextLM(Recipe):
 
     def _tokenizer(self):
         """The tokenizer of token data (None for bytes): a tokenizer.json, or the characters
-        of nanoGPT's meta.pkl (a DataError when the folder has neither, or when the data
-        path is gone and the vocabulary is more than bytes: token ids with no tokenizer
-        to read them, which as bytes would print nonsense)."""
+        of nanoGPT's meta.pkl (a DataError when the folder has neither, or when the token
+        folder a model was trained on is gone: ids with no tokenizer to read them, which
+        as bytes would print nonsense; where the checkpoint does not say, a vocabulary
+        wider than bytes is taken for token ids)."""
         path, vocab = self.cfg.data.path, self.cfg.model.vocab_size
         if is_token_dir(path):
             return open_tokenizer(path)
-        if path and not Path(path).exists() and vocab > VOCAB_SIZE:
+        tokens = self.token_data if self.token_data is not None else vocab > VOCAB_SIZE
+        if path and not Path(path).exists() and tokens:
             raise DataError(f"the data this model was trained on, {path}, is gone, and with "
                             f"it the tokenizer of its {vocab:,} token ids; put that folder "
                             f"(its tokenizer.json or meta.pkl) back there to sample")

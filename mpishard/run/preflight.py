@@ -4,6 +4,10 @@
 ``mpishard train`` checks the files a run would write before it reads data or
 builds a model (rank 0 looks, every rank raises alike: [Note: agreed errors]):
 
+* an output path nothing can be written to (a ``checkpoint_dir`` or ``log_dir``
+  that is a file, a ``metrics`` file that is a folder, anything under a file) is
+  refused, not found at the first save after training;
+
 * a new run (no ``--resume``) into a ``checkpoint_dir`` that holds
   checkpoints, or with a ``--metrics`` file that holds records, is refused:
   its next saves would repoint ``latest`` and prune the old run's checkpoints,
@@ -27,7 +31,8 @@ from mpishard.checkpoint import CheckpointError, read_manifest
 from mpishard.checkpoint.format import LATEST_RE, MANIFEST
 from mpishard.checkpoint.locate import complete_steps, resume_candidates
 from mpishard.checkpoint.writer import delete_checkpoints
-from mpishard.config.sections import ConfigError, config_from_dict, flat_values
+from mpishard.config.sections import KEYS, ConfigError, config_from_dict, flat_values
+from mpishard.core.paths import why_unwritable
 from mpishard.models import MODELS
 from mpishard.run.report import metric_records
 
@@ -41,6 +46,18 @@ def shaping_keys(name: str) -> tuple:
     spec = MODELS.get(name)
     own = tuple(k.name for k in spec.keys if k.shapes) if spec is not None else ()
     return ("name", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", *own)
+
+
+def _output_paths(run) -> None:
+    """A ConfigError for an output path nothing can be written to (a checkpoint or log
+    folder that is a file, a metrics file that is a folder, a file where a parent folder
+    should be): found before the run, not at its first save after training."""
+    for flag, value, folder in (("--checkpoint-dir", run.checkpoint_dir, True),
+                                ("--log-dir", run.log_dir, True),
+                                ("--metrics", run.metrics, False)):
+        why = why_unwritable(value, folder, "metrics.jsonl") if value else None
+        if why is not None:
+            raise ConfigError(f"{flag} {value} {why}")
 
 
 def _fresh_run(cfg) -> None:
@@ -137,11 +154,10 @@ _FOLLOWED = (("optim", ("optimizer", "steps", "lr", "min_lr", "warmup_steps", "w
 def _changed_settings(before, cfg) -> list:
     """A note naming the optimizer, schedule and data settings that differ from the
     checkpoint's run (the resumed run follows the new ones), or none."""
-    changed = [f"{flag} {getattr(getattr(cfg, section), key)!r} (was "
+    flags = {(k.section, k.name): k.flag for k in KEYS.values()}
+    changed = [f"{flags[section, key]} {getattr(getattr(cfg, section), key)!r} (was "
                f"{getattr(getattr(before, section), key)!r})"
                for section, keys in _FOLLOWED for key in keys
-               for flag in [f"--{'data' if (section, key) == ('data', 'path') else key}"
-                            .replace('_', '-')]
                if getattr(getattr(cfg, section), key) != getattr(getattr(before, section), key)]
     if not changed:
         return []
@@ -159,6 +175,7 @@ def check_run_files(cfg, world) -> list:
     notes, error = [], None
     if world.rank == 0:
         try:
+            _output_paths(cfg.run)
             notes = _resumed_run(cfg, world.size) if cfg.run.resume else (_fresh_run(cfg) or [])
         except (ConfigError, CheckpointError) as err:
             if not cfg.run.dry_run:

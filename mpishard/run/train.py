@@ -60,8 +60,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, world: Communicator):
         self.cfg, self.world = cfg, world
+        self.notes = check_run_files(cfg, world)    # see [Note: run safety]; paths first
         self.log = RankLogger(world.rank, cfg.run.log_dir or None)
-        self.notes = check_run_files(cfg, world)                 # see [Note: run safety]
         agreed(world, _kernel_settings)              # MPISHARD_KERNELS, _ATTENTION, _BLAS
         self.recipe = recipe_for(cfg)
         self.data_desc = agreed(world, self.recipe.load_data)   # local work, then agree
@@ -158,6 +158,7 @@ class Trainer:
         waited for when it is the ``last`` save of the run."""
         run = self.cfg.run
         extra = {"step": self.steps_done, "data": self.sampler.state_dict(),
+                 "token_data": getattr(self.recipe, "token_data", None),
                  "rng": module_rng_states(self.strategy.module, self.world),
                  "config": asdict(self.cfg)}
         if self.saver is None:
@@ -371,7 +372,8 @@ def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
         return {"steps": trainer.steps_done, "stopped": False, "interrupted": False,
                 "nothing_to_train": True}
     summary = trainer.fit()
-    if not summary["stopped"] and cfg.run.sample_tokens and trainer.recipe.can_sample:
+    finished = not (summary["stopped"] or summary["diverged"])
+    if finished and cfg.run.sample_tokens and trainer.recipe.can_sample:
         if trainer.mesh.tp.size > 1 or trainer.mesh.pp.size > 1:
             trainer.log.info("sample skipped: sampling during training needs tp=1 pp=1 "
                              "(mpishard sample works on a checkpoint of any layout)")

@@ -186,3 +186,18 @@ def test_a_resume_names_the_settings_it_changes(tmp_path, keep_hooks, capsys):
     assert main(["train", *TINY, "--steps", "4", "--lr", "0.001", "--checkpoint-dir",
                  str(ckpt), "--resume", "true"]) == 0
     assert "--lr 0.001 (was" not in capsys.readouterr().out      # the same as the last run
+
+
+def test_sampling_a_byte_model_of_a_wider_vocabulary_needs_no_data(tmp_path, keep_hooks,
+                                                                   capsys):
+    """A model of bytes whose vocabulary is wider than 256 (its own choice) and whose text
+    moved away samples (ids past the bytes as "?"): only token data need their folder."""
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 2000)
+    ckpt = tmp_path / "ck"
+    flags = [f for f in TINY if f not in ("--max-bytes", "200000")]
+    assert main(["train", *flags, "--steps", "1", "--data", str(text), "--vocab-size", "300",
+                 "--checkpoint-dir", str(ckpt)]) == 0
+    text.rename(tmp_path / "moved.txt")
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(ckpt), "--tokens", "4"]) == 0

@@ -128,6 +128,16 @@ def test_an_optimizer_of_a_strategy_is_stepped_by_the_strategy(kind):
     assert all(np.array_equal(a, p.data) for a, p in zip(before, strategy.parameters()))
     strategy.step(opt)                                  # the reduction, then the update
     assert any(not np.array_equal(a, p.data) for a, p in zip(before, strategy.parameters()))
+
+    class Wrapper:                                      # a wrapper's call is the strategy's
+        def __init__(self, inner):
+            self.inner, self.params = inner, inner.params
+
+        def step(self, grad_scale=1.0, skip=None):
+            self.inner.step(grad_scale=grad_scale, skip=skip)
+    _, loss = strategy(*batch(1, 0, 0, TINY))
+    loss.backward()
+    assert strategy.step(Wrapper(opt)).step == 2
     with pytest.raises(RuntimeError, match="no backward since the last step"):
         strategy.step(opt)
     _, loss = strategy(*batch(0, 0, 0, TINY))

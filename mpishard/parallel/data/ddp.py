@@ -216,7 +216,7 @@ class DataParallel(Strategy):
         precision, offload)."""
         targets = self.module.parameters() if not (self.mixed or self.offload) else \
             self.masters.targets()
-        return Targets(targets, type(self).__name__)
+        return Targets(targets, self)
 
     def optimizer_target(self, p):
         """What the optimizer updates for parameter ``p`` (``p``, or its master)."""

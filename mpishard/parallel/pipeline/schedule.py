@@ -379,10 +379,12 @@ class Pipeline:
         """Forward only (no graph); returns the mean loss. Micro-batch by micro-batch,
         as in training, so that a loss over a micro-batch's rows (a mixture of experts'
         load-balancing loss, its capacity) is the same for every split of the same
-        global batch over dp ranks and micro-batches."""
-        step = self._prepare(x, y, self.micro_batches)
+        global batch over dp ranks and micro-batches; one stage takes a batch that
+        does not split into them (a whole validation set) at once."""
+        m = self.micro_batches if self.stages > 1 or len(x) % self.micro_batches == 0 else 1
+        step = self._prepare(x, y, m)
         forwards = [(c, i) for kind, c, i in self.order() if kind == "F"] \
-            if self.stages > 1 else [(0, i) for i in range(self.micro_batches)]
+            if self.stages > 1 else [(0, i) for i in range(m)]
         with no_grad():
             for c, i in forwards:    # the training order's forwards: no deadlock
                 self._run_forward(step, c, i)

@@ -374,7 +374,7 @@ class ZeroStrategy(Strategy):
 
     def parameters(self) -> list:
         """This rank's flat shards, one per unit: hand these to the optimizer."""
-        return Targets([unit.target for unit in self.units], type(self).__name__)
+        return Targets([unit.target for unit in self.units], self)
 
     def describe(self) -> dict:
         return {"name": "ZeRO", "stage": self.stage}
