@@ -192,3 +192,19 @@ def _refusal(path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     return err.value
+
+
+def test_a_saved_config_is_read_as_it_was_written(keep_hooks):
+    """A checkpoint's config from before min_lr was bounded (the old default over a lower
+    lr) loads as it is, so its run resumes and samples; only a given min_lr is refused."""
+    from dataclasses import asdict
+
+    from mpishard.config.sections import (ConfigError, TrainConfig, config_from_dict,
+                                          flat_values, load_config)
+
+    saved = asdict(TrainConfig())
+    saved["optim"].update(lr=1e-4, min_lr=3e-4)
+    before = config_from_dict(flat_values(saved, "checkpoint", []))
+    assert (before.optim.lr, before.optim.min_lr) == (1e-4, 3e-4)
+    with pytest.raises(ConfigError, match="min_lr = 0.0003 is above lr = 0.0001"):
+        load_config(None, {"lr": 1e-4, "min_lr": 3e-4})

@@ -28,3 +28,22 @@ def test_evaluation_runs_the_training_micro_batches():
         assert abs(half.eval_step(x, y) - halves) > 1e-6     # one forward of 4 differs
     finally:
         comm.free()
+
+
+def test_a_batch_that_does_not_split_is_evaluated_at_once():
+    """One stage takes a batch that is no multiple of the micro-batches (a whole
+    validation set) in one forward."""
+    from mpishard.parallel import ParallelModel
+    from mpishard.testing.fake_cupy import make_test_comm
+
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    comm = make_test_comm("self")
+    try:
+        r = np.random.default_rng(1)
+        x, y = (r.integers(0, 11, (5, 8)) for _ in range(2))
+        two = ParallelModel(GPT(cfg, seed=0, dtype="float64"), Mesh(comm, dp=1), "ddp",
+                            micro_batches=2)
+        one = ParallelModel(GPT(cfg, seed=0, dtype="float64"), Mesh(comm, dp=1), "ddp")
+        assert two.eval_step(x, y) == one.eval_step(x, y)
+    finally:
+        comm.free()
