@@ -143,9 +143,9 @@ def main(argv=None) -> int:
         from mpishard.comm import node_local_rank  # noqa: PLC0415
 
         xp = Backend.resolve("cupy", local_rank=node_local_rank(world)).xp
-        if not world.cuda_aware[0]:
-            raise SystemExit(f"--backend cupy compares against raw mpi4py on device "
-                             f"buffers, which needs CUDA-aware MPI ({world.cuda_aware[1]})")
+        if not world.cuda_aware[0]:     # the same answer on every rank: one line, status 2
+            parser.error(f"--backend cupy compares against raw mpi4py on device buffers, "
+                         f"which needs CUDA-aware MPI ({world.cuda_aware[1]})")
     results = run(world, args.sizes_mib, args.collectives, args.iters, args.warmup, xp)
     if world.rank == 0:
         print(format_results(results, world, args.iters, xp), flush=True)
