@@ -1,7 +1,7 @@
 """A GPT on a dp x tp x pp mesh: tensor-parallel layers, pipeline stages, ZeRO over dp.
 
     mpiexec -n 4 python -m mpi4py examples/gpt_tp_pp.py --tp 2 --pp 2 --steps 30
-    mpiexec -n 4 python -m mpi4py examples/gpt_tp_pp.py --dp 2 --tp 2 --strategy zero3
+    mpiexec -n 4 python -m mpi4py examples/gpt_tp_pp.py --dp 2 --tp 2 --pp 1 --strategy zero3
 
 Every rank builds only its pipeline stage, and of that only its tensor-parallel
 slices (cut from the same (seed, name) initialisation as the whole model).

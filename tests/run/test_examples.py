@@ -39,6 +39,9 @@ def test_mlp_digits_ddp():
 def test_gpt_tp_pp():
     out = run_example("gpt_tp_pp.py", "--steps", "2", n=4)
     assert "holds blocks" in out and "step 1: loss" in out
+    out = run_example("gpt_tp_pp.py", "--dp", "2", "--tp", "2", "--pp", "1", "--strategy",
+                      "zero3", "--steps", "2", n=4)       # the docstring's second command
+    assert "step 1: loss" in out
 
 
 def test_finetune_from_consolidated(tmp_path):
