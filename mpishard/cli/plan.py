@@ -102,14 +102,14 @@ def _as_given(layout, kept: dict):
 
 
 def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None,
-                precision=None, given=(), say=None, memory_bytes=None) -> tuple:
+                precision=None, kept=None, say=None, memory_bytes=None) -> tuple:
     """``(ranked layouts, over the memory limit, candidates, machine, precision)`` of the
     model ``cfg`` describes on ``ranks`` ranks of ``machine`` (a :class:`Machine`, or
     the name or file :func:`load_machine` takes), each rank fitting ``memory_bytes``
     (default: the machine's usable memory); offloaded where nothing else fits (on a
     machine with a host link), or as ``cfg.parallel.offload`` asks; gradients reduced
-    in ``cfg.parallel.reduce_dtype``; the layout keys in ``given`` (flat names a user
-    gave) kept at ``cfg``'s values (:func:`kept_as_given`)."""
+    in ``cfg.parallel.reduce_dtype``; the layout keys of ``kept`` at their values
+    (:func:`kept_as_given`)."""
     from mpishard.config.sections import ConfigError
     from mpishard.recipes import recipe_for
     from mpishard.planning.search import candidate_layouts, rank_layouts
@@ -123,7 +123,7 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     batch = global_batch or cfg.optim.batch_size * ranks
     m = cfg.model
     rpn = ranks_per_node or min(machine.ranks_per_node, ranks)
-    kept = kept_as_given(cfg, given)
+    kept = kept or {}
     strategies = [kept["strategy"]] if "strategy" in kept else None
     chunks = (kept["virtual_stages"],) if "virtual_stages" in kept else (1, 2)
     try:
@@ -198,7 +198,7 @@ def plan_from_args(args, say=None) -> tuple:
     """:func:`plan_config` of ``mpishard plan``'s flags (see :func:`_config`)."""
     machine = machine_or_error(args.machine)
     cfg, given = _config(args, machine)
-    return _plan(cfg, given, args, machine, say)
+    return _plan(cfg, kept_as_given(cfg, given), args, machine, say)
 
 
 def _config(args, machine) -> tuple:
@@ -217,10 +217,10 @@ def _config(args, machine) -> tuple:
     return cfg, given
 
 
-def _plan(cfg, given, args, machine, say) -> tuple:
+def _plan(cfg, kept, args, machine, say) -> tuple:
     """:func:`plan_config` of ``cfg`` with the flags only ``mpishard plan`` has."""
     return plan_config(cfg, args.ranks, machine, args.ranks_per_node, args.global_batch,
-                       None, given, say, cfg.run.memory_budget or None)
+                       None, kept, say, cfg.run.memory_budget or None)
 
 
 def apply_auto_layout(cfg, world_size: int, given=()) -> str:
@@ -229,21 +229,17 @@ def apply_auto_layout(cfg, world_size: int, given=()) -> str:
     under ``layout = "auto"`` the layout keys of ``given``, the flat names a user gave,
     too; ``"auto-all"`` replaces them); returns a line saying what."""
     from mpishard.config.sections import ConfigError
-    from mpishard.core.parse import format_bytes
     o, p = cfg.optim, cfg.parallel
     batch = o.global_batch or o.batch_size * o.micro_steps * world_size
     budget = cfg.run.memory_budget or None
-    kept = kept_as_given(cfg, given)
-    replaced, keep = ({}, given) if p.layout == "auto" else (kept, ())
-    kept = kept if keep else {}
+    layout_keys = kept_as_given(cfg, given)
+    kept, replaced = (layout_keys, {}) if p.layout == "auto" else ({}, layout_keys)
     ranked, _, n, machine, _ = plan_config(cfg, world_size, p.machine, None, batch, None,
-                                           keep, None, budget)
+                                           kept, None, budget)
     if not ranked:
-        limit = f"{format_bytes(budget)} (--memory-budget)" if budget else \
-            f"{machine.name}'s memory ({_usable(machine)})"
         raise ConfigError(f"--layout {p.layout} on {world_size} ranks: "
-                          + _none_fit_line(n, limit, budget, machine, p.offload, kept,
-                                           "--block-size"))
+                          + _none_fit_line(n, _limit(budget, machine), budget, machine,
+                                           p.offload, kept, "--block-size"))
     lay = ranked[0].layout
     p.dp, p.tp, p.pp, p.cp, p.strategy = lay.dp, lay.tp, lay.pp, lay.cp, lay.strategy
     p.dp_replicate, p.dp_shard, p.sequence_parallel = lay.dp_replicate, 0, lay.sequence_parallel
@@ -314,8 +310,8 @@ def _cmd_plan(args) -> int:
     _check_counts(args)
     machine = machine_or_error(args.machine)
     cfg, given = _config(args, machine)
-    ranked, over, n, machine, precision = _plan(cfg, given, args, machine, say)
     kept = kept_as_given(cfg, given)
+    ranked, over, n, machine, precision = _plan(cfg, kept, args, machine, say)
     top = ranked[:args.top]
     reduce = cfg.parallel.reduce_dtype
     if args.json:
@@ -325,7 +321,7 @@ def _cmd_plan(args) -> int:
                          indent=1))
         return 0
     budget, asked = cfg.run.memory_budget, cfg.parallel.offload
-    limit = f"{budget / 2**30:.1f} GiB (--memory-budget)" if budget else _usable(machine)
+    limit = _limit(budget, machine)
     offloaded = [r for r in ranked if r.layout.offload != "none"]
     gradients = f", gradients in {reduce}" if reduce != "float32" else ""
     with_kept = f" with {describe_kept(kept)}" if kept else ""
@@ -335,11 +331,10 @@ def _cmd_plan(args) -> int:
           + (f" (offload {asked}, as asked)" if asked != "none"
              else f" ({len(offloaded)} only with offload)" if offloaded else "")
           + (f"; the fastest {len(top)}:" if top else ""))
-    if top:
-        print(format_table(top))
-    else:
+    if not top:
         print(_none_fit_line(n, limit, budget, machine, asked, kept))
-    if top:
+    else:
+        print(format_table(top))
         parts = ", ".join(f"{k} {v:.4f}" for k, v in top[0].cost.breakdown.items() if v)
         print(f"#1 step {top[0].cost.seconds:.4f} s: {parts}")
     first = next((i for i, r in enumerate(top) if r.layout.offload != "none"), None)
@@ -363,6 +358,12 @@ def offload_line(number: int, ranked) -> str:
             f"in host memory; offload copies {b['offload copies']:.4f} s ({copies:.1%} of "
             f"the step), host optimizer {b['host optimizer']:.4f} s ({host:.1%}), neither "
             f"overlapped with compute")
+
+
+def _limit(budget, machine) -> str:
+    """The per-rank memory a plan fits layouts into, as its lines say it."""
+    from mpishard.core.parse import format_bytes
+    return f"{format_bytes(budget)} (--memory-budget)" if budget else _usable(machine)
 
 
 def _usable(machine) -> str:

@@ -141,7 +141,7 @@ class Optimizer:
     def _check_caller(self) -> None:
         """RuntimeError for a step of a strategy's targets outside the strategy's step."""
         owner = self._owner() if self._owner is not None else None
-        if owner is not None and not getattr(owner, "_in_step", True):
+        if owner is not None and not getattr(owner, "stepping", True):
             raise RuntimeError(f"{type(self).__name__}.step() was called on the targets of "
                                f"{type(owner).__name__}, which reduces their gradients over "
                                f"the data-parallel ranks before the update: call "

@@ -251,7 +251,8 @@ class Strategy:
                 p.grad_dtype = self.reduce_dtype
         for p in params:   # no gradient buffers of an earlier wrapper (DDP sets its own)
             p.grad_out = None
-        self._backward_since_step = self._in_step = False      # see _check_model
+        self._backward_since_step = False       # see _check_model
+        self.stepping = False    # inside step(): its optimizer's step is ours (see Targets)
         for p in params:
             if p.requires_grad:
                 p.register_grad_ready_hook(self._saw_backward)
@@ -409,7 +410,7 @@ class Strategy:
         (a rank may see none: a pipeline stage whose parameters are all frozen)."""
         if flags is None:
             flags = np.array([changed, 0.0])
-        flags[-2:] = changed, float(self._backward_since_step or not self._in_step)
+        flags[-2:] = changed, float(self._backward_since_step or not self.stepping)
         self.mesh.world.all_reduce(flags, op="sum")
         if flags[-2] > 0:
             raise RuntimeError(
@@ -493,11 +494,11 @@ class Strategy:
         decisions stay there (see [Note: device step decisions]).
         """
         self._check_optimizer(optimizer)
-        self._in_step = True              # the optimizer's step is ours (see Targets)
+        self.stepping = True              # the optimizer's step is ours (see Targets)
         try:
             return self._reduce_and_update(optimizer, max_norm)
         finally:
-            self._in_step = False
+            self.stepping = False
 
     def _reduce_and_update(self, optimizer, max_norm) -> StepResult:
         """:meth:`step` once its checks have passed."""

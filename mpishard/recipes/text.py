@@ -105,7 +105,7 @@ class TextLM(Recipe):
         """Continue ``prompt`` by ``n_tokens`` tokens: bytes, or the ids of the data's
         tokenizer (the ``tokenizer.json`` or nanoGPT ``meta.pkl`` beside token data)."""
         tokenizer = self._tokenizer()
-        idx = self.prompt_ids(prompt)
+        idx = self._ids(prompt, tokenizer, "--prompt")
         out = module.generate(idx[None, :], n_tokens, temperature=temperature, top_k=top_k,
                               rng=np.random.default_rng(seed))
         if tokenizer is None:       # ids past the bytes (a wider vocabulary) as "?"
@@ -117,7 +117,11 @@ class TextLM(Recipe):
         """``prompt`` as token ids (its bytes, or its tokenizer's ids); a ConfigError or
         DataError, naming ``flag``, for a prompt that gives none, or for a token folder
         without a tokenizer (``mpishard train`` asks before its first step)."""
-        tokenizer = self._tokenizer()
+        return self._ids(prompt, self._tokenizer(), flag)
+
+    @staticmethod
+    def _ids(prompt: str, tokenizer, flag: str):
+        """:meth:`prompt_ids` with the tokenizer already opened (``None``: bytes)."""
         if tokenizer is None:
             idx = np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int64)
         else:

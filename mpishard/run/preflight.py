@@ -155,10 +155,11 @@ def _changed_settings(before, cfg) -> list:
     """A note naming the optimizer, schedule and data settings that differ from the
     checkpoint's run (the resumed run follows the new ones), or none."""
     flags = {(k.section, k.name): k.flag for k in KEYS.values()}
-    changed = [f"{flags[section, key]} {getattr(getattr(cfg, section), key)!r} (was "
-               f"{getattr(getattr(before, section), key)!r})"
-               for section, keys in _FOLLOWED for key in keys
-               if getattr(getattr(cfg, section), key) != getattr(getattr(before, section), key)]
+    changed = []
+    for section, keys in _FOLLOWED:
+        now, was = getattr(cfg, section), getattr(before, section)
+        changed += [f"{flags[section, key]} {getattr(now, key)!r} (was {getattr(was, key)!r})"
+                    for key in keys if getattr(now, key) != getattr(was, key)]
     if not changed:
         return []
     return [f"resuming with {', '.join(changed)}: from the checkpoint on the run follows "

@@ -39,9 +39,9 @@ def test_no_layout_that_fits_says_what_would_help(keep_hooks, capsys):
     assert main(flags) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].endswith(" over 0.2 GiB (--memory-budget) per rank, 0 fit"), out
+    assert lines[0].endswith(" over 256.0 MiB (--memory-budget) per rank, 0 fit"), out
     n = int(lines[0].split()[0])
-    assert lines[1] == (f"none of the {n} layouts fits 0.2 GiB (--memory-budget) per rank; "
+    assert lines[1] == (f"none of the {n} layouts fits 256.0 MiB (--memory-budget) per rank; "
                         f"what would help: more ranks, a larger --memory-budget, a shorter "
                         f"--seq, or --offload optimizer (or params)")
     assert "strategy" not in out and "---" not in out         # no empty table
