@@ -28,7 +28,8 @@ A description is one JSON object::
      "overlap": true, "cores": null,
      "sources": {"device.flops.bfloat16": "NVIDIA H100 datasheet ...", ...}}
 
-``flops`` are peak dense FLOP/s per dtype; ``matmul_efficiency`` the share of
+``flops`` are peak dense FLOP/s per dtype (``float64``, ``float32``, ``float16``,
+``bfloat16``, ``tf32``); ``matmul_efficiency`` the share of
 it large matrix products reach, ``matmul_overhead_s`` what each product costs
 besides (launch, small shapes); ``memory_bandwidth`` times
 ``elementwise_efficiency`` is what elementwise passes stream;

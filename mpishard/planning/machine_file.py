@@ -17,15 +17,17 @@ import math
 import statistics
 from pathlib import Path
 
+from mpishard.core.dtypes import FLOAT_DTYPES
 from mpishard.planning.machine import MACHINES_DIR, Link, Machine
 
 __all__ = ["load_machine", "machine_from_dict", "merge_calibrations", "shipped_machines"]
 
 
 #: the keys a description may have, by where they sit (see the module docstring); the
-#: names under ``device.flops``, ``device.vector_flops``, ``device.activation_rates``,
-#: ``collectives`` (checked by :func:`_collective_key`), ``busy_slowdown`` and
-#: ``sources`` are the description's own
+#: names under ``device.flops`` and ``device.vector_flops`` (:data:`_PEAK_DTYPES`),
+#: ``device.activation_rates`` (:func:`_op_sets`) and ``collectives`` (checked by
+#: :func:`_collective_key`) and ``busy_slowdown`` (rank counts) are checked apart;
+#: those under ``sources`` are the description's own
 _KEYS = {
     "": ("name", "kind", "ranks_per_node", "device", "links", "collectives", "overlap",
          "cores", "sources", "host_link", "host_memory_bandwidth", "busy_slowdown"),
@@ -38,6 +40,17 @@ _KEYS = {
                "memory_reserve_bytes"),
     "links": ("intra", "inter"),
 }
+#: the dtype names ``device.flops`` and ``device.vector_flops`` may give a peak for
+_PEAK_DTYPES = FLOAT_DTYPES + ("tf32",)
+
+
+def _op_sets() -> tuple:
+    """The names ``device.activation_rates`` may calibrate: each family's blocks' ops
+    (``ModelSpec.elementwise``)."""
+    from mpishard.models import MODELS
+    return tuple(dict.fromkeys(spec.elementwise for spec in MODELS.values()))
+
+
 #: a link's keys; a calibrated collective's and the host link's are its cost line only
 _LINK_KEYS = ("latency_s", "bandwidth", "gather_bandwidth", "processor_usage", "rails")
 _LINE_KEYS = ("latency_s", "bandwidth")
@@ -149,7 +162,7 @@ def machine_from_dict(raw: dict) -> Machine:
     raw = _object(raw, "", _KEYS[""])
     device = _object(raw.get("device"), "device", _KEYS["device"])
     links = _object(raw.get("links"), "links", _KEYS["links"])
-    flops = _object(device.get("flops"), "device.flops")
+    flops = _object(device.get("flops"), "device.flops", _PEAK_DTYPES)
     if not flops:
         raise ValueError("machine description: device.flops needs at least one dtype's "
                          "peak FLOP/s, e.g. {\"float32\": 1e11}")
@@ -193,7 +206,7 @@ def machine_from_dict(raw: dict) -> Machine:
         activation_rate=rate("activation_rate"),
         activation_rates={str(k): _positive(v, f"device.activation_rates.{k}")
                           for k, v in _object(device.get("activation_rates"),
-                                              "device.activation_rates").items()},
+                                              "device.activation_rates", _op_sets()).items()},
         optimizer_rate=rate("optimizer_rate"),
         optimizer_overhead_s=_positive(device.get("optimizer_overhead_s", 0.0),
                                        "device.optimizer_overhead_s", zero=True),
@@ -209,7 +222,7 @@ def machine_from_dict(raw: dict) -> Machine:
                                        "device.matmul_efficiency_table"),
         vector_flops={k: _positive(v, f"device.vector_flops.{k}")
                       for k, v in _object(device.get("vector_flops"),
-                                          "device.vector_flops").items()},
+                                          "device.vector_flops", _PEAK_DTYPES).items()},
         vector_efficiency_table=_table(device.get("vector_efficiency_table"),
                                        "device.vector_efficiency_table") or ((0, 1.0),),
         memory_efficiency_table=_table(device.get("memory_efficiency_table"),

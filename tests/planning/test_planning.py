@@ -71,8 +71,9 @@ def test_a_collective_costs_its_latency_per_call_plus_bus_bytes_over_bandwidth()
                                                   "activation_rates": {"rmsnorm-swiglu": 5e8}}})
     assert by_ops.activation_seconds(1e9, "rmsnorm-swiglu") == pytest.approx(2.0)
     assert by_ops.activation_seconds(1e9, "layernorm-gelu") == pytest.approx(2.5)
-    with pytest.raises(ValueError, match="device.activation_rates.x=0"):
-        machine_from_dict({**TOY, "device": {**TOY["device"], "activation_rates": {"x": 0}}})
+    with pytest.raises(ValueError, match="device.activation_rates.rmsnorm-swiglu=0"):
+        machine_from_dict({**TOY, "device": {**TOY["device"],
+                                             "activation_rates": {"rmsnorm-swiglu": 0}}})
     assert m.optimizer_seconds(1e9, 10) == pytest.approx(2.0)            # read and write
     assert rated.optimizer_seconds(1e9, 10) == pytest.approx(0.5 + 0.01)
     assert rated.grad_norm_seconds(1e9) == 0.0                          # not calibrated
@@ -263,6 +264,12 @@ def test_shipped_machines_load_and_name_their_sources():
      "\"all_reduce@4\"), kind one of all_reduce, all_gather, reduce_scatter, all_to_all, "
      "send; did you mean 'all_reduce@4'?"),
     (dict(device=[1e9]), "device is a JSON list, not an object"),
+    (dict(device={**TOY["device"], "flops": {"bfloat_16": 1e12}}),
+     "unknown key 'bfloat_16' in device.flops; did you mean 'bfloat16'?"),
+    (dict(device={**TOY["device"], "vector_flops": {"fp16": 1e12}}),
+     "unknown key 'fp16' in device.vector_flops; did you mean 'float16'?"),
+    (dict(device={**TOY["device"], "activation_rates": {"rmsnorm-swigl": 1e9}}),
+     "unknown key 'rmsnorm-swigl' in device.activation_rates; did you mean 'rmsnorm-swiglu'?"),
     (dict(device={**TOY["device"], "matmul_efficiency_table": 5}),
      "device.matmul_efficiency_table=5 must be [[size, efficiency], ...]"),
 ])
