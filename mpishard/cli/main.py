@@ -162,9 +162,20 @@ def _cmd_estimate(args) -> int:
     dp = p.dp or (p.dp_replicate * p.dp_shard if p.dp_shard else p.dp_replicate)
     strategies = [cfg.parallel.strategy] if args.config or args.strategy is not None else \
         list(STRATEGIES)
+    if len(strategies) > 1 and cfg.parallel.offload != "none":   # those that can offload it
+        can = [name for name in strategies if _offloads(name, cfg.parallel.offload)]
+        if can != strategies:
+            print(f"--offload {cfg.parallel.offload}: {', '.join(can)} only "
+                  f"({', '.join(n for n in strategies if n not in can)} cannot offload that)")
+        strategies = can
     budget = cfg.run.memory_budget
     from mpishard.cli.plan import machine_or_error, plan_backend
     machine = machine_or_error(args.machine) if getattr(args, "machine", None) else None
+    if machine is not None and cfg.parallel.offload != "none":
+        from mpishard.planning.offload import offload_untimed
+        if offload_untimed(machine):
+            raise ConfigError(f"--offload {cfg.parallel.offload}: {offload_untimed(machine)}; "
+                              f"or leave out --machine (the memory rows need none)")
     for strategy in strategies:
         cfg.parallel.strategy = strategy
         try:   # each plan consumes its model (layers are swapped for tensor-parallel ones)
@@ -180,6 +191,17 @@ def _cmd_estimate(args) -> int:
             print(f"  budget      {budget / 2**20:10.2f} MiB per rank: "
                   f"{'fits' if fits else 'does not fit'}")
     return 0
+
+
+def _offloads(strategy: str, offload: str) -> bool:
+    """Whether the registered ``strategy`` can offload ``offload``."""
+    from mpishard.parallel.offload import check_offload
+    from mpishard.parallel.strategy import strategy_entry
+    try:
+        check_offload(offload, strategy_entry(strategy).cls)
+    except ValueError:
+        return False
+    return True
 
 
 def _time_rows(recipe, layout, machine, plan) -> str:
@@ -403,7 +425,9 @@ def main(argv=None) -> int:
             print(f"mpishard: error: {err}", file=sys.stderr, flush=True)
         return 2
     except OutOfMemoryBudget as err:
-        print(f"mpishard: error on rank {_env_rank()}: {err}", file=sys.stderr, flush=True)
+        # one write: print's message and newline are two, and ranks' lines ran together
+        sys.stderr.write(f"mpishard: error on rank {_env_rank()}: {err}\n")
+        sys.stderr.flush()
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(2)

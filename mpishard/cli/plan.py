@@ -61,13 +61,16 @@ _MATCHED = {"strategy": lambda lay: lay.strategy, "dp": lambda lay: lay.dp,
             "virtual_stages": lambda lay: lay.virtual_stages}
 #: the layout keys every candidate takes as given (recomputation, schedule, splits)
 _SET = ("activation_checkpointing", "pipeline_schedule", "sequence_parallel", "cp_mode")
+#: kept as given by :func:`plan_config` itself: ``none`` proposes no offload, another
+#: value offloads every layout that can
+_OFFLOAD = ("offload",)
 
 
 def kept_as_given(cfg, given) -> dict:
     """The layout keys of ``given`` (the flat keys a user's flags and TOML file gave) and
     their values in ``cfg``, which a search keeps (dp or dp_shard 0: inferred, not kept)."""
     kept = {}
-    for key in (*_MATCHED, *_SET):
+    for key in (*_MATCHED, *_SET, *_OFFLOAD):
         if key in given:
             value = getattr(cfg.model if key == "activation_checkpointing" else cfg.parallel,
                             key)
@@ -112,6 +115,7 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
     (:func:`kept_as_given`)."""
     from mpishard.config.sections import ConfigError
     from mpishard.recipes import recipe_for
+    from mpishard.planning.offload import offload_untimed
     from mpishard.planning.search import candidate_layouts, rank_layouts
 
     machine = machine_or_error(machine)
@@ -144,9 +148,14 @@ def plan_config(cfg, ranks: int, machine, ranks_per_node=None, global_batch=None
             raise ConfigError(f"no layout of {ranks} ranks (global batch {batch}) has "
                               f"{describe_kept(kept)}; leave out one of those, or pass sizes "
                               f"that fit the ranks together")
-    offloads = ("optimizer", "params") if machine.host_link is not None else ()
-    if cfg.parallel.offload != "none":         # asked for: every layout that can
-        layouts = [lay for lay in (_with_offload(lay, cfg.parallel.offload) for lay in layouts)
+    asked = kept.get("offload", cfg.parallel.offload)
+    untimed = offload_untimed(machine)
+    offloads = ("optimizer", "params") if machine.host_link is not None and not untimed \
+        and "offload" not in kept else ()
+    if asked != "none":                     # asked for: every layout that can
+        if untimed:
+            raise ConfigError(f"--offload {asked}: {untimed}; or leave out --offload")
+        layouts = [lay for lay in (_with_offload(lay, asked) for lay in layouts)
                    if lay is not None]
         offloads = ()
 
@@ -234,6 +243,8 @@ def apply_auto_layout(cfg, world_size: int, given=()) -> str:
     budget = cfg.run.memory_budget or None
     layout_keys = kept_as_given(cfg, given)
     kept, replaced = (layout_keys, {}) if p.layout == "auto" else ({}, layout_keys)
+    if "offload" in replaced:
+        p.offload = "none"           # proposed again where nothing else fits
     ranked, _, n, machine, _ = plan_config(cfg, world_size, p.machine, None, batch, None,
                                            kept, None, budget)
     if not ranked:
@@ -282,6 +293,7 @@ def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict,
     rank: what would make one fit. The search already tried one sequence per
     micro-batch, recomputation and, on a machine with a host link, offload; a smaller
     global batch gives no smaller micro-batch."""
+    from mpishard.planning.offload import offload_untimed
     helps = ["more ranks"]
     if budget:
         helps.append("a larger --memory-budget")
@@ -291,11 +303,12 @@ def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict,
     tried = ""
     if asked == "optimizer":
         helps.append("--offload params (ZeRO-3)")
-    elif asked == "none" and machine.host_link is not None:
+    elif asked == "none" and "offload" not in kept and machine.host_link is not None \
+            and not offload_untimed(machine):
         tried = " (optimizer and parameter offload were tried)"
-    elif asked == "none" and machine.kind == "cpu":
+    elif asked == "none" and "offload" not in kept and machine.kind == "cpu":
         helps.append("--offload optimizer (or params)")
-    elif asked == "none":
+    elif asked == "none" and "offload" not in kept:
         helps.append("a host_link in the machine description, to try offload")
     ways = " or ".join(helps) if len(helps) == 2 else \
         f"{', '.join(helps[:-1])}, or {helps[-1]}"

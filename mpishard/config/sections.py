@@ -82,7 +82,7 @@ class ParallelConfig:
                        estimate=True)
     layout: str = opt("", "auto: train the layout mpishard plan predicts fastest for these "
                       "ranks on --machine (it sets dp, tp, pp, cp, strategy, batch size, "
-                      "micro-steps and checkpointing, but keeps those of them given as "
+                      "micro-steps, checkpointing and offload, but keeps those of them given as "
                       "flags or in the config file; the global batch stays); auto-all: "
                       "sets them all, replacing any given", choices=("", "auto", "auto-all"))
     machine: str = opt("cpu-2core", "machine description --layout auto plans for (a JSON "

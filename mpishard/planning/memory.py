@@ -26,6 +26,7 @@ from mpishard.core.dtypes import resolve_dtype
 from mpishard.models import spec_of
 from mpishard.nn.sharding import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
 from mpishard.parallel.context.attention import ring_kv_bytes
+from mpishard.parallel.offload import check_offload
 from mpishard.parallel.precision import Precision
 from mpishard.parallel.plans import matching_modules
 from mpishard.parallel.strategy import Sharded, strategy_entry
@@ -189,6 +190,7 @@ def estimate_memory(model, strategy: str, dp_size: int, optimizer: str = "adamw"
             memory move to :attr:`MemoryEstimate.host` (see [Note: offload plan]).
     """
     entry = strategy_entry(strategy)
+    offload = check_offload(offload, entry.cls) or "none"   # what the strategy would refuse
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(OPTIMIZER_STATES)}")
     if dp_size < 1:

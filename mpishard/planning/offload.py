@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["HostTraffic", "place_offload", "offload_seconds"]
+__all__ = ["HostTraffic", "place_offload", "offload_seconds", "offload_untimed"]
 
 
 @dataclass(frozen=True)
@@ -98,25 +98,35 @@ def place_offload(plan, sizes, targets: int, grad_itemsize: int, grad_copies: in
     return plan
 
 
+def offload_untimed(machine) -> str | None:
+    """Why ``machine`` cannot time offload (a GPU description without ``host_link`` or
+    ``host_memory_bandwidth``), else ``None``."""
+    if machine.kind == "cpu" or (machine.host_link is not None
+                                 and machine.host_memory_bandwidth is not None):
+        return None
+    return (f"machine {machine.name!r} has no host_link or host_memory_bandwidth to time "
+            f"offload with; add both to its description (e.g. PCIe Gen5 x16: bandwidth "
+            f"5.28e10, latency_s 1e-5)")
+
+
 def offload_seconds(traffic: HostTraffic | None, machine, ranks_on_node: int) -> dict:
     """``{"offload copies": s, "host optimizer": s}`` of one step with ``traffic`` on
     ``machine`` (``{}`` without offload), ``ranks_on_node`` ranks sharing a node's host
     memory. A CPU's "device" is host memory: its copies stream at its memory bandwidth.
 
     Raises:
-        ValueError: a GPU description without ``host_link`` or ``host_memory_bandwidth``.
+        ValueError: a machine that cannot time offload (:func:`offload_untimed`).
     """
     if traffic is None:
         return {}
     link, memory = machine.host_link, machine.host_memory_bandwidth
+    why = offload_untimed(machine)
+    if why:
+        raise ValueError(why)
     if machine.kind == "cpu":
         stream = machine.memory_bandwidth * machine.elementwise_efficiency
         copy_s = 2 * (traffic.to_host + traffic.to_device) / stream   # a read and a write
         memory = memory or machine.memory_bandwidth
-    elif link is None or memory is None:
-        raise ValueError(f"machine {machine.name!r} has no host_link or host_memory_bandwidth "
-                         f"to time offload with; add both to its description (e.g. PCIe Gen5 "
-                         f"x16: bandwidth 5.28e10, latency_s 1e-5)")
     else:
         copy_s = link.seconds(traffic.to_host + traffic.to_device, traffic.copies)
     share = max(1, math.ceil(ranks_on_node))

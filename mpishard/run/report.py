@@ -40,13 +40,13 @@ def describe_plan(trainer) -> str:
              + (", sequence parallel" if p.sequence_parallel and mesh.tp.size > 1 else ""),
              trainer.plan.format()]
     if p.offload != "none":       # the plan above puts them there (its host rows)
-        lines.append("offload: float32 masters and optimizer state in host memory, updated "
-                     "there" + (", parameter shards too, copied in for each gather"
+        lines.append(f"offload: {cfg.model.dtype} masters and optimizer state in host "
+                     f"memory, updated there" + (", parameter shards too, copied in for each gather"
                                 if p.offload == "params" else "")
                      + " (the plan's host rows; its device rows and the budget leave them out)")
     budget = cfg.run.memory_budget
     if budget:
-        verdict = "fits" if trainer.plan.total_peak_bytes <= budget else "DOES NOT FIT"
+        verdict = "fits" if trainer.plan.total_peak_bytes <= budget else "does not fit"
         lines.append(f"  budget    {budget / 2**20:10.2f} MiB per rank: {verdict}")
     if reports is not None:
         cpu_only = all(r["device"].endswith("/cpu") for r in reports)   # Backend.describe()

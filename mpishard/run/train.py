@@ -20,6 +20,7 @@ import numpy as np
 
 from mpishard.core.agree import agree, rebuild_same_type
 from mpishard.core.backend import Backend
+from mpishard.core.parse import format_bytes
 from mpishard.checkpoint import (INTERRUPT_TOO, BackgroundSaver, CheckpointError, StopSignals,
                                  load_checkpoint, load_module_rng_states, load_newest_valid,
                                  module_rng_states, save_checkpoint)
@@ -357,6 +358,16 @@ def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")
     trainer.log.info(describe_plan(trainer))
+    budget, plan = cfg.run.memory_budget, trainer.plan
+    if budget and plan.total_peak_bytes > budget and not cfg.run.dry_run:
+        trainer.log.close()         # the ledger would catch model state only, not activations
+        raise ConfigError(
+            f"the plan above needs {format_bytes(plan.total_peak_bytes)} per rank "
+            f"(model state {format_bytes(plan.busiest.memory.model_state_bytes)}), over "
+            f"--memory-budget {format_bytes(budget)}; use a sharding strategy that keeps "
+            f"less (e.g. --strategy zero3), more ranks, a smaller --batch-size, "
+            f"--activation-checkpointing full, or a larger budget (mpishard plan "
+            f"--memory-budget ranks the layouts that fit)")
     if cfg.run.dry_run:
         trainer.log.info("dry run: nothing was trained")
         trainer.log.close()

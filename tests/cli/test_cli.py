@@ -95,6 +95,30 @@ def test_estimate_prints_every_strategy():
         assert name in out.stdout
 
 
+def test_estimate_with_parameter_offload_prints_the_strategies_that_can():
+    out = mpishard("estimate", "--dp", "2", "--n-layer", "2", "--n-embd", "32", "--offload",
+                   "params")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("--offload params: zero3 only (ddp, zero1, zero2 cannot "
+                                 "offload that)\nzero3 on dp=2")
+    assert "ddp on" not in out.stdout
+
+
+def test_offload_on_a_gpu_without_a_host_link_is_one_line(tmp_path):
+    machine = json.loads((Path(__file__).parents[2] / "mpishard/machines/h100-sxm.json")
+                         .read_text())
+    del machine["host_link"], machine["host_memory_bandwidth"]
+    path = tmp_path / "nolink.json"
+    path.write_text(json.dumps({**machine, "name": "nolink"}))
+    for command in (["plan", "--preset", "llama3.1-8b", "--ranks", "1"],
+                    ["estimate", "--preset", "llama3.1-8b", "--strategy", "zero1"]):
+        out = mpishard(*command, "--machine", path, "--offload", "optimizer")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith("mpishard: error: --offload optimizer: machine 'nolink' "
+                                     "has no host_link or host_memory_bandwidth")
+        assert len(out.stderr.splitlines()) == 1
+
+
 def test_dry_run_under_mpiexec_prints_the_plan():
     out = mpishard("train", *FAST, "--dry-run", n=4)
     assert out.returncode == 0, out.stderr

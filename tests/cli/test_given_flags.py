@@ -85,6 +85,39 @@ def test_layout_auto_fits_the_memory_budget_and_keeps_or_replaces_given_keys(kee
     assert "fits 10.0 KiB (--memory-budget) per rank" in capsys.readouterr().err
 
 
+def test_a_given_offload_is_kept_by_layout_auto_and_replaced_by_auto_all(keep_hooks):
+    """``--offload none`` under ``--layout auto`` proposes no offload where only an
+    offloaded layout fits (it was overridden without a word); ``auto-all`` replaces it."""
+    from mpishard.config.sections import ConfigError, load_config
+    from mpishard.cli.plan import apply_auto_layout
+
+    flags = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 16, "batch_size": 1,
+             "machine": "h100-sxm", "memory_budget": 500 << 10}
+    cfg = load_config(None, {**flags, "layout": "auto"})
+    assert "offload optimizer" in apply_auto_layout(cfg, 2)    # only offloaded layouts fit
+    given = set()
+    cfg = load_config(None, {**flags, "layout": "auto", "offload": "none"}, None, given)
+    with pytest.raises(ConfigError, match="leaving out offload=none"):
+        apply_auto_layout(cfg, 2, given)
+    given = set()
+    cfg = load_config(None, {**flags, "layout": "auto-all", "offload": "none"}, None, given)
+    line = apply_auto_layout(cfg, 2, given)
+    assert cfg.parallel.offload == "optimizer" and "(replacing the given offload=none)" in line
+
+
+def test_a_run_whose_plan_is_over_its_memory_budget_does_not_start(keep_hooks, capsys):
+    """The ledger refuses model state past ``--memory-budget``, not activations: a plan
+    over the budget is refused before step 1 (it printed "DOES NOT FIT" and trained)."""
+    assert main(["train", *TINY, "--steps", "2", "--memory-budget", "500KiB"]) == 2
+    captured = capsys.readouterr()
+    assert "  budget          0.49 MiB per rank: does not fit" in captured.out
+    assert "step 1/2" not in captured.out
+    assert captured.err.startswith("mpishard: error: the plan above needs ")
+    assert "over --memory-budget 500.0 KiB; use a sharding strategy" in captured.err
+    assert main(["train", *TINY, "--steps", "2", "--memory-budget", "500KiB",
+                 "--dry-run", "true"]) == 0
+
+
 def test_plan_and_layout_auto_take_the_mlp(keep_hooks, capsys):
     assert main(["plan", "--model", "mlp", "--ranks", "2", "--top", "1"]) == 0
     assert "ddp" in capsys.readouterr().out

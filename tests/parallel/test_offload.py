@@ -247,6 +247,17 @@ def test_device_bytes_fall_on_the_strict_module(kind, precision):
         assert np.isfinite(to_numpy(value)).all(), name
 
 
+@pytest.mark.parametrize("precision", [None, "bfloat16"])
+def test_ddp_offload_builds_within_its_model_state(precision):
+    """Building DDP with offload never holds more device bytes than its model state
+    afterwards, the plan's device rows: a budget of those bytes is enough (the gradient
+    buffer came before the materialised parameters were released: 1.5x in float32)."""
+    strategy = build("ddp", Communicator(MPI.COMM_SELF), "optimizer", dtype="float32",
+                     precision=precision)
+    ledger = strategy.ledger
+    assert ledger.peak_total == ledger.total == sum(ledger.bytes_by_category().values())
+
+
 def test_bad_offload_values_and_strategies_are_refused_with_the_fix():
     comm = Communicator(MPI.COMM_SELF)
     with pytest.raises(ValueError, match=r"offload='cpu' is not one of none, optimizer, "

@@ -80,3 +80,10 @@ def test_an_offload_it_cannot_do_is_one_line():
     assert out.returncode != 0
     assert "offload = 'disk' is not one of none, optimizer, params" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_offload_line_names_the_masters_dtype():
+    out = mpishard("train", *FAST, "--steps", "1", "--offload", "optimizer", "--dtype",
+                   "float64", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "offload: float64 masters and optimizer state in host memory" in out.stdout

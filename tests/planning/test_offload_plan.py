@@ -113,6 +113,17 @@ def test_a_reduce_dtype_needs_a_16_bit_precision():
     assert Layout(precision="float16", reduce_dtype="float16").policy.loss_scale == "dynamic"
 
 
+def test_estimate_memory_refuses_an_offload_the_strategy_would():
+    """What DataParallel and ZeRO refuse, the plan refuses too (it planned DDP's
+    parameters in host memory, and an unknown value as optimizer offload)."""
+    model = GPT(CONFIG, materialize_now=False)
+    with pytest.raises(ValueError, match="DataParallel cannot offload its parameters"):
+        estimate_memory(model, "ddp", 2, offload="params")
+    with pytest.raises(ValueError, match="offload='bogus' is not one of none, optimizer"):
+        estimate_memory(model, "zero1", 2, offload="bogus")
+    assert estimate_memory(model, "zero3", 2, offload="params").host["params"] > 0
+
+
 def test_offload_moves_the_state_the_docs_table_says():
     """Per parameter on one rank, bfloat16 (docs/offload.md's table): DDP 18 -> 6 bytes
     on the device and 16 on the host; ZeRO-3 with ``params`` 0 on the device (the

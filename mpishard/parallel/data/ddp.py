@@ -184,7 +184,6 @@ class DataParallel(Strategy):
             master = host_zeros(ledger, "params", n, self.master_dtype, "ddp host masters", xp)
         else:
             master = ledger.zeros("params", (n,), self.master_dtype, "ddp masters", xp=xp)
-        grads = ledger.zeros("grads", (n,), self.reduce_dtype, "ddp buckets", xp=xp)
         names = {id(p): name for name, p in self.module.named_parameters()}
         decay = []
         for p, offset, view in zip(ordered, layout.offsets, layout.views(compute)):
@@ -200,6 +199,8 @@ class DataParallel(Strategy):
                     decay[-1] = (decay[-1][0], lo + b)
                 else:
                     decay.append((lo + a, lo + b))
+        # after the materialised arrays are released: a device peak of the plan's bytes
+        grads = ledger.zeros("grads", (n,), self.reduce_dtype, "ddp buckets", xp=xp)
         target = self.masters.add(master, compute, tuple(decay), "ddp masters")
         self._master_of = {id(p): target for p in ordered}
         flats, start = [], 0
