@@ -409,11 +409,12 @@ def main(argv=None) -> int:
     from mpishard.core.backend import BackendUnavailable, OutOfMemoryBudget
     from mpishard.checkpoint import CheckpointError
     from mpishard.comm import LauncherMismatch, install_abort_hook
+    from mpishard.comm.env import SettingError
     from mpishard.config.sections import ConfigError
     from mpishard.data.corpus import DataError
 
     agreed_errors = (ConfigError, DataError, LauncherMismatch, BackendUnavailable,
-                     CheckpointError)
+                     CheckpointError, SettingError)     # the launcher gives every rank one env
     install_abort_hook()
     try:
         return int(args.func(args) or 0)

@@ -26,6 +26,7 @@ they share one watchdog and their call histories are printed together.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -359,6 +360,8 @@ class Watchdog:
         return True
 
     def _abort(self, error: CollectiveTimeout) -> None:
+        # a run that ends within the grace still aborts, as it leaves (it exited 0)
+        atexit.register(MPI.COMM_WORLD.Abort, TIMEOUT_EXIT_CODE)
         time.sleep(self.grace)
         MPI.COMM_WORLD.Abort(TIMEOUT_EXIT_CODE)
 

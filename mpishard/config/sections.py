@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -278,6 +279,8 @@ def _check(key: Key, value, family: str) -> None:
     own = m["families"].get(family)
     if own is not None:
         m = dict(choices=own.choices, low=own.low, above=own.above, high=own.high)
+    if isinstance(value, float) and not math.isfinite(value):   # no bound catches nan
+        raise ConfigError(f"{label}: must be a finite number")
     choices = m["choices"]() if callable(m["choices"]) else m["choices"]
     if choices is not None and value not in choices:
         raise ConfigError(f"{label} is not one of {', '.join(choices)}")
@@ -405,7 +408,24 @@ def load_config(path: str | Path | None, overrides: dict | None = None,
                           f"would raise the rate; use --min-lr {o.lr:g} or less")
     _check_read(values, cfg.model)
     notes.extend(check_supported(cfg))
+    notes.extend(_unused(values, cfg))
     return cfg
+
+
+def _unused(given: dict, cfg) -> list:
+    """Notes for given keys the run has no use for (never carried silently); under
+    ``--layout auto`` the layout keys are the plan's to use."""
+    p, run, notes = cfg.parallel, cfg.run, []
+    if not p.layout and given.get("sequence_parallel") and p.tp == 1:
+        notes.append("sequence_parallel = true does nothing with tp = 1: it splits the "
+                     "norms' rows over the tensor-parallel ranks")
+    if not p.layout and "cp_mode" in given and p.cp == 1:
+        notes.append(f"cp_mode = {p.cp_mode!r} does nothing with cp = 1: it is how "
+                     f"context-parallel ranks share attention")
+    if given.get("checkpoint_interval") and not run.checkpoint_dir:
+        notes.append(f"checkpoint_interval = {run.checkpoint_interval} saves nothing "
+                     f"without checkpoint_dir; add --checkpoint-dir DIR to keep checkpoints")
+    return notes
 
 
 def _check_read(given: dict, model) -> None:

@@ -70,11 +70,13 @@ def device_fused_attention(head_size: int, dropout: bool) -> bool:
 
 def check_settings() -> None:
     """Raise now (ValueError, or RuntimeError when MKL is asked for and does not load)
-    for a bad ``MPISHARD_KERNELS``, ``MPISHARD_ATTENTION`` or ``MPISHARD_BLAS``, rather
-    than at the first op that reads it."""
+    for a bad ``MPISHARD_KERNELS``, ``MPISHARD_ATTENTION``, ``MPISHARD_THREADS`` or
+    ``MPISHARD_BLAS``, rather than at the first op that reads it."""
     from mpishard.kernels.cpu.blas import blas_choice, mkl_library
+    from mpishard.kernels.cpu.threads import thread_count
     kernel_choice()
     attention_choice()
+    thread_count()
     if blas_choice() == "mkl":
         mkl_library()
 

@@ -248,6 +248,10 @@ def check_moe_fields(config) -> None:
     if config.moe_every < 1 or config.moe_capacity < 0:
         raise ValueError(f"{name}: moe_every={config.moe_every} must be >= 1 and "
                          f"moe_capacity={config.moe_capacity} >= 0 (0: dropless)")
+    if config.moe_experts and config.moe_every > config.n_layer:
+        raise ValueError(f"{name}: moe_every={config.moe_every} is above n_layer="
+                         f"{config.n_layer}, so no block would have experts; use moe_every "
+                         f"<= {config.n_layer}, or moe_experts=0 for a dense model")
     if config.moe_router not in ("softmax", "sigmoid"):
         raise ValueError(f"{name}: moe_router={config.moe_router!r} is not 'softmax' or "
                          f"'sigmoid'")

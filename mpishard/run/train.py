@@ -385,8 +385,9 @@ def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     summary = trainer.fit()
     finished = not (summary["stopped"] or summary["diverged"])
     if finished and cfg.run.sample_tokens and trainer.recipe.can_sample:
-        if trainer.mesh.tp.size > 1 or trainer.mesh.pp.size > 1:
-            trainer.log.info("sample skipped: sampling during training needs tp=1 pp=1 "
+        mesh = trainer.mesh
+        if mesh.tp.size > 1 or mesh.pp.size > 1 or mesh.cp.size > 1:
+            trainer.log.info("sample skipped: sampling during training needs tp=1 pp=1 cp=1 "
                              "(mpishard sample works on a checkpoint of any layout)")
         else:
             text = trainer.recipe.sample(trainer.strategy.module, cfg.run.sample_prompt,

@@ -15,6 +15,9 @@ import pytest
 from mpi4py import MPI
 
 from mpishard.comm import Communicator, LauncherMismatch, check_launcher
+from mpishard.comm.env import SettingError
+
+from ckpt_scripts.common import run_mpishard
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,6 +92,15 @@ def test_watchdog_ends_a_job_where_one_rank_skipped_a_collective():
     assert "finished (should not happen)" not in out
 
 
+def test_a_timeout_in_a_job_that_then_finishes_still_exits_124():
+    """The watchdog waits a grace before it aborts; a job that ended within it exited 0
+    after printing the timeout."""
+    rc, out, _ = launch("late_collective.py", python_args=["-m", "mpi4py"],
+                        env={"MPISHARD_TIMEOUT": "0.2"})
+    assert "[mpishard rank 0/2] CollectiveTimeout: barrier #2" in out, out
+    assert rc == 124 or (rc != 0 and MPI.get_vendor()[0] == "Open MPI"), (rc, out)
+
+
 # -- entry-point helpers (no subprocess) ----------------------------------------
 class FakeWorld:
     size = 1
@@ -130,12 +142,29 @@ def test_from_env_reads_the_mpishard_variables():
     ({"MPISHARD_DEBUG": "maybe"}, r"MPISHARD_DEBUG='maybe' is not a flag"),
     ({"MPISHARD_TIMEOUT": "ten"}, r"MPISHARD_TIMEOUT='ten' is not a number of seconds"),
     ({"MPISHARD_TIMEOUT": "-5"}, r"MPISHARD_TIMEOUT='-5' is not a number of seconds >= 0"),
+    ({"MPISHARD_TIMEOUT": "nan"}, r"MPISHARD_TIMEOUT='nan' is not a number of seconds"),
+    ({"MPISHARD_TIMEOUT": "inf"}, r"MPISHARD_TIMEOUT='inf' is not a number of seconds"),
     ({"MPISHARD_CUDA_AWARE": "2"}, r"MPISHARD_CUDA_AWARE='2' is not a flag"),
-    ({"MPISHARD_COMM_BACKEND": "gloo"}, r"unknown comm_backend 'gloo'"),
+    ({"MPISHARD_COMM_BACKEND": "gloo"},
+     r"MPISHARD_COMM_BACKEND='gloo' is not one of mpi, nccl, auto; use e.g."),
 ])
 def test_from_env_rejects_bad_values(environ, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SettingError, match=match):
         Communicator.from_env(MPI.COMM_SELF, environ=environ)
+
+
+@pytest.mark.parametrize("variable,value", [("MPISHARD_TIMEOUT", "abc"),
+                                            ("MPISHARD_COMM_BACKEND", "bogus"),
+                                            ("MPISHARD_THREADS", "0")])
+def test_a_bad_variable_is_one_line_and_status_2(variable, value):
+    """Under mpiexec too: it was a traceback on every rank and status 1, which
+    ``mpishard supervise`` restarts as if the job had crashed."""
+    out = run_mpishard("train", "--n-layer", "1", "--n-embd", "16", "--steps", "1",
+                       "--max-bytes", "20000", "--progress", "false", n=2,
+                       env={variable: value})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"mpishard: error: {variable}={value!r} ")
+    assert len(out.stderr.splitlines()) == 1
 
 
 def test_constructor_checks():

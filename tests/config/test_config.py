@@ -81,3 +81,22 @@ def test_help_groups_flags_by_section_with_meaning_and_default():
     flags = {a.option_strings[0] for a in estimate._actions if a.option_strings}
     assert {"--strategy", "--tp", "--n-layer", "--precision", "--reduce-dtype"} <= flags
     assert not {"--lr", "--seed", "--metrics", "--steps"} & flags
+
+
+def test_given_keys_the_run_has_no_use_for_are_noted():
+    """Each was carried silently: sequence parallelism with tp 1, a cp mode with cp 1, a
+    checkpoint interval with no folder to save in."""
+    notes = []
+    load_config(None, {"sequence_parallel": True, "cp_mode": "all-to-all",
+                       "checkpoint_interval": 5}, notes)
+    assert notes == [
+        "sequence_parallel = true does nothing with tp = 1: it splits the norms' rows over "
+        "the tensor-parallel ranks",
+        "cp_mode = 'all-to-all' does nothing with cp = 1: it is how context-parallel ranks "
+        "share attention",
+        "checkpoint_interval = 5 saves nothing without checkpoint_dir; add --checkpoint-dir "
+        "DIR to keep checkpoints"]
+    notes = []
+    load_config(None, {"sequence_parallel": True, "tp": 2, "checkpoint_interval": 5,
+                       "checkpoint_dir": "ck"}, notes)
+    assert notes == []

@@ -61,6 +61,12 @@ CASES = {  # id: (flags, what the one line says)
     "moe-router-dense": ([*GPT, "--moe-router", "sigmoid"], "--moe-router sets up a mixture"),
     "preset-family": (["--preset", "gpt2", "--model", "llama"],
                       "preset = 'gpt2' is a gpt shape, but model = 'llama'"),
+    "lr-nan": ([*GPT, "--lr", "nan"], "lr = nan: must be a finite number"),
+    "grad-clip-nan": ([*GPT, "--grad-clip", "nan"], "grad_clip = nan: must be a finite number"),
+    "lr-inf": ([*GPT, "--lr", "inf"], "lr = inf: must be a finite number"),
+    "moe-every-above-layers": ([*MOE, "--moe-every", "3", "--n-layer", "2"],
+                               "moe_every=3 is above n_layer=2, so no block would have "
+                               "experts; use moe_every <= 2"),
     "min-lr-above-lr": ([*GPT, "--lr", "0.001", "--min-lr", "0.01"],
                         "min_lr = 0.01 is above lr = 0.001: the cosine decay would raise the "
                         "rate; use --min-lr 0.001 or less"),

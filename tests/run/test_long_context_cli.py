@@ -75,3 +75,13 @@ def test_a_split_that_cannot_work_is_refused_on_every_rank(flags, message):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.count(message) >= 1, out.stderr
     assert "Traceback" not in out.stderr and "Abort" not in out.stderr
+
+
+def test_sampling_after_a_context_parallel_run_is_skipped_not_a_crash():
+    """``--sample-tokens`` with cp 2 trained, then raised on every rank (a prompt does not
+    split into 2 x cp chunks); it is skipped as under tp and pp."""
+    out = mpishard("train", *RUN[:-4], "--steps", "1", "--cp", "2", "--sample-tokens", "8",
+                   n=2, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sample skipped: sampling during training needs tp=1 pp=1 cp=1" in out.stdout
+    assert "val loss" in out.stdout and "Traceback" not in out.stderr

@@ -60,7 +60,7 @@ def thread_count() -> int:
         raise ValueError(f"MPISHARD_THREADS={value!r} is not a thread count; set it to a "
                          f"positive integer, e.g. MPISHARD_THREADS=2") from None
     if n < 1:
-        raise ValueError(f"MPISHARD_THREADS={value!r} must be >= 1")
+        raise ValueError(f"MPISHARD_THREADS={value!r} must be >= 1; use e.g. MPISHARD_THREADS=2")
     return n
 
 
