@@ -288,9 +288,12 @@ class _Validator:
                 self.schema("files", "names like 'rank-3.safetensors'", name)
             entry = self.obj(entry, f"files[{name!r}]")
             rank = self.integer(entry.get("rank"), f"files[{name!r}].rank")
-            if rank != int(match.group(1)) or rank >= world_size:
-                self.schema(f"files[{name!r}].rank", f"{match.group(1)} (< world_size "
-                            f"{world_size})", rank)
+            if rank != int(match.group(1)):
+                self.schema(f"files[{name!r}].rank", f"{match.group(1)} (the file's rank)",
+                            rank)
+            if rank >= world_size:
+                self.schema(f"files[{name!r}].rank", f"a rank below world_size {world_size}",
+                            rank)
             size = self.integer(entry.get("bytes"), f"files[{name!r}].bytes", 8)
             digest = entry.get("sha256")
             if not isinstance(digest, str) or not _SHA_RE.fullmatch(digest):

@@ -326,8 +326,9 @@ class SafetensorsWriter:
                     if offset == 0 and err.errno == errno.EINVAL:
                         return 0                # alignment this file system refuses
                     raise
-                if n != len(part):
-                    raise OSError(f"{self._tmp}: wrote {n} of {len(part)} bytes")
+                if n != len(part):      # what a full disk (or a quota) does to a write
+                    raise OSError(errno.ENOSPC, f"No space left on device (wrote {n} of "
+                                  f"{len(part)} bytes)", str(self._tmp))
                 if self._digest is not None:
                     self._digest.update(part)
         finally:

@@ -1,6 +1,7 @@
 """Output paths a user names: why nothing could be written there, said before any work."""
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 __all__ = ["why_unwritable"]
@@ -18,4 +19,22 @@ def why_unwritable(path, folder: bool, example: str = "") -> str | None:
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         return f"lies under {blocker}, a file, so nothing can be written there; pass another path"
-    return None
+    return _write_refused(path, folder)
+
+
+def _write_refused(path: Path, folder: bool) -> str | None:
+    """Why a write at ``path`` fails (a read-only file system, no permission, a folder that
+    takes no new entries), tried with a scratch file where the first write would go: in
+    the folder, or in the nearest folder above that exists; ``None`` where it succeeds."""
+    where = path if not folder and path.is_file() else \
+        next(p for p in (path, *path.parents) if p.is_dir())
+    try:
+        if where == path and not folder:
+            with open(path, "ab"):          # appends nothing: the file is left as it was
+                return None
+        with tempfile.TemporaryFile(dir=where, prefix=".mpishard-write-test-"):
+            return None
+    except OSError as err:
+        place = f"to {where}" if where == path and not folder else f"in {where}"
+        return (f"cannot be written: writing {place} fails ({err.strerror or err}); pass "
+                f"a path you can write to")

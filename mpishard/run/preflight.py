@@ -152,11 +152,15 @@ _FOLLOWED = (("optim", ("optimizer", "steps", "lr", "min_lr", "warmup_steps", "w
 
 
 def _changed_settings(before, cfg) -> list:
-    """A note naming the optimizer, schedule and data settings that differ from the
+    """A note naming the optimizer, schedule and data settings, and the [model] settings
+    that shape no parameter (dtype, dropout, the router's), that differ from the
     checkpoint's run (the resumed run follows the new ones), or none."""
     flags = {(k.section, k.name): k.flag for k in KEYS.values()}
+    shaping = set(shaping_keys(cfg.model.name)) | {"preset"}
+    model = tuple(k.name for k in KEYS.values() if k.section == "model"
+                  and k.name not in shaping)
     changed = []
-    for section, keys in _FOLLOWED:
+    for section, keys in (("model", model), *_FOLLOWED):
         now, was = getattr(cfg, section), getattr(before, section)
         changed += [f"{flags[section, key]} {getattr(now, key)!r} (was {getattr(was, key)!r})"
                     for key in keys if getattr(now, key) != getattr(was, key)]

@@ -191,6 +191,15 @@ def test_file_names_cannot_leave_the_directory(ckpt):
     assert "../../etc/passwd" in err.detail
 
 
+def test_a_file_of_a_rank_beyond_the_world_size_says_so(ckpt):
+    """It read "expected 1 (< world_size 1), got 1", which contradicts itself."""
+    body = body_of(ckpt)
+    body["files"]["rank-1.safetensors"] = {**body["files"].pop(SHARD), "rank": 1}
+    reseal(ckpt, body)
+    err = check(ckpt, "manifest-schema", "manifest.json")
+    assert "expected a rank below world_size 1, got 1" in err.detail, err.detail
+
+
 def test_newer_format_version(ckpt):
     body = body_of(ckpt)
     body["format_version"] = 2

@@ -95,6 +95,23 @@ def test_direct_writes_fall_back_where_the_file_system_refuses_them(tmp_path, mo
     _check(path, writer, tensors)
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system")
+def test_a_short_direct_write_says_the_disk_is_full(tmp_path, monkeypatch):
+    """A full disk cuts a direct write short; it said only "wrote N of M bytes"."""
+    from mpishard.checkpoint import shards
+
+    real_open = os.open
+    monkeypatch.setattr(shards.os, "open",       # any file system: the flag is dropped
+                        lambda path, flags, *a: real_open(path, flags & ~os.O_DIRECT, *a))
+    monkeypatch.setattr(shards.os, "pwrite", lambda fd, data, offset: len(data) // 2)
+    data = b"".join(t.tobytes() for t in _tensors(np.random.default_rng(1)).values())
+    buffer = _aligned(len(data))
+    buffer[:] = np.frombuffer(data, np.uint8)
+    writer = SafetensorsWriter(tmp_path / "x.safetensors", SPECS, align=PAGE)
+    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device \(wrote "):
+        writer.write_all(buffer, direct=True)
+
+
 def test_write_all_refuses_the_wrong_number_of_bytes(tmp_path):
     writer = SafetensorsWriter(tmp_path / "x.safetensors", SPECS)
     with pytest.raises(ValueError, match="bytes after 0 tensors"):

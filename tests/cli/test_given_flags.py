@@ -219,6 +219,10 @@ def test_a_resume_names_the_settings_it_changes(tmp_path, keep_hooks, capsys):
     assert main(["train", *TINY, "--steps", "4", "--lr", "0.001", "--checkpoint-dir",
                  str(ckpt), "--resume", "true"]) == 0
     assert "--lr 0.001 (was" not in capsys.readouterr().out      # the same as the last run
+    assert main(["train", *TINY, "--steps", "5", "--lr", "0.001", "--checkpoint-dir",
+                 str(ckpt), "--resume", "true", "--dropout", "0.2", "--dtype", "float64"]) == 0
+    assert "note: resuming with --dtype 'float64' (was 'float32'), --dropout 0.2 (was 0.0), " \
+        "--steps 5 (was 4)" in capsys.readouterr().out      # they shape no parameter
 
 
 def test_sampling_a_byte_model_of_a_wider_vocabulary_needs_no_data(tmp_path, keep_hooks,

@@ -183,6 +183,12 @@ def test_files_that_cannot_be_read_or_written_are_refused_with_one_line(tmp_path
         (["--metrics", f"{a_file}/m.jsonl"], f"lies under {a_file}, a file, so nothing can "
                                              f"be written there"),
     ]
+    if Path("/proc/self").is_dir():     # a folder that takes no new entries (as root too)
+        cases += [(["--checkpoint-dir", "/proc/mpishard-ck"], "--checkpoint-dir "
+                   "/proc/mpishard-ck cannot be written: writing in /proc fails"),
+                  (["--metrics", "/proc/m.jsonl"], "--metrics /proc/m.jsonl cannot be "
+                   "written: writing in /proc fails"),
+                  (["--log-dir", "/proc/logs"], "--log-dir /proc/logs cannot be written")]
     for flags, message in cases:     # the paths: checked as the run starts (no dry run)
         dry = ["--dry-run", "true"] if flags[0] == "--config" else []
         status = main(["train", *GPT, *flags, "--steps", "1", *dry])
