@@ -110,9 +110,6 @@ def _cmd_supervise(args) -> int:
             raise ConfigError("mpishard supervise needs the job's command after --: "
                               "mpishard supervise -- mpiexec -n 4 python -m mpi4py -m "
                               "mpishard train ...")
-        if args.max_restarts < 0 or args.backoff < 0:
-            raise ConfigError(f"--max-restarts {args.max_restarts} and --backoff "
-                              f"{args.backoff:g} must not be negative")
         try:
             ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
         except ValueError:

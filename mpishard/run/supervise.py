@@ -37,6 +37,7 @@ command adds the first attempt's when it has none).
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -53,6 +54,8 @@ __all__ = ["Supervisor", "supervise", "train_args"]
 #: exit statuses a restart would not change
 FINAL = {0: "done", 2: "a usage or configuration error", 3: "the loss diverged",
          130: "Ctrl-C"}
+#: the longest wait before a restart, in seconds
+MAX_BACKOFF = 60.0
 
 _RANK_PREFIX = "[mpishard rank "
 #: Open MPI's launcher names the rank it saw end first
@@ -82,7 +85,7 @@ class Supervisor:
         cfg: the :class:`~mpishard.config.sections.TrainConfig` of its ``mpishard train``
             arguments (see :func:`train_args`).
         max_restarts: restarts after failures, at most.
-        backoff: seconds before the first restart (doubling, at most 60).
+        backoff: seconds before the first restart (doubling, at most ``MAX_BACKOFF``).
         ranks: ranks per attempt (``[4, 2]``); empty: the command as it is.
     """
 
@@ -95,6 +98,13 @@ class Supervisor:
     err = sys.stderr
 
     def __post_init__(self):
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts} must not be negative (0: "
+                              f"run the job once, never restart it)")
+        if not (math.isfinite(self.backoff) and self.backoff >= 0):
+            raise ConfigError(f"--backoff {self.backoff:g} is not a number of seconds; pass "
+                              f"0 or more, e.g. --backoff 5 (waits above {MAX_BACKOFF:g} s "
+                              f"are cut to {MAX_BACKOFF:g})")
         if self.ranks and not any("{ranks}" in token for token in self.command):
             raise ConfigError(f"--ranks {','.join(map(str, self.ranks))} needs {{ranks}} in the "
                               f"command, where the number of ranks goes (mpiexec -n {{ranks}})")
@@ -146,7 +156,11 @@ class Supervisor:
         """Run ``command`` to its end, passing its stderr through; ``(status, first rank
         that reported a failure or None)``."""
         first = [None]
-        self._job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+        try:
+            self._job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+        except OSError as err:         # not found, not executable: every attempt would fail
+            raise ConfigError(f"the job's command {command[0]!r} cannot be run ({err.strerror}); "
+                              f"give the launcher's full path or put it on PATH") from None
 
         def relay():
             for line in self._job.stderr:
@@ -179,7 +193,7 @@ class Supervisor:
         root = Path(self.cfg.run.checkpoint_dir)
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
         try:
-            attempt, wait = 0, self.backoff
+            attempt, wait = 0, min(MAX_BACKOFF, self.backoff)
             resume = self.cfg.run.resume or bool(self.cfg.run.resume_from)
             while True:
                 status, rank = self._run(self._attempt_command(attempt, resume))
@@ -202,7 +216,7 @@ class Supervisor:
                           f"{self.max_restarts} in {wait:g} s, "
                           + (f"resuming from {newest.name}" if resume else "from step 0"))
                 time.sleep(wait)
-                wait = min(60.0, wait * 2)
+                wait = min(MAX_BACKOFF, wait * 2)
                 if self._stopping:
                     return status
         finally:

@@ -217,3 +217,45 @@ def test_a_run_that_fails_before_its_first_checkpoint_restarts_from_step_0(
     first = [(r["step"], r["loss"]) for r in _records(tmp_path / "whole.jsonl") if "loss" in r]
     assert [(r["step"], r["loss"]) for r in records if "loss" in r] == first
 
+
+
+def _failing_job(folder):
+    """A command the supervisor takes for ``mpishard train`` that fails at once (status 9,
+    as MPICH's launcher after a killed rank): a restart is its next step."""
+    return [sys.executable, "-c", "raise SystemExit(9)", "mpishard", "train",
+            "--checkpoint-dir", str(Path(folder) / "ck")]
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--backoff", "nan"], "--backoff nan"), (["--backoff", "inf"], "--backoff inf"),
+    (["--backoff", "-1"], "--backoff -1"), (["--max-restarts", "-1"], "--max-restarts -1")])
+def test_a_restart_option_that_is_no_count_is_one_line_before_the_job_runs(tmp_path, options,
+                                                                          named):
+    """A wait that is not finite (it crashed the supervisor at the first restart) or a
+    negative count: status 2 and one line naming it, before the job is started."""
+    sup = _supervise(*options, folder=tmp_path, job=_failing_job(tmp_path))
+    out, err = sup.communicate(timeout=60)
+    assert sup.returncode == 2 and err.startswith(f"mpishard: error: {named} "), out + err
+    assert len(err.splitlines()) == 1 and "the job failed" not in out, out + err
+
+
+def test_a_launcher_that_cannot_be_run_is_one_line(tmp_path):
+    missing = tmp_path / "no-such-mpiexec"
+    sup = _supervise(folder=tmp_path, job=[str(missing), "-n", "2", *_failing_job(tmp_path)])
+    out, err = sup.communicate(timeout=60)
+    assert sup.returncode == 2 and err.startswith("mpishard: error:"), out + err
+    assert f"{str(missing)!r} cannot be run" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_backoff_above_the_longest_wait_waits_the_longest(tmp_path):
+    """--backoff 1e300 is finite but no wait time.sleep takes (it crashed the first
+    restart): the wait is cut to 60 s, the most any restart waits."""
+    sup = _supervise("--backoff", "1e300", folder=tmp_path, job=_failing_job(tmp_path))
+    try:
+        _wait(lambda: "restart 1 of 3" in sup.out.read_text(), timeout=60)
+        time.sleep(0.5)                  # a crash of the wait would follow the line
+        assert sup.proc.poll() is None, sup.err.read_text()
+        assert "restart 1 of 3 in 60 s, from step 0" in sup.out.read_text()
+    finally:
+        sup.proc.kill()
+        sup.proc.wait()
