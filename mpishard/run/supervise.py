@@ -13,7 +13,9 @@ waits for it. How the job ended decides what follows:
   (final); the supervisor's own SIGTERM or SIGUSR1 (Slurm's warning) is passed
   to the job as SIGUSR1 (which MPICH's and Open MPI's launchers pass on to the
   ranks; Open MPI's ends the job on SIGTERM), the job saves and stops, and that
-  is final too;
+  is final too; Ctrl-C reaches the job's launcher from the terminal itself (one
+  process group), so the supervisor passes nothing on (a second SIGINT would stop
+  the ranks without their save): it waits for the job to stop and exits 130;
 * anything else (a rank killed, a node lost, an abort): restart, after
   ``backoff`` seconds (doubling each time, at most 60), up to
   ``max_restarts`` times. The restarted command continues the run
@@ -116,7 +118,8 @@ class Supervisor:
                               "checkpoint_dir): without checkpoints every restart would "
                               "start again from step 0")
         self._job = None
-        self._stopping = None
+        self._stopping = None           # the name of the signal that stops the supervisor
+        self._stopped = threading.Event()       # set with it: ends a wait before a restart
 
     # -- one attempt ---------------------------------------------------------------
     def _attempt_command(self, attempt: int, resume: bool) -> list:
@@ -181,8 +184,14 @@ class Supervisor:
 
     def _forward(self, signum, frame) -> None:
         self._stopping = signal.Signals(signum).name
+        self._stopped.set()
         if self._job is not None:      # as SIGUSR1, which launchers pass on to the ranks
             self._job.send_signal(signal.SIGUSR1)    # (Open MPI's ends the job on SIGTERM)
+
+    def _interrupted(self, signum, frame) -> None:
+        # Ctrl-C: the terminal sent it to the launcher too; the job saves and stops
+        self._stopping = "SIGINT"
+        self._stopped.set()
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -192,11 +201,14 @@ class Supervisor:
 
         root = Path(self.cfg.run.checkpoint_dir)
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupted)
         try:
             attempt, wait = 0, min(MAX_BACKOFF, self.backoff)
             resume = self.cfg.run.resume or bool(self.cfg.run.resume_from)
             while True:
                 status, rank = self._run(self._attempt_command(attempt, resume))
+                if self._stopping == "SIGINT":
+                    return 130          # what a shell reports after Ctrl-C, as the job does
                 if status in FINAL or self._stopping:
                     return status
                 cause = _cause(status, rank)
@@ -215,10 +227,10 @@ class Supervisor:
                 self._say(f"the job failed ({cause}); restart {attempt} of "
                           f"{self.max_restarts} in {wait:g} s, "
                           + (f"resuming from {newest.name}" if resume else "from step 0"))
-                time.sleep(wait)
+                self._stopped.wait(wait)
                 wait = min(MAX_BACKOFF, wait * 2)
                 if self._stopping:
-                    return status
+                    return 130 if self._stopping == "SIGINT" else status
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -1,5 +1,6 @@
 """mpishard supervise: restarts after kills equal the uninterrupted run; what it leaves alone."""
 import json
+import os
 import random
 import signal
 import subprocess
@@ -259,3 +260,32 @@ def test_a_backoff_above_the_longest_wait_waits_the_longest(tmp_path):
     finally:
         sup.proc.kill()
         sup.proc.wait()
+
+
+def test_ctrl_c_waits_for_the_job_to_save_and_stop_and_is_final(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the supervisor's whole process group,
+    its launcher included): the ranks save at a step boundary and stop, the supervisor
+    waits for them (it died in its wait with a KeyboardInterrupt traceback, leaving them
+    running) and exits 130 without a restart."""
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    sup = _supervise("--backoff", "0", folder=tmp_path,
+                     job=_train(2, *FAST, "--steps", "3000", "--checkpoint-dir", ckpt,
+                                "--checkpoint-interval", "5", "--metrics", metrics))
+    _wait(lambda: (ckpt / "latest").exists() and len(rank_pids(metrics)) == 2)
+    os.killpg(sup.proc.pid, signal.SIGINT)         # its own session: the group is its pid
+    out, err = sup.communicate(timeout=120)
+    assert rank_pids(metrics) == [], "the supervisor ended before its job"
+    assert sup.returncode == 130 and "Traceback" not in err, out + err
+    assert "Ctrl-C; checkpoint saved, stopping" in out and "the job failed" not in out, out
+    last = max(r["step"] for r in _records(metrics) if "loss" in r)
+    assert (ckpt / "latest").read_text().strip() == f"step-{last}"
+
+
+def test_ctrl_c_while_waiting_to_restart_ends_the_wait(tmp_path):
+    sup = _supervise("--backoff", "50", folder=tmp_path, job=_failing_job(tmp_path))
+    _wait(lambda: "restart 1 of 3 in 50 s" in sup.out.read_text(), timeout=60)
+    started = time.time()
+    os.killpg(sup.proc.pid, signal.SIGINT)
+    out, err = sup.communicate(timeout=20)
+    assert sup.returncode == 130 and "Traceback" not in err, out + err
+    assert time.time() - started < 10 and "restart 2" not in out, out
