@@ -19,8 +19,10 @@ waits for it. How the job ended decides what follows:
 * anything else (a rank killed, a node lost, an abort): restart, after
   ``backoff`` seconds (doubling each time, at most 60), up to
   ``max_restarts`` times. The restarted command continues the run
-  (``--resume true``) when ``checkpoint_dir`` holds a complete checkpoint, and
-  otherwise starts it again (its metrics file then keeps only its events).
+  (``--resume true``, in place of a ``--resume-from`` the command gives, which
+  named where the first attempt began) when ``checkpoint_dir`` holds a complete
+  checkpoint, and otherwise starts it again as the first attempt did: from that
+  ``--resume-from``, or from step 0 (its metrics file then keeps only its events).
 
 Each restart is one line on stdout and one record in the run's metrics file,
 ``{"event": "restart", "attempt": ..., "exit_code": ..., "cause": ..., "resume":
@@ -127,9 +129,10 @@ class Supervisor:
         command = [t.replace("{ranks}", str(ranks)) for t in self.command]
         args = train_args(self.command)
         extra = []
-        if resume and not _flag(args, "--resume-from") \
-                and not (attempt == 0 and _flag(args, "--resume")):
-            extra += ["--resume", "true"]      # after the command's own --resume: it wins
+        if attempt and resume:      # the newest checkpoint: after the command's flags, so
+            if self.cfg.run.resume_from:    # these win over where the first attempt began
+                extra += ["--resume-from="]
+            extra += ["--resume", "true"]
         if attempt and _flag(args, "--overwrite"):      # it deleted the run once already
             extra += ["--overwrite", "false"]
         if ranks and ranks != self.ranks[0] and not _flag(args, "--global-batch"):
@@ -203,8 +206,7 @@ class Supervisor:
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGUSR1)}
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupted)
         try:
-            attempt, wait = 0, min(MAX_BACKOFF, self.backoff)
-            resume = self.cfg.run.resume or bool(self.cfg.run.resume_from)
+            attempt, wait, resume = 0, min(MAX_BACKOFF, self.backoff), False
             while True:
                 status, rank = self._run(self._attempt_command(attempt, resume))
                 if self._stopping == "SIGINT":
@@ -219,14 +221,15 @@ class Supervisor:
                 attempt += 1
                 newest = latest_checkpoint(root)
                 resume = newest is not None
-                if not resume and self.cfg.run.metrics and Path(self.cfg.run.metrics).exists():
+                # none saved yet: the command as given, from its own --resume-from, if any
+                start = newest.name if resume else self.cfg.run.resume_from or None
+                if not start and self.cfg.run.metrics and Path(self.cfg.run.metrics).exists():
                     rewind_metrics(Path(self.cfg.run.metrics), 0)   # it starts afresh
                 self._record({"event": "restart", "attempt": attempt, "exit_code": status,
-                              "cause": cause, "resume": newest.name if resume else None,
-                              "time": round(time.time(), 3)})
+                              "cause": cause, "resume": start, "time": round(time.time(), 3)})
                 self._say(f"the job failed ({cause}); restart {attempt} of "
                           f"{self.max_restarts} in {wait:g} s, "
-                          + (f"resuming from {newest.name}" if resume else "from step 0"))
+                          + (f"resuming from {start}" if start else "from step 0"))
                 self._stopped.wait(wait)
                 wait = min(MAX_BACKOFF, wait * 2)
                 if self._stopping:

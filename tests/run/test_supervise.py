@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -289,3 +290,50 @@ def test_ctrl_c_while_waiting_to_restart_ends_the_wait(tmp_path):
     out, err = sup.communicate(timeout=20)
     assert sup.returncode == 130 and "Traceback" not in err, out + err
     assert time.time() - started < 10 and "restart 2" not in out, out
+
+
+def test_a_run_begun_with_resume_from_restarts_from_its_newest_checkpoint(tmp_path):
+    """--resume-from step-2 names where the run began, not where a restart goes on: after
+    a kill the job resumes from the newest checkpoint, the one the restart line and record
+    name (it went back to step-2, which keep_last had removed: status 2)."""
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = [*FAST, "--checkpoint-dir", ckpt, "--checkpoint-interval", "2", "--eval-interval",
+            "0"]
+    first = mpishard("train", *args, "--steps", "4", n=2)
+    assert first.returncode == 0, first.stderr
+    sup = _supervise("--backoff", "0", folder=tmp_path,
+                     job=_train(2, *args, "--steps", "30", "--resume-from", "step-2",
+                                "--metrics", metrics))
+    _wait(lambda: (ckpt / "step-10").is_dir() and len(rank_pids(metrics)) == 2)
+    assert not (ckpt / "step-2").exists()           # keep_last 2: removed at step-6
+    kill_a_rank(rank_pids(metrics), random.Random(1))
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    [restart] = [r for r in _records(metrics) if r.get("event") == "restart"]
+    resumed = re.findall(r"resumed from step (\d+) ", out)
+    assert resumed[0] == "2" and len(resumed) == 2 and int(resumed[1]) >= 8, out
+    assert restart["resume"] == f"step-{resumed[1]}", restart
+    assert f"restart 1 of 3 in 0 s, resuming from step-{resumed[1]}" in out, out
+    assert [r["step"] for r in _records(metrics) if "loss" in r] == list(range(3, 31))
+
+
+def test_a_run_begun_elsewhere_that_fails_before_saving_restarts_where_it_began(tmp_path):
+    """--resume-from a step directory outside --checkpoint-dir (a run continued in a new
+    directory), and a rank fails at start-up before anything is saved: the restart
+    begins again from that directory, and its line says so (it said "from step 0")."""
+    first = mpishard("train", *FAST, "--steps", "4", "--checkpoint-dir", tmp_path / "a",
+                     "--checkpoint-interval", "4", n=2)
+    assert first.returncode == 0, first.stderr
+    began, metrics = tmp_path / "a" / "step-4", tmp_path / "m.jsonl"
+    env = injected_env(MPISHARD_TEST_FAIL_AT_START=f"1:1:{tmp_path}/failed")
+    sup = _supervise("--backoff", "0", folder=tmp_path, env=env,
+                     job=_train(2, *FAST, "--steps", "8", "--eval-interval", "0",
+                                "--checkpoint-dir", tmp_path / "b", "--resume-from", began,
+                                "--metrics", metrics))
+    out, err = sup.communicate(timeout=120)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"restart 1 of 3 in 0 s, resuming from {began}" in out, out
+    assert re.findall(r"resumed from step (\d+) ", out) == ["4"], out
+    [restart] = [r for r in _records(metrics) if r.get("event") == "restart"]
+    assert restart["resume"] == str(began)
+    assert [r["step"] for r in _records(metrics) if "loss" in r] == list(range(5, 9))
