@@ -36,7 +36,10 @@ With ``ranks`` (``--ranks 4,2``), ``{ranks}`` in the command is the number of
 ranks of each attempt: the first attempt takes the first, each restart the
 next, the last one for the rest. A run resumed on fewer data-parallel ranks
 keeps its global batch only when ``--global-batch`` is given (the restarted
-command adds the first attempt's when it has none).
+command adds the first attempt's when it has none), split into the largest
+per-rank batch size no larger than the command's that makes it up in whole
+micro-steps (``--batch-size``, where it changes); where none does, the restart
+re-plans with ``--layout auto-all``, as where the layout's fixed axes no longer fit.
 """
 from __future__ import annotations
 
@@ -143,7 +146,27 @@ class Supervisor:
                       f"pp={p.pp} x cp={p.cp} does not fit {ranks} ranks: re-planned with "
                       f"--layout auto-all, the global batch kept")
             extra += ["--layout", "auto-all"]
+        elif ranks and ranks != self.ranks[0] and not self.cfg.parallel.layout:
+            extra += self._batch_split(ranks)
         return command + extra
+
+    def _batch_split(self, ranks: int) -> list:
+        """Flags that split the global batch over the dp ranks of ``ranks`` ranks: the
+        largest per-rank batch size no larger than the command's (a rank's activations do
+        not grow) that makes it up in whole micro-steps; ``--layout auto-all`` where none
+        does, said in one line."""
+        o, p = self.cfg.optim, self.cfg.parallel
+        batch, dp = self._global_batch(), p.dp or ranks // (p.tp * p.pp * p.cp)
+        # the interleaved schedule sends micro-batches round the pipeline in groups of pp
+        group = p.pp if p.pipeline_schedule == "interleaved" else 1
+        per_rank = 0 if batch % dp else batch // dp
+        for size in range(min(o.batch_size, per_rank), 0, -1):
+            if per_rank % size == 0 and per_rank // size % group == 0:
+                return [] if size == o.batch_size else ["--batch-size", str(size)]
+        self._say(f"the global batch {batch} does not split into micro-batches of at most "
+                  f"{o.batch_size}{f' in groups of pp={p.pp}' if group > 1 else ''} over "
+                  f"{dp} dp ranks: re-planned with --layout auto-all, the global batch kept")
+        return ["--layout", "auto-all"]
 
     def _fits(self, ranks: int) -> bool:
         """Whether the command's axes fit ``ranks`` ranks (data parallelism takes the rest)."""

@@ -157,26 +157,29 @@ def test_the_supervisor_gives_up_after_max_restarts_and_passes_sigterm_on(tmp_pa
     assert "the job failed" not in out
 
 
-@pytest.mark.parametrize("layout, on_two", [
-    ([], "batch: 2 per dp rank x 2 micro-steps x 2 dp ranks"),        # ZeRO-3, dp 4 -> 2
-    (["--tp", "2"], "batch: 2 per dp rank x 2 micro-steps x 1 dp ranks"),  # dp2 x tp2 -> tp2
-    (["--tp", "2", "--pp", "2", "--n-layer", "2"],                       # does not fit 2:
-     "does not fit 2 ranks: re-planned with --layout auto-all")])            # re-planned
-def test_a_run_that_loses_ranks_continues_on_fewer_with_the_same_global_batch(tmp_path, layout,
-                                                                          on_two):
+@pytest.mark.parametrize("first, layout, on_two", [
+    (4, [], "batch: 2 per dp rank x 2 micro-steps x 2 dp ranks"),     # ZeRO-3, dp 4 -> 2
+    (4, ["--tp", "2"], "batch: 2 per dp rank x 2 micro-steps x 1 dp ranks"),  # dp2xtp2 -> tp2
+    (4, ["--tp", "2", "--pp", "2", "--n-layer", "2"],                    # does not fit 2:
+     "does not fit 2 ranks: re-planned with --layout auto-all"),             # re-planned
+    (3, [], "batch: 1 per dp rank x 3 micro-steps x 2 dp ranks")])   # 6 = 1 x 3 x 2, not 2 x 2
+def test_a_run_that_loses_ranks_continues_on_fewer_with_the_same_global_batch(
+        tmp_path, first, layout, on_two):
     """--ranks 4,2: killed on 4 ranks, the run continues on 2 with more micro-steps (the
     first attempt's global batch; tp stays, dp shrinks; a layout that does not fit 2 ranks
     is planned again by --layout auto, which the run prints), and its losses equal the
-    uninterrupted 4-rank run's to 1e-10 in float64."""
+    uninterrupted 4-rank run's to 1e-10 in float64. --ranks 3,2: the global batch of 6
+    does not split into micro-batches of 2 over 2 ranks (the restart failed with status
+    2): a rank's micro-batch shrinks to 1, in 3 micro-steps."""
     args = [*FAST, "--dtype", "float64", "--steps", "40", "--checkpoint-interval", "4",
             "--eval-interval", "0", *layout]
-    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=4)
+    whole = mpishard("train", *args, "--metrics", tmp_path / "whole.jsonl", n=first)
     assert whole.returncode == 0, whole.stderr
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    sup = _supervise("--ranks", "4,2", "--backoff", "0", folder=tmp_path,
+    sup = _supervise("--ranks", f"{first},2", "--backoff", "0", folder=tmp_path,
                      job=_train("{ranks}", *args, "--checkpoint-dir", ckpt, "--metrics",
                                 metrics))
-    _wait(lambda: (ckpt / "step-8").is_dir() and len(rank_pids(metrics)) == 4)
+    _wait(lambda: (ckpt / "step-8").is_dir() and len(rank_pids(metrics)) == first)
     kill_a_rank(rank_pids(metrics), random.Random(3))
     out, err = sup.communicate(timeout=180)
     assert sup.returncode == 0, out[-3000:] + err[-3000:]
@@ -337,3 +340,37 @@ def test_a_run_begun_elsewhere_that_fails_before_saving_restarts_where_it_began(
     [restart] = [r for r in _records(metrics) if r.get("event") == "restart"]
     assert restart["resume"] == str(began)
     assert [r["step"] for r in _records(metrics) if "loss" in r] == list(range(5, 9))
+
+
+#: a job that writes its arguments after ``mpishard train`` to a file and fails once
+_RECORDED_JOB = """import json, sys
+with open(sys.argv[1], "a+") as log:
+    log.seek(0)
+    first = not log.read()
+    log.write(json.dumps(sys.argv[sys.argv.index("train") + 1:]) + "\\n")
+sys.exit(9 if first else 0)
+"""
+
+
+@pytest.mark.parametrize("ranks, options, restart_adds, said", [
+    ("4,3", ["--batch-size", "2"], ["--global-batch", "8", "--layout", "auto-all"],
+     "the global batch 8 does not split into micro-batches of at most 2 over 3 dp ranks"),
+    ("6,4", ["--batch-size", "4", "--micro-steps", "2", "--global-batch", "24", "--pp", "2",
+             "--n-layer", "4", "--virtual-stages", "2", "--pipeline-schedule", "interleaved"],
+     ["--batch-size", "3"], None)],                 # 12 per rank: 4 x 3 is no multiple of pp
+    ids=["8 sequences over 3 ranks", "micro-steps in groups of pp"])
+def test_a_restart_on_ranks_the_global_batch_does_not_split_over(tmp_path, ranks, options,
+                                                                 restart_adds, said):
+    """What a restart on other ranks runs where the command's batch size does not make
+    the global batch: re-planned by --layout auto-all where no per-rank batch size does,
+    a smaller one that does in whole groups of pp micro-steps for the interleaved
+    schedule."""
+    log = tmp_path / "attempts.jsonl"
+    train = ["mpishard", "train", *options, "--checkpoint-dir", str(tmp_path / "ck")]
+    sup = _supervise("--ranks", ranks, "--backoff", "0", folder=tmp_path,
+                     job=[sys.executable, "-c", _RECORDED_JOB, str(log), "{ranks}", *train])
+    out, err = sup.communicate(timeout=60)
+    assert sup.returncode == 0, out + err
+    attempts = [json.loads(line) for line in log.read_text().splitlines()]
+    assert attempts == [train[2:], train[2:] + restart_adds], attempts
+    assert said is None or f"{said}: re-planned with --layout auto-all" in out, out
