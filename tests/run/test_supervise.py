@@ -224,11 +224,20 @@ def test_a_run_that_fails_before_its_first_checkpoint_restarts_from_step_0(
 
 
 
-def _failing_job(folder):
-    """A command the supervisor takes for ``mpishard train`` that fails at once (status 9,
-    as MPICH's launcher after a killed rank): a restart is its next step."""
-    return [sys.executable, "-c", "raise SystemExit(9)", "mpishard", "train",
+def _failing_job(folder, status=9):
+    """A command the supervisor takes for ``mpishard train`` that ends at once with
+    ``status`` (9: as MPICH's launcher after a killed rank, which a restart follows)."""
+    return [sys.executable, "-c", f"raise SystemExit({status})", "mpishard", "train",
             "--checkpoint-dir", str(Path(folder) / "ck")]
+
+
+@pytest.mark.parametrize("status", [2, 3, 130])
+def test_a_status_a_restart_would_repeat_is_final(tmp_path, status):
+    """2 (a usage or configuration error, also one the environment causes), 3 (the loss
+    diverged), 130 (Ctrl-C): the supervisor exits with it and restarts nothing."""
+    sup = _supervise("--backoff", "0", folder=tmp_path, job=_failing_job(tmp_path, status))
+    out, err = sup.communicate(timeout=60)
+    assert sup.returncode == status and out == "" and err == "", out + err
 
 
 @pytest.mark.parametrize("options, named", [
