@@ -43,10 +43,12 @@ _AXES = {"tp": ("tp", "its layers (tensor parallelism)"),
          "sp": ("sequence_parallel", "the rows of its norms (sequence parallelism)")}
 
 
-def check_supported(cfg) -> list:
+def check_supported(cfg, resolved: bool = False) -> list:
     """ConfigError for what ``cfg`` asks that its model or the axes cannot honour (see
     [Note: refused before anything is built]); else notes for the plan (how tp splits
-    heads it does not divide)."""
+    heads it does not divide). ``resolved``: the micro-steps a ``global_batch`` gives
+    are known (they need the data-parallel size: the trainer's check, not the
+    configuration's)."""
     m, p = cfg.model, cfg.parallel
     spec = MODELS[m.name]
     asked = {"tp": p.tp > 1, "pp": p.pp > 1, "cp": p.cp > 1, "ep": p.ep > 1,
@@ -58,7 +60,7 @@ def check_supported(cfg) -> list:
             fix = f"--{key.replace('_', '-')} {'false' if isinstance(value, bool) else 1}"
             raise ConfigError(f"{key} = {str(value).lower()}: the {m.name} model does not "
                               f"split {what}; use {fix}")
-    _check_interleaving(cfg)
+    _check_interleaving(cfg, resolved or not cfg.optim.global_batch)
     _check_offload(cfg)
     _check_reduce_dtype(cfg)
     if spec.build_config is None:
@@ -110,8 +112,8 @@ def _check_sequence(cfg) -> None:
                           f"--sequence-parallel false")
 
 
-def _check_interleaving(cfg) -> None:
-    """Model chunks the pipeline schedule, pp or the micro-steps cannot run
+def _check_interleaving(cfg, micro_known: bool) -> None:
+    """Model chunks the pipeline schedule, pp or the micro-steps (where known) cannot run
     (what :func:`~mpishard.parallel.compose.check_interleaving` refuses, in flags)."""
     p, micro = cfg.parallel, cfg.optim.micro_steps
     if p.pipeline_schedule != "interleaved":
@@ -124,11 +126,14 @@ def _check_interleaving(cfg) -> None:
         raise ConfigError(f"pipeline_schedule = interleaved needs --pp and --virtual-stages "
                           f"of 2 or more (got pp = {p.pp}, virtual_stages = "
                           f"{p.virtual_stages}); set both, or use --pipeline-schedule 1f1b")
-    if micro % p.pp:
-        raise ConfigError(f"micro_steps = {micro}: the interleaved schedule sends "
+    if micro_known and micro % p.pp:
+        steps = p.pp * max(1, round(micro / p.pp))
+        batch = cfg.optim.global_batch
+        given = f"global_batch = {batch} gives " if batch else ""
+        fix = f"--global-batch {batch // micro * steps}" if batch else f"--micro-steps {steps}"
+        raise ConfigError(f"{given}micro_steps = {micro}: the interleaved schedule sends "
                           f"micro-batches round the pipeline in groups of pp = {p.pp}; use "
-                          f"--micro-steps {p.pp * max(1, round(micro / p.pp))} (a multiple "
-                          f"of {p.pp})")
+                          f"{fix} ({steps} micro-steps, a multiple of {p.pp})")
 
 
 def _check_offload(cfg) -> None:

@@ -76,8 +76,9 @@ class Trainer:
                              ep=p.ep)
         except ValueError as err:  # raised alike on every rank, before communicating
             raise ConfigError(str(err)) from None
-        check_supported(cfg)      # again after --layout auto (config/support.py)
         resolve_global_batch(cfg, self.mesh.dp.size)
+        check_supported(cfg, resolved=True)    # again after --layout auto, with the
+        # micro-steps a global batch gives (config/support.py)
         local_rank = node_local_rank(world)
         self.backend = agreed(world, lambda: Backend.resolve(
             cfg.run.backend, local_rank=local_rank, memory_budget=cfg.run.memory_budget or None))

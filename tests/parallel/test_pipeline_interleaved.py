@@ -161,6 +161,25 @@ def test_interleaved_config_is_accepted():
             ("interleaved", 2)
 
 
+def test_a_global_batch_decides_the_micro_steps_the_schedule_is_checked_with():
+    """``--global-batch`` sets the micro-steps once the dp size is known: the configuration
+    does not refuse the default micro-steps meanwhile (it did, asking for a --micro-steps
+    that the global batch then overrides), and the trainer's check names the global batch."""
+    from mpishard.config.support import check_supported
+    from mpishard.run.train import resolve_global_batch
+
+    flags = {"pp": 2, "pipeline_schedule": "interleaved", "virtual_stages": 2, "n_layer": 4,
+             "n_head": 2, "n_embd": 8, "strategy": "zero1", "batch_size": 4}
+    cfg = load_config(None, {**flags, "global_batch": 16})
+    resolve_global_batch(cfg, 1)
+    assert cfg.optim.micro_steps == 4 and check_supported(cfg, resolved=True) == []
+    cfg = load_config(None, {**flags, "global_batch": 12})
+    resolve_global_batch(cfg, 1)
+    with pytest.raises(ConfigError, match=r"global_batch = 12 gives micro_steps = 3: .* use "
+                                          r"--global-batch 16 \(4 micro-steps"):
+        check_supported(cfg, resolved=True)
+
+
 def test_chunks_keep_the_global_names():
     whole = {n for n, _ in GPT(CFG, materialize_now=False).named_parameters()}
     held, replicas = set(), set()
