@@ -276,7 +276,7 @@ def export_checkpoint(ckpt_path, out_dir, max_shard_bytes: int = 5 * 2**30, *,
                               "config: " + "; ".join(problems[:5]))
     dtype = next(iter(params.values())).dtype
     written = hf_config(config, dtype)
-    writer = FolderWriter(out_dir, [(t.key, dtype, t.hf_shape) for t in plan], max_shard_bytes)
+    writer = FolderWriter(out_dir, _layout(plan, dtype), max_shard_bytes)
     try:
         with ShardReader(step_dir, manifest) as reader:
             for t in plan:
@@ -286,7 +286,7 @@ def export_checkpoint(ckpt_path, out_dir, max_shard_bytes: int = 5 * 2**30, *,
                     entry = params[t.name]
                     full = np.empty(n, dtype=np.dtype(entry.dtype).newbyteorder("<"))
                     reader.read_into(t.name, "param", [(0, n)], full)
-                writer.write(t.key, _as_array(t, full))
+                _write(writer, t, full)
                 del full
         return writer.finish(written)
     except BaseException:

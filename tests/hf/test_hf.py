@@ -84,20 +84,35 @@ def qwen2_config(vocab=100, tie=False, kv=2, **kw):
                                     bos_token_id=None, eos_token_id=None, **kw)
 
 
+def mixtral_config(vocab=100):
+    """Mixtral: Llama's shape with four experts (top 2) in every block."""
+    config = transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    config._experts_implementation = "eager"
+    return config
+
+
 KINDS = {"gpt2": lambda vocab: gpt2_config(vocab),
          "llama": lambda vocab: llama_config(vocab),
          "llama3": lambda vocab: llama_config(vocab, scaling=LLAMA3, positions=128),
          "llama_tied": lambda vocab: llama_config(vocab, tie=True, kv=1),
          "qwen2": lambda vocab: qwen2_config(vocab),
          "qwen2_tied": lambda vocab: qwen2_config(vocab, tie=True, kv=1)}
+#: made by make_hf too, and compared in their own tests (transformers routes in float32)
+MOE_KINDS = {"mixtral": mixtral_config}
 
 
 def make_hf(kind: str, folder, dtype=torch.float32, seed=0, vocab=100, **save):
     """A random transformers model of ``kind``, saved to ``folder`` (eager attention)."""
-    config = KINDS[kind](vocab)
+    kinds = {**KINDS, **MOE_KINDS}
+    config = kinds[kind](vocab)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config)
-    randomize(model, seed + list(KINDS).index(kind))
+    randomize(model, seed + list(kinds).index(kind))
     model = model.to(dtype).eval()
     model.save_pretrained(folder, **save)
     return model
@@ -424,13 +439,22 @@ def train_config(folder: Path) -> dict:
     return asdict(cfg)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama_tied"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama_tied", "mixtral"])
 def test_export_checkpoint(kind, tmp_path):
+    """A checkpoint exports as the folder it came from; a Mixtral's stacked experts as
+    per-expert w1, w2 and w3 tensors, which mpishard reads back too."""
     ref = make_hf(kind, tmp_path / "in", vocab=260)
     checkpoint_of(tmp_path / "in", tmp_path / "ckpt", train_config(tmp_path / "in"))
     hf.export_checkpoint(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=30_000)
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
-    back, _ = load_quietly(tmp_path / "out")
+    moe = {"experts_implementation": "eager"} if kind in MOE_KINDS else {}
+    back, _ = load_quietly(tmp_path / "out", **moe)
+    if moe:
+        index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+        assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in index["weight_map"]
+        again = dict(hf.from_pretrained(tmp_path / "out").named_parameters())
+        for name, p in hf.from_pretrained(tmp_path / "in").named_parameters():
+            assert np.array_equal(again[name].data, p.data), name
     idx, _ = batch(260)
     assert np.array_equal(hf_logits(back, idx), hf_logits(ref, idx))
 
