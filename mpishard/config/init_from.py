@@ -6,7 +6,9 @@ mapping (:func:`mpishard.models.folder_keys`) gives the ``[model]`` keys, read
 while the configuration is (before anything is built, on every rank alike). A
 key given in the TOML file or as a flag that contradicts the folder is refused
 (``--n-layer 4`` on a folder of 2 layers), naming both values, and so is a
-``--preset``. The context:
+``--preset``. A key of the mapping's ``loose_fields`` (a Mixtral's
+``router_aux_loss_coef``, ``--moe-aux-coef``: a weight of the training loss,
+not of what the model computes) is the folder's unless given. The context:
 
 * a family whose positions are a learned table (GPT-2's ``n_positions``) trains
   at the folder's, and a ``--block-size`` that differs is a contradiction;
@@ -66,7 +68,7 @@ def shape_from_folder(values: dict, notes: list) -> dict:
         raise ConfigError(f"--init-from {path} gives the [model] shape (its config.json); "
                           f"--preset {values['preset']} contradicts it: leave --preset out")
     given = {("name" if flat == "model" else flat): v for flat, v in values.items()}
-    free = {"block_size"} if spec.positions_key else set()
+    free = set(spec.hf.loose_fields) - {spec.positions_key}
     for name, value in keys.items():
         if name in given and name not in free and given[name] != value:
             json_key = spec.hf.key_names.get(name)
@@ -74,7 +76,8 @@ def shape_from_folder(values: dict, notes: list) -> dict:
             raise ConfigError(f"--init-from {path}: its config.json gives {said}; "
                               f"{_flag(name)} {given[name]!r} contradicts it: leave "
                               f"{_flag(name)} out (the [model] shape is the folder's)")
-    out = {**values, **{("model" if k == "name" else k): v for k, v in keys.items()}}
+    out = {**values, **{("model" if k == "name" else k): v for k, v in keys.items()
+                        if k not in given or k not in free}}
     longest = keys["block_size"]
     context = ""
     if spec.positions_key:

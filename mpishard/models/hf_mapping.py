@@ -39,7 +39,9 @@ class HFMapping:
             that is no parameter (causal masks, rotary buffers, a tied head).
         key_names: config field -> its config.json key, for messages.
         loose_fields: config fields a folder and the model loading it may differ in
-            (what they change is not what the weights compute).
+            (what they change is not what the weights compute: dropout, the init
+            scale, the auxiliary losses' weights); ``--init-from`` takes a given one
+            over the folder's.
     """
 
     architectures: dict

@@ -130,3 +130,28 @@ def test_llama3_scaling_reaches_past_the_positions(tmp_path):
                    "--steps", "1", "--dry-run", "true", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "sequences of 256 of its 128 positions" in out.stdout + out.stderr
+
+
+def test_a_mixtral_folder_takes_its_loss_weights_from_the_flags(tmp_path):
+    """router_aux_loss_coef is a weight of the training loss, not the model's shape:
+    --moe-aux-coef / --moe-z-coef 0 with --init-from is what pipeline stages and
+    activation checkpointing need, and it trains (the folder's weights load)."""
+    make_hf("mixtral", tmp_path / "in", vocab=260)
+    args = ["train", "--init-from", str(tmp_path / "in"), "--steps", "1", "--max-bytes",
+            "20000", "--eval-batches", "1", "--batch-size", "2", "--progress", "false"]
+    refused = mpishard(*args, "--activation-checkpointing", "full", "--dry-run", "true",
+                       timeout=120)
+    assert refused.returncode == 2 and "set moe_aux_coef and moe_z_coef to 0" in \
+        refused.stderr, refused.stderr
+    zero = ["--moe-aux-coef", "0", "--moe-z-coef", "0"]
+    out = mpishard(*args, "--activation-checkpointing", "full", *zero, "--dry-run", "true",
+                   timeout=120)
+    assert out.returncode == 0, out.stderr
+    out = mpishard(*args, "--pp", "2", *zero, "--checkpoint-dir", tmp_path / "ck", n=2,
+                   timeout=200)
+    assert out.returncode == 0, out.stdout + out.stderr
+    from mpishard.checkpoint.reader import verify_checkpoint
+    from mpishard.checkpoint.locate import resolve_checkpoint
+
+    saved = verify_checkpoint(resolve_checkpoint(tmp_path / "ck")).extra["config"]["model"]
+    assert saved["moe_aux_coef"] == 0.0 and saved["moe_experts"] == 4

@@ -195,4 +195,5 @@ LLAMA = HFMapping(
                    "mixtral": ("MixtralForCausalLM", "MixtralModel")},
     read_config=read_config, write_config=write_config, tensors=llama_tensors,
     base_prefix="model.", ignorable=ignorable, key_names=KEY_NAMES,
-    loose_fields=("dropout", "init_std", "block_size", "positions"))
+    loose_fields=("dropout", "init_std", "block_size", "positions", "moe_aux_coef",
+                  "moe_z_coef"))
