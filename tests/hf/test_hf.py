@@ -243,6 +243,27 @@ def test_older_config_keys(tmp_path):
     assert fields["rope_original_max_position"] == 64
 
 
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen2"])
+def test_left_out_keys_are_the_model_types_defaults(kind, tmp_path):
+    """A config.json without rms_norm_eps, rope_theta or max_position_embeddings computes
+    with transformers' defaults for its model_type (a Mixtral's are 1e-5 and 1e6, a
+    Llama's 1e-6 and 1e4): the same logits and context as transformers' model."""
+    make_hf(kind, tmp_path)                     # rms_norm_eps 1e-6, rope_theta 5000
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rms_norm_eps", "rope_parameters", "rope_theta", "max_position_embeddings"):
+        raw.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ref, _ = load_quietly(tmp_path, **({"experts_implementation": "eager"}
+                                       if kind in MOE_KINDS else {}))
+    model = hf.from_pretrained(tmp_path)
+    assert model.config.rms_eps == ref.config.rms_norm_eps
+    assert model.config.rope_theta == ref.config.rope_parameters["rope_theta"]
+    assert model.config.positions == ref.config.max_position_embeddings
+    idx, _ = batch()
+    logits, _ = model(idx)
+    assert rel(logits.data, hf_logits(ref, idx)) <= TOL["float32"]
+
+
 # -- back to transformers ----------------------------------------------------------------
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_save_pretrained_loads_in_transformers(kind, tmp_path):

@@ -22,7 +22,7 @@ from mpishard.models.hf_mapping import ConfigReader, HFMapping, HFTensor, named_
 from mpishard.models.llama.model import Llama
 
 __all__ = ["LLAMA", "dense_keys", "rope_keys", "dense_config", "llama_tensors", "ignorable",
-           "LLAMA3_KEYS", "KEY_NAMES"]
+           "LLAMA3_KEYS", "KEY_NAMES", "LLAMA_DEFAULTS"]
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
@@ -33,20 +33,33 @@ KEY_NAMES = {"positions": "max_position_embeddings", "n_layer": "num_hidden_laye
              "rms_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
              "rope_scaling": "rope_scaling"}
 _ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+#: transformers' ``LlamaConfig`` defaults, read for a key a config.json leaves out
+#: (``num_key_value_heads`` None: one per query head)
+LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                      max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0)
+#: ``MixtralConfig``'s: rms_norm_eps and rope_theta differ from a Llama's, and a folder
+#: that leaves them out computes with these
+MIXTRAL_DEFAULTS = dict(LLAMA_DEFAULTS, intermediate_size=14336, num_key_value_heads=8,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        rope_theta=1000000.0)
 
 
-def dense_keys(r: ConfigReader) -> dict:
-    """The ``[model]`` keys of the dense Llama shape in a config.json (no bias check)."""
-    raw = r.raw
-    n_embd, n_head = r.integer("hidden_size", 4096), r.integer("num_attention_heads", 32)
-    kv = raw.get("num_key_value_heads")
-    positions = r.integer("max_position_embeddings", 2048)
-    keys = dict(vocab_size=r.integer("vocab_size", 32000), block_size=positions,
+def dense_keys(r: ConfigReader, defaults: dict = LLAMA_DEFAULTS) -> dict:
+    """The ``[model]`` keys of the dense Llama shape in a config.json (no bias check),
+    ``defaults`` (transformers' config class's) for the keys it leaves out."""
+    raw, d = r.raw, defaults
+    n_embd = r.integer("hidden_size", d["hidden_size"])
+    n_head = r.integer("num_attention_heads", d["num_attention_heads"])
+    kv = raw.get("num_key_value_heads", d["num_key_value_heads"])
+    positions = r.integer("max_position_embeddings", d["max_position_embeddings"])
+    keys = dict(vocab_size=r.integer("vocab_size", d["vocab_size"]), block_size=positions,
                 positions=positions,
-                n_layer=r.integer("num_hidden_layers", 32), n_head=n_head,
-                n_kv_head=n_head if kv is None else r.integer("num_key_value_heads"),
-                n_embd=n_embd, intermediate_size=r.integer("intermediate_size", 11008),
-                rms_eps=r.number("rms_norm_eps", 1e-6),
+                n_layer=r.integer("num_hidden_layers", d["num_hidden_layers"]), n_head=n_head,
+                n_kv_head=n_head if kv is None else r.integer("num_key_value_heads", kv),
+                n_embd=n_embd, intermediate_size=r.integer("intermediate_size",
+                                                           d["intermediate_size"]),
+                rms_eps=r.number("rms_norm_eps", d["rms_norm_eps"]),
                 tie_embeddings=r.flag("tie_word_embeddings", False), moe_experts=0)
     r.must("hidden_act", "silu", ("silu",), "is not supported: mpishard's Llama MLP is SwiGLU "
            "with SiLU ('silu')")
@@ -54,13 +67,13 @@ def dense_keys(r: ConfigReader) -> dict:
     if head_dim is not None and (n_embd % n_head or head_dim != n_embd // n_head):
         r.refuse("head_dim", head_dim, f"is not supported: mpishard's heads are hidden_size / "
                  f"num_attention_heads = {n_embd / n_head:g} wide")
-    keys.update(rope_keys(r))
+    keys.update(rope_keys(r, d["rope_theta"]))
     return keys
 
 
-def rope_keys(r: ConfigReader) -> dict:
+def rope_keys(r: ConfigReader, default_theta: float = 10000.0) -> dict:
     """rope_theta and the scaling, from transformers 5's ``rope_parameters`` or the older
-    ``rope_theta`` / ``rope_scaling`` keys."""
+    ``rope_theta`` / ``rope_scaling`` keys (``default_theta`` where neither gives it)."""
     raw = r.raw
     params = raw.get("rope_parameters")
     key = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
@@ -68,8 +81,8 @@ def rope_keys(r: ConfigReader) -> dict:
     if params is not None and not isinstance(params, dict):
         r.refuse(key, params, "must be an object or null")
     params = params or {}
-    theta = r.number("rope_theta", 10000.0, params.get("rope_theta", raw.get("rope_theta",
-                                                                             10000.0)))
+    theta = r.number("rope_theta", default_theta,
+                     params.get("rope_theta", raw.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "llama3"):
         r.refuse(f"{key}.rope_type", kind, "is not implemented: mpishard has Llama 3's "
@@ -96,12 +109,13 @@ def rope_keys(r: ConfigReader) -> dict:
 
 def read_config(r: ConfigReader) -> dict:
     """The ``[model]`` keys of a Llama or Mixtral config.json."""
-    keys = dense_keys(r)
+    mixtral = r.raw.get("model_type") == "mixtral"
+    keys = dense_keys(r, MIXTRAL_DEFAULTS if mixtral else LLAMA_DEFAULTS)
     keys["bias"] = False
     for key in ("attention_bias", "mlp_bias"):
         r.must(key, False, (False, None), "is not supported: mpishard's Llama has no biases "
                "(use false)")
-    if r.raw.get("model_type") != "mixtral":
+    if not mixtral:
         return keys
     r.must("sliding_window", None, (None,), "is not supported: mpishard's attention is full "
            "causal attention (use null)")

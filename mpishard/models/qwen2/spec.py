@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 from mpishard.models.hf_mapping import ConfigReader, HFMapping
 from mpishard.models.llama.activations import llama_activation_bytes
-from mpishard.models.llama.hf import KEY_NAMES, dense_config, dense_keys, ignorable, llama_tensors
+from mpishard.models.llama.hf import (KEY_NAMES, LLAMA_DEFAULTS, dense_config, dense_keys,
+                                      ignorable, llama_tensors)
 from mpishard.models.llama.model import Llama, LlamaConfig
 from mpishard.models.llama.spec import LLAMA_KEYS, attention_heads, check_split, llama_config
 from mpishard.models.spec import ModelKey, ModelSpec
@@ -44,9 +45,14 @@ def build_config(keys: dict) -> Qwen2Config:
     return llama_config(keys, Qwen2Config)
 
 
+#: transformers' ``Qwen2Config`` defaults, read for a key a config.json leaves out
+HF_DEFAULTS = dict(LLAMA_DEFAULTS, vocab_size=151936, intermediate_size=22016,
+                   num_key_value_heads=32, max_position_embeddings=32768)
+
+
 def read_config(r: ConfigReader) -> dict:
     """The ``[model]`` keys of a Qwen2 config.json."""
-    keys = dense_keys(r)
+    keys = dense_keys(r, HF_DEFAULTS)
     r.must("use_sliding_window", False, (False,), "is not supported: mpishard's attention is "
            "full causal attention (use false)")
     kinds = r.raw.get("layer_types") or []
