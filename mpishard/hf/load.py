@@ -94,7 +94,26 @@ def match_tensors(weights: HFWeights, config) -> dict:
                               f"{spec_of(config).model_class.__name__} has not: "
                               f"{', '.join(unexpected[:5])}; is config.json "
                               f"the one these weights were saved with?")
+    _check_tied_head(weights, found, mapping.tied_head(config))
     return found
+
+
+def _check_tied_head(weights: HFWeights, found: dict, tied, chunk: int = 1 << 20) -> None:
+    """Refuse a stored head that a tied config would drop: one of other values than the
+    token table (transformers keeps it, untied). Read in chunks, only when files hold it."""
+    if tied is None or tied[0] not in weights.entries:
+        return
+    head_key, table_key, fix = tied[0], found[tied[1]][0], tied[2]
+    head = weights.entries[head_key]
+    n = int(np.prod(head.shape))
+    same = head.shape == weights.entries[table_key].shape and all(
+        np.array_equal(weights.read(head_key, a, min(chunk, n - a)),
+                       weights.read(table_key, a, min(chunk, n - a)))
+        for a in range(0, n, chunk))
+    if not same:
+        raise CheckpointError(weights.folder, "tied-head", f"config.json ties the output "
+                              f"layer to the token table, but the files hold a {head_key} "
+                              f"{list(head.shape)} that differs from {table_key}: {fix}")
 
 
 def read_tensor(weights: HFWeights, key, t, runs) -> np.ndarray:

@@ -37,6 +37,9 @@ class HFMapping:
             puts in front of every name; files saved from it are read too.
         ignorable: ``(tensor name, config) -> bool``: a tensor published files may hold
             that is no parameter (causal masks, rotary buffers, a tied head).
+        tied_head: ``config -> (head key, token table's name, fix)`` when the config ties
+            the output layer to the token table (else ``None``): files that hold a
+            head of other values are refused with ``fix`` (transformers would keep it).
         key_names: config field -> its config.json key, for messages.
         loose_fields: config fields a folder and the model loading it may differ in
             (what they change is not what the weights compute: dropout, the init
@@ -52,6 +55,7 @@ class HFMapping:
     ignorable: Callable
     key_names: dict
     loose_fields: tuple = ("dropout", "init_std")
+    tied_head: Callable = lambda config: None
 
 
 @dataclass(frozen=True)

@@ -415,6 +415,35 @@ def test_shape_and_missing_tensors_are_refused(tmp_path):
         hf.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("kind, table", [("llama_tied", "model.embed_tokens.weight"),
+                                         ("gpt2", "transformer.wte.weight")])
+def test_a_stored_head_a_tied_config_would_drop_is_refused(kind, table, tmp_path):
+    """tie_word_embeddings with an lm_head.weight of other values than the token table:
+    transformers keeps the stored head (untied), so tying would compute something else.
+    One equal to the table is read past; for a Llama the named fix loads what
+    transformers computes."""
+    from safetensors.numpy import load_file, save_file
+
+    make_hf(kind, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors[table].copy()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf.from_pretrained(tmp_path)
+    tensors["lm_head.weight"] = tensors[table] + 1.0
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tied-head: .*lm_head.weight \\[100, 32\\] "
+                                              f"that differs from {table}: .*remove "
+                                              f"lm_head.weight from the files"):
+        hf.from_pretrained(tmp_path)
+    if kind == "gpt2":
+        return
+    edit_config(tmp_path, tie_word_embeddings=False)
+    ref, _ = load_quietly(tmp_path)
+    idx, _ = batch()
+    logits, _ = hf.from_pretrained(tmp_path)(idx)
+    assert rel(logits.data, hf_logits(ref, idx)) <= TOL["float32"]
+
+
 def test_pickles_and_missing_folders_are_refused(tmp_path):
     make_hf("gpt2", tmp_path)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")

@@ -97,4 +97,7 @@ GPT2 = HFMapping(
     architectures={"gpt2": ("GPT2LMHeadModel", "GPT2Model")},
     read_config=read_config, write_config=write_config, tensors=tensors,
     base_prefix="transformer.", ignorable=lambda key, config: bool(_IGNORED.search(key)),
-    key_names={"block_size": "n_positions", "bias": "biases (GPT-2 always has them)"})
+    key_names={"block_size": "n_positions", "bias": "biases (GPT-2 always has them)"},
+    tied_head=lambda config: ("lm_head.weight", "transformer.wte.weight", "mpishard's GPT "
+                              "ties its head: remove lm_head.weight from the files to tie it "
+                              "to the token table"))

@@ -22,7 +22,7 @@ from mpishard.models.hf_mapping import ConfigReader, HFMapping, HFTensor, named_
 from mpishard.models.llama.model import Llama
 
 __all__ = ["LLAMA", "dense_keys", "rope_keys", "dense_config", "llama_tensors", "ignorable",
-           "LLAMA3_KEYS", "KEY_NAMES", "LLAMA_DEFAULTS"]
+           "LLAMA3_KEYS", "KEY_NAMES", "LLAMA_DEFAULTS", "tied_head"]
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
@@ -204,10 +204,19 @@ def ignorable(key: str, config) -> bool:
                                                  and key == "lm_head.weight")
 
 
+def tied_head(config):
+    """A tied model's head, and the token table it is."""
+    if not config.tie_embeddings:
+        return None
+    return ("lm_head.weight", "model.embed_tokens.weight",
+            "set tie_word_embeddings to false in config.json to train with the stored head, "
+            "or remove lm_head.weight from the files to tie it to the token table")
+
+
 LLAMA = HFMapping(
     architectures={"llama": ("LlamaForCausalLM", "LlamaModel"),
                    "mixtral": ("MixtralForCausalLM", "MixtralModel")},
     read_config=read_config, write_config=write_config, tensors=llama_tensors,
     base_prefix="model.", ignorable=ignorable, key_names=KEY_NAMES,
     loose_fields=("dropout", "init_std", "block_size", "positions", "moe_aux_coef",
-                  "moe_z_coef"))
+                  "moe_z_coef"), tied_head=tied_head)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from mpishard.models.hf_mapping import ConfigReader, HFMapping
 from mpishard.models.llama.activations import llama_activation_bytes
 from mpishard.models.llama.hf import (KEY_NAMES, LLAMA_DEFAULTS, dense_config, dense_keys,
-                                      ignorable, llama_tensors)
+                                      ignorable, llama_tensors, tied_head)
 from mpishard.models.llama.model import Llama, LlamaConfig
 from mpishard.models.llama.spec import LLAMA_KEYS, attention_heads, check_split, llama_config
 from mpishard.models.spec import ModelKey, ModelSpec
@@ -78,7 +78,7 @@ QWEN2 = HFMapping(
     architectures={"qwen2": ("Qwen2ForCausalLM", "Qwen2Model")},
     read_config=read_config, write_config=write_config, tensors=llama_tensors,
     base_prefix="model.", ignorable=ignorable, key_names=KEY_NAMES,
-    loose_fields=("dropout", "init_std", "block_size", "positions"))
+    loose_fields=("dropout", "init_std", "block_size", "positions"), tied_head=tied_head)
 
 _DEFAULTS = {"rope_theta": 1000000.0, "rms_eps": 1e-6}
 
