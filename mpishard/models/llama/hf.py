@@ -87,10 +87,11 @@ def rope_keys(r: ConfigReader, default_theta: float = 10000.0) -> dict:
     if kind not in ("default", "llama3"):
         r.refuse(f"{key}.rope_type", kind, "is not implemented: mpishard has Llama 3's "
                  "frequency scaling ('llama3') or none ('default')")
-    factor = params.get("partial_rotary_factor", 1.0)
-    if factor != 1.0:
-        r.refuse(f"{key}.partial_rotary_factor", factor, "is not supported: mpishard rotates "
-                 "whole heads (use 1.0)")
+    for name, source in ((f"{key}.partial_rotary_factor", params),   # transformers moves
+                         ("partial_rotary_factor", raw)):             # the top-level key in
+        factor = source.get("partial_rotary_factor")
+        if factor not in (None, 1.0):
+            r.refuse(name, factor, "is not supported: mpishard rotates whole heads (use 1.0)")
     keys = dict(rope_theta=theta, rope_scaling="none", rope_factor=8.0,
                 rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                 rope_original_max_position=8192)
