@@ -36,6 +36,11 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 #: safetensors code -> (NumPy dtype as stored, bytes per element)
 _DTYPES = {"F16": ("<f2", 2), "BF16": ("<u2", 2), "F32": ("<f4", 4), "F64": ("<f8", 8)}
+#: bytes per element of the other safetensors codes: their tensors are checked and
+#: listed, and may be buffers the mapping ignores (GPT-2's boolean causal masks), but
+#: reading one as a weight is refused
+_OTHER_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+                "I32": 4, "U32": 4, "I64": 8, "U64": 8}
 _MAX_INDEX_BYTES = 256 << 20
 
 
@@ -55,6 +60,11 @@ class Entry:
         return np.dtype(np.float32 if self.code == "BF16" else _DTYPES[self.code][0])
 
 
+def _refuse_dtype(path, key: str, code) -> None:
+    raise CheckpointError(path, "dtype", f"tensor {key!r} has dtype {code!r}; mpishard reads "
+                          f"F16, BF16, F32 and F64 weights (not quantised or integer ones)")
+
+
 def _header(f, path, size: int, name: str) -> dict:
     """``{tensor: Entry}`` from a validated safetensors header."""
     header, n = read_header_json(f, path, size)
@@ -69,12 +79,11 @@ def _header(f, path, size: int, name: str) -> dict:
             raise CheckpointError(path, "header-schema", f"tensor {key!r}: expected dtype, "
                                   f"a shape of integers >= 0 and data_offsets [start, stop]")
         code = e.get("dtype")
-        if code not in _DTYPES:
-            raise CheckpointError(path, "dtype", f"tensor {key!r} has dtype {code!r}; "
-                                  f"mpishard reads F16, BF16, F32 and F64 weights (not "
-                                  f"quantised or integer ones)")
+        itemsize = _DTYPES[code][1] if code in _DTYPES else _OTHER_SIZES.get(code)
+        if itemsize is None:
+            _refuse_dtype(path, key, code)
         start, stop = (8 + n + x for x in e["data_offsets"])
-        need = int(np.prod(e["shape"], dtype=np.int64)) * _DTYPES[code][1]
+        need = int(np.prod(e["shape"], dtype=np.int64)) * itemsize
         if stop - start != need or stop > size:
             raise CheckpointError(path, "offsets", f"tensor {key!r}: bytes {start} to {stop} "
                                   f"of a {size}-byte file, its shape {e['shape']} of {code} "
@@ -177,8 +186,15 @@ class HFWeights:
             self._sizes[name] = os.fstat(f.fileno()).st_size
         return f
 
+    def check_readable(self, key: str) -> None:
+        """CheckpointError (rule ``dtype``) unless tensor ``key`` holds floats mpishard reads."""
+        e = self.entries[key]
+        if e.code not in _DTYPES:
+            _refuse_dtype(self.folder / e.file, key, e.code)
+
     def read(self, key: str, first: int, count: int) -> np.ndarray:
         """Elements ``first .. first + count - 1`` of tensor ``key`` (flat, row-major)."""
+        self.check_readable(key)
         e = self.entries[key]
         stored, itemsize = _DTYPES[e.code]
         out = np.empty(count, dtype=stored)

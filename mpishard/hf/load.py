@@ -72,6 +72,7 @@ def match_tensors(weights: HFWeights, config) -> dict:
             if key is None:
                 missing.append(want)
                 continue
+            weights.check_readable(key)
             entry = weights.entries[key]
             if entry.shape != shape:
                 shapes.append(f"{key} has shape {list(entry.shape)} in {entry.file}, the model "

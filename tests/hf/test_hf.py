@@ -317,13 +317,15 @@ def test_sharded_save_and_load(tmp_path):
 
 
 def test_published_layouts(tmp_path):
-    """GPT-2 as OpenAI published it (GPT2Model names, causal-mask buffers) and bfloat16 Llama."""
+    """GPT-2 as OpenAI published it (GPT2Model names, causal-mask buffers, float32 or
+    boolean) and bfloat16 Llama."""
     from safetensors.numpy import load_file, save_file
 
     ref = make_hf("gpt2", tmp_path / "g")
     tensors = load_file(tmp_path / "g" / "model.safetensors")
     bare = {k[len("transformer."):]: v for k, v in tensors.items()}
     bare["h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
+    bare["h.1.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), bool))
     save_file(bare, tmp_path / "g" / "model.safetensors", metadata={"format": "pt"})
     idx, _ = batch()
     logits, _ = hf.from_pretrained(tmp_path / "g")(idx)
@@ -416,6 +418,12 @@ def test_shape_and_missing_tensors_are_refused(tmp_path):
     tensors["transformer.h.1.mlp.c_fc.weight"] = np.zeros((32, 128), np.float32)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="unexpected-tensor: .*score.weight"):
+        hf.from_pretrained(tmp_path)
+    del tensors["score.weight"]
+    tensors["transformer.h.1.mlp.c_fc.weight"] = np.zeros((32, 128), np.int8)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="dtype: tensor 'transformer.h.1.mlp.c_fc.weight' "
+                                              "has dtype 'I8'; mpishard reads F16, BF16"):
         hf.from_pretrained(tmp_path)
 
 
