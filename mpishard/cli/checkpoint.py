@@ -61,9 +61,9 @@ def add_checkpoint_commands(subparsers) -> None:
                         help="hf: config.json and model*.safetensors that transformers' "
                         "AutoModelForCausalLM loads (GPT and Llama); safetensors: one file "
                         "with mpishard's names, as consolidate writes (default: hf)")
-    export.add_argument("--max-shard-size", default="5GiB", metavar="SIZE",
-                        help="hf: split the weights into files of at most SIZE, with an "
-                        "index (e.g. 5GB, 200MB; default 5GiB)")
+    export.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="hf only: split the weights into files of at most SIZE, with "
+                        "an index (e.g. 5GB, 200MB; default 5GiB)")
     export.add_argument("--no-verify", action="store_true",
                         help="skip hashing the files first")
     export.set_defaults(func=_cmd_export)
@@ -105,11 +105,16 @@ def _cmd_export(args) -> int:
         if args.format == "safetensors":
             from mpishard.checkpoint.consolidate import consolidate  # noqa: PLC0415
 
+            if args.max_shard_size is not None:
+                raise ValueError(f"--max-shard-size {args.max_shard_size} splits --format hf "
+                                 f"folders; --format safetensors writes one file: leave "
+                                 f"--max-shard-size out, or export with --format hf")
             out = consolidate(args.dir, args.out, verify=not args.no_verify)
         else:
             from mpishard.hf import export_checkpoint  # noqa: PLC0415
 
-            out = export_checkpoint(args.dir, args.out, parse_size(args.max_shard_size),
+            out = export_checkpoint(args.dir, args.out,
+                                    parse_size(args.max_shard_size or "5GiB"),
                                     verify=not args.no_verify)
     except (CheckpointError, ValueError, OSError) as err:
         return _error(err)

@@ -543,6 +543,12 @@ def test_cli_export_formats(tmp_path):
     from safetensors.numpy import load_file
 
     assert "lm_head.weight" in load_file(tmp_path / "one.safetensors")   # mpishard's names
+    out = cli(str(tmp_path / "ckpt"), str(tmp_path / "two.safetensors"), "--format",
+              "safetensors", "--max-shard-size", "10KB")
+    assert out.returncode == 2 and out.stderr == (
+        "mpishard: error: --max-shard-size 10KB splits --format hf folders; --format "
+        "safetensors writes one file: leave --max-shard-size out, or export with --format hf\n")
+    assert not (tmp_path / "two.safetensors").exists()
     out = cli(str(tmp_path / "ckpt"), str(tmp_path / "x"), "--max-shard-size", "5XB")
     assert out.returncode == 2 and "--max-shard-size '5XB'" in out.stderr
 
