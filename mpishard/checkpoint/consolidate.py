@@ -31,7 +31,7 @@ from mpishard.parallel.strategy import Strategy
 from mpishard.checkpoint.collective import agree, exchange_json
 from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import numel
-from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.locate import check_output_outside, resolve_checkpoint
 from mpishard.checkpoint.reader import ShardReader, verify_checkpoint
 from mpishard.checkpoint.shards import SafetensorsWriter, ShardFile
 
@@ -52,9 +52,11 @@ def consolidate(path, out_path, *, verify: bool = True) -> Path:
 
     Raises:
         CheckpointError: the checkpoint is missing or damaged.
+        ValueError: ``out_path`` is a folder, or lies inside the checkpoint being read.
     """
-    out_path = _writable_file(out_path)
     step_dir = resolve_checkpoint(path)
+    check_output_outside(out_path, step_dir)
+    out_path = _writable_file(out_path)
     # Headers are always checked (cheap), so no size below comes unchecked from a file.
     manifest = verify_checkpoint(step_dir, check_hashes=verify)
     params = [t for t in manifest.tensors.values() if t.kind == "param"]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpishard.core.paths import inside
 from mpishard.checkpoint.errors import CheckpointError
 from mpishard.checkpoint.format import LATEST, LATEST_RE, MANIFEST, STEP_RE
 
-__all__ = ["complete_steps", "latest_checkpoint", "resolve_checkpoint", "resume_candidates"]
+__all__ = ["complete_steps", "latest_checkpoint", "resolve_checkpoint", "resume_candidates",
+           "check_output_outside"]
 
 
 def complete_steps(root) -> dict:
@@ -79,3 +81,17 @@ def resolve_checkpoint(path) -> Path:
         raise CheckpointError(path, "no-checkpoint", "no complete checkpoint here: neither "
                               "a manifest.json nor a step-N/ directory with one")
     return found
+
+
+def check_output_outside(out, step_dir) -> None:
+    """ValueError where the output ``out`` is, or lies in, a step folder of the run whose
+    checkpoint ``step_dir`` is read (``step_dir`` itself, or a ``step-N`` beside it):
+    writing there would destroy a checkpoint, the one read among them."""
+    step_dir = Path(step_dir)
+    folders = [step_dir] + sorted(p for p in step_dir.parent.iterdir()
+                                  if STEP_RE.fullmatch(p.name) and p.is_dir())
+    hit = next((f for f in folders if inside(out, f)), None)
+    if hit is not None:
+        where = "is" if inside(hit, out) else f"lies inside {hit},"
+        raise ValueError(f"{out} {where} a step folder of the checkpoint being read; writing "
+                         f"there would overwrite it: pass an output outside {hit}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-__all__ = ["why_unwritable"]
+__all__ = ["why_unwritable", "inside"]
 
 
 def why_unwritable(path, folder: bool, example: str = "") -> str | None:
@@ -26,6 +26,8 @@ def _write_refused(path: Path, folder: bool) -> str | None:
     """Why a write at ``path`` fails (a read-only file system, no permission, a folder that
     takes no new entries), tried with a scratch file where the first write would go: in
     the folder, or in the nearest folder above that exists; ``None`` where it succeeds."""
+    if not folder and path.exists() and not path.is_file() and not path.is_dir():
+        return None                 # a device or a pipe (/dev/null): its own to refuse
     where = path if not folder and path.is_file() else \
         next(p for p in (path, *path.parents) if p.is_dir())
     try:
@@ -38,3 +40,10 @@ def _write_refused(path: Path, folder: bool) -> str | None:
         place = f"to {where}" if where == path and not folder else f"in {where}"
         return (f"cannot be written: writing {place} fails ({err.strerror or err}); pass "
                 f"a path you can write to")
+
+
+def inside(path, folder) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (links resolved), as an output
+    that would write over what is read from ``folder``."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents

@@ -31,7 +31,7 @@ import numpy as np
 from mpishard.core.backend import to_numpy
 from mpishard.checkpoint.collective import agree
 from mpishard.checkpoint.errors import CheckpointError
-from mpishard.checkpoint.locate import resolve_checkpoint
+from mpishard.checkpoint.locate import check_output_outside, resolve_checkpoint
 from mpishard.checkpoint.reader import ShardReader, verify_checkpoint
 from mpishard.parallel.strategy import Strategy
 from mpishard.hf.config import hf_config, mapping_of
@@ -257,8 +257,10 @@ def export_checkpoint(ckpt_path, out_dir, max_shard_bytes: int = 5 * 2**30, *,
     Raises:
         CheckpointError: a missing or damaged checkpoint, no model config in it,
             or tensors that do not fit that config.
+        ValueError: ``out_dir`` lies inside the checkpoint being read.
     """
     step_dir = resolve_checkpoint(ckpt_path)
+    check_output_outside(out_dir, step_dir)
     manifest = verify_checkpoint(step_dir, check_hashes=verify)
     config = config_of_manifest(manifest)
     plan = tensor_plan(config)

@@ -159,3 +159,28 @@ def test_checkpoint_commands(tmp_path, capsys):
     assert not (tmp_path / "bad.safetensors.tmp").exists()
     rc, out = run("checkpoint", "inspect", str(tmp_path / "nowhere"))
     assert rc == 2 and "no-checkpoint" in out.err
+
+
+@pytest.mark.parametrize("argv", [
+    ("consolidate", "ckpt", "ckpt/step-2/rank-0.safetensors"),
+    ("consolidate", "ckpt/step-1", "ckpt/step-2/rank-0.safetensors"),
+    ("export", "--format", "safetensors", "ckpt/step-2", "ckpt/step-2/manifest.json"),
+    ("export", "ckpt", "ckpt/step-2"),
+    ("export", "ckpt", "ckpt/step-1/hf"),
+])
+def test_an_output_inside_a_checkpoint_is_refused(argv, tmp_path, capsys, monkeypatch):
+    """An output in a step folder of the run being read (the one read, or another) would
+    write over a checkpoint: one line, status 2, every file as it was."""
+    strategy = trained_checkpoint(tmp_path / "ckpt", "float32")
+    save_checkpoint(tmp_path / "ckpt", 1, strategy, make_optimizer(strategy.parameters()))
+    before = {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    parser = argparse.ArgumentParser(prog="mpishard")
+    add_checkpoint_commands(parser.add_subparsers(dest="command", required=True))
+    monkeypatch.chdir(tmp_path)
+    args = parser.parse_args(["checkpoint", *argv])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpishard: error: {argv[-1]} ") and err.count("\n") == 1, err
+    assert "a step folder of the checkpoint being read" in err and "pass an output " \
+        "outside ckpt/step-" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()} == before
