@@ -387,6 +387,11 @@ def edit_config(folder: Path, **changes):
     ("llama", {"mlp_bias": True}, "mlp_bias=true"),
     ("llama", {"hidden_act": "gelu"}, r"hidden_act=\"gelu\""),
     ("llama", {"head_dim": 16}, r"head_dim=16 is not supported: .* = 8 wide"),
+    ("llama", {"num_key_value_heads": 3}, "num_key_value_heads=3 must divide "
+                                          "num_attention_heads = 4"),
+    ("llama", {"hidden_size": 30, "head_dim": None},
+     "hidden_size=30 is not divisible by num_attention_heads = 4"),
+    ("gpt2", {"n_embd": 30}, "n_embd=30 is not divisible by n_head = 4"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ("qwen2", {"hidden_act": "gelu"}, r"hidden_act=\"gelu\""),
 ])

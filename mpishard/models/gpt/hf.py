@@ -33,6 +33,8 @@ def read_config(r: ConfigReader) -> dict:
     keys = dict(vocab_size=r.integer("vocab_size", 50257),
                 block_size=r.integer("n_positions", 1024), n_layer=r.integer("n_layer", 12),
                 n_head=r.integer("n_head", 12), n_embd=n_embd, bias=True)
+    if n_embd % keys["n_head"]:
+        r.refuse("n_embd", n_embd, f"is not divisible by n_head = {keys['n_head']}")
     inner = r.raw.get("n_inner")
     if inner is not None and inner != 4 * n_embd:
         r.refuse("n_inner", inner, f"is not supported: mpishard's GPT MLP is 4 * n_embd = "

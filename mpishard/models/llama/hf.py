@@ -63,10 +63,17 @@ def dense_keys(r: ConfigReader, defaults: dict = LLAMA_DEFAULTS) -> dict:
                 tie_embeddings=r.flag("tie_word_embeddings", False), moe_experts=0)
     r.must("hidden_act", "silu", ("silu",), "is not supported: mpishard's Llama MLP is SwiGLU "
            "with SiLU ('silu')")
+    if n_head % keys["n_kv_head"] or keys["n_kv_head"] > n_head:
+        r.refuse("num_key_value_heads", keys["n_kv_head"], f"must divide num_attention_heads "
+                 f"= {n_head} (grouped-query attention: each key/value head serves the same "
+                 f"number of query heads)")
     head_dim = raw.get("head_dim")
     if head_dim is not None and (n_embd % n_head or head_dim != n_embd // n_head):
         r.refuse("head_dim", head_dim, f"is not supported: mpishard's heads are hidden_size / "
                  f"num_attention_heads = {n_embd / n_head:g} wide")
+    if n_embd % n_head:
+        r.refuse("hidden_size", n_embd, f"is not divisible by num_attention_heads = {n_head}: "
+                 f"mpishard's heads are hidden_size / num_attention_heads wide")
     keys.update(rope_keys(r, d["rope_theta"]))
     return keys
 
