@@ -35,7 +35,7 @@ from mpishard.data.corpus import DataError
 from mpishard.data.meta_pkl import CharTokenizer, read_meta_pkl
 
 __all__ = ["TokenCorpus", "TokenArray", "Tokenizer", "is_token_dir", "load_tokens",
-           "open_tokenizer", "dtype_for_vocab", "TOKEN_DTYPES"]
+           "retokenize_hint", "open_tokenizer", "dtype_for_vocab", "TOKEN_DTYPES"]
 
 #: the dtypes a token file may have (nanoGPT writes uint16)
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -261,10 +261,19 @@ class _VocabSource:
         self.model_folder = str(model_folder) if hf else None
         self.flag = f"the config.json of --init-from {model_folder}" if hf else "--vocab-size"
         self.of_what = f"of the model in {model_folder} " if hf else ""
-        self.retokenize = (f"tokenize the text with the model's own tokenizer: mpishard "
-                           f"prepare TEXT_PATH OUT_DIR --tokenizer "
-                           f"{Path(model_folder) / 'tokenizer.json'}, then train on "
-                           f"--data OUT_DIR") if hf else ""
+        self.retokenize = retokenize_hint(model_folder) if hf else ""
+
+
+def retokenize_hint(model_folder) -> str:
+    """How to make the token ids the model of the Hugging Face folder ``model_folder``
+    reads: its own tokenizer (its tokenizer.json, named only where the folder holds it)."""
+    own = Path(model_folder) / "tokenizer.json"
+    if own.is_file():
+        return (f"tokenize the text with the model's own tokenizer: mpishard prepare "
+                f"TEXT_PATH OUT_DIR --tokenizer {own}, then train on --data OUT_DIR")
+    return (f"tokenize the text with the model's own tokenizer (its tokenizer.json, which "
+            f"{model_folder} does not hold): mpishard prepare TEXT_PATH OUT_DIR --tokenizer "
+            f"TOKENIZER_JSON, then train on --data OUT_DIR")
 
 
 def _settle_vocab(folder: Path, meta, meta_path, vocab_size, given: _VocabSource,

@@ -15,7 +15,8 @@ import numpy as np
 from mpishard.data.corpus import VOCAB_SIZE, BatchSampler, DataError, load_corpus
 from mpishard.core.errors import ConfigError
 from mpishard.models import MODELS
-from mpishard.data.tokens import is_token_dir, load_tokens, open_tokenizer
+from mpishard.data.tokens import is_token_dir, load_tokens, open_tokenizer, retokenize_hint
+from mpishard.models.hf_mapping import CONFIG
 from mpishard.recipes.base import Recipe, register_recipe
 
 __all__ = ["TextLM"]
@@ -61,9 +62,20 @@ class TextLM(Recipe):
                               f"leave it out")
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = VOCAB_SIZE
-        if cfg.model.vocab_size < VOCAB_SIZE:
-            raise ConfigError(f"vocab_size = {cfg.model.vocab_size}: text is read as bytes "
-                              f"({VOCAB_SIZE} symbols); use vocab_size >= {VOCAB_SIZE}")
+        vocab, folder = cfg.model.vocab_size, cfg.run.init_from
+        folder = folder if folder and (Path(folder) / CONFIG).is_file() else None
+        if vocab < VOCAB_SIZE:
+            raise ConfigError(
+                f"the model in {folder} has a vocabulary of {vocab} ids, fewer than the "
+                f"{VOCAB_SIZE} byte values text is read as; {retokenize_hint(folder)}"
+                if folder else f"vocab_size = {vocab}: text is read as bytes "
+                f"({VOCAB_SIZE} symbols); use vocab_size >= {VOCAB_SIZE}")
+        # the ids are bytes: right for the model of a folder only if its tokenizer reads
+        # bytes (docs/data.md: a smaller vocabulary than the model's is trained, with a note)
+        padded = (f"; vocab_size {vocab} (the config.json of --init-from {folder}) pads the "
+                  f"{VOCAB_SIZE} byte values of the text: right only if the model's own "
+                  f"tokenizer made such ids (else {retokenize_hint(folder)})"
+                  if folder and vocab > VOCAB_SIZE else "")
         corpus = load_corpus(cfg.data.path or None, cfg.data.max_bytes or None,
                              min_bytes=cfg.model.block_size + 1)
         self.train, self.val = corpus.train, corpus.val
@@ -71,7 +83,7 @@ class TextLM(Recipe):
         cut = (f"; the first {read:,} of {corpus.available:,} bytes (max_bytes), raise "
                f"--max-bytes to read more" if corpus.truncated else "")
         return (f"{corpus.source}: {corpus.train.size:,} train / {corpus.val.size:,} val "
-                f"bytes from {corpus.n_files} files{cut}")
+                f"bytes from {corpus.n_files} files{cut}{padded}")
 
     def _load_tokens(self) -> str:
         """A folder of token ids (train.bin, val.bin), memory-mapped; the vocabulary size

@@ -139,7 +139,12 @@ def test_a_vocabulary_from_the_model_folder_names_its_tokenizer(tmp_path):
     folder = write_tokens(tmp_path / "owt", np.arange(100) * 11, np.arange(10))   # ids < 1100
     with pytest.raises(DataError, match=r"holds token id 1089, but the vocabulary of the model "
                                         r"in .*model has 1000 ids .*; tokenize the text with the "
-                                        r"model's own tokenizer: mpishard prepare TEXT_PATH "
+                                        r"model's own tokenizer \(its tokenizer.json, which "
+                                        r".*model does not hold\): mpishard prepare TEXT_PATH "
+                                        r"OUT_DIR --tokenizer TOKENIZER_JSON"):
+        load_tokens(folder, vocab_size=1000, model_folder=str(model))
+    (model / "tokenizer.json").write_text("{}")
+    with pytest.raises(DataError, match=r"model's own tokenizer: mpishard prepare TEXT_PATH "
                                         r"OUT_DIR --tokenizer .*model/tokenizer.json"):
         load_tokens(folder, vocab_size=1000, model_folder=str(model))
     with pytest.raises(DataError, match=r"pass the tokenizer's --vocab-size"):

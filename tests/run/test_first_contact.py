@@ -223,7 +223,8 @@ def test_data_of_another_tokenizer_says_to_prepare_with_the_models_own(tmp_path)
     (line,) = out.stderr.strip().splitlines()
     assert f"the model in {model} has a vocabulary of 1024 ids, but {data}/meta.json says the " \
            f"ids of {data} come from one of 4096" in line
-    assert f"mpishard prepare TEXT_PATH OUT_DIR --tokenizer {model}/tokenizer.json" in line
+    assert f"(its tokenizer.json, which {model} does not hold): mpishard prepare TEXT_PATH " \
+           f"OUT_DIR --tokenizer TOKENIZER_JSON" in line                # no file to name
     assert "--vocab-size" not in line
     (data / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 512}')
     ids[ids >= 512] = 7
@@ -234,6 +235,30 @@ def test_data_of_another_tokenizer_says_to_prepare_with_the_models_own(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"vocab_size 1024 (the config.json of --init-from {model}) pads the 512 token ids" \
            in out.stdout and "--tokenizer" in out.stdout
+
+
+def test_a_model_folder_and_text_read_as_bytes(tmp_path):
+    """Without --data the text is bytes (256 ids): a model of 300 trains with the note
+    that its vocabulary pads them; one of 200 cannot, and the fix is token data made by
+    its tokenizer (named: the folder holds it), not --vocab-size, which --init-from
+    refuses."""
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TINY_LLAMA, "vocab_size": 300}))
+    out = mpishard("train", "--init-from", model, "--dry-run", "true", "--progress", "false")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"vocab_size 300 (the config.json of --init-from {model}) pads the 256 byte " \
+           f"values of the text: right only if the model's own tokenizer made such ids" \
+           in out.stdout
+    (model / "config.json").write_text(json.dumps({**TINY_LLAMA, "vocab_size": 200}))
+    (model / "tokenizer.json").write_text("{}")
+    out = mpishard("train", "--init-from", model, "--dry-run", "true", "--progress", "false")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr == (f"mpishard: error: the model in {model} has a vocabulary of 200 "
+                          f"ids, fewer than the 256 byte values text is read as; tokenize "
+                          f"the text with the model's own tokenizer: mpishard prepare "
+                          f"TEXT_PATH OUT_DIR --tokenizer {model}/tokenizer.json, then train "
+                          f"on --data OUT_DIR\n")
 
 
 # -- errors once, and only the error -----------------------------------------------------
