@@ -8,9 +8,12 @@ mpishard (as in transformers' model), and per-expert ``w1`` (gate), ``w3`` (up)
 and ``w2`` (down) tensors under ``block_sparse_moe`` in the published files:
 such a tensor is the concatenation of its ``parts``, read and written part by
 part. Refused in a config.json: biases, an activation other than SiLU, a head
-size other than ``hidden_size / num_attention_heads``, partial rotary
-embeddings, a RoPE scaling type other than Llama 3's; for Mixtral a sliding
-window or router jitter. The readers here serve the family's variants too
+size other than ``hidden_size / num_attention_heads``, key/value heads that do
+not divide the heads, partial rotary embeddings (the top-level key or the one
+in ``rope_parameters``), a RoPE scaling type other than Llama 3's; for Mixtral
+a sliding window or router jitter. A key left out is read as transformers'
+config class of that ``model_type`` defaults it (:data:`LLAMA_DEFAULTS`,
+:data:`MIXTRAL_DEFAULTS`). The readers here serve the family's variants too
 (models/qwen2/).
 """
 from __future__ import annotations
