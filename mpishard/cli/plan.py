@@ -298,18 +298,20 @@ def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict,
     if budget:
         helps.append("a larger --memory-budget")
     helps.append(f"a shorter {seq_flag}")
-    if kept:
-        helps.append(f"leaving out {describe_kept(kept)}")
-    tried = ""
+    layout_keys = {k: v for k, v in kept.items() if k != "offload"}
+    if layout_keys:
+        helps.append(f"leaving out {describe_kept(layout_keys)}")
+    tried, proposed = "", machine.host_link is not None and not offload_untimed(machine)
+    instead = " in place of --offload none" if "offload" in kept else ""
     if asked == "optimizer":
         helps.append("--offload params (ZeRO-3)")
-    elif asked == "none" and "offload" not in kept and machine.host_link is not None \
-            and not offload_untimed(machine):
+    elif offload_untimed(machine):
+        helps.append("host_link and host_memory_bandwidth in the machine description, to "
+                     "try offload")
+    elif proposed and not instead:
         tried = " (optimizer and parameter offload were tried)"
-    elif asked == "none" and "offload" not in kept and machine.kind == "cpu":
-        helps.append("--offload optimizer (or params)")
-    elif asked == "none" and "offload" not in kept:
-        helps.append("a host_link in the machine description, to try offload")
+    elif asked == "none":
+        helps.append(f"--offload optimizer (or params){instead}")
     ways = " or ".join(helps) if len(helps) == 2 else \
         f"{', '.join(helps[:-1])}, or {helps[-1]}"
     return f"none of the {n} layouts fits {limit} per rank{tried}; what would help: {ways}"

@@ -34,7 +34,7 @@ from mpishard.comm.backends.base import BackendSetup, CollectiveBackend
 from mpishard.comm.backends.mpi import MpiBackend
 from mpishard.comm.backends.one_rank import OneRank
 from mpishard.comm.debug import CallHistory, CallLog, Family
-from mpishard.comm.env import settings_from_env
+from mpishard.comm.env import SettingError, settings_from_env
 from mpishard.comm.handles import Handle
 from mpishard.comm.runner import Runner
 from mpishard.comm.stats import CommStats
@@ -117,10 +117,27 @@ class Communicator:
         Keyword ``overrides`` win.
 
         Raises:
-            ValueError: a variable has a value that does not parse; the message
-                names it.
+            SettingError: a variable has a value that does not parse on some rank of
+                ``mpi_comm``, raised on all of them alike (the message names it, and the
+                ranks where not all have it): a rank alone would leave the others waiting.
         """
-        settings = settings_from_env(os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        try:
+            settings, problem = settings_from_env(environ), None
+            if environ.get("MPISHARD_COMM_BACKEND") and "comm_backend" not in overrides:
+                try:                        # a backend this rank cannot run: said alike
+                    choose_comm_backend(settings["comm_backend"])
+                except ValueError as err:
+                    raise SettingError(f"MPISHARD_COMM_BACKEND="
+                                       f"{settings['comm_backend']}: {err}") from None
+        except SettingError as err:
+            settings, problem = {}, str(err)
+        problems = mpi_comm.allgather(problem)
+        bad = [r for r, text in enumerate(problems) if text is not None]
+        if bad:
+            where = "" if len(bad) == len(problems) else \
+                f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))})"
+            raise SettingError(problems[bad[0]] + where)
         settings.update(overrides)
         if "cuda_aware" in overrides:
             settings.pop("_cuda_aware_source", None)

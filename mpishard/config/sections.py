@@ -144,8 +144,10 @@ class RunConfig:
     seed: int = opt(0, "initialisation and data order", low=0)
     backend: str = opt("numpy", "array backend: numpy, cupy (one GPU per rank) or auto",
                        choices=("numpy", "cupy", "auto"))
-    memory_budget: int = opt(0, "per-rank byte budget for the memory ledger, and the memory "
-                             "mpishard plan fits layouts into (e.g. 60GiB; 0: none)", low=0,
+    memory_budget: int = opt(0, "per-rank byte budget: a run whose plan needs more stops "
+                             "before step 1, the memory ledger refuses model state past it, "
+                             "and mpishard plan fits layouts into it (e.g. 60GiB; 0: none)",
+                             low=0,
                              estimate=True, size=True)
     eval_interval: int = opt(50, "steps between validation losses (0: start and end only)",
                              low=0)
@@ -279,8 +281,6 @@ def _check(key: Key, value, family: str) -> None:
     own = m["families"].get(family)
     if own is not None:
         m = dict(choices=own.choices, low=own.low, above=own.above, high=own.high)
-    if isinstance(value, float) and not math.isfinite(value):   # no bound catches nan
-        raise ConfigError(f"{label}: must be a finite number")
     choices = m["choices"]() if callable(m["choices"]) else m["choices"]
     if choices is not None and value not in choices:
         raise ConfigError(f"{label} is not one of {', '.join(choices)}")
@@ -399,6 +399,9 @@ def load_config(path: str | Path | None, overrides: dict | None = None,
                               f"{err.strerror or err}") from None
         values = flat_values(raw, str(path), notes)
     values.update(overrides or {})
+    for flat, value in values.items():     # no bound catches nan (saved configs: as written)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flat} = {value!r}: must be a finite number")
     if given is not None:
         given.update(values)
     cfg = config_from_dict(shape_from_folder(values, notes), "config key")

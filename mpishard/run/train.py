@@ -33,6 +33,7 @@ from mpishard.kernels import check_settings as check_kernel_settings
 from mpishard.run.log import RankLogger
 from mpishard.optim import SGD, Adam, AdamW, CosineSchedule
 from mpishard.parallel import ParallelModel
+from mpishard.parallel.strategy import Sharded, strategy_entry
 from mpishard.planning.layout import Layout, estimate_layout
 from mpishard.run.preflight import check_run_files, chosen_checkpoint
 from mpishard.recipes import recipe_for
@@ -353,22 +354,36 @@ def agreed(world: Communicator, local_work):
     return value
 
 
+def _over_budget(cfg: TrainConfig, plan) -> str | None:
+    """What to do where ``plan``'s peak is over ``--memory-budget``, else ``None``."""
+    budget = cfg.run.memory_budget
+    if not budget or plan.total_peak_bytes <= budget:
+        return None
+    ways = ["more ranks", "a smaller --batch-size"]
+    if strategy_entry(cfg.parallel.strategy).keeps_sharded < Sharded.PARAMETERS:
+        ways.insert(0, "a sharding strategy that keeps less (--strategy zero3)")
+    if cfg.model.activation_checkpointing != "full":
+        ways.append("--activation-checkpointing full")
+    if cfg.parallel.offload == "none":
+        ways.append("--offload optimizer")
+    return (f"the plan above needs {format_bytes(plan.total_peak_bytes)} per rank (model "
+            f"state {format_bytes(plan.busiest.memory.model_state_bytes)}), over "
+            f"--memory-budget {format_bytes(budget)}; use {', '.join(ways)}, or a larger "
+            f"budget (mpishard plan --memory-budget ranks the layouts that fit)")
+
+
 def run(cfg: TrainConfig, world: Communicator, notes=()) -> dict:
     """Plan, build, train, report. Returns the summary dict (on every rank)."""
     trainer = Trainer(cfg, world)
     for note in [*notes, *trainer.notes]:
         trainer.log.info(f"note: {note}")
     trainer.log.info(describe_plan(trainer))
-    budget, plan = cfg.run.memory_budget, trainer.plan
-    if budget and plan.total_peak_bytes > budget and not cfg.run.dry_run:
+    over = _over_budget(cfg, trainer.plan)
+    if over and cfg.run.dry_run:
+        trainer.log.info(f"note: a real run would stop here: {over}")
+    elif over:
         trainer.log.close()         # the ledger would catch model state only, not activations
-        raise ConfigError(
-            f"the plan above needs {format_bytes(plan.total_peak_bytes)} per rank "
-            f"(model state {format_bytes(plan.busiest.memory.model_state_bytes)}), over "
-            f"--memory-budget {format_bytes(budget)}; use a sharding strategy that keeps "
-            f"less (e.g. --strategy zero3), more ranks, a smaller --batch-size, "
-            f"--activation-checkpointing full, or a larger budget (mpishard plan "
-            f"--memory-budget ranks the layouts that fit)")
+        raise ConfigError(over)
     if cfg.run.dry_run:
         trainer.log.info("dry run: nothing was trained")
         trainer.log.close()

@@ -117,6 +117,13 @@ def test_offload_on_a_gpu_without_a_host_link_is_one_line(tmp_path):
         assert out.stderr.startswith("mpishard: error: --offload optimizer: machine 'nolink' "
                                      "has no host_link or host_memory_bandwidth")
         assert len(out.stderr.splitlines()) == 1
+    # ... and without --offload (a host link but no host bandwidth), the hint names both
+    path.write_text(json.dumps({**machine, "name": "nolink", "host_link": {"bandwidth": 5e10}}))
+    out = mpishard("plan", "--preset", "llama3.1-8b", "--ranks", "1", "--machine", path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].endswith(
+        "what would help: more ranks, a shorter --seq, or host_link and "
+        "host_memory_bandwidth in the machine description, to try offload"), out.stdout
 
 
 def test_dry_run_under_mpiexec_prints_the_plan():

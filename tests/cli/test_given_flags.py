@@ -97,7 +97,8 @@ def test_a_given_offload_is_kept_by_layout_auto_and_replaced_by_auto_all(keep_ho
     assert "offload optimizer" in apply_auto_layout(cfg, 2)    # only offloaded layouts fit
     given = set()
     cfg = load_config(None, {**flags, "layout": "auto", "offload": "none"}, None, given)
-    with pytest.raises(ConfigError, match="leaving out offload=none"):
+    with pytest.raises(ConfigError, match="--offload optimizer \\(or params\\) in place of "
+                                          "--offload none"):
         apply_auto_layout(cfg, 2, given)
     given = set()
     cfg = load_config(None, {**flags, "layout": "auto-all", "offload": "none"}, None, given)
@@ -113,9 +114,12 @@ def test_a_run_whose_plan_is_over_its_memory_budget_does_not_start(keep_hooks, c
     assert "  budget          0.49 MiB per rank: does not fit" in captured.out
     assert "step 1/2" not in captured.out
     assert captured.err.startswith("mpishard: error: the plan above needs ")
-    assert "over --memory-budget 500.0 KiB; use a sharding strategy" in captured.err
+    assert "over --memory-budget 500.0 KiB; use more ranks, a smaller --batch-size, " \
+        "--activation-checkpointing full, --offload optimizer, or a larger budget" \
+        in captured.err                      # zero3 already: not proposed again
     assert main(["train", *TINY, "--steps", "2", "--memory-budget", "500KiB",
                  "--dry-run", "true"]) == 0
+    assert "note: a real run would stop here: the plan above needs " in capsys.readouterr().out
 
 
 def test_plan_and_layout_auto_take_the_mlp(keep_hooks, capsys):

@@ -153,6 +153,24 @@ def test_from_env_rejects_bad_values(environ, match):
         Communicator.from_env(MPI.COMM_SELF, environ=environ)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_variable_on_one_rank_is_raised_on_every_rank():
+    """Environments can differ by rank (a remote node, an MPMD launch): the rank without
+    the bad value raised nothing and waited for the others, which had left."""
+    environ = {"MPISHARD_TIMEOUT": "abc"} if MPI.COMM_WORLD.rank == 1 else {}
+    with pytest.raises(SettingError, match=r"MPISHARD_TIMEOUT='abc' is not a number of "
+                                           r"seconds >= 0; .* \(on rank 1\)$"):
+        Communicator.from_env(MPI.COMM_WORLD, environ=environ)
+
+
+def test_a_comm_backend_that_cannot_run_here_is_a_setting_error(monkeypatch):
+    from mpishard.comm.backends import BACKENDS
+    monkeypatch.setattr(BACKENDS["nccl"], "available", lambda: (False, "no CuPy here"))
+    with pytest.raises(SettingError, match=r"^MPISHARD_COMM_BACKEND=nccl: comm_backend="
+                                           r"'nccl' but NCCL is unavailable \(no CuPy here\)"):
+        Communicator.from_env(MPI.COMM_SELF, environ={"MPISHARD_COMM_BACKEND": "nccl"})
+
+
 @pytest.mark.parametrize("variable,value", [("MPISHARD_TIMEOUT", "abc"),
                                             ("MPISHARD_COMM_BACKEND", "bogus"),
                                             ("MPISHARD_THREADS", "0")])

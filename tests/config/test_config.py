@@ -100,3 +100,12 @@ def test_given_keys_the_run_has_no_use_for_are_noted():
     load_config(None, {"sequence_parallel": True, "tp": 2, "checkpoint_interval": 5,
                        "checkpoint_dir": "ck"}, notes)
     assert notes == []
+
+
+def test_nan_is_refused_as_given_and_read_as_written_from_a_saved_config():
+    """A checkpoint of a run that took ``grad_clip = nan`` before it was refused still
+    resumes and samples: only given values are checked."""
+    import math
+    with pytest.raises(ConfigError, match=r"^grad_clip = nan: must be a finite number$"):
+        load_config(None, {"grad_clip": float("nan")})
+    assert math.isnan(config_from_dict({"grad_clip": float("nan")}, "saved").optim.grad_clip)
