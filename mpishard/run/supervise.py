@@ -124,7 +124,6 @@ class Supervisor:
                               "start again from step 0")
         self._job = None
         self._stopping = None           # the name of the signal that stops the supervisor
-        self._stopped = threading.Event()       # set with it: ends a wait before a restart
 
     # -- one attempt ---------------------------------------------------------------
     def _attempt_command(self, attempt: int, resume: bool) -> list:
@@ -161,12 +160,28 @@ class Supervisor:
         group = p.pp if p.pipeline_schedule == "interleaved" else 1
         per_rank = 0 if batch % dp else batch // dp
         for size in range(min(o.batch_size, per_rank), 0, -1):
-            if per_rank % size == 0 and per_rank // size % group == 0:
+            if per_rank % size == 0 and per_rank // size % group == 0 \
+                    and self._takes(size, per_rank // size):
                 return [] if size == o.batch_size else ["--batch-size", str(size)]
         self._say(f"the global batch {batch} does not split into micro-batches of at most "
-                  f"{o.batch_size}{f' in groups of pp={p.pp}' if group > 1 else ''} over "
-                  f"{dp} dp ranks: re-planned with --layout auto-all, the global batch kept")
+                  f"{o.batch_size}{f' in groups of pp={p.pp}' if group > 1 else ''} that "
+                  f"the layout takes over {dp} dp ranks: re-planned with --layout auto-all, "
+                  f"the global batch kept")
         return ["--layout", "auto-all"]
+
+    def _takes(self, batch_size: int, micro_steps: int) -> bool:
+        """Whether the configuration check takes the command's run with this split (rows
+        sequence parallelism must cut over tp, ...): a restart it refused would be final."""
+        import copy
+
+        from mpishard.config.support import check_supported
+        cfg = copy.deepcopy(self.cfg)
+        cfg.optim.batch_size, cfg.optim.micro_steps = batch_size, micro_steps
+        try:
+            check_supported(cfg, resolved=True)
+        except ConfigError:
+            return False
+        return True
 
     def _fits(self, ranks: int) -> bool:
         """Whether the command's axes fit ``ranks`` ranks (data parallelism takes the rest)."""
@@ -210,14 +225,20 @@ class Supervisor:
 
     def _forward(self, signum, frame) -> None:
         self._stopping = signal.Signals(signum).name
-        self._stopped.set()
         if self._job is not None:      # as SIGUSR1, which launchers pass on to the ranks
             self._job.send_signal(signal.SIGUSR1)    # (Open MPI's ends the job on SIGTERM)
 
     def _interrupted(self, signum, frame) -> None:
-        # Ctrl-C: the terminal sent it to the launcher too; the job saves and stops
+        # Ctrl-C: the terminal sent it to the launcher too; the job saves and stops (a
+        # handler only sets a flag: it may run inside any lock the main thread holds)
         self._stopping = "SIGINT"
-        self._stopped.set()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, ended early by a stopping signal (each sleep is interrupted
+        by the handler, then the flag is read)."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -230,10 +251,12 @@ class Supervisor:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupted)
         try:
             attempt, wait, resume = 0, min(MAX_BACKOFF, self.backoff), False
+            before = _saved(latest_checkpoint(root))    # a run begun elsewhere saves anew
             while True:
                 status, rank = self._run(self._attempt_command(attempt, resume))
-                if self._stopping == "SIGINT":
-                    return 130          # what a shell reports after Ctrl-C, as the job does
+                if self._stopping == "SIGINT":  # what a shell reports after Ctrl-C, as the
+                    self._say(f"Ctrl-C: the job ended (exit status {status}); not restarted")
+                    return 0 if status == 0 else 130                # job does; done is done
                 if status in FINAL or self._stopping:
                     return status
                 cause = _cause(status, rank)
@@ -243,7 +266,10 @@ class Supervisor:
                     return status
                 attempt += 1
                 newest = latest_checkpoint(root)
-                resume = newest is not None
+                # begun from --resume-from, before its first save: where it began, not the
+                # checkpoint it skipped (the newest there, which `latest` still names)
+                resume = newest is not None and not (self.cfg.run.resume_from
+                                                     and _saved(newest) == before)
                 # none saved yet: the command as given, from its own --resume-from, if any
                 start = newest.name if resume else self.cfg.run.resume_from or None
                 if not start and self.cfg.run.metrics and Path(self.cfg.run.metrics).exists():
@@ -253,7 +279,7 @@ class Supervisor:
                 self._say(f"the job failed ({cause}); restart {attempt} of "
                           f"{self.max_restarts} in {wait:g} s, "
                           + (f"resuming from {start}" if start else "from step 0"))
-                self._stopped.wait(wait)
+                self._pause(wait)
                 wait = min(MAX_BACKOFF, wait * 2)
                 if self._stopping:
                     return 130 if self._stopping == "SIGINT" else status
@@ -271,6 +297,18 @@ class Supervisor:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _saved(step_dir):
+    """``(the step folder, when its manifest was written)``: which save it is (a run that
+    writes its step again makes another), or ``None`` for none."""
+    if step_dir is None:
+        return None
+    from mpishard.checkpoint.format import MANIFEST
+    try:
+        return step_dir.name, (step_dir / MANIFEST).stat().st_mtime_ns
+    except OSError:
+        return step_dir.name, None
 
 
 def _cause(status: int, rank) -> str:

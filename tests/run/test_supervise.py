@@ -361,13 +361,53 @@ sys.exit(9 if first else 0)
 """
 
 
+def test_a_run_begun_from_an_older_checkpoint_restarts_there_before_its_first_save(
+        tmp_path):
+    """--resume-from step-4 skips step-8, which ``latest`` still names: a failure before
+    the run's first save restarts from step-4 again (it went on from step-8)."""
+    ckpt, log = tmp_path / "ck", tmp_path / "attempts.jsonl"
+    for step in (4, 8):
+        (ckpt / f"step-{step}").mkdir(parents=True)
+        (ckpt / f"step-{step}" / "manifest.json").write_text("{}")
+    (ckpt / "latest").write_text("step-8")
+    train = ["mpishard", "train", "--checkpoint-dir", str(ckpt), "--resume-from", "step-4"]
+    sup = _supervise("--backoff", "0", folder=tmp_path,
+                     job=[sys.executable, "-c", _RECORDED_JOB, str(log), *train])
+    out, err = sup.communicate(timeout=60)
+    assert sup.returncode == 0, out + err
+    assert "restart 1 of 3 in 0 s, resuming from step-4" in out, out
+    attempts = [json.loads(line) for line in log.read_text().splitlines()]
+    assert attempts == [train[2:], train[2:]], attempts
+
+
+def test_ctrl_c_to_the_supervisor_alone_keeps_a_finished_job_s_status(tmp_path):
+    """A SIGINT that reaches only the supervisor (a script's kill -INT): no restart
+    follows, it says so, and a job that then finishes well still exits 0 (it was 130)."""
+    started = tmp_path / "started"
+    job = [sys.executable, "-c", "import sys, time; open(sys.argv[1], 'w').close(); "
+           "time.sleep(4)", str(started), "mpishard", "train", "--checkpoint-dir",
+           str(tmp_path / "ck")]
+    sup = _supervise("--backoff", "0", folder=tmp_path, job=job)
+    _wait(started.exists, timeout=60)            # the supervisor's handlers are set by now
+    os.kill(sup.proc.pid, signal.SIGINT)
+    out, err = sup.communicate(timeout=60)
+    assert sup.returncode == 0 and "Traceback" not in err, out + err
+    assert "Ctrl-C: the job ended (exit status 0); not restarted" in out, out
+
+
 @pytest.mark.parametrize("ranks, options, restart_adds, said", [
     ("4,3", ["--batch-size", "2"], ["--global-batch", "8", "--layout", "auto-all"],
-     "the global batch 8 does not split into micro-batches of at most 2 over 3 dp ranks"),
+     "the global batch 8 does not split into micro-batches of at most 2 that the layout "
+     "takes over 3 dp ranks"),
+    ("12,9", ["--tp", "3", "--n-head", "6", "--n-embd", "48", "--sequence-parallel", "true",
+              "--batch-size", "6", "--block-size", "64"],
+     ["--global-batch", "24", "--layout", "auto-all"],     # 8 a rank, but 4, 2 or 1 x 64
+     "the global batch 24 does not split into micro-batches of at most 6 that the layout "
+     "takes over 3 dp ranks"),                              # rows do not split over tp 3
     ("6,4", ["--batch-size", "4", "--micro-steps", "2", "--global-batch", "24", "--pp", "2",
              "--n-layer", "4", "--virtual-stages", "2", "--pipeline-schedule", "interleaved"],
      ["--batch-size", "3"], None)],                 # 12 per rank: 4 x 3 is no multiple of pp
-    ids=["8 sequences over 3 ranks", "micro-steps in groups of pp"])
+    ids=["8 sequences over 3 ranks", "sequence-parallel rows", "micro-steps in groups of pp"])
 def test_a_restart_on_ranks_the_global_batch_does_not_split_over(tmp_path, ranks, options,
                                                                  restart_adds, said):
     """What a restart on other ranks runs where the command's batch size does not make
