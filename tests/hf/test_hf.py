@@ -404,6 +404,19 @@ def test_unsupported_configs_are_refused(kind, changes, message, tmp_path):
         hf.from_pretrained(tmp_path)
 
 
+def test_a_left_out_key_whose_default_cannot_build_says_it_was_left_out(tmp_path):
+    """A Mixtral config.json without num_key_value_heads has MixtralConfig's 8, which 4
+    heads cannot take: the line named a key the file does not have."""
+    make_hf("mixtral", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["num_key_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"config.json: num_key_value_heads=8 \(left out of "
+                                         r"the file: its model_type's default\) must divide "
+                                         r"num_attention_heads = 4"):
+        hf.model_fields(tmp_path)
+
+
 def test_shape_and_missing_tensors_are_refused(tmp_path):
     from safetensors.numpy import load_file, save_file
 

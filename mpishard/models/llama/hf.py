@@ -67,9 +67,11 @@ def dense_keys(r: ConfigReader, defaults: dict = LLAMA_DEFAULTS) -> dict:
     r.must("hidden_act", "silu", ("silu",), "is not supported: mpishard's Llama MLP is SwiGLU "
            "with SiLU ('silu')")
     if n_head % keys["n_kv_head"] or keys["n_kv_head"] > n_head:
-        r.refuse("num_key_value_heads", keys["n_kv_head"], f"must divide num_attention_heads "
-                 f"= {n_head} (grouped-query attention: each key/value head serves the same "
-                 f"number of query heads)")
+        left_out = "" if "num_key_value_heads" in raw else \
+            "(left out of the file: its model_type's default) "
+        r.refuse("num_key_value_heads", keys["n_kv_head"], f"{left_out}must divide "
+                 f"num_attention_heads = {n_head} (grouped-query attention: each key/value "
+                 f"head serves the same number of query heads)")
     head_dim = raw.get("head_dim")
     if head_dim is not None and (n_embd % n_head or head_dim != n_embd // n_head):
         r.refuse("head_dim", head_dim, f"is not supported: mpishard's heads are hidden_size / "
