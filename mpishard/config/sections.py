@@ -117,8 +117,9 @@ class OptimConfig:
     min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay, at most lr "
                         "(not given: this default, or lr where lr is lower)", low=0.0)
     warmup_steps: int = opt(10, "linear warm-up steps", low=0)
-    weight_decay: float = opt(0.1, "decoupled weight decay (matrices and embeddings only)",
-                              low=0.0)
+    weight_decay: float = opt(0.1, "weight decay of matrices and embeddings only: "
+                              "decoupled under adamw, L2 (added to the gradient) under adam, "
+                              "sgd and sgd-momentum", low=0.0)
     beta1: float = opt(0.9, "Adam beta1", low=0.0, high=1.0)
     beta2: float = opt(0.95, "Adam beta2", low=0.0, high=1.0)
     grad_clip: float = opt(1.0, "global-norm gradient clipping (0: off)", low=0.0)
@@ -425,6 +426,15 @@ def _unused(given: dict, cfg) -> list:
     if not p.layout and "cp_mode" in given and p.cp == 1:
         notes.append(f"cp_mode = {p.cp_mode!r} does nothing with cp = 1: it is how "
                      f"context-parallel ranks share attention")
+    o = cfg.optim
+    betas = [k for k in ("beta1", "beta2") if k in given]
+    if betas and o.optimizer.startswith("sgd"):
+        notes.append(f"{' and '.join(betas)} {'are' if len(betas) > 1 else 'is'} Adam's: "
+                     f"optimizer = {o.optimizer!r} does not read "
+                     f"{'them' if len(betas) > 1 else 'it'}")
+    if "warmup_steps" in given and o.warmup_steps > o.steps:
+        notes.append(f"warmup_steps = {o.warmup_steps} is above steps = {o.steps}: the "
+                     f"warm-up is cut to the run's {o.steps} steps")
     if given.get("checkpoint_interval") and not run.checkpoint_dir:
         notes.append(f"checkpoint_interval = {run.checkpoint_interval} saves nothing "
                      f"without checkpoint_dir; add --checkpoint-dir DIR to keep checkpoints")

@@ -109,3 +109,17 @@ def test_nan_is_refused_as_given_and_read_as_written_from_a_saved_config():
     with pytest.raises(ConfigError, match=r"^grad_clip = nan: must be a finite number$"):
         load_config(None, {"grad_clip": float("nan")})
     assert math.isnan(config_from_dict({"grad_clip": float("nan")}, "saved").optim.grad_clip)
+
+
+def test_adam_s_betas_under_sgd_and_a_warmup_longer_than_the_run_are_noted():
+    notes = []
+    load_config(None, {"optimizer": "sgd-momentum", "beta1": 0.5, "beta2": 0.3,
+                       "warmup_steps": 100, "steps": 5}, notes)
+    assert notes == ["beta1 and beta2 are Adam's: optimizer = 'sgd-momentum' does not read "
+                     "them",
+                     "warmup_steps = 100 is above steps = 5: the warm-up is cut to the "
+                     "run's 5 steps"]
+    notes = []
+    load_config(None, {"optimizer": "adamw", "beta1": 0.5, "warmup_steps": 5, "steps": 5},
+                notes)
+    assert notes == []

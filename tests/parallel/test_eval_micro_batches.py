@@ -47,3 +47,17 @@ def test_a_batch_that_does_not_split_is_evaluated_at_once(comm):
     two, one = _runs(comm, cfg, 2, 1)
     x, y = _batch(1, 5)
     assert two.eval_step(x, y) == one.eval_step(x, y)
+
+
+def test_a_micro_batch_without_a_valid_target_adds_nothing_to_the_loss(comm):
+    """Every target of the first micro-batch ignored (padding): the step's loss is the
+    mean over the valid targets, as one micro-batch gives (it was nan, 0 x nan, while
+    the gradients were right)."""
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    one, two = _runs(comm, cfg, 1, 2)
+    x, y = _batch(1, 4)
+    y[:2] = -100
+    want = one.eval_step(x, y)
+    assert np.isfinite(want)
+    assert abs(two.eval_step(x, y) - want) <= 1e-14 * abs(want)
+    assert abs(two.train_step(x, y) - one.train_step(x, y)) <= 1e-14 * abs(want)

@@ -438,7 +438,9 @@ class Pipeline:
         if losses:
             losses = to_numpy(xp_of(losses[0]).stack(losses)).astype(np.float64)
             uniform = all(w == 1.0 / len(weights) for w in weights)
-            mean = np.mean(losses) if uniform else float(np.dot(losses, weights))
+            # a micro-batch without a valid target has a mean of none (nan) and weight 0
+            kept = np.where(np.asarray(weights) == 0, 0.0, losses)
+            mean = np.mean(losses) if uniform else float(np.dot(kept, weights))
         loss = np.array([mean])
         self.pp.broadcast(loss, root=self.stages - 1)
         return float(loss[0])
