@@ -36,7 +36,7 @@ def test_selective_layout_plan_matches_the_run(spec):
     layout = Layout(**{"batch_size": B, "seq_len": T, "selective": True, **fields})
     plan = estimate_layout(cls(cfg, materialize_now=False), layout)
     mesh, run, _opt, bus = _run(cls(cfg, materialize_now=False), layout, world)
-    activations = run.ledger.peak_by_category()["activations"]
+    activations = run.measured_activations
     want = plan.stages[mesh.pp_rank]
     _close(activations, want.activation_bytes, f"rank {world.rank} activations")
     for axis, n in bus.items():   # the core's exchange of keys and values runs again
