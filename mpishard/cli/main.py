@@ -170,9 +170,9 @@ def _cmd_estimate(args) -> int:
     machine = machine_or_error(args.machine) if getattr(args, "machine", None) else None
     if machine is not None and cfg.parallel.offload != "none":
         from mpishard.planning.offload import offload_untimed
-        if offload_untimed(machine):
-            raise ConfigError(f"--offload {cfg.parallel.offload}: {offload_untimed(machine)}; "
-                              f"or leave out --machine (the memory rows need none)")
+        if why := offload_untimed(machine):
+            raise ConfigError(f"--offload {cfg.parallel.offload}: {why}; or leave out "
+                              f"--machine (the memory rows need none)")
     for strategy in strategies:
         cfg.parallel.strategy = strategy
         try:   # each plan consumes its model (layers are swapped for tensor-parallel ones)
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     from mpishard.data.corpus import DataError
 
     agreed_errors = (ConfigError, DataError, LauncherMismatch, BackendUnavailable,
-                     CheckpointError, SettingError)     # the launcher gives every rank one env
+                     CheckpointError, SettingError)  # SettingError: agreed in Communicator.from_env
     install_abort_hook()
     try:
         return int(args.func(args) or 0)

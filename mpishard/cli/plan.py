@@ -301,11 +301,12 @@ def _none_fit_line(n: int, limit: str, budget, machine, asked: str, kept: dict,
     layout_keys = {k: v for k, v in kept.items() if k != "offload"}
     if layout_keys:
         helps.append(f"leaving out {describe_kept(layout_keys)}")
-    tried, proposed = "", machine.host_link is not None and not offload_untimed(machine)
+    untimed = offload_untimed(machine)
+    tried, proposed = "", machine.host_link is not None and not untimed
     instead = " in place of --offload none" if "offload" in kept else ""
     if asked == "optimizer":
         helps.append("--offload params (ZeRO-3)")
-    elif offload_untimed(machine):
+    elif untimed:
         helps.append("host_link and host_memory_bandwidth in the machine description, to "
                      "try offload")
     elif proposed and not instead:
